@@ -1,0 +1,148 @@
+"""Frozen configuration dataclasses, one per concern.
+
+This module imports nothing from JAX so that `train.py` can parse gin files and
+decide how many host devices to fake *before* JAX is imported. Every default of
+the project lives here; `train.py` only binds values to these classes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+
+class ConfigError(ValueError):
+  """A user-facing configuration error: one line naming the value and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Sizes of the named mesh axes; -1 means "all remaining devices"."""
+  data: int = -1
+  expert: int = 4
+  model: int = 1
+  # On a CPU-only host with no XLA_FLAGS, train.py fakes this many host devices.
+  host_device_count: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  num_experts: int = 8
+  top_k: int = 2
+  capacity_factor: float = 1.25
+  d_ff: int = 256                 # hidden size of each expert's SwiGLU
+  balance_loss_weight: float = 0.01
+  z_loss_weight: float = 1e-3
+  normalize_top_k: bool = True    # renormalise the k gate weights to sum to one
+  moe_every: int = 2              # every moe_every-th MLP is an MoE layer
+  expert_mode: str = "ep"         # "ep" (slot owns weights); later "fsep"
+  dispatch: str = "dense"         # "dense" (fixed capacity all_to_all)
+
+  def validate(self) -> None:
+    if self.num_experts < 1:
+      raise ConfigError(f"moe.num_experts={self.num_experts} must be >= 1.")
+    if not 1 <= self.top_k <= self.num_experts:
+      raise ConfigError(
+          f"moe.top_k={self.top_k} must be in [1, moe.num_experts={self.num_experts}]; "
+          "lower top_k or add experts.")
+    if not self.capacity_factor > 0:
+      raise ConfigError(
+          f"moe.capacity_factor={self.capacity_factor} must be > 0; use e.g. 1.25 "
+          "(1.0 = exactly the balanced share per expert).")
+    if self.moe_every < 1:
+      raise ConfigError(f"moe.moe_every={self.moe_every} must be >= 1.")
+    if self.expert_mode != "ep":
+      raise ConfigError(f"moe.expert_mode={self.expert_mode!r} is not supported; use 'ep'.")
+    if self.dispatch != "dense":
+      raise ConfigError(f"moe.dispatch={self.dispatch!r} is not supported; use 'dense'.")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int = 256
+  d_model: int = 128
+  num_layers: int = 4
+  num_heads: int = 4
+  d_ff: int = 512                 # hidden size of the dense SwiGLU MLPs
+  max_seq_len: int = 128
+  rope_base: float = 10000.0
+  norm_eps: float = 1e-6
+  dtype: str = "float32"          # activation/compute dtype; params are float32
+  remat: bool = False
+
+  def validate(self, moe: MoEConfig) -> None:
+    if self.d_model % self.num_heads:
+      raise ConfigError(
+          f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}.")
+    if (self.d_model // self.num_heads) % 2:
+      raise ConfigError(
+          f"head dim {self.d_model // self.num_heads} must be even for RoPE; "
+          "change model.d_model or model.num_heads.")
+    if self.num_layers % moe.moe_every:
+      raise ConfigError(
+          f"model.num_layers={self.num_layers} must be a multiple of "
+          f"moe.moe_every={moe.moe_every} (layers are scanned in groups ending in an MoE layer).")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  # None: the embedded corpus (Python stdlib sources, byte-level). Otherwise a
+  # .bin/.npy token file (one stream) or any other file read as bytes.
+  path: Optional[str] = None
+  bin_dtype: str = "uint16"       # element type of a raw .bin token file
+  seq_len: int = 128
+  global_batch_size: int = 16
+  val_fraction: float = 0.05
+  max_corpus_bytes: int = 16 * 2**20
+  seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  learning_rate: float = 3e-3
+  warmup_steps: int = 30
+  min_lr_ratio: float = 0.1
+  weight_decay: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  grad_clip_norm: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  every: int = 100
+  keep: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  run_dir: str = "runs/default"
+  num_steps: int = 300
+  eval_every: int = 100
+  eval_batches: int = 4
+  log_every: int = 1
+  seed: int = 0
+  progress_bar: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """The whole run. Built by train.py from gin bindings, or directly in code."""
+  mesh: MeshConfig = MeshConfig()
+  model: ModelConfig = ModelConfig()
+  moe: MoEConfig = MoEConfig()
+  data: DataConfig = DataConfig()
+  optim: OptimConfig = OptimConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
+  train: TrainConfig = TrainConfig()
+
+  def validate(self) -> "Config":
+    self.moe.validate()
+    self.model.validate(self.moe)
+    if self.data.seq_len > self.model.max_seq_len:
+      raise ConfigError(
+          f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}.")
+    return self
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)

@@ -1,0 +1,75 @@
+"""Dispatch: map (token, k) choices to slots, pack fixed-capacity buffers, exchange.
+
+`dense` dispatch gives every (source device, destination slot) pair a fixed
+capacity. Choices are ordered by slot (stable, so earlier tokens win) and the
+ones beyond the capacity are dropped and counted. All index work is int32 and
+carries no gradient; only the row gathers of activations are differentiated.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class DispatchPlan(NamedTuple):
+  buf_index_A: jax.Array     # int32 [T*K]: row of the send buffer, or -1 if dropped
+  buf_token_B: jax.Array     # int32 [S*cap]: token that fills each buffer row, or T if empty
+  dropped: jax.Array         # int32 scalar: choices dropped on this device
+
+
+def capacity(num_tokens: int, top_k: int, num_slots: int, capacity_factor: float) -> int:
+  """Rows per (source, slot): capacity_factor times the balanced share, at least 1."""
+  return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_slots))
+
+
+def plan(slot_A: jax.Array, top_k: int, num_slots: int, cap: int) -> DispatchPlan:
+  num_choices = slot_A.shape[0]
+  order_A = jnp.argsort(slot_A, stable=True)
+  counts_S = jnp.zeros((num_slots,), jnp.int32).at[slot_A].add(1)
+  starts_S = jnp.cumsum(counts_S) - counts_S
+  pos_sorted_A = jnp.arange(num_choices, dtype=jnp.int32) - starts_S[slot_A[order_A]]
+  pos_A = jnp.zeros((num_choices,), jnp.int32).at[order_A].set(pos_sorted_A)
+  keep_A = pos_A < cap
+  buf_index_A = jnp.where(keep_A, slot_A * cap + pos_A, -1)
+
+  pos_P = jnp.arange(cap, dtype=jnp.int32)
+  filled_SxP = pos_P[None, :] < counts_S[:, None]
+  src_SxP = jnp.clip(starts_S[:, None] + pos_P[None, :], 0, num_choices - 1)
+  num_tokens = num_choices // top_k
+  buf_token_SxP = jnp.where(filled_SxP, order_A[src_SxP] // top_k, num_tokens)
+  dropped = jnp.sum(~keep_A).astype(jnp.int32)
+  return DispatchPlan(buf_index_A.astype(jnp.int32), buf_token_SxP.reshape(-1), dropped)
+
+
+def pack(x_TxD: jax.Array, p: DispatchPlan) -> jax.Array:
+  """Send buffer [S*cap, D]; empty rows are zeros."""
+  x_ext = jnp.concatenate([x_TxD, jnp.zeros((1, x_TxD.shape[1]), x_TxD.dtype)], axis=0)
+  return x_ext[p.buf_token_B]
+
+
+def exchange(buf_SxD: jax.Array, num_devices: int, axis_name: str) -> jax.Array:
+  """all_to_all over the expert axis. Row block d of the input goes to device d;
+  row block s of the output came from device s. The same call reverses itself."""
+  rows, d = buf_SxD.shape
+  x_NxRxD = buf_SxD.reshape(num_devices, rows // num_devices, d)
+  y_NxRxD = jax.lax.all_to_all(x_NxRxD, axis_name, 0, 0)
+  return y_NxRxD.reshape(rows, d)
+
+
+def to_slot_major(recv_BxD: jax.Array, num_devices: int, slots: int) -> jax.Array:
+  """[sources*C*cap, D] (source-major) -> [C, sources*cap, D] for per-slot matmuls."""
+  rows, d = recv_BxD.shape
+  cap = rows // (num_devices * slots)
+  x = recv_BxD.reshape(num_devices, slots, cap, d).transpose(1, 0, 2, 3)
+  return x.reshape(slots, num_devices * cap, d)
+
+
+def from_slot_major(y_CxRxD: jax.Array, num_devices: int) -> jax.Array:
+  slots, rows, d = y_CxRxD.shape
+  cap = rows // num_devices
+  y = y_CxRxD.reshape(slots, num_devices, cap, d).transpose(1, 0, 2, 3)
+  return y.reshape(num_devices * slots * cap, d)
