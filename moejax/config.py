@@ -8,7 +8,6 @@ the project lives here; `train.py` only binds values to these classes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 
 class ConfigError(ValueError):
@@ -88,7 +87,7 @@ class ModelConfig:
 class DataConfig:
   # None: the embedded corpus (Python stdlib sources, byte-level). Otherwise a
   # .bin/.npy token file (one stream) or any other file read as bytes.
-  path: Optional[str] = None
+  path: str | None = None
   bin_dtype: str = "uint16"       # element type of a raw .bin token file
   seq_len: int = 128
   global_batch_size: int = 16
@@ -136,7 +135,7 @@ class Config:
   checkpoint: CheckpointConfig = CheckpointConfig()
   train: TrainConfig = TrainConfig()
 
-  def validate(self) -> "Config":
+  def validate(self) -> Config:
     self.moe.validate()
     self.model.validate(self.moe)
     if self.data.seq_len > self.model.max_seq_len:

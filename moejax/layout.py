@@ -8,6 +8,8 @@ Changing a layout changes only these int32 arrays, never the compiled program.
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -67,4 +69,4 @@ def static_layout(num_layers: int, num_experts: int, num_devices: int) -> Layout
 
 
 def to_numpy(layout: Layout) -> dict[str, np.ndarray]:
-  return {k: np.asarray(v) for k, v in vars(layout).items()}
+  return {f.name: np.asarray(getattr(layout, f.name)) for f in dataclasses.fields(layout)}

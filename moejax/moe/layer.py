@@ -17,8 +17,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from moejax.config import ConfigError, MoEConfig
 from moejax.mesh import BATCH_AXES, logical_to_spec
-from moejax.moe import combine as combine_lib
-from moejax.moe import dispatch as dispatch_lib
+from moejax.moe import combine as combine_lib, dispatch as dispatch_lib
 from moejax.moe.experts import swiglu
 from moejax.moe.route import route
 

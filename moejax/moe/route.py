@@ -7,7 +7,8 @@ reduced across them, so the sharded layer equals the single-device reference.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

@@ -1,0 +1,81 @@
+"""Checkpoints with orbax: state in canonical expert order, layout and data position.
+
+In `ep` mode expert weights (and their optimizer moments) are stored in slot
+order; a checkpoint always holds them in expert-id order so that it restores
+under any layout, and the layout itself is saved beside them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from moejax.config import CheckpointConfig
+from moejax.layout import Layout
+from moejax.moe.layer import EXPERT_PARAM_AXES
+
+
+def _is_expert_leaf(path) -> bool:
+  keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+  return "moe" in keys and keys[-1] in EXPERT_PARAM_AXES
+
+
+def _permute_slots(tree: Any, index_LxS: jax.Array) -> Any:
+  """leaf[l, s] <- leaf[l, index[l, s]] for every expert leaf [L, S, ...]."""
+  def one(path, leaf):
+    if not _is_expert_leaf(path):
+      return leaf
+    idx = index_LxS.reshape(index_LxS.shape + (1,) * (leaf.ndim - 2))
+    return jnp.take_along_axis(leaf, idx, axis=1)
+  shardings = jax.tree.map(lambda x: x.sharding, tree)
+  return jax.jit(lambda t, _: jax.tree_util.tree_map_with_path(one, t),
+                 out_shardings=shardings)(tree, index_LxS)
+
+
+def to_canonical(tree: Any, layout: Layout) -> Any:
+  """Slot order -> expert-id order (row e = the expert e's weights)."""
+  return _permute_slots(tree, layout.expert_slot_LxE)
+
+
+def from_canonical(tree: Any, layout: Layout) -> Any:
+  """Expert-id order -> slot order of `layout`."""
+  return _permute_slots(tree, layout.slot_expert_LxS)
+
+
+def _abstract(tree: Any) -> Any:
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+class Checkpointer:
+  def __init__(self, run_dir: str, cfg: CheckpointConfig):
+    self.cfg = cfg
+    self.directory = os.path.abspath(os.path.join(run_dir, "checkpoints"))
+    self._mngr = ocp.CheckpointManager(
+        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, create=True))
+
+  def latest_step(self) -> int | None:
+    return self._mngr.latest_step()
+
+  def save(self, step: int, state: Any, layout: Layout, meta: dict) -> None:
+    canonical = {"state": to_canonical(state, layout), "layout": layout}
+    self._mngr.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(canonical), meta=ocp.args.JsonSave(dict(meta, step=step))))
+
+  def restore(self, state_like: Any, layout_like: Layout, step: int | None = None):
+    """Returns (state in its saved layout's slot order, layout, meta) of `step` or the latest."""
+    step = self.latest_step() if step is None else step
+    target = _abstract({"state": state_like, "layout": layout_like})
+    out = self._mngr.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+    layout = out["state"]["layout"]
+    return from_canonical(out["state"]["state"], layout), layout, dict(out["meta"])
+
+  def wait(self) -> None:
+    self._mngr.wait_until_finished()
+
+  def close(self) -> None:
+    self._mngr.close()

@@ -1,0 +1,71 @@
+"""Host-side expert-load statistics and the per-run JSONL metrics file (numpy only)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import IO
+
+import numpy as np
+
+
+def device_load(counts_SxE: np.ndarray, slot_expert_S: np.ndarray,
+                expert_devices: int) -> np.ndarray:
+  """Choices received by each (data row, expert-axis device), flattened row-major.
+
+  Sources are ordered (data, expert) row-major, so the sources of data row r are
+  rows r*N .. r*N+N-1 of counts, and they only talk to the N devices of row r.
+  Each slot receives the choices of the expert it hosts (one copy per expert).
+  """
+  counts_SxE = np.asarray(counts_SxE)
+  sources, _ = counts_SxE.shape
+  rows = sources // expert_devices
+  per_row_RxE = counts_SxE.reshape(rows, expert_devices, -1).sum(axis=1)
+  slot_load_RxS = per_row_RxE[:, np.asarray(slot_expert_S)]
+  return slot_load_RxS.reshape(rows, expert_devices, -1).sum(axis=2).reshape(-1)
+
+
+def max_over_mean(load: np.ndarray) -> float:
+  mean = float(np.mean(load))
+  return float(np.max(load)) / mean if mean > 0 else 1.0
+
+
+def moe_layer_records(metrics: dict, slot_expert_LxS: np.ndarray, expert_devices: int,
+                      top_k: int) -> list[dict]:
+  """One JSON-ready record per MoE layer from a step's metrics (numpy arrays)."""
+  records = []
+  counts_LxSxE = np.asarray(metrics["counts_LxSxE"])
+  dropped_LxS = np.asarray(metrics["dropped_LxS"])
+  for layer, counts_SxE in enumerate(counts_LxSxE):
+    load = device_load(counts_SxE, slot_expert_LxS[layer], expert_devices)
+    total = int(counts_SxE.sum())
+    records.append({
+        "layer": layer,
+        "expert_counts": counts_SxE.sum(axis=0).tolist(),
+        "counts_by_source": counts_SxE.tolist(),
+        "device_load": load.tolist(),
+        "max_over_mean_load": max_over_mean(load),
+        "dropped_fraction": float(dropped_LxS[layer].sum()) / max(total, 1),
+        "balance_loss": float(metrics["balance_loss_L"][layer]),
+        "z_loss": float(metrics["z_loss_L"][layer]),
+    })
+  return records
+
+
+class JsonlWriter:
+  """Appends one JSON object per line; a no-op on processes other than 0."""
+
+  def __init__(self, path: str, enabled: bool = True):
+    self._file: IO[str] | None = None
+    if enabled:
+      os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+      self._file = open(path, "a", buffering=1)
+
+  def write(self, record: dict) -> None:
+    if self._file is not None:
+      self._file.write(json.dumps(record) + "\n")
+
+  def close(self) -> None:
+    if self._file is not None:
+      self._file.close()
+      self._file = None

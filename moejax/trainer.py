@@ -1,0 +1,161 @@
+"""The training loop: build everything from a Config, resume, train, evaluate, save."""
+
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import os
+import time
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from moejax import data as data_lib, metrics as metrics_lib, step as step_lib
+from moejax.checkpoint import Checkpointer
+from moejax.config import Config, ConfigError
+from moejax.layout import Layout, static_layout
+from moejax.mesh import batch_sharding, build_mesh, num_batch_shards, replicated
+from moejax.model import Transformer
+from moejax.optim import optimizer, schedule
+from moejax.state import init_state, state_shardings
+
+
+def _check_batch(cfg: Config, shards: int) -> None:
+  b = cfg.data.global_batch_size
+  if b % shards:
+    raise ConfigError(f"data.global_batch_size={b} is not divisible by data*expert={shards} "
+                      f"devices; use a multiple of {shards}.")
+  if b % jax.process_count():
+    raise ConfigError(f"data.global_batch_size={b} is not divisible by the "
+                      f"{jax.process_count()} processes.")
+
+
+class Trainer:
+  """Holds the built pieces of one run; `run()` trains to `train.num_steps`."""
+
+  def __init__(self, cfg: Config):
+    self.cfg = cfg.validate()
+    self.mesh = build_mesh(cfg.mesh)
+    _check_batch(cfg, num_batch_shards(self.mesh))
+    train_tokens, val_tokens, min_vocab = data_lib.load_tokens(cfg.data)
+    if min_vocab > cfg.model.vocab_size:
+      raise ConfigError(f"the data has token ids up to {min_vocab - 1} but model.vocab_size="
+                        f"{cfg.model.vocab_size}; set model.vocab_size >= {min_vocab}.")
+    self.is_main = jax.process_index() == 0
+    loader_args = dict(seq_len=cfg.data.seq_len, global_batch_size=cfg.data.global_batch_size,
+                       process_index=jax.process_index(), process_count=jax.process_count())
+    self.loader = data_lib.BatchLoader(train_tokens, seed=cfg.data.seed, **loader_args)
+    self.val_loader = data_lib.BatchLoader(val_tokens, seed=cfg.data.seed + 1, **loader_args)
+
+    self.model = Transformer(cfg.model, cfg.moe, self.mesh)
+    num_moe_layers = cfg.model.num_layers // cfg.moe.moe_every
+    self.layout: Layout = static_layout(num_moe_layers, cfg.moe.num_experts,
+                                        self.mesh.shape["expert"])
+    self.layout = jax.device_put(self.layout, replicated(self.mesh))
+    self.lr = schedule(cfg.optim, cfg.train.num_steps)
+    self.tx = optimizer(cfg.optim, cfg.train.num_steps)
+    b, length = cfg.data.global_batch_size, cfg.data.seq_len
+    self.shardings = state_shardings(self.model, self.tx, self.mesh, self.layout, b, length)
+    self.batch_sharding = batch_sharding(self.mesh)
+    layout_sh = replicated(self.mesh)
+    self.train_step = jax.jit(
+        functools.partial(step_lib.train_step, model=self.model, tx=self.tx, moe_cfg=cfg.moe,
+                          lr_schedule=self.lr),
+        in_shardings=(self.shardings, self.batch_sharding, layout_sh),
+        out_shardings=(self.shardings, None), donate_argnums=0)
+    self.eval_step = jax.jit(
+        functools.partial(step_lib.eval_step, model=self.model, moe_cfg=cfg.moe),
+        in_shardings=(self.shardings.params, self.batch_sharding, layout_sh))
+    self.checkpointer = Checkpointer(cfg.train.run_dir, cfg.checkpoint)
+    self.state = init_state(self.model, self.tx, self.shardings, self.layout, b, length,
+                            cfg.train.seed)
+
+  def maybe_restore(self) -> int:
+    """Resumes from the latest checkpoint of the run dir; returns the starting step."""
+    if self.checkpointer.latest_step() is None:
+      return 0
+    self.state, self.layout, meta = self.checkpointer.restore(self.state, self.layout)
+    self.loader.position = int(meta["data_position"])
+    return int(meta["step"])
+
+  def save(self, step: int) -> None:
+    self.checkpointer.save(step, self.state, self.layout, {"data_position": self.loader.position})
+
+  def evaluate(self) -> float:
+    losses = []
+    for i in range(self.cfg.train.eval_batches):
+      batch = data_lib.make_global_batch(self.val_loader.batch_at(i), self.batch_sharding)
+      losses.append(self.eval_step(self.state.params, batch, self.layout))
+    return float(np.mean([float(x) for x in losses]))
+
+  def _record(self, step: int, m: dict, tokens_per_s: float) -> dict:
+    m = jax.device_get(m)
+    slot_expert = np.asarray(self.layout.slot_expert_LxS)
+    return {
+        "step": step, "loss": float(m["loss"]), "ce": float(m["ce"]),
+        "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]), "tokens_per_s": tokens_per_s,
+        "moe": metrics_lib.moe_layer_records(m, slot_expert, self.mesh.shape["expert"],
+                                             self.cfg.moe.top_k),
+    }
+
+  def run(self) -> dict:
+    cfg = self.cfg
+    os.makedirs(cfg.train.run_dir, exist_ok=True)
+    if self.is_main:
+      with open(os.path.join(cfg.train.run_dir, "config.json"), "w") as f:
+        json.dump(cfg.to_dict(), f, indent=2)
+    start = self.maybe_restore()
+    writer = metrics_lib.JsonlWriter(os.path.join(cfg.train.run_dir, "metrics.jsonl"),
+                                     enabled=self.is_main)
+    bar = tqdm(total=cfg.train.num_steps, initial=start,
+               disable=not (self.is_main and cfg.train.progress_bar), dynamic_ncols=True)
+    tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
+    first = last = None
+    pending = None
+    self._reads = collections.deque(maxlen=11)   # times at which step metrics became ready
+    for step in range(start, cfg.train.num_steps):
+      batch = data_lib.make_global_batch(self.loader.next_local(), self.batch_sharding)
+      self.state, m = self.train_step(self.state, batch, self.layout)
+      if pending is not None:   # read step N-1's metrics after dispatching step N
+        last = self._log(writer, bar, *pending, tokens_per_step)
+        first = first or last
+      pending = (step, m)
+      done = step + 1
+      if done % cfg.train.eval_every == 0 or done == cfg.train.num_steps:
+        last = self._log(writer, bar, *pending, tokens_per_step)
+        first = first or last
+        pending = None
+        writer.write({"step": step, "eval_loss": self.evaluate()})
+        self._reads.clear()   # keep eval and checkpoint time out of tokens/s
+      if done % cfg.checkpoint.every == 0 and done != cfg.train.num_steps:
+        self.save(done)
+        self._reads.clear()
+    if pending is not None:
+      last = self._log(writer, bar, *pending, tokens_per_step)
+    if cfg.train.num_steps > start or self.checkpointer.latest_step() is None:
+      self.save(cfg.train.num_steps)
+    self.checkpointer.wait()
+    bar.close()
+    writer.close()
+    return {"start_step": start, "first": first, "last": last}
+
+  def _log(self, writer, bar, step, m, tokens_per_step) -> dict:
+    m = jax.device_get(m)   # blocks until step `step` has finished
+    self._reads.append(time.perf_counter())
+    span = self._reads[-1] - self._reads[0]
+    rate = tokens_per_step * (len(self._reads) - 1) / span if span > 0 else None
+    record = self._record(step, m, rate)
+    writer.write(record)
+    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{rate or 0:.0f}")
+    bar.update(step + 1 - bar.n)
+    return record
+
+
+def train(cfg: Config) -> dict:
+  trainer = Trainer(cfg)
+  try:
+    return trainer.run()
+  finally:
+    trainer.checkpointer.close()
