@@ -36,13 +36,32 @@ def parse_config(gin_files: list[str], gin_bindings: list[str]) -> config_lib.Co
     gin.parse_config_files_and_bindings(gin_files, gin_bindings)
     parts = {name: cls() for name, cls in _GIN_CLASSES.items()}
   except (ValueError, TypeError, SyntaxError) as e:   # gin's unknown name / bad value errors
-    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    first = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
     raise config_lib.ConfigError(
         f"bad gin binding or file: {first}. Known configurables: {', '.join(CONFIGURABLES)}; "
         "see moejax/config.py for their fields.") from None
   # Re-create as the plain dataclasses so the library never sees gin's wrappers.
   plain = {name: CONFIGURABLES[name](**dataclasses.asdict(obj)) for name, obj in parts.items()}
+  for name, obj in plain.items():
+    _check_types(name, obj)
   return config_lib.Config(**plain)
+
+
+# Field annotation (a string, as config.py uses postponed annotations) -> accepted types.
+_FIELD_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,),
+                "str | None": (str, type(None))}
+
+
+def _check_types(name: str, obj) -> None:
+  """Gin accepts any literal; reject e.g. `model.d_model = 'abc'` with one line."""
+  for field in dataclasses.fields(obj):
+    allowed = _FIELD_TYPES.get(field.type)
+    value = getattr(obj, field.name)
+    if allowed and (not isinstance(value, allowed) or
+                    (isinstance(value, bool) and bool not in allowed)):
+      raise config_lib.ConfigError(
+          f"{name}.{field.name}={value!r} has type {type(value).__name__} but must be "
+          f"{field.type}; e.g. {name}.{field.name} = {field.default!r}.")
 
 
 def fake_host_devices(count: int) -> None:

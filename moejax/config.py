@@ -141,6 +141,14 @@ class Config:
     if self.data.seq_len > self.model.max_seq_len:
       raise ConfigError(
           f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}.")
+    if self.train.num_steps < 0:
+      raise ConfigError(f"train.num_steps={self.train.num_steps} must be >= 0.")
+    for name, value in (("train.eval_every", self.train.eval_every),
+                        ("train.eval_batches", self.train.eval_batches),
+                        ("checkpoint.every", self.checkpoint.every),
+                        ("checkpoint.keep", self.checkpoint.keep)):
+      if value < 1:
+        raise ConfigError(f"{name}={value} must be >= 1; use e.g. {name} = 1.")
     return self
 
   def to_dict(self) -> dict:

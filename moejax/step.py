@@ -35,7 +35,7 @@ def train_step(state: TrainState, batch_BxL1: jax.Array, layout: Layout, *, mode
   (loss, aux), grads = grad_fn(state.params, model, moe_cfg, batch_BxL1, layout)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  metrics = dict(aux, loss=loss, grad_norm=optax.global_norm(grads), lr=lr_schedule(state.step))
+  metrics = dict(aux, loss=loss, grad_norm=optax.tree.norm(grads), lr=lr_schedule(state.step))
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 

@@ -1,0 +1,15 @@
+"""Test set-up: 8 fake CPU devices, set before jax is imported anywhere."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: F401  (imported after XLA_FLAGS on purpose)
+import pytest
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _eight_devices():
+  assert len(jax.devices()) == 8, "tests need 8 fake CPU devices; is jax imported before conftest?"

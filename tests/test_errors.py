@@ -1,0 +1,235 @@
+"""Every bad input gets a one-line ConfigError naming the offending value and the fix."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from moejax import data as data_lib, layout as layout_lib, mesh as mesh_lib
+from moejax.config import (
+  CheckpointConfig,
+  Config,
+  ConfigError,
+  DataConfig,
+  MeshConfig,
+  ModelConfig,
+  MoEConfig,
+  TrainConfig,
+)
+from moejax.trainer import Trainer
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+  sys.path.insert(0, REPO_ROOT)
+
+import train  # noqa: E402  (the CLI module at the repo root)
+
+
+def assert_one_line(excinfo, *needles: str) -> str:
+  msg = str(excinfo.value)
+  assert msg and "\n" not in msg and msg == msg.strip(), repr(msg)
+  for needle in needles:
+    assert needle in msg, f"{needle!r} not in {msg!r}"
+  return msg
+
+
+def tiny_config(tmp_path, **parts) -> Config:
+  """A tiny valid config on the 8 fake devices (data=2 x expert=4); `parts` replace pieces."""
+  base = dict(
+      mesh=MeshConfig(data=2, expert=4, model=1),
+      model=ModelConfig(d_model=32, num_layers=2, num_heads=2, d_ff=64, max_seq_len=32),
+      moe=MoEConfig(num_experts=8, top_k=2, d_ff=32, moe_every=2),
+      train=TrainConfig(run_dir=str(tmp_path / "run"), num_steps=1, progress_bar=False))
+  base.update(parts)
+  if "data" not in base:
+    base["data"] = DataConfig(path=str(token_file(tmp_path)), seq_len=32, global_batch_size=8)
+  return Config(**base)
+
+
+def token_file(tmp_path, max_token: int = 200, n: int = 20_000):
+  path = tmp_path / f"tokens_{max_token}.npy"
+  tokens = np.arange(n, dtype=np.uint16) % (max_token + 1)
+  np.save(path, tokens)
+  return path
+
+
+# --- mesh ---------------------------------------------------------------------------------------
+
+def test_mesh_product_mismatch():
+  with pytest.raises(ConfigError) as e:
+    mesh_lib.resolve_axis_sizes(MeshConfig(data=3, expert=2, model=1), 8)
+  msg = assert_one_line(e, "'data': 3", "'expert': 2", "multiply to 6", "8 devices")
+  assert "-1" in msg   # the fix: make the product 8 or set one axis to -1
+
+
+def test_mesh_product_mismatch_through_build_mesh():
+  with pytest.raises(ConfigError) as e:
+    mesh_lib.build_mesh(MeshConfig(data=3, expert=2, model=1))
+  assert_one_line(e, "'data': 3", "multiply to 6", "8 devices")
+
+
+def test_mesh_minus_one_cannot_fill():
+  with pytest.raises(ConfigError) as e:
+    mesh_lib.resolve_axis_sizes(MeshConfig(data=-1, expert=3, model=1), 8)
+  assert_one_line(e, "'expert': 3", "8 devices", "not divisible by 3")
+
+
+def test_mesh_two_minus_ones():
+  with pytest.raises(ConfigError) as e:
+    mesh_lib.resolve_axis_sizes(MeshConfig(data=-1, expert=-1, model=1), 8)
+  assert_one_line(e, "'data': -1", "'expert': -1", "more than one -1", "set all but one")
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(data=0, expert=4, model=1), "mesh.data=0"),
+    (dict(data=2, expert=0, model=1), "mesh.expert=0"),
+    (dict(data=-1, expert=4, model=-2), "mesh.model=-2"),
+])
+def test_mesh_zero_or_negative_size(kwargs, needle):
+  with pytest.raises(ConfigError) as e:
+    mesh_lib.resolve_axis_sizes(MeshConfig(**kwargs), 8)
+  assert_one_line(e, needle, "positive size or -1")
+
+
+# --- experts over the expert axis ---------------------------------------------------------------
+
+def test_experts_not_divisible_by_expert_axis():
+  with pytest.raises(ConfigError) as e:
+    layout_lib.slots_per_device(6, 4)
+  assert_one_line(e, "moe.num_experts=6", "expert axis size 4", "multiple of mesh.expert")
+  with pytest.raises(ConfigError) as e:
+    layout_lib.static_layout(2, 6, 4)
+  assert_one_line(e, "moe.num_experts=6", "4")
+
+
+def test_experts_not_divisible_through_trainer(tmp_path):
+  cfg = tiny_config(tmp_path, moe=MoEConfig(num_experts=6, top_k=2, d_ff=32, moe_every=2))
+  with pytest.raises(ConfigError) as e:
+    Trainer(cfg)
+  assert_one_line(e, "moe.num_experts=6", "expert axis size 4")
+
+
+# --- MoE config ---------------------------------------------------------------------------------
+
+def test_top_k_above_num_experts():
+  with pytest.raises(ConfigError) as e:
+    Config(moe=MoEConfig(num_experts=8, top_k=9)).validate()
+  assert_one_line(e, "moe.top_k=9", "moe.num_experts=8", "lower top_k or add experts")
+
+
+@pytest.mark.parametrize("factor", [0, -1, 0.0])
+def test_capacity_factor_not_positive(factor):
+  with pytest.raises(ConfigError) as e:
+    Config(moe=MoEConfig(capacity_factor=factor)).validate()
+  assert_one_line(e, f"moe.capacity_factor={factor}", "must be > 0", "1.25")
+
+
+@pytest.mark.parametrize("train_kw,ckpt_kw,needle", [
+    (dict(eval_every=0), {}, "train.eval_every=0"),
+    (dict(eval_batches=0), {}, "train.eval_batches=0"),
+    (dict(num_steps=-1), {}, "train.num_steps=-1"),
+    ({}, dict(every=0), "checkpoint.every=0"),
+    ({}, dict(keep=0), "checkpoint.keep=0"),
+])
+def test_loop_settings_out_of_range(train_kw, ckpt_kw, needle):
+  with pytest.raises(ConfigError) as e:
+    Config(train=TrainConfig(**train_kw), checkpoint=CheckpointConfig(**ckpt_kw)).validate()
+  assert_one_line(e, needle, "must be >=")
+
+
+# --- data ---------------------------------------------------------------------------------------
+
+def test_missing_data_path(tmp_path):
+  missing = str(tmp_path / "nope.npy")
+  with pytest.raises(ConfigError) as e:
+    data_lib.load_tokens(DataConfig(path=missing))
+  assert_one_line(e, f"data.path={missing!r}", "does not exist", "leave data.path unset")
+
+
+def test_missing_data_path_through_trainer(tmp_path):
+  missing = str(tmp_path / "nope.bin")
+  cfg = tiny_config(tmp_path, data=DataConfig(path=missing, seq_len=32, global_batch_size=8))
+  with pytest.raises(ConfigError) as e:
+    Trainer(cfg)
+  assert_one_line(e, f"data.path={missing!r}", "does not exist")
+
+
+def test_batch_not_divisible_by_data_times_expert(tmp_path):
+  cfg = tiny_config(tmp_path, data=DataConfig(path=str(token_file(tmp_path)), seq_len=32,
+                                              global_batch_size=12))
+  with pytest.raises(ConfigError) as e:
+    Trainer(cfg)
+  assert_one_line(e, "data.global_batch_size=12", "data*expert=8", "multiple of 8")
+
+
+def test_vocab_smaller_than_data(tmp_path):
+  path = token_file(tmp_path, max_token=300)
+  cfg = tiny_config(tmp_path, data=DataConfig(path=str(path), seq_len=32, global_batch_size=8))
+  assert cfg.model.vocab_size == 256
+  with pytest.raises(ConfigError) as e:
+    Trainer(cfg)
+  assert_one_line(e, "token ids up to 300", "model.vocab_size=256", "model.vocab_size >= 301")
+
+
+# --- gin / CLI ----------------------------------------------------------------------------------
+
+def test_unknown_gin_parameter():
+  with pytest.raises(ConfigError) as e:
+    train.parse_config([], ["moe.nope = 1"])
+  msg = assert_one_line(e, "'moe'", "'nope'", "Known configurables")
+  assert ".." not in msg
+
+
+def test_unknown_gin_configurable():
+  with pytest.raises(ConfigError) as e:
+    train.parse_config([], ["nosuch.x = 1"])
+  assert_one_line(e, "'nosuch'", "Known configurables: mesh, model, moe")
+
+
+def test_unparsable_gin_binding():
+  with pytest.raises(ConfigError) as e:
+    train.parse_config([], ["moe.top_k = 'unterminated"])
+  assert_one_line(e, "bad gin binding", "Known configurables")
+
+
+def test_missing_gin_file(tmp_path):
+  missing = str(tmp_path / "nope.gin")
+  with pytest.raises(ConfigError) as e:
+    train.parse_config([missing], [])
+  assert_one_line(e, missing, "does not exist")
+
+
+@pytest.mark.parametrize("binding,needle", [
+    ("model.d_model = 'abc'", "model.d_model='abc'"),
+    ("moe.top_k = 2.5", "moe.top_k=2.5"),
+    ("train.progress_bar = 0", "train.progress_bar=0"),
+    ("mesh.data = None", "mesh.data=None"),
+])
+def test_wrongly_typed_gin_binding(binding, needle):
+  with pytest.raises(ConfigError) as e:
+    train.parse_config([], [binding])
+  assert_one_line(e, needle, "must be")
+
+
+def test_parse_config_accepts_ints_for_floats():
+  cfg = train.parse_config([], ["moe.capacity_factor = 2", "data.path = 'x.npy'"])
+  assert cfg.moe.capacity_factor == 2 and cfg.data.path == "x.npy"
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--gin_bindings=moe.nope = 1"], "'nope'"),
+    (["--gin_bindings=moe.top_k = 9"], "moe.top_k=9"),
+    (["--gin_file=/nonexistent/x.gin"], "/nonexistent/x.gin"),
+])
+def test_cli_bad_input_exits_2_with_one_line(args, needle):
+  proc = subprocess.run([sys.executable, "train.py", *args], cwd=REPO_ROOT, capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 2, (proc.stdout, proc.stderr)
+  lines = proc.stderr.splitlines()
+  assert len(lines) == 1, proc.stderr
+  assert lines[0].startswith("error:") and needle in lines[0]
+  assert "Traceback" not in proc.stderr

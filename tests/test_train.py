@@ -1,0 +1,155 @@
+"""End-to-end tests of the trainer and train.py on the 8 fake CPU devices, with a tiny model."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from moejax.config import (
+  CheckpointConfig,
+  Config,
+  DataConfig,
+  MeshConfig,
+  ModelConfig,
+  MoEConfig,
+  OptimConfig,
+  TrainConfig,
+)
+from moejax.trainer import Trainer, train
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOKENS = 8 * 32   # global_batch_size * seq_len
+TOP_K = 2
+
+
+def tiny_config(run_dir, num_steps: int, every: int, keep: int = 2, eval_every: int = 100,
+                warmup_steps: int = 30) -> Config:
+  return Config(
+      mesh=MeshConfig(data=2, expert=4, model=1),
+      model=ModelConfig(d_model=32, num_layers=2, num_heads=2, d_ff=64, max_seq_len=32),
+      moe=MoEConfig(num_experts=8, top_k=TOP_K, d_ff=32, moe_every=2),
+      data=DataConfig(seq_len=32, global_batch_size=8, max_corpus_bytes=200_000),
+      optim=OptimConfig(warmup_steps=warmup_steps),
+      checkpoint=CheckpointConfig(every=every, keep=keep),
+      train=TrainConfig(run_dir=str(run_dir), num_steps=num_steps, eval_every=eval_every,
+                        eval_batches=2, progress_bar=False))
+
+
+def read_jsonl(path) -> list[dict]:
+  with open(path) as f:
+    return [json.loads(line) for line in f]
+
+
+def checkpoint_steps(run_dir) -> list[int]:
+  names = os.listdir(os.path.join(run_dir, "checkpoints"))
+  return sorted(int(n) for n in names if n.isdigit())
+
+
+def step_losses(records: list[dict]) -> dict[int, float]:
+  return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def test_run_writes_metrics_checkpoints_and_learns(tmp_path):
+  cfg = tiny_config(tmp_path, num_steps=8, every=3, keep=2, eval_every=4, warmup_steps=2)
+  summary = train(cfg)
+  assert summary["start_step"] == 0
+  assert summary["first"]["step"] == 0 and summary["last"]["step"] == 7
+
+  records = read_jsonl(tmp_path / "metrics.jsonl")
+  steps = [r for r in records if "loss" in r]
+  evals = [r for r in records if "eval_loss" in r]
+  assert [r["step"] for r in steps] == list(range(8))
+  assert [r["step"] for r in evals] == [3, 7]
+  assert all(np.isfinite(r["eval_loss"]) and r["eval_loss"] > 0 for r in evals)
+
+  num_moe_layers = cfg.model.num_layers // cfg.moe.moe_every
+  for r in steps:
+    assert np.isfinite(r["loss"]) and np.isfinite(r["grad_norm"])
+    assert len(r["moe"]) == num_moe_layers
+    for layer, m in enumerate(r["moe"]):
+      assert m["layer"] == layer
+      assert len(m["expert_counts"]) == cfg.moe.num_experts
+      assert sum(m["expert_counts"]) == TOKENS * TOP_K
+      assert all(c >= 0 for c in m["expert_counts"])
+      # data=2 rows x expert=4 devices; every choice lands on exactly one device.
+      assert len(m["device_load"]) == 8
+      assert sum(m["device_load"]) == TOKENS * TOP_K
+      assert m["max_over_mean_load"] >= 1.0
+      assert 0.0 <= m["dropped_fraction"] <= 1.0
+      assert np.isfinite(m["balance_loss"]) and m["balance_loss"] > 0
+      assert np.isfinite(m["z_loss"]) and m["z_loss"] >= 0
+
+  # Saved at 3 and 6 during the run and at 8 at the end; keep=2 leaves the last two.
+  assert checkpoint_steps(tmp_path) == [6, 8]
+  with open(tmp_path / "config.json") as f:
+    assert json.load(f) == json.loads(json.dumps(cfg.to_dict()))
+  assert steps[-1]["loss"] < steps[0]["loss"]
+
+
+def _run(cfg: Config) -> tuple[int, list[dict]]:
+  trainer = Trainer(cfg)
+  try:
+    summary = trainer.run()
+  finally:
+    trainer.checkpointer.close()
+  return summary["start_step"], read_jsonl(os.path.join(cfg.train.run_dir, "metrics.jsonl"))
+
+
+def test_resume_is_exact(tmp_path):
+  # warmup_steps > num_steps keeps the LR schedule identical for num_steps=3 and 6.
+  dir_a, dir_b = tmp_path / "a", tmp_path / "b"
+  start_a, rec_a = _run(tiny_config(dir_a, num_steps=6, every=3, keep=3))
+  assert start_a == 0
+  assert checkpoint_steps(dir_a) == [3, 6]
+
+  cfg_b = tiny_config(dir_b, num_steps=3, every=3, keep=3)
+  start_b, _ = _run(cfg_b)
+  assert start_b == 0
+  assert checkpoint_steps(dir_b) == [3]
+  start_b2, rec_b = _run(dataclasses.replace(
+      cfg_b, train=dataclasses.replace(cfg_b.train, num_steps=6)))
+  assert start_b2 == 3
+  assert checkpoint_steps(dir_b) == [3, 6]
+
+  loss_a, loss_b = step_losses(rec_a), step_losses(rec_b)
+  assert sorted(loss_a) == list(range(6)) and sorted(loss_b) == list(range(6))
+  np.testing.assert_allclose([loss_b[s] for s in range(3)], [loss_a[s] for s in range(3)],
+                             rtol=1e-6)
+  np.testing.assert_allclose([loss_b[s] for s in range(3, 6)], [loss_a[s] for s in range(3, 6)],
+                             rtol=1e-6)
+  # The expert loads of the resumed steps match too (same data, same routing).
+  moe_a = {r["step"]: r["moe"] for r in rec_a if "moe" in r}
+  moe_b = {r["step"]: r["moe"] for r in rec_b if "moe" in r}
+  for s in range(3, 6):
+    assert [m["expert_counts"] for m in moe_b[s]] == [m["expert_counts"] for m in moe_a[s]]
+
+
+def test_cli_smoke(tmp_path):
+  run_dir = tmp_path / "run"
+  bindings = [
+      "model.d_model = 32", "model.num_layers = 2", "model.num_heads = 2", "model.d_ff = 64",
+      "model.max_seq_len = 32", "moe.num_experts = 8", "moe.top_k = 2", "moe.d_ff = 32",
+      "moe.moe_every = 2", "data.seq_len = 32", "data.global_batch_size = 8",
+      "data.max_corpus_bytes = 200000", "mesh.data = 2", "mesh.expert = 4", "mesh.model = 1",
+      "train.num_steps = 4", f"train.run_dir = '{run_dir}'", "train.progress_bar = False",
+      "train.eval_batches = 2",
+  ]
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)   # train.py must fake the 8 host devices itself
+  env["JAX_PLATFORMS"] = "cpu"
+  proc = subprocess.run(
+      [sys.executable, "train.py", *(f"--gin_bindings={b}" for b in bindings)],
+      cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  assert "steps 0..3" in proc.stdout
+  assert (run_dir / "operative_config.gin").is_file()
+  assert "train.num_steps = 4" in (run_dir / "operative_config.gin").read_text()
+  records = read_jsonl(run_dir / "metrics.jsonl")
+  assert [r["step"] for r in records if "loss" in r] == [0, 1, 2, 3]
+  assert any("eval_loss" in r for r in records)
+  assert checkpoint_steps(run_dir) == [4]
