@@ -14,6 +14,23 @@ class ConfigError(ValueError):
   """A user-facing configuration error: one line naming the value and the fix."""
 
 
+# Field annotation (a string: postponed annotations) -> accepted types.
+_FIELD_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,),
+                "str | None": (str, type(None))}
+
+
+def check_field_types(name: str, obj) -> None:
+  """Gin accepts any literal; reject e.g. `model.d_model = 'abc'` with one line."""
+  for field in dataclasses.fields(obj):
+    allowed = _FIELD_TYPES.get(field.type)
+    value = getattr(obj, field.name)
+    if allowed and (not isinstance(value, allowed) or
+                    (isinstance(value, bool) and bool not in allowed)):
+      raise ConfigError(
+          f"{name}.{field.name}={value!r} has type {type(value).__name__} but must be "
+          f"{field.type}; e.g. {name}.{field.name} = {field.default!r}.")
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
   """Sizes of the named mesh axes; -1 means "all remaining devices"."""
@@ -136,6 +153,8 @@ class Config:
   train: TrainConfig = TrainConfig()
 
   def validate(self) -> Config:
+    for field in dataclasses.fields(self):
+      check_field_types(field.name, getattr(self, field.name))
     self.moe.validate()
     self.model.validate(self.moe)
     if self.data.seq_len > self.model.max_seq_len:

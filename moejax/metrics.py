@@ -52,13 +52,30 @@ def moe_layer_records(metrics: dict, slot_expert_LxS: np.ndarray, expert_devices
   return records
 
 
-class JsonlWriter:
-  """Appends one JSON object per line; a no-op on processes other than 0."""
+def _step_of(line: str) -> float:
+  try:
+    return json.loads(line)["step"]
+  except (ValueError, KeyError, TypeError):
+    return float("inf")   # a torn last line from a killed run is dropped
 
-  def __init__(self, path: str, enabled: bool = True):
+
+class JsonlWriter:
+  """Appends one JSON object per line; a no-op on processes other than 0.
+
+  On resume from step `start`, records of steps >= start (written after the
+  checkpoint the run resumes from) are dropped first, so no step appears twice.
+  """
+
+  def __init__(self, path: str, enabled: bool = True, start: int = 0):
     self._file: IO[str] | None = None
     if enabled:
       os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+      if os.path.exists(path):
+        with open(path) as f:
+          kept = [line for line in f if _step_of(line) < start]
+        with open(path + ".tmp", "w") as f:
+          f.writelines(kept)
+        os.replace(path + ".tmp", path)
       self._file = open(path, "a", buffering=1)
 
   def write(self, record: dict) -> None:

@@ -108,7 +108,7 @@ class Trainer:
         json.dump(cfg.to_dict(), f, indent=2)
     start = self.maybe_restore()
     writer = metrics_lib.JsonlWriter(os.path.join(cfg.train.run_dir, "metrics.jsonl"),
-                                     enabled=self.is_main)
+                                     enabled=self.is_main, start=start)
     bar = tqdm(total=cfg.train.num_steps, initial=start,
                disable=not (self.is_main and cfg.train.progress_bar), dynamic_ncols=True)
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len

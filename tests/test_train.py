@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 
+from moejax import metrics as metrics_lib
 from moejax.config import (
   CheckpointConfig,
   Config,
@@ -153,3 +154,19 @@ def test_cli_smoke(tmp_path):
   assert [r["step"] for r in records if "loss" in r] == [0, 1, 2, 3]
   assert any("eval_loss" in r for r in records)
   assert checkpoint_steps(run_dir) == [4]
+
+
+def test_metrics_writer_drops_records_past_the_resume_step(tmp_path):
+  path = str(tmp_path / "m.jsonl")
+  w = metrics_lib.JsonlWriter(path)
+  for s in range(5):
+    w.write({"step": s, "loss": float(s)})
+  w.close()
+  with open(path, "a") as f:
+    f.write('{"step": 5, "lo')          # a torn line from a killed run
+  w = metrics_lib.JsonlWriter(path, start=3)
+  w.write({"step": 3, "loss": 30.0})
+  w.close()
+  with open(path) as f:
+    steps = [json.loads(line)["step"] for line in f]
+  assert steps == [0, 1, 2, 3]
