@@ -20,6 +20,7 @@ CONFIGURABLES = {
     "mesh": config_lib.MeshConfig, "model": config_lib.ModelConfig, "moe": config_lib.MoEConfig,
     "data": config_lib.DataConfig, "optim": config_lib.OptimConfig,
     "checkpoint": config_lib.CheckpointConfig, "train": config_lib.TrainConfig,
+    "planner": config_lib.PlannerConfig, "trace": config_lib.TraceConfig,
 }
 _GIN_CLASSES = {name: gin.external_configurable(cls, name=name)
                 for name, cls in CONFIGURABLES.items()}

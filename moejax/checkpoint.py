@@ -11,39 +11,21 @@ import os
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from moejax.config import CheckpointConfig
 from moejax.layout import Layout
-from moejax.moe.layer import EXPERT_PARAM_AXES
-
-
-def _is_expert_leaf(path) -> bool:
-  keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-  return "moe" in keys and keys[-1] in EXPERT_PARAM_AXES
-
-
-def _permute_slots(tree: Any, index_LxS: jax.Array) -> Any:
-  """leaf[l, s] <- leaf[l, index[l, s]] for every expert leaf [L, S, ...]."""
-  def one(path, leaf):
-    if not _is_expert_leaf(path):
-      return leaf
-    idx = index_LxS.reshape(index_LxS.shape + (1,) * (leaf.ndim - 2))
-    return jnp.take_along_axis(leaf, idx, axis=1)
-  shardings = jax.tree.map(lambda x: x.sharding, tree)
-  return jax.jit(lambda t, _: jax.tree_util.tree_map_with_path(one, t),
-                 out_shardings=shardings)(tree, index_LxS)
+from moejax.migrate import permute_slots
 
 
 def to_canonical(tree: Any, layout: Layout) -> Any:
   """Slot order -> expert-id order (row e = the expert e's weights)."""
-  return _permute_slots(tree, layout.expert_slot_LxE)
+  return permute_slots(tree, layout.expert_slot_LxE)
 
 
 def from_canonical(tree: Any, layout: Layout) -> Any:
   """Expert-id order -> slot order of `layout`."""
-  return _permute_slots(tree, layout.slot_expert_LxS)
+  return permute_slots(tree, layout.slot_expert_LxS)
 
 
 def _abstract(tree: Any) -> Any:

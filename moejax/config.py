@@ -142,6 +142,32 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlannerConfig:
+  """Online expert placement (dyn.X): re-plan every `every` steps from finished steps."""
+  policy: str = "static"          # "static" or "smartmoe" in ep mode (replay has more)
+  every: int = 50                 # re-plan period in steps; 0 = never
+  window: int = 10                # finished steps averaged into the predicted load
+  min_gain: float = 0.05          # hysteresis: min relative drop of predicted max device load
+
+  def validate(self) -> None:
+    if self.policy not in ("static", "smartmoe"):
+      raise ConfigError(
+          f"planner.policy={self.policy!r} cannot run in training with moe.expert_mode='ep' "
+          "(one copy per expert); use 'static' or 'smartmoe' (replay also has 'shadow').")
+    if self.every < 0 or self.window < 1 or self.min_gain < 0:
+      raise ConfigError(f"planner.every={self.every}, planner.window={self.window}, "
+                        f"planner.min_gain={self.min_gain}: need every >= 0, window >= 1, "
+                        "min_gain >= 0.")
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceConfig:
+  """Routing trace (DESIGN.md format) written to `path` when set: counts[steps, layers,
+  sources, experts]."""
+  path: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
   """The whole run. Built by train.py from gin bindings, or directly in code."""
   mesh: MeshConfig = MeshConfig()
@@ -151,11 +177,14 @@ class Config:
   optim: OptimConfig = OptimConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   train: TrainConfig = TrainConfig()
+  planner: PlannerConfig = PlannerConfig()
+  trace: TraceConfig = TraceConfig()
 
   def validate(self) -> Config:
     for field in dataclasses.fields(self):
       check_field_types(field.name, getattr(self, field.name))
     self.moe.validate()
+    self.planner.validate()
     self.model.validate(self.moe)
     if self.data.seq_len > self.model.max_seq_len:
       raise ConfigError(

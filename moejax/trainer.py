@@ -15,11 +15,14 @@ from tqdm import tqdm
 from moejax import data as data_lib, metrics as metrics_lib, step as step_lib
 from moejax.checkpoint import Checkpointer
 from moejax.config import Config, ConfigError
-from moejax.layout import Layout, static_layout
+from moejax.layout import Layout, from_slot_expert, static_layout
 from moejax.mesh import batch_sharding, build_mesh, num_batch_shards, replicated
+from moejax.migrate import migrate
 from moejax.model import Transformer
+from moejax.online import OnlinePlanner
 from moejax.optim import optimizer, schedule
 from moejax.state import init_state, state_shardings
+from moejax.trace import TraceRecorder
 
 
 def _check_batch(cfg: Config, shards: int) -> None:
@@ -64,10 +67,13 @@ class Trainer:
         functools.partial(step_lib.train_step, model=self.model, tx=self.tx, moe_cfg=cfg.moe,
                           lr_schedule=self.lr),
         in_shardings=(self.shardings, self.batch_sharding, layout_sh),
-        out_shardings=(self.shardings, None), donate_argnums=0)
+        out_shardings=(self.shardings, layout_sh), donate_argnums=0)   # metrics replicated
     self.eval_step = jax.jit(
         functools.partial(step_lib.eval_step, model=self.model, moe_cfg=cfg.moe),
         in_shardings=(self.shardings.params, self.batch_sharding, layout_sh))
+    self.layout_sharding = layout_sh
+    self.planner = OnlinePlanner(cfg.planner, self.mesh.shape["expert"])
+    self.trace: TraceRecorder | None = None
     self.checkpointer = Checkpointer(cfg.train.run_dir, cfg.checkpoint)
     self.state = init_state(self.model, self.tx, self.shardings, self.layout, b, length,
                             cfg.train.seed)
@@ -78,10 +84,39 @@ class Trainer:
       return 0
     self.state, self.layout, meta = self.checkpointer.restore(self.state, self.layout)
     self.loader.position = int(meta["data_position"])
+    self.planner.load_state_dict(meta.get("planner", {}))
     return int(meta["step"])
 
   def save(self, step: int) -> None:
-    self.checkpointer.save(step, self.state, self.layout, {"data_position": self.loader.position})
+    self.checkpointer.save(step, self.state, self.layout, {
+        "data_position": self.loader.position, "planner": self.planner.state_dict()})
+    if self.trace is not None:
+      self.trace.write()
+
+  def maybe_switch_layout(self, step: int, writer) -> None:
+    """dyn.X: before dispatching `step`, re-plan from the finished steps' loads."""
+    if not self.planner.due(step):
+      return
+    old = np.asarray(self.layout.slot_expert_LxS)
+    new, switches = self.planner.propose(old)
+    if not switches:
+      return
+    jax.block_until_ready(self.state)   # time the migration alone, not the step in flight
+    tick = time.perf_counter()
+    new_layout = jax.device_put(from_slot_expert(new, self.cfg.moe.num_experts),
+                                self.layout_sharding)
+    self.state = migrate(self.state, self.layout, new_layout)
+    jax.block_until_ready(self.state)
+    seconds = time.perf_counter() - tick
+    self.layout = new_layout
+    for sw in switches:
+      writer.write({"step": step, "event": "layout_switch", "layer": sw.layer,
+                    "policy": self.cfg.planner.policy,
+                    "predicted_gain": sw.predicted_before - sw.predicted_after,
+                    "predicted_before": sw.predicted_before,
+                    "predicted_after": sw.predicted_after,
+                    "migration_s": seconds, "experts_moved": sw.experts_moved})
+    self._reads.clear()   # keep migration time out of tokens/s
 
   def evaluate(self) -> float:
     losses = []
@@ -90,9 +125,7 @@ class Trainer:
       losses.append(self.eval_step(self.state.params, batch, self.layout))
     return float(np.mean([float(x) for x in losses]))
 
-  def _record(self, step: int, m: dict, tokens_per_s: float) -> dict:
-    m = jax.device_get(m)
-    slot_expert = np.asarray(self.layout.slot_expert_LxS)
+  def _record(self, step: int, m: dict, slot_expert: np.ndarray, tokens_per_s: float) -> dict:
     return {
         "step": step, "loss": float(m["loss"]), "ce": float(m["ce"]),
         "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]), "tokens_per_s": tokens_per_s,
@@ -107,6 +140,8 @@ class Trainer:
       with open(os.path.join(cfg.train.run_dir, "config.json"), "w") as f:
         json.dump(cfg.to_dict(), f, indent=2)
     start = self.maybe_restore()
+    if cfg.trace.path and self.is_main:
+      self.trace = TraceRecorder(cfg.trace.path, cfg.moe.top_k, start)
     writer = metrics_lib.JsonlWriter(os.path.join(cfg.train.run_dir, "metrics.jsonl"),
                                      enabled=self.is_main, start=start)
     bar = tqdm(total=cfg.train.num_steps, initial=start,
@@ -116,12 +151,13 @@ class Trainer:
     pending = None
     self._reads = collections.deque(maxlen=11)   # times at which step metrics became ready
     for step in range(start, cfg.train.num_steps):
+      self.maybe_switch_layout(step, writer)
       batch = data_lib.make_global_batch(self.loader.next_local(), self.batch_sharding)
       self.state, m = self.train_step(self.state, batch, self.layout)
       if pending is not None:   # read step N-1's metrics after dispatching step N
         last = self._log(writer, bar, *pending, tokens_per_step)
         first = first or last
-      pending = (step, m)
+      pending = (step, m, self.layout.slot_expert_LxS)
       done = step + 1
       if done % cfg.train.eval_every == 0 or done == cfg.train.num_steps:
         last = self._log(writer, bar, *pending, tokens_per_step)
@@ -136,17 +172,22 @@ class Trainer:
       last = self._log(writer, bar, *pending, tokens_per_step)
     if cfg.train.num_steps > start or self.checkpointer.latest_step() is None:
       self.save(cfg.train.num_steps)
+    if self.trace is not None:
+      self.trace.write()
     self.checkpointer.wait()
     bar.close()
     writer.close()
     return {"start_step": start, "first": first, "last": last}
 
-  def _log(self, writer, bar, step, m, tokens_per_step) -> dict:
-    m = jax.device_get(m)   # blocks until step `step` has finished
+  def _log(self, writer, bar, step, m, slot_expert, tokens_per_step) -> dict:
+    m, slot_expert = jax.device_get((m, slot_expert))   # blocks until `step` has finished
     self._reads.append(time.perf_counter())
     span = self._reads[-1] - self._reads[0]
     rate = tokens_per_step * (len(self._reads) - 1) / span if span > 0 else None
-    record = self._record(step, m, rate)
+    self.planner.observe(m["counts_LxSxE"])
+    if self.trace is not None:
+      self.trace.add(step, m["counts_LxSxE"])
+    record = self._record(step, m, np.asarray(slot_expert), rate)
     writer.write(record)
     bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{rate or 0:.0f}")
     bar.update(step + 1 - bar.n)

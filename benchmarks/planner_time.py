@@ -1,0 +1,114 @@
+"""Planner wall time per decision, for every policy in moejax.planner.POLICIES.
+
+What it measures: the wall time (time.perf_counter) of one policy call
+`plan(pred_SxE, current, slots=C, src_dev_S=..., cost=CostModel(), num_devices=N)` for one MoE
+layer, as replay and the online trainer make it. The predicted load is one step of a lognormal
+synthetic trace (moejax.workloads.synthetic_trace, sigma=1.0, top_k=2, 2048 tokens per source)
+with sources = N (one source per device); `current` is the static placement. Each row: one
+warm-up call, then the median (and min, max) over --repeats calls (>= 5).
+
+Configurations: E=64 on N=64 and N=256, plus E=256 on N=256. One-copy policies (static,
+smartmoe) get C = E/N slots; the others (shadow) get --slots (default 2) and need the static
+base, E/N integer. Rows that cannot exist (E < N) are printed as "n/a (E < N)".
+
+Run (from the repository root):
+
+  python benchmarks/planner_time.py
+  python benchmarks/planner_time.py --repeats 7 --json benchmarks/results/planner_time.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:
+  sys.path.insert(0, str(_REPO))
+
+import numpy as np
+
+from moejax.planner import ONE_COPY_POLICIES, POLICIES, CostModel, placement as pl
+from moejax.workloads import synthetic_trace
+
+DEFAULT_JSON = "benchmarks/results/planner_time.json"
+CONFIGS = ((64, 64), (64, 256), (256, 256))     # (experts E, devices N)
+
+
+def policy_order() -> list[str]:
+  return ["static"] + sorted(p for p in POLICIES if p != "static")
+
+
+def time_policy(name: str, experts: int, devices: int, slots: int, repeats: int,
+                seed: int) -> dict:
+  row = {"policy": name, "experts": experts, "devices": devices, "sources": devices}
+  one_copy = name in ONE_COPY_POLICIES
+  if experts % devices:
+    why = "E < N" if experts < devices else "E % N != 0"
+    return {**row, "slots": None, "status": f"n/a ({why})"}
+  c = experts // devices if one_copy else slots
+  row["slots"] = c
+  if c < experts // devices:
+    return {**row, "status": f"n/a (slots < E/N={experts // devices})"}
+  counts = synthetic_trace(1, 1, devices, experts, kind="lognormal", seed=seed)["counts"]
+  pred = counts[0, 0].astype(np.float64)
+  src = pl.source_devices(devices, devices)
+  current, cost, plan = pl.static(experts, devices), CostModel(), POLICIES[name]
+  times = []
+  for i in range(repeats + 1):
+    t0 = time.perf_counter()
+    out = plan(pred, current, slots=c, src_dev_S=src, cost=cost, num_devices=devices)
+    dt = time.perf_counter() - t0
+    if i:                                               # the first call is the warm-up
+      times.append(dt)
+  out.validate(experts)
+  ms = [t * 1e3 for t in times]
+  return {**row, "status": "ok", "ms_median": statistics.median(ms), "ms_min": min(ms),
+          "ms_max": max(ms), "calls": len(ms), "replicas": int(out.replicas(experts).sum())}
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--json", default=DEFAULT_JSON, help=f"output JSON (default {DEFAULT_JSON})")
+  ap.add_argument("--repeats", type=int, default=5, help="timed calls per row (>= 5)")
+  ap.add_argument("--slots", type=int, default=2, help="slots per device for non-one-copy")
+  ap.add_argument("--seed", type=int, default=0)
+  a = ap.parse_args(argv)
+  if a.repeats < 5:
+    ap.error("--repeats must be >= 5")
+  rows = [time_policy(name, e, n, a.slots, a.repeats, a.seed)
+          for e, n in CONFIGS for name in policy_order()]
+  head = (f"{'policy':<10} {'E':>4} {'N':>4} {'C':>3} {'ms median':>10} {'ms min':>9} "
+          f"{'ms max':>9} {'copies':>6}")
+  print(head)
+  print("-" * len(head))
+  for r in rows:
+    c = "-" if r["slots"] is None else r["slots"]
+    if r["status"] != "ok":
+      print(f"{r['policy']:<10} {r['experts']:>4} {r['devices']:>4} {c:>3} {r['status']:>10}")
+      continue
+    print(f"{r['policy']:<10} {r['experts']:>4} {r['devices']:>4} {c:>3} {r['ms_median']:>10.3f} "
+          f"{r['ms_min']:>9.3f} {r['ms_max']:>9.3f} {r['replicas']:>6}")
+  out = {"benchmark": "planner_time", "command": " ".join(["python"] + sys.argv),
+         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+         "python": platform.python_version(), "numpy": np.__version__,
+         "machine": platform.machine(), "processor": platform.processor() or None,
+         "repeats": a.repeats, "slots": a.slots, "seed": a.seed,
+         "load": "lognormal sigma=1.0, top_k=2, 2048 tokens per source, sources = N",
+         "rows": rows}
+  path = Path(a.json)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(out, indent=2) + "\n")
+  print(f"wrote {path}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,76 @@
+"""Online placement (dyn.X): observe finished steps' counts, re-plan every X steps.
+
+Host-side and JAX-free. The trainer feeds it each finished step's count matrix
+and asks, before dispatching step t, whether to switch layouts; the plan uses
+only steps that had finished by then. In `ep` mode the layout is shared by all
+data rows, so sources are folded onto their expert-axis device first.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import NamedTuple
+
+import numpy as np
+
+from moejax import planner
+from moejax.config import PlannerConfig
+from moejax.planner import placement as pl
+from moejax.planner.flow import flow, max_over_mean
+
+
+class Switch(NamedTuple):
+  layer: int
+  predicted_before: float      # predicted max/mean device load under the current layout
+  predicted_after: float
+  experts_moved: int
+
+
+class OnlinePlanner:
+  def __init__(self, cfg: PlannerConfig, num_devices: int, cost: planner.CostModel | None = None):
+    self.cfg = cfg
+    self.num_devices = num_devices
+    self.cost = cost or planner.CostModel()
+    self.policy = planner.get_policy(cfg.policy)
+    self.history: collections.deque = collections.deque(maxlen=cfg.window)
+
+  def observe(self, counts_LxSxE: np.ndarray) -> None:
+    """Counts of one finished step; sources ordered (data, expert) row-major."""
+    c = np.asarray(counts_LxSxE, np.float64)
+    layers, sources, experts = c.shape
+    folded_LxNxE = c.reshape(layers, sources // self.num_devices, self.num_devices,
+                             experts).sum(1)
+    self.history.append(folded_LxNxE)
+
+  def due(self, step: int) -> bool:
+    return (self.cfg.policy != "static" and self.cfg.every > 0 and step > 0 and
+            step % self.cfg.every == 0 and len(self.history) > 0)
+
+  def propose(self, slot_expert_LxS: np.ndarray) -> tuple[np.ndarray, list[Switch]]:
+    """New slot -> expert tables (unchanged rows where no switch pays off)."""
+    pred_LxNxE = planner.predict(np.stack(self.history), self.cfg.window)
+    src = np.arange(self.num_devices)
+    out = np.array(slot_expert_LxS, np.int32, copy=True)
+    switches = []
+    for layer, pred_NxE in enumerate(pred_LxNxE):
+      cur = pl.one_copy(out[layer], self.num_devices)
+      new = self.policy(pred_NxE, cur, slots=cur.slots_per_device, src_dev_S=src,
+                        cost=self.cost, num_devices=self.num_devices,
+                        min_gain=self.cfg.min_gain)
+      if np.array_equal(new.slot_expert, cur.slot_expert):
+        continue
+      before = max_over_mean(flow(cur, pred_NxE, src).device_load_N)
+      after = max_over_mean(flow(new, pred_NxE, src).device_load_N)
+      moved = int(np.sum(cur.device_of_slot[np.argsort(cur.slot_expert)] !=
+                         new.device_of_slot[np.argsort(new.slot_expert)]))
+      out[layer] = new.slot_expert
+      switches.append(Switch(layer, before, after, moved))
+    return out, switches
+
+  def state_dict(self) -> dict:
+    return {"history": [h.tolist() for h in self.history]}
+
+  def load_state_dict(self, d: dict) -> None:
+    self.history.clear()
+    for h in d.get("history", []):
+      self.history.append(np.asarray(h, np.float64))

@@ -1,0 +1,140 @@
+"""Placements (host-side layouts) and how tokens flow under them (numpy only).
+
+A `Placement` describes one MoE layer on N devices with C slots each: which
+expert each slot hosts (-1 = empty) and the share of that expert's tokens the
+slot is planned to serve. Tokens are routed *local first*: a source device's
+tokens for expert e go to a replica of e on the same device while that
+replica's quota (share x the expert's actual tokens) lasts; the rest fill the
+remaining quotas in slot order. Planners return Placements; replay evaluates
+them; the trainer turns one-copy placements into JAX `Layout`s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from moejax.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  slot_expert: np.ndarray    # int32 [N*C]; -1 = empty slot
+  share: np.ndarray          # float64 [N*C]; per expert, shares of its slots sum to 1
+  num_devices: int
+
+  @property
+  def slots_per_device(self) -> int:
+    return len(self.slot_expert) // self.num_devices
+
+  @property
+  def device_of_slot(self) -> np.ndarray:
+    return np.arange(len(self.slot_expert)) // self.slots_per_device
+
+  def replicas(self, num_experts: int) -> np.ndarray:
+    """Copies of each expert, int [E]."""
+    hosted = self.slot_expert[self.slot_expert >= 0]
+    return np.bincount(hosted, minlength=num_experts)
+
+  def is_one_copy(self, num_experts: int) -> bool:
+    return bool(np.all(self.replicas(num_experts) == 1))
+
+  def validate(self, num_experts: int) -> None:
+    reps = self.replicas(num_experts)
+    if np.any(reps == 0):
+      missing = np.flatnonzero(reps == 0).tolist()
+      raise ConfigError(f"placement hosts no copy of experts {missing}; every expert needs a slot.")
+    sums = np.bincount(self.slot_expert[self.slot_expert >= 0],
+                       weights=self.share[self.slot_expert >= 0], minlength=num_experts)
+    if not np.allclose(sums, 1.0, atol=1e-6):
+      raise ConfigError(f"placement shares per expert sum to {np.round(sums, 4).tolist()}, not 1.")
+
+
+def one_copy(slot_expert: np.ndarray, num_devices: int) -> Placement:
+  slot_expert = np.asarray(slot_expert, np.int32)
+  return Placement(slot_expert, (slot_expert >= 0).astype(np.float64), num_devices)
+
+
+def static(num_experts: int, num_devices: int) -> Placement:
+  """Expert e on device e // (E/N)."""
+  if num_experts % num_devices:
+    raise ConfigError(f"static placement needs E={num_experts} divisible by N={num_devices}.")
+  return one_copy(np.arange(num_experts, dtype=np.int32), num_devices)
+
+
+def source_devices(num_sources: int, num_devices: int) -> np.ndarray:
+  """Source s runs on device s*N // S. Needs S % N == 0 or N % S == 0 (even spread)."""
+  if num_sources % num_devices and num_devices % num_sources:
+    raise ConfigError(f"{num_sources} trace sources cannot spread evenly over {num_devices} "
+                      "devices; choose N dividing S or a multiple of S.")
+  return np.arange(num_sources) * num_devices // num_sources
+
+
+def quotas(placement: Placement, totals_E: np.ndarray) -> np.ndarray:
+  """Integer tokens per slot: share x expert total, largest remainder, summing exactly."""
+  se = placement.slot_expert
+  hosted = se >= 0
+  exact = np.where(hosted, placement.share * totals_E[np.maximum(se, 0)], 0.0)
+  q = np.floor(exact + 1e-9).astype(np.int64)
+  short = np.zeros_like(totals_E, dtype=np.int64)
+  np.add.at(short, se[hosted], -q[hosted])
+  short += totals_E.astype(np.int64)
+  # Hand out the remainders, largest fractional part first, one token per slot.
+  frac = np.where(hosted, exact - q, -1.0)
+  for e in np.flatnonzero(short > 0):
+    slots = np.flatnonzero(se == e)
+    order = slots[np.argsort(-frac[slots], kind="stable")]
+    q[order[: short[e]]] += 1
+  return q
+
+
+def route(placement: Placement, counts_SxE: np.ndarray, src_dev_S: np.ndarray):
+  """Local-first routing. Returns (slot_load [N*C], tokens_SxN sent by source to device)."""
+  counts_SxE = np.asarray(counts_SxE, np.int64)
+  num_sources, num_experts = counts_SxE.shape
+  se, dev = placement.slot_expert, placement.device_of_slot
+  n = placement.num_devices
+  sent_SxN = np.zeros((num_sources, n), np.int64)
+  if placement.is_one_copy(num_experts):
+    slot_of_e = np.empty(num_experts, np.int64)
+    slot_of_e[se[se >= 0]] = np.flatnonzero(se >= 0)
+    slot_load = np.zeros(len(se), np.int64)
+    slot_load[slot_of_e] = counts_SxE.sum(0)
+    np.add.at(sent_SxN.T, dev[slot_of_e], counts_SxE.T)
+    return slot_load, sent_SxN
+  q = quotas(placement, counts_SxE.sum(0))
+  left = q.copy()
+  for e in range(num_experts):
+    slots = np.flatnonzero(se == e)
+    rest = counts_SxE[:, e].copy()
+    for s in np.flatnonzero(rest):                    # local replicas first
+      for r in slots[dev[slots] == src_dev_S[s]]:
+        take = min(rest[s], left[r])
+        left[r] -= take
+        rest[s] -= take
+        sent_SxN[s, dev[r]] += take
+    for s in np.flatnonzero(rest):                    # then any replica, in slot order
+      for r in slots:
+        take = min(rest[s], left[r])
+        left[r] -= take
+        rest[s] -= take
+        sent_SxN[s, dev[r]] += take
+  return q - left, sent_SxN
+
+
+def device_load(placement: Placement, slot_load: np.ndarray) -> np.ndarray:
+  return slot_load.reshape(placement.num_devices, -1).sum(1)
+
+
+def crossing(sent_SxN: np.ndarray, src_dev_S: np.ndarray) -> int:
+  """Tokens whose expert runs on a device other than their source's."""
+  local = sent_SxN[np.arange(len(src_dev_S)), src_dev_S].sum()
+  return int(sent_SxN.sum() - local)
+
+
+def device_counts(counts_SxE: np.ndarray, src_dev_S: np.ndarray, num_devices: int) -> np.ndarray:
+  """Sum sources on the same device: [N, E]."""
+  out = np.zeros((num_devices, counts_SxE.shape[1]), np.float64)
+  np.add.at(out, src_dev_S, counts_SxE)
+  return out

@@ -1,0 +1,38 @@
+"""Routing-trace recording in the DESIGN.md format (`.npz` with counts, top_k, step)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+
+class TraceRecorder:
+  """Collects counts[layers, sources, experts] per finished step; writes atomically.
+
+  On resume from step `start` an existing trace keeps only its steps < start, so the
+  file always describes one consistent history.
+  """
+
+  def __init__(self, path: str, top_k: int, start: int = 0):
+    self.path, self.top_k = path, top_k
+    self.steps: list[int] = []
+    self.counts: list[np.ndarray] = []
+    if os.path.exists(path):
+      with np.load(path) as old:
+        keep = old["step"] < start
+        self.steps = old["step"][keep].tolist()
+        self.counts = list(old["counts"][keep])
+
+  def add(self, step: int, counts_LxSxE: np.ndarray) -> None:
+    self.steps.append(int(step))
+    self.counts.append(np.asarray(counts_LxSxE, np.int32))
+
+  def write(self) -> None:
+    if not self.counts:
+      return
+    os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+    tmp = self.path + ".tmp.npz"
+    np.savez_compressed(tmp, counts=np.stack(self.counts), top_k=np.int32(self.top_k),
+                        step=np.asarray(self.steps, np.int64))
+    os.replace(tmp, self.path)

@@ -1,0 +1,147 @@
+"""Trace replay: static matches a direct flow() computation, planners beat static on skewed
+load, layouts use only finished steps, and the CLI writes the documented JSON."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moejax.config import ConfigError
+from moejax.planner import POLICIES, placement as pl, predict
+from moejax.planner.flow import flow, max_over_mean
+from moejax.replay import replay
+from moejax.workloads import save_trace, synthetic_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def skewed():
+  """A small skewed lognormal trace [40 steps, 2 layers, 8 sources, 16 experts]."""
+  return synthetic_trace(40, 2, 8, 16, tokens_per_source=512, corr=0.95, seed=0)["counts"]
+
+
+def test_static_equals_direct_flow(skewed):
+  devices = 4
+  r = replay(skewed, devices, 4, "static", every=5, window=3)
+  src = pl.source_devices(8, devices)
+  p = pl.static(16, devices)
+  series, crossing = np.zeros((40, 2)), 0
+  for t in range(40):
+    for layer in range(2):
+      f = flow(p, skewed[t, layer], src)
+      series[t, layer] = max_over_mean(f.device_load_N)
+      crossing += f.crossing
+  np.testing.assert_allclose(r["series"], series)
+  assert r["median"] == pytest.approx(np.median(series))
+  assert r["p90"] == pytest.approx(np.percentile(series, 90))
+  assert r["mean"] == pytest.approx(series.mean())
+  assert r["tokens_crossing"] == crossing
+  assert r["crossing_fraction"] == pytest.approx(crossing / skewed.sum())
+  assert r["experts_moved"] == 0
+  assert r["decisions"] == 2 * len(range(5, 40, 5))         # t = 5, 10, ..., 35 per layer
+
+
+def test_planners_beat_static_on_skewed_load(skewed):
+  static = replay(skewed, 4, 8, "static", every=4, window=4)
+  for name in ("smartmoe", "shadow"):
+    r = replay(skewed, 4, 8, name, every=4, window=4)
+    assert r["median"] <= static["median"], name
+    assert r["mean"] <= static["mean"], name
+    assert r["experts_moved"] > 0 and r["decisions"] == 2 * 9
+    assert r["planner_ms_mean"] > 0 and r["planner_ms_max"] >= r["planner_ms_mean"]
+  # Before the first decision every policy runs the static layout.
+  smart = replay(skewed, 4, 8, "smartmoe", every=4, window=4)
+  np.testing.assert_allclose(np.asarray(smart["series"])[:4], np.asarray(static["series"])[:4])
+
+
+def test_shadow_fixes_collapse_where_a_permutation_cannot():
+  c = synthetic_trace(20, 1, 8, 32, tokens_per_source=4096, kind="collapse", seed=1)["counts"]
+  static = replay(c, 8, 6, "static", every=5, window=5)
+  smart = replay(c, 8, 6, "smartmoe", every=5, window=5)
+  shadow = replay(c, 8, 6, "shadow", every=5, window=5)
+  assert smart["median"] > 3.0                              # top expert (40%) > 3 devices' share
+  assert shadow["median"] < smart["median"] - 0.5
+  assert shadow["median"] < static["median"] - 0.5
+
+
+@pytest.mark.parametrize("name", ["smartmoe", "shadow"])
+def test_layout_depends_only_on_finished_steps(skewed, name):
+  every, cut = 5, 20
+  base = replay(skewed, 4, 8, name, every=every, window=4)
+  altered = skewed.copy()
+  altered[cut:] = altered[cut:, :, :, ::-1]                 # steps >= cut look very different
+  alt = replay(altered, 4, 8, name, every=every, window=4)
+  np.testing.assert_array_equal(np.asarray(alt["series"])[:cut], np.asarray(base["series"])[:cut])
+  assert not np.array_equal(np.asarray(alt["series"])[cut:], np.asarray(base["series"])[cut:])
+  # A trace truncated right after step `cut` replays steps <= cut identically: the layout
+  # chosen at t = cut (a decision step) used only steps < cut.
+  short = replay(skewed[:cut + 1], 4, 8, name, every=every, window=4)
+  np.testing.assert_array_equal(np.asarray(short["series"]),
+                                np.asarray(base["series"])[:cut + 1])
+
+
+def test_policy_gets_the_lagged_prediction(skewed, monkeypatch):
+  seen = []
+
+  def spy(pred_SxE, current, *, slots, src_dev_S, cost, num_devices, **_):
+    seen.append((np.array(pred_SxE), slots, num_devices, src_dev_S.tolist()))
+    return current
+
+  monkeypatch.setitem(POLICIES, "spy", spy)
+  replay(skewed, 4, 6, "spy", every=7, window=3)
+  decision_steps = [t for t in range(1, 40) if t % 7 == 0]
+  assert len(seen) == 2 * len(decision_steps)
+  for i, t in enumerate(decision_steps):
+    for layer in range(2):
+      pred, slots, n, src = seen[2 * i + layer]
+      np.testing.assert_allclose(pred, skewed[t - 3:t, layer].mean(0))
+      np.testing.assert_allclose(pred, predict(skewed[:t], 3)[layer])
+      assert slots == 6 and n == 4 and src == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_one_copy_policies_ignore_slots(skewed):
+  a = replay(skewed, 4, 4, "smartmoe", every=5, window=5)
+  b = replay(skewed, 4, 16, "smartmoe", every=5, window=5)
+  assert a["series"] == b["series"]
+
+
+def test_errors(skewed):
+  with pytest.raises(ConfigError, match="spread evenly"):
+    replay(skewed, 3, 8, "static")                          # 8 sources over 3 devices
+  with pytest.raises(ConfigError, match="divisible"):
+    replay(skewed[..., :15], 4, 8, "smartmoe")
+  with pytest.raises(ConfigError, match="--slots=2"):
+    replay(skewed, 4, 2, "shadow")
+  with pytest.raises(ConfigError, match="unknown"):
+    replay(skewed, 4, 8, "lpt")
+  with pytest.raises(ConfigError, match="must be >= 1"):
+    replay(skewed, 4, 8, "static", every=0)
+
+
+def test_cli_all_policies_json(tmp_path):
+  trace = tmp_path / "tiny.npz"
+  save_trace(trace, synthetic_trace(12, 2, 4, 8, tokens_per_source=64, seed=3))
+  out = tmp_path / "out.json"
+  res = subprocess.run([sys.executable, "-m", "moejax.replay", str(trace), "--devices", "2",
+                        "--slots", "6", "--policy", "all", "--every", "3", "--window", "2",
+                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True)
+  assert res.returncode == 0, res.stderr
+  for name in POLICIES:
+    assert name in res.stdout
+  data = json.loads(out.read_text())
+  assert {"trace", "devices", "slots", "every", "window", "sources", "experts", "steps",
+          "layers", "policies"} <= set(data)
+  assert (data["devices"], data["slots"], data["every"], data["window"]) == (2, 6, 3, 2)
+  assert (data["steps"], data["layers"], data["sources"], data["experts"]) == (12, 2, 4, 8)
+  assert list(data["policies"])[0] == "static" and set(data["policies"]) == set(POLICIES)
+  for r in data["policies"].values():
+    assert {"median", "p90", "mean", "tokens_crossing", "crossing_fraction", "experts_moved",
+            "planner_ms_mean", "planner_ms_max", "decisions", "series"} <= set(r)
+    assert np.asarray(r["series"]).shape == (12, 2) and r["decisions"] == 2 * 3
+  bad = subprocess.run([sys.executable, "-m", "moejax.replay", str(trace), "--devices", "3",
+                        "--slots", "6"], cwd=ROOT, capture_output=True, text=True)
+  assert bad.returncode != 0 and "error:" in bad.stderr and "Traceback" not in bad.stderr
