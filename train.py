@@ -72,16 +72,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:
-    print(f"interrupted; re-run the same command to resume from the latest checkpoint in "
-          f"{cfg.train.run_dir}/checkpoints", file=sys.stderr)
+    print("interrupted; re-run the same command to resume from the latest checkpoint in the "
+          "run dir's checkpoints/", file=sys.stderr)
     return 130
   first, last = summary["first"], summary["last"]
   if first and last:
     print(f"steps {summary['start_step']}..{last['step']}: loss {first['loss']:.3f} -> "
           f"{last['loss']:.3f}; run dir {cfg.train.run_dir}")
   else:
-    print(f"nothing to do: checkpoint already at train.num_steps={cfg.train.num_steps} "
-          f"in {cfg.train.run_dir}")
+    print(f"nothing to do: the latest checkpoint in {cfg.train.run_dir} is at or past "
+          f"train.num_steps={cfg.train.num_steps}; raise it to train further")
   return 0
 
 

@@ -37,7 +37,8 @@ class MeshConfig:
   data: int = -1
   expert: int = 4
   model: int = 1
-  # On a CPU-only host with no XLA_FLAGS, train.py fakes this many host devices.
+  # With no XLA_FLAGS set, train.py exposes this many CPU host devices before JAX starts
+  # (set 1 on GPU hosts; the flag only affects the CPU platform).
   host_device_count: int = 8
 
 
@@ -49,7 +50,7 @@ class MoEConfig:
   d_ff: int = 256                 # hidden size of each expert's SwiGLU
   balance_loss_weight: float = 0.01
   z_loss_weight: float = 1e-3
-  normalize_top_k: bool = True    # renormalise the k gate weights to sum to one
+  normalize_top_k: bool = True    # renormalise the k gate weights to sum to one (k > 1)
   moe_every: int = 2              # every moe_every-th MLP is an MoE layer
   expert_mode: str = "ep"         # "ep" (slot owns weights); later "fsep"
   dispatch: str = "dense"         # "dense" (fixed capacity all_to_all)
@@ -65,6 +66,8 @@ class MoEConfig:
       raise ConfigError(
           f"moe.capacity_factor={self.capacity_factor} must be > 0; use e.g. 1.25 "
           "(1.0 = exactly the balanced share per expert).")
+    if self.d_ff < 1:
+      raise ConfigError(f"moe.d_ff={self.d_ff} must be >= 1.")
     if self.moe_every < 1:
       raise ConfigError(f"moe.moe_every={self.moe_every} must be >= 1.")
     if self.expert_mode != "ep":
@@ -87,6 +90,12 @@ class ModelConfig:
   remat: bool = False
 
   def validate(self, moe: MoEConfig) -> None:
+    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_seq_len"):
+      if getattr(self, name) < 1:
+        raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 1.")
+    if self.dtype not in ("float32", "bfloat16", "float16"):
+      raise ConfigError(f"model.dtype={self.dtype!r} is not supported; use 'float32', "
+                        "'bfloat16' or 'float16'.")
     if self.d_model % self.num_heads:
       raise ConfigError(
           f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}.")
@@ -136,7 +145,6 @@ class TrainConfig:
   num_steps: int = 300
   eval_every: int = 100
   eval_batches: int = 4
-  log_every: int = 1
   seed: int = 0
   progress_bar: bool = True
 

@@ -217,8 +217,10 @@ class BatchLoader:
     return rows
 
 
-def make_global_batch(local_rows: np.ndarray, sharding) -> jax.Array:
-  """Assemble every process's local rows into one global array laid out by `sharding`."""
+def make_global_batch(local_rows: np.ndarray, sharding, global_batch_size: int) -> jax.Array:
+  """Assemble every process's local rows into one global [B, L+1] array laid out by
+  `sharding` (the global shape is given, never inferred)."""
   import jax
 
-  return jax.make_array_from_process_local_data(sharding, local_rows)
+  return jax.make_array_from_process_local_data(
+      sharding, local_rows, (global_batch_size,) + local_rows.shape[1:])

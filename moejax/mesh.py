@@ -29,6 +29,10 @@ RULES: tuple[tuple[str, object], ...] = (
 )
 
 
+_NAMES = [name for name, _ in RULES]
+assert len(_NAMES) == len(set(_NAMES)), f"duplicate logical axis names in RULES: {_NAMES}"
+
+
 def resolve_axis_sizes(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
   """Replaces a single -1 by the remaining factor; checks the product."""
   sizes = [cfg.data, cfg.expert, cfg.model]

@@ -30,8 +30,8 @@ def max_over_mean(load: np.ndarray) -> float:
   return float(np.max(load)) / mean if mean > 0 else 1.0
 
 
-def moe_layer_records(metrics: dict, slot_expert_LxS: np.ndarray, expert_devices: int,
-                      top_k: int) -> list[dict]:
+def moe_layer_records(metrics: dict, slot_expert_LxS: np.ndarray,
+                      expert_devices: int) -> list[dict]:
   """One JSON-ready record per MoE layer from a step's metrics (numpy arrays)."""
   records = []
   counts_LxSxE = np.asarray(metrics["counts_LxSxE"])

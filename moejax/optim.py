@@ -9,14 +9,19 @@ from moejax.config import OptimConfig
 
 
 def schedule(cfg: OptimConfig, num_steps: int) -> optax.Schedule:
-  return optax.warmup_cosine_decay_schedule(
+  """Learning rate of step s (0-based): linear warm-up reaching the peak at step
+  warmup_steps - 1, then cosine decay. Shifted by one so step 0 already learns."""
+  base = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=max(1, cfg.warmup_steps),
       decay_steps=max(num_steps, cfg.warmup_steps + 1),
       end_value=cfg.learning_rate * cfg.min_lr_ratio)
+  return lambda step: base(step + 1)
 
 
 def optimizer(cfg: OptimConfig, num_steps: int) -> optax.GradientTransformation:
-  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  def decay_mask(params):   # no decay on RMSNorm scales (which are [layers, D] when scanned)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: getattr(path[-1], "key", None) != "scale", params)
   return optax.chain(
       optax.clip_by_global_norm(cfg.grad_clip_norm),
       optax.adamw(schedule(cfg, num_steps), b1=cfg.b1, b2=cfg.b2,

@@ -121,7 +121,8 @@ class Trainer:
   def evaluate(self) -> float:
     losses = []
     for i in range(self.cfg.train.eval_batches):
-      batch = data_lib.make_global_batch(self.val_loader.batch_at(i), self.batch_sharding)
+      batch = data_lib.make_global_batch(self.val_loader.batch_at(i), self.batch_sharding,
+                                         self.cfg.data.global_batch_size)
       losses.append(self.eval_step(self.state.params, batch, self.layout))
     return float(np.mean([float(x) for x in losses]))
 
@@ -129,8 +130,7 @@ class Trainer:
     return {
         "step": step, "loss": float(m["loss"]), "ce": float(m["ce"]),
         "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]), "tokens_per_s": tokens_per_s,
-        "moe": metrics_lib.moe_layer_records(m, slot_expert, self.mesh.shape["expert"],
-                                             self.cfg.moe.top_k),
+        "moe": metrics_lib.moe_layer_records(m, slot_expert, self.mesh.shape["expert"]),
     }
 
   def run(self) -> dict:
@@ -152,22 +152,25 @@ class Trainer:
     self._reads = collections.deque(maxlen=11)   # times at which step metrics became ready
     for step in range(start, cfg.train.num_steps):
       self.maybe_switch_layout(step, writer)
-      batch = data_lib.make_global_batch(self.loader.next_local(), self.batch_sharding)
+      batch = data_lib.make_global_batch(self.loader.next_local(), self.batch_sharding,
+                                         cfg.data.global_batch_size)
       self.state, m = self.train_step(self.state, batch, self.layout)
       if pending is not None:   # read step N-1's metrics after dispatching step N
         last = self._log(writer, bar, *pending, tokens_per_step)
         first = first or last
       pending = (step, m, self.layout.slot_expert_LxS)
       done = step + 1
-      if done % cfg.train.eval_every == 0 or done == cfg.train.num_steps:
+      eval_now = done % cfg.train.eval_every == 0 or done == cfg.train.num_steps
+      save_now = done % cfg.checkpoint.every == 0 and done != cfg.train.num_steps
+      if eval_now or save_now:   # write this step's record first: a kill then loses nothing
         last = self._log(writer, bar, *pending, tokens_per_step)
         first = first or last
         pending = None
-        writer.write({"step": step, "eval_loss": self.evaluate()})
+        if eval_now:   # evaluated after step `step` finished (= at checkpoint `done`)
+          writer.write({"step": step, "eval_loss": self.evaluate()})
+        if save_now:
+          self.save(done)
         self._reads.clear()   # keep eval and checkpoint time out of tokens/s
-      if done % cfg.checkpoint.every == 0 and done != cfg.train.num_steps:
-        self.save(done)
-        self._reads.clear()
     if pending is not None:
       last = self._log(writer, bar, *pending, tokens_per_step)
     if cfg.train.num_steps > start or self.checkpointer.latest_step() is None:

@@ -193,7 +193,7 @@ def test_make_global_batch():
   sharding = NamedSharding(jax.make_mesh((n,), ("b",)), P("b"))
   loader = data.BatchLoader(TOKENS, SEQ, n * max(1, 8 // n), seed=0)
   rows = loader.next_local()
-  batch = data.make_global_batch(rows, sharding)
+  batch = data.make_global_batch(rows, sharding, loader.global_batch_size)
   assert batch.shape == rows.shape and batch.dtype == np.int32
   assert batch.sharding == sharding
   np.testing.assert_array_equal(np.asarray(batch), rows)

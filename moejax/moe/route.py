@@ -36,7 +36,7 @@ def route(x_TxD: jax.Array, w_router_DxE: jax.Array, top_k: int, *, normalize_to
   logits_TxE = jnp.dot(x_TxD.astype(jnp.float32), w_router_DxE.astype(jnp.float32))
   probs_TxE = jax.nn.softmax(logits_TxE, axis=-1)
   gate_TxK, expert_TxK = jax.lax.top_k(probs_TxE, top_k)
-  if normalize_top_k:
+  if normalize_top_k and top_k > 1:   # a single gate renormalised to 1 would cut the router
     gate_TxK = gate_TxK / jnp.sum(gate_TxK, axis=-1, keepdims=True)
 
   onehot_TxKxE = jax.nn.one_hot(expert_TxK, num_experts, dtype=jnp.int32)

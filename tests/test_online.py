@@ -1,0 +1,83 @@
+"""Online placement: lagged statistics, switches in training, trace, layout in checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import numpy as np
+
+from moejax.config import PlannerConfig, TraceConfig
+from moejax.online import OnlinePlanner
+from moejax.trainer import Trainer
+from tests.test_train import tiny_config
+
+
+def test_observe_folds_data_rows_onto_expert_devices():
+  op = OnlinePlanner(PlannerConfig(policy="smartmoe", every=2, window=3), num_devices=4)
+  counts = np.arange(2 * 8 * 8).reshape(2, 8, 8)     # 2 layers, 8 sources = 2 rows x 4 devices
+  op.observe(counts)
+  np.testing.assert_array_equal(op.history[-1], counts[:, :4] + counts[:, 4:])
+
+
+def test_due_only_every_x_steps_with_history():
+  op = OnlinePlanner(PlannerConfig(policy="smartmoe", every=5), num_devices=4)
+  assert not op.due(5)                                # nothing observed yet
+  op.observe(np.ones((1, 4, 8)))
+  assert [s for s in range(12) if op.due(s)] == [5, 10]
+  assert not OnlinePlanner(PlannerConfig(policy="static", every=5), 4).due(5)
+
+
+def test_propose_balances_skewed_history_and_round_trips_state():
+  op = OnlinePlanner(PlannerConfig(policy="smartmoe", every=1, window=2), num_devices=4)
+  hot = np.zeros((1, 4, 8))
+  hot[0, :, :2] = 100.0                               # experts 0 and 1 share device 0
+  hot[0, :, 2:] = 10.0
+  op.observe(hot)
+  op.observe(hot)
+  static = np.arange(8, dtype=np.int32)[None]
+  new, switches = op.propose(static)
+  assert len(switches) == 1 and switches[0].predicted_after < switches[0].predicted_before
+  assert new[0].tolist().index(0) // 2 != new[0].tolist().index(1) // 2
+  clone = OnlinePlanner(op.cfg, 4)
+  clone.load_state_dict(json.loads(json.dumps(op.state_dict())))
+  np.testing.assert_array_equal(clone.propose(static)[0], new)
+
+
+def test_training_switches_layouts_records_trace_and_resumes_layout(tmp_path):
+  trace_path = str(tmp_path / "trace.npz")
+  base = tiny_config(tmp_path, num_steps=6, every=6, warmup_steps=2)
+  cfg = dataclasses.replace(
+      base, planner=PlannerConfig(policy="smartmoe", every=2, window=2, min_gain=0.0),
+      trace=TraceConfig(path=trace_path))
+  trainer = Trainer(cfg)
+  try:
+    trainer.run()
+    saved_layout = np.asarray(trainer.layout.slot_expert_LxS)
+    saved_params = jax.device_get(trainer.state.params)
+  finally:
+    trainer.checkpointer.close()
+  with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
+    records = [json.loads(line) for line in f]
+  switches = [r for r in records if r.get("event") == "layout_switch"]
+  assert switches, "a skewed random router should trigger at least one smartmoe switch"
+  assert all(r["step"] in (2, 4) and r["predicted_after"] < r["predicted_before"]
+             for r in switches)
+  assert not np.array_equal(saved_layout, np.tile(np.arange(8), (1, 1)))
+  with np.load(trace_path) as t:
+    assert t["counts"].shape == (6, 1, 8, 8)
+    np.testing.assert_array_equal(t["step"], np.arange(6))
+    assert int(t["top_k"]) == 2
+    assert np.all(t["counts"].sum((2, 3)) == 8 * 32 * 2)
+
+  resumed = Trainer(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, num_steps=8)))
+  try:
+    assert resumed.maybe_restore() == 6
+    np.testing.assert_array_equal(np.asarray(resumed.layout.slot_expert_LxS), saved_layout)
+    for a, b in zip(jax.tree.leaves(jax.device_get(resumed.state.params)),
+                    jax.tree.leaves(saved_params)):
+      np.testing.assert_array_equal(a, b)
+  finally:
+    resumed.checkpointer.close()
