@@ -85,7 +85,13 @@ def plan(pred_SxE: np.ndarray, current: pl.Placement, *, min_gain: float = 0.02,
   local = _improve_by_swaps(load_E, cur_dev_E, n, iters)
   reshuffle = _improve_by_swaps(load_E, _lpt(load_E, cur_dev_E, n, c), n, iters)
   dev_E = reshuffle if peak(reshuffle) < peak(local) * (1 - min_gain) else local
+  static_dev_E = np.arange(num_experts) // c
+  if peak(static_dev_E) < peak(dev_E):
+    dev_E = static_dev_E
   cur_max = peak(cur_dev_E)
-  if cur_max <= 0 or (cur_max - peak(dev_E)) / cur_max <= min_gain:
+  # Keep the current layout unless the gain is worth it, but never keep one that is
+  # predicted worse than static.
+  keep = cur_max <= 0 or (cur_max - peak(dev_E)) / cur_max <= min_gain
+  if keep and cur_max <= peak(static_dev_E):
     return current
   return pl.one_copy(_to_slots(dev_E, current, c), n)
