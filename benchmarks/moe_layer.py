@@ -126,18 +126,18 @@ def reference_step(cfg: MoEConfig):
 
 
 def sharded_step(cfg: MoEConfig, mesh):
-  def loss_fn(params, x, expert_slot_E):
-    y, stats = moe_apply(params, x, expert_slot_E, cfg, mesh)
+  def loss_fn(params, x, layout_row):
+    y, stats = moe_apply(params, x, layout_row, cfg, mesh)
     return _loss(y, stats.balance_loss, stats.z_loss), (y, jnp.sum(stats.dropped_S))
   return jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True))
 
 
-def place_sharded(params: dict, x, expert_slot_E, mesh):
+def place_sharded(params: dict, x, layout_row, mesh):
   specs = {k: logical_to_spec(v) for k, v in EXPERT_PARAM_AXES.items()}
   specs["router"] = logical_to_spec(ROUTER_AXES)
   p = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
   x = jax.device_put(x, NamedSharding(mesh, P(BATCH_AXES)))
-  slot = jax.device_put(expert_slot_E, NamedSharding(mesh, P()))
+  slot = jax.device_put(layout_row, NamedSharding(mesh, P()))
   return p, x, slot
 
 
@@ -180,7 +180,8 @@ def main(argv=None) -> int:
     mesh = mesh_of_shape(shape)
     layout = static_layout(1, args.experts, shape[1])
     configs[name] = (sharded_step(cfg, mesh), place_sharded(params_h, x_h,
-                                                            layout.expert_slot_LxE[0], mesh),
+                                                            jax.tree.map(lambda a: a[0], layout),
+                                                            mesh),
                      {"mesh": name, "kind": "sharded"})
 
   # Warm-up: compile ahead of time, then one untimed run whose outputs give the dropped

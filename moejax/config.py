@@ -52,7 +52,8 @@ class MoEConfig:
   z_loss_weight: float = 1e-3
   normalize_top_k: bool = True    # renormalise the k gate weights to sum to one (k > 1)
   moe_every: int = 2              # every moe_every-th MLP is an MoE layer
-  expert_mode: str = "ep"         # "ep" (slot owns weights); later "fsep"
+  expert_mode: str = "ep"         # "ep" (slot owns weights) or "fsep" (sharded, restored)
+  slots_per_device: int = 0       # fsep: expert slots per device C (0: 2 * ceil(E / N))
   dispatch: str = "dense"         # "dense" (fixed capacity all_to_all)
 
   def validate(self) -> None:
@@ -70,8 +71,11 @@ class MoEConfig:
       raise ConfigError(f"moe.d_ff={self.d_ff} must be >= 1.")
     if self.moe_every < 1:
       raise ConfigError(f"moe.moe_every={self.moe_every} must be >= 1.")
-    if self.expert_mode != "ep":
-      raise ConfigError(f"moe.expert_mode={self.expert_mode!r} is not supported; use 'ep'.")
+    if self.expert_mode not in ("ep", "fsep"):
+      raise ConfigError(f"moe.expert_mode={self.expert_mode!r} is not supported; use 'ep' or "
+                        "'fsep'.")
+    if self.slots_per_device < 0:
+      raise ConfigError(f"moe.slots_per_device={self.slots_per_device} must be >= 0.")
     if self.dispatch != "dense":
       raise ConfigError(f"moe.dispatch={self.dispatch!r} is not supported; use 'dense'.")
 

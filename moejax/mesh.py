@@ -25,6 +25,7 @@ RULES: tuple[tuple[str, object], ...] = (
     ("mlp", "model"),
     ("expert", "expert"),
     ("expert_mlp", "model"),
+    ("fsep_mlp", ("expert", "model")),     # fsep expert FFN dim: 1/(N*M) per device
     ("layers", None),
 )
 

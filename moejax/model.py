@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from moejax.config import ModelConfig, MoEConfig
 from moejax.layout import Layout
 from moejax.mesh import logical_to_spec
+from moejax.moe.fsep import FsepExperts
 from moejax.moe.layer import MoELayer, MoEStats
 
 
@@ -89,7 +90,8 @@ class LayerGroup(nn.Module):
   mesh: Mesh
 
   @nn.compact
-  def __call__(self, x_BxLxD, expert_slot_E):
+  def __call__(self, x_BxLxD, xs):
+    layout, slot_weights = xs        # this layer's layout row (and fsep restored weights)
     cfg = self.cfg
     act = NamedSharding(self.mesh, logical_to_spec(("batch", "length", "embed")))
     for i in range(self.moe_cfg.moe_every - 1):
@@ -101,7 +103,7 @@ class LayerGroup(nn.Module):
     x_BxLxD = x_BxLxD + Attention(cfg, name="attn_moe")(RMSNorm(cfg.norm_eps,
                                                                  name="ln_attn_moe")(x_BxLxD))
     y, stats = MoELayer(self.moe_cfg, self.mesh, jnp.dtype(cfg.dtype), name="moe")(
-        RMSNorm(cfg.norm_eps, name="ln_moe")(x_BxLxD), expert_slot_E)
+        RMSNorm(cfg.norm_eps, name="ln_moe")(x_BxLxD), layout, slot_weights)
     x_BxLxD = jax.lax.with_sharding_constraint(x_BxLxD + y, act)
     return x_BxLxD, stats
 
@@ -120,12 +122,18 @@ class Transformer(nn.Module):
     x_BxLxD = embed[tokens_BxL].astype(jnp.dtype(cfg.dtype))
     act = NamedSharding(self.mesh, logical_to_spec(("batch", "length", "embed")))
     x_BxLxD = jax.lax.with_sharding_constraint(x_BxLxD, act)
+    num_groups = cfg.num_layers // self.moe_cfg.moe_every
+    slot_weights = None
+    if self.moe_cfg.expert_mode == "fsep":   # restore every layer's slots before the scan
+      slot_weights = FsepExperts(num_groups, self.moe_cfg.num_experts, cfg.d_model,
+                                 self.moe_cfg.d_ff, self.mesh, name="fsep_experts")(
+                                     layout.slot_expert_LxS)
     group = nn.remat(LayerGroup) if cfg.remat else LayerGroup
     groups = nn.scan(group, variable_axes={"params": 0}, split_rngs={"params": True},
-                     in_axes=0, length=cfg.num_layers // self.moe_cfg.moe_every,
+                     in_axes=0, length=num_groups,
                      metadata_params={nn.PARTITION_NAME: "layers"})
     x_BxLxD, stats = groups(cfg, self.moe_cfg, self.mesh, name="layers")(
-        x_BxLxD, layout.expert_slot_LxE)
+        x_BxLxD, (layout, slot_weights))
     x_BxLxD = RMSNorm(cfg.norm_eps, name="ln_final")(x_BxLxD)
     w_out = _dense(("embed", "vocab"), (cfg.d_model, cfg.vocab_size), cfg.d_model, self,
                    "unembed")

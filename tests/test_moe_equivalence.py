@@ -17,6 +17,11 @@ E, D, F = 8, 16, 32
 MESHES = [(1, 8, 1), (2, 4, 1), (2, 2, 2), (1, 4, 2)]
 
 
+def row(layout, layer=0):
+  """One MoE layer's row of a Layout."""
+  return jax.tree.map(lambda a: a[layer], layout)
+
+
 def make_params(seed=0):
   k = jax.random.split(jax.random.key(seed), 4)
   return {
@@ -32,9 +37,9 @@ def _objective(y, bal, z):
   return jnp.sum(jnp.sin(y) * y) + 0.1 * bal + 0.01 * z
 
 
-def sharded_value_and_grad(params, x, expert_slot_E, cfg, mesh):
+def sharded_value_and_grad(params, x, layout_row, cfg, mesh):
   def f(p, x):
-    y, st = moe_apply(p, x, expert_slot_E, cfg, mesh)
+    y, st = moe_apply(p, x, layout_row, cfg, mesh)
     return _objective(y, st.balance_loss, st.z_loss), (y, st)
   return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(params, x)
 
@@ -61,7 +66,7 @@ def test_sharded_layer_matches_reference(shape, top_k):
   cfg = MoEConfig(num_experts=E, top_k=top_k, capacity_factor=float(E), d_ff=F)
   layout = static_layout(1, E, shape[1])
   (loss, (y, st)), grads = sharded_value_and_grad(
-      params, x, layout.expert_slot_LxE[0], cfg, mesh_of_shape(shape))
+      params, x, row(layout), cfg, mesh_of_shape(shape))
   (ref_loss, (ref_y, ref_counts)), ref_grads = reference_value_and_grad(params, x, top_k)
 
   assert int(np.sum(st.dropped_S)) == 0
@@ -82,7 +87,7 @@ def test_permuted_layout_matches_reference(shape):
   slot_params = dict(params, **{k: params[k][slot_expert] for k in ("w_gate", "w_up", "w_down")})
   cfg = MoEConfig(num_experts=E, top_k=2, capacity_factor=float(E), d_ff=F)
   (_, (y, _)), grads = sharded_value_and_grad(
-      slot_params, x, layout.expert_slot_LxE[0], cfg, mesh_of_shape(shape))
+      slot_params, x, row(layout), cfg, mesh_of_shape(shape))
   (_, (ref_y, _)), ref_grads = reference_value_and_grad(params, x, 2)
   np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), atol=1e-5)
   inverse = np.asarray(layout.expert_slot_LxE[0])
@@ -100,7 +105,7 @@ def test_overflow_is_dropped_and_counted():
   x = jnp.abs(jax.random.normal(jax.random.key(2), (8, 8, D))) + 0.1   # positive: logits ordered
   cfg = MoEConfig(num_experts=E, top_k=2, capacity_factor=1.0, d_ff=F)
   layout = static_layout(1, E, 8)
-  (_, (y, st)), _ = sharded_value_and_grad(params, x, layout.expert_slot_LxE[0], cfg,
+  (_, (y, st)), _ = sharded_value_and_grad(params, x, row(layout), cfg,
                                            mesh_of_shape(shape))
   tokens_per_source = 8     # batch 8 over 8 sources, L = 8 -> 8 tokens each
   cap = int(np.ceil(1.0 * tokens_per_source * 2 / E))    # 2 rows per (source, slot)

@@ -16,9 +16,11 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from moejax.config import ConfigError, MoEConfig
+from moejax.layout import Layout
 from moejax.mesh import BATCH_AXES, logical_to_spec
 from moejax.moe import combine as combine_lib, dispatch as dispatch_lib
 from moejax.moe.experts import swiglu
+from moejax.moe.replicas import choose_slots
 from moejax.moe.route import route
 
 EXPERT_PARAM_AXES = {
@@ -36,8 +38,21 @@ class MoEStats(NamedTuple):
   z_loss: jax.Array          # scalar
 
 
-def moe_apply(params: dict, x_BxLxD: jax.Array, expert_slot_E: jax.Array, cfg: MoEConfig,
+def _ep_slots(expert_A, counts_E, expert_slots_ExR, expert_parts_ExR, slots):
+  del counts_E, expert_parts_ExR, slots      # one copy per expert: the slot is fixed
+  return expert_slots_ExR[expert_A, 0]
+
+
+def _replica_slots(expert_A, counts_E, expert_slots_ExR, expert_parts_ExR, slots):
+  counts_NxE = jax.lax.all_gather(counts_E, "expert")
+  return choose_slots(expert_A, counts_NxE, jax.lax.axis_index("expert"), expert_slots_ExR,
+                      expert_parts_ExR, slots)
+
+
+def moe_apply(params: dict, x_BxLxD: jax.Array, layout: Layout, cfg: MoEConfig,
               mesh: Mesh, dtype=jnp.float32) -> tuple[jax.Array, MoEStats]:
+  """`params`: router [D, E] and slot-ordered expert weights [S, D, F] / [S, F, D] (the ep
+  params, or the fsep restore); `layout`: one layer's row of a Layout."""
   num_dev = mesh.shape["expert"]
   num_slots = params["w_gate"].shape[0]
   if num_slots % num_dev:
@@ -50,12 +65,14 @@ def moe_apply(params: dict, x_BxLxD: jax.Array, expert_slot_E: jax.Array, cfg: M
                       f"use a batch size that is a multiple of {shards}.")
   num_tokens = batch // shards * length
   cap = dispatch_lib.capacity(num_tokens, cfg.top_k, num_slots, cfg.capacity_factor)
+  # Chosen when the program is built: ep layouts have one replica per expert.
+  pick_slots = _ep_slots if layout.expert_slots_LxExR.shape[-1] == 1 else _replica_slots
 
-  def local(x, w_router, w_gate, w_up, w_down, expert_slot):
+  def local(x, w_router, w_gate, w_up, w_down, expert_slots, expert_parts):
     x_TxD = x.reshape(-1, d_model)
     r = route(x_TxD, w_router, cfg.top_k, normalize_top_k=cfg.normalize_top_k,
               token_axes=BATCH_AXES)
-    slot_A = expert_slot[r.expert_TxK.reshape(-1)]
+    slot_A = pick_slots(r.expert_TxK.reshape(-1), r.counts_E, expert_slots, expert_parts, slots)
     p = dispatch_lib.plan(slot_A, cfg.top_k, num_slots, cap)
     recv = dispatch_lib.exchange(dispatch_lib.pack(x_TxD, p), num_dev, "expert")
     h = swiglu(dispatch_lib.to_slot_major(recv, num_dev, slots), w_gate, w_up, w_down, dtype)
@@ -69,35 +86,36 @@ def moe_apply(params: dict, x_BxLxD: jax.Array, expert_slot_E: jax.Array, cfg: M
   fn = jax.shard_map(
       local, mesh=mesh,
       in_specs=(P(BATCH_AXES), logical_to_spec(ROUTER_AXES), spec["w_gate"], spec["w_up"],
-                spec["w_down"], P()),
+                spec["w_down"], P(), P()),
       out_specs=(P(BATCH_AXES), P(BATCH_AXES), P(BATCH_AXES), P(), P()))
   y, counts, dropped, bal, z = fn(x_BxLxD, params["router"], params["w_gate"], params["w_up"],
-                                  params["w_down"], expert_slot_E)
+                                  params["w_down"], layout.expert_slots_LxExR,
+                                  layout.expert_parts_LxExR)
   return y, MoEStats(counts, dropped, bal, z)
 
 
 class MoELayer(nn.Module):
+  """Owns the router (and, in ep mode, the slot-ordered expert weights)."""
   cfg: MoEConfig
   mesh: Mesh
   dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x_BxLxD: jax.Array, expert_slot_E: jax.Array):
+  def __call__(self, x_BxLxD: jax.Array, layout: Layout, slot_weights: dict | None = None):
+    """`slot_weights`: fsep mode passes the restored [S, ...] weights; ep mode owns them."""
     d_model = x_BxLxD.shape[-1]
-    num_slots = self.cfg.num_experts   # ep mode: one slot per expert
-    f = self.cfg.d_ff
-
-    def param(name, shape, fan_in):
-      init = nn.initializers.normal(stddev=fan_in ** -0.5)
-      return self.param(name, nn.with_logical_partitioning(init, EXPERT_PARAM_AXES[name]),
-                        shape, jnp.float32)
-
-    params = {
-        "router": self.param(
-            "router", nn.with_logical_partitioning(nn.initializers.normal(0.02), ROUTER_AXES),
-            (d_model, self.cfg.num_experts), jnp.float32),
-        "w_gate": param("w_gate", (num_slots, d_model, f), d_model),
-        "w_up": param("w_up", (num_slots, d_model, f), d_model),
-        "w_down": param("w_down", (num_slots, f, d_model), f),
-    }
-    return moe_apply(params, x_BxLxD, expert_slot_E, self.cfg, self.mesh, self.dtype)
+    params = {"router": self.param(
+        "router", nn.with_logical_partitioning(nn.initializers.normal(0.02), ROUTER_AXES),
+        (d_model, self.cfg.num_experts), jnp.float32)}
+    if slot_weights is None:
+      num_slots, f = self.cfg.num_experts, self.cfg.d_ff   # ep: one slot per expert
+      for name, shape, fan_in in (("w_gate", (num_slots, d_model, f), d_model),
+                                  ("w_up", (num_slots, d_model, f), d_model),
+                                  ("w_down", (num_slots, f, d_model), f)):
+        init = nn.initializers.normal(stddev=fan_in ** -0.5)
+        params[name] = self.param(
+            name, nn.with_logical_partitioning(init, EXPERT_PARAM_AXES[name]), shape,
+            jnp.float32)
+    else:
+      params.update(slot_weights)
+    return moe_apply(params, x_BxLxD, layout, self.cfg, self.mesh, self.dtype)

@@ -71,21 +71,37 @@ def source_devices(num_sources: int, num_devices: int) -> np.ndarray:
   return np.arange(num_sources) * num_devices // num_sources
 
 
-def quotas(placement: Placement, totals_E: np.ndarray) -> np.ndarray:
-  """Integer tokens per slot: share x expert total, largest remainder, summing exactly."""
-  se = placement.slot_expert
+SHARE_PARTS = 1024   # token shares are integer parts of 1024 so host and device agree exactly
+
+
+def share_parts(p: Placement, num_experts: int) -> np.ndarray:
+  """int64 [N*C]: each slot's share in parts of SHARE_PARTS; per expert they sum exactly to
+  SHARE_PARTS (floor, then the remainder to the largest fractional parts, lowest slot first)."""
+  se = p.slot_expert
   hosted = se >= 0
-  exact = np.where(hosted, placement.share * totals_E[np.maximum(se, 0)], 0.0)
-  q = np.floor(exact + 1e-9).astype(np.int64)
-  short = np.zeros_like(totals_E, dtype=np.int64)
-  np.add.at(short, se[hosted], -q[hosted])
-  short += totals_E.astype(np.int64)
-  # Hand out the remainders, largest fractional part first, one token per slot.
-  frac = np.where(hosted, exact - q, -1.0)
+  exact = np.where(hosted, p.share * SHARE_PARTS, 0.0)
+  parts = np.floor(exact + 1e-9).astype(np.int64)
+  short = np.full(num_experts, SHARE_PARTS, np.int64)
+  np.subtract.at(short, se[hosted], parts[hosted])
+  frac = np.where(hosted, exact - parts, -1.0)
   for e in np.flatnonzero(short > 0):
     slots = np.flatnonzero(se == e)
     order = slots[np.argsort(-frac[slots], kind="stable")]
-    q[order[: short[e]]] += 1
+    parts[order[: short[e]]] += 1
+  return parts
+
+
+def quotas(placement: Placement, totals_E: np.ndarray) -> np.ndarray:
+  """Integer tokens per slot, exact: with an expert's replicas in slot order and cumulative
+  parts P_r, replica r serves floor(P_r * T / 1024) - floor(P_{r-1} * T / 1024) of its T."""
+  se = placement.slot_expert
+  parts = share_parts(placement, len(totals_E))
+  q = np.zeros(len(se), np.int64)
+  for e in np.unique(se[se >= 0]):
+    slots = np.flatnonzero(se == e)
+    cum = np.cumsum(parts[slots])
+    hi = cum * int(totals_E[e]) // SHARE_PARTS
+    q[slots] = np.diff(np.concatenate([[0], hi]))
   return q
 
 
@@ -103,6 +119,8 @@ def route(placement: Placement, counts_SxE: np.ndarray, src_dev_S: np.ndarray):
     slot_load[slot_of_e] = counts_SxE.sum(0)
     np.add.at(sent_SxN.T, dev[slot_of_e], counts_SxE.T)
     return slot_load, sent_SxN
+  if one_per_device(placement, num_experts):
+    return _route_one_per_device(placement, counts_SxE, src_dev_S)
   q = quotas(placement, counts_SxE.sum(0))
   left = q.copy()
   for e in range(num_experts):
@@ -121,6 +139,64 @@ def route(placement: Placement, counts_SxE: np.ndarray, src_dev_S: np.ndarray):
         rest[s] -= take
         sent_SxN[s, dev[r]] += take
   return q - left, sent_SxN
+
+
+def one_per_device(placement: Placement, num_experts: int) -> bool:
+  """True if no device holds two replicas of one expert."""
+  se = placement.slot_expert
+  hosted = se >= 0
+  keys = placement.device_of_slot[hosted].astype(np.int64) * num_experts + se[hosted]
+  return len(np.unique(keys)) == len(keys)
+
+
+def _route_one_per_device(placement: Placement, counts_SxE: np.ndarray, src_dev_S: np.ndarray):
+  """`route` without loops for placements with at most one replica per (device, expert).
+
+  Local phase, elementwise: sources on one device take from its replica of e in source order,
+  so source s takes min(count, max(0, quota - counts of earlier sources on its device)).
+  Remote phase: per expert, the sources' remaining tokens (source order) and the replicas' left
+  quotas (slot order) are two partitions of the same length; the greedy fill sends to replica r
+  from source s exactly the overlap of their intervals. All experts are laid end to end on one
+  line and the overlaps are the segments between the merged interval ends."""
+  num_sources, num_experts = counts_SxE.shape
+  se, dev, n = placement.slot_expert, placement.device_of_slot, placement.num_devices
+  src = np.asarray(src_dev_S, np.int64)
+  q = quotas(placement, counts_SxE.sum(0))
+  hosted = np.flatnonzero(se >= 0)
+  local_slot = np.full((n, num_experts), -1, np.int64)
+  local_slot[dev[hosted], se[hosted]] = hosted
+  slot_SxE = local_slot[src]                                  # [S, E] local replica or -1
+  order = np.argsort(src, kind="stable")
+  c_sorted = counts_SxE[order]
+  before = np.cumsum(c_sorted, 0) - c_sorted                  # exclusive, over sorted sources
+  first = np.searchsorted(src[order], src[order])             # first source of each device
+  prefix = np.empty_like(counts_SxE)
+  prefix[order] = before - before[first]
+  has = slot_SxE >= 0
+  q_SxE = np.where(has, q[np.maximum(slot_SxE, 0)], 0)
+  take = np.minimum(counts_SxE, np.maximum(q_SxE - prefix, 0))
+  sent_SxN = np.zeros((num_sources, n), np.int64)
+  sent_SxN[np.arange(num_sources), src] = take.sum(1)
+  used = np.bincount(slot_SxE[has], weights=take[has], minlength=len(se))
+  used = np.rint(used).astype(np.int64)
+  left = q - used
+  rest = counts_SxE - take
+  rest[:, np.bincount(se[hosted], minlength=num_experts) == 0] = 0   # unhosted: dropped
+  src_end = np.cumsum(rest.T.ravel())                         # expert-major, source order
+  reps = hosted[np.argsort(se[hosted], kind="stable")]        # expert-major, slot order
+  rep_end = np.cumsum(left[reps])
+  if len(src_end) and len(rep_end) and src_end[-1] > 0:
+    ends = np.union1d(src_end, rep_end)
+    starts = np.concatenate([[0], ends[:-1]])
+    seg = ends - starts
+    keep = seg > 0
+    starts, seg = starts[keep], seg[keep]
+    s_of = np.searchsorted(src_end, starts, side="right") % num_sources
+    r_of = reps[np.searchsorted(rep_end, starts, side="right")]
+    remote = np.bincount(s_of * n + dev[r_of], weights=seg, minlength=num_sources * n)
+    sent_SxN += np.rint(remote).astype(np.int64).reshape(num_sources, n)
+    used += np.rint(np.bincount(r_of, weights=seg, minlength=len(se))).astype(np.int64)
+  return used, sent_SxN
 
 
 def device_load(placement: Placement, slot_load: np.ndarray) -> np.ndarray:

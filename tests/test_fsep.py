@@ -1,0 +1,152 @@
+"""FSEP: fully sharded experts restored per layout, with replicas, equal the reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from moejax.config import MoEConfig
+from moejax.layout import from_placements, round_robin_layout
+from moejax.mesh import logical_to_spec, mesh_of_shape
+from moejax.moe.fsep import FSEP_PARAM_AXES, restore_slot_weights
+from moejax.moe.layer import moe_apply
+from moejax.moe.reference import moe_reference
+from moejax.moe.replicas import choose_slots
+from moejax.planner import placement as pl
+from tests.test_moe_equivalence import D, E, F, assert_trees_close, make_params
+
+LAYOUTS = 20
+
+
+def random_placement(rng, num_devices, slots, num_experts=E):
+  """All slots filled, >= 1 replica per expert, <= 1 replica of an expert per device,
+  some experts with 3+ replicas, random token shares."""
+  while True:
+    extra = rng.multinomial(num_devices * slots - num_experts,
+                            rng.dirichlet(np.full(num_experts, 0.3)))
+    reps = 1 + np.minimum(extra, num_devices - 1)
+    if reps.sum() != num_devices * slots or reps.max() < 3:
+      continue
+    slot_expert = rng.permutation(np.repeat(np.arange(num_experts), reps)).astype(np.int32)
+    per_dev = slot_expert.reshape(num_devices, slots)
+    if all(len(set(row)) == slots for row in per_dev):
+      break
+  share = np.zeros(len(slot_expert))
+  for e in range(num_experts):
+    mine = np.flatnonzero(slot_expert == e)
+    share[mine] = rng.dirichlet(np.ones(len(mine)))
+  return pl.Placement(slot_expert, share, num_devices)
+
+
+def fsep_value_and_grad_fn(cfg, mesh):
+  def f(p, x, layout):
+    fsep = {k: p[k][None] for k in ("w_gate", "w_up", "w_down")}
+    slot = restore_slot_weights(fsep, layout.slot_expert_LxS, mesh)
+    slot_params = {"router": p["router"], **{k: v[0] for k, v in slot.items()}}
+    y, st = moe_apply(slot_params, x, jax.tree.map(lambda a: a[0], layout), cfg, mesh)
+    return jnp.sum(jnp.sin(y) * y) + 0.1 * st.balance_loss + 0.01 * st.z_loss, (y, st)
+  return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
+
+
+def _reference_objective(p, x):
+  y, counts, bal, z = moe_reference(p, x, 2)
+  return jnp.sum(jnp.sin(y) * y) + 0.1 * bal + 0.01 * z, (y, counts)
+
+
+reference_value_and_grad = jax.jit(jax.value_and_grad(_reference_objective, argnums=(0, 1),
+                                                      has_aux=True))
+
+
+@pytest.mark.parametrize("shape,slots", [((1, 8, 1), 2), ((2, 4, 1), 4)],
+                         ids=["1x8x1", "2x4x1"])
+def test_fsep_layer_matches_reference_for_random_replicated_layouts(shape, slots):
+  mesh = mesh_of_shape(shape)
+  n = shape[1]
+  cfg = MoEConfig(num_experts=E, top_k=2, capacity_factor=float(n * slots), d_ff=F,
+                  expert_mode="fsep")
+  rng = np.random.default_rng(0)
+  rep = NamedSharding(mesh, P())
+  fsep_value_and_grad = fsep_value_and_grad_fn(cfg, mesh)
+  for i in range(LAYOUTS):
+    params = make_params(i)
+    x = jax.random.normal(jax.random.key(100 + i), (8, 8, D))
+    placement = random_placement(rng, n, slots)
+    layout = jax.device_put(from_placements([placement], E, n), rep)
+    (loss, (y, st)), grads = fsep_value_and_grad(params, x, layout)
+    (ref_loss, (ref_y, ref_counts)), ref_grads = reference_value_and_grad(params, x)
+    assert int(np.sum(st.dropped_S)) == 0
+    np.testing.assert_array_equal(np.asarray(st.counts_SxE).sum(0), np.asarray(ref_counts))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), atol=1e-5, err_msg=f"layout {i}")
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    assert_trees_close(grads, ref_grads, atol=5e-5)
+  assert fsep_value_and_grad._cache_size() == 1, "a new layout recompiled the fsep layer"
+
+
+def test_fsep_relayout_compiles_once():
+  mesh = mesh_of_shape((2, 4, 1))
+  cfg = MoEConfig(num_experts=E, top_k=2, capacity_factor=16.0, d_ff=F, expert_mode="fsep")
+  rep = NamedSharding(mesh, P())
+  traces = []
+
+  def f(p, x, layout):
+    traces.append(1)
+    fsep = {k: p[k][None] for k in ("w_gate", "w_up", "w_down")}
+    slot = restore_slot_weights(fsep, layout.slot_expert_LxS, mesh)
+    slot_params = {"router": p["router"], **{k: v[0] for k, v in slot.items()}}
+    y, _ = moe_apply(slot_params, x, jax.tree.map(lambda a: a[0], layout), cfg, mesh)
+    return jnp.sum(y * y)
+
+  step = jax.jit(jax.grad(f))
+  params, x = make_params(), jax.random.normal(jax.random.key(1), (8, 8, D))
+  rng = np.random.default_rng(3)
+  for _ in range(5):
+    layout = jax.device_put(from_placements([random_placement(rng, 4, 4)], E, 4), rep)
+    jax.block_until_ready(step(params, x, layout))
+  assert len(traces) == 1 and step._cache_size() == 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_in_graph_replica_routing_equals_host_routing(seed):
+  """choose_slots (device) and placement.route (host) send the same tokens to each slot."""
+  n, slots = 8, 2
+  mesh = mesh_of_shape((1, n, 1))
+  rng = np.random.default_rng(seed)
+  placement = random_placement(rng, n, slots)
+  layout = from_placements([placement], E, n)
+  choices = 40
+  expert_NxA = rng.choice(E, size=(n, choices), p=rng.dirichlet(np.full(E, 0.5)))
+
+  def local(expert_A, expert_slots, expert_parts):
+    expert_A = expert_A[0]
+    counts_E = jnp.zeros((E,), jnp.int32).at[expert_A].add(1)
+    counts_NxE = jax.lax.all_gather(counts_E, "expert")
+    return choose_slots(expert_A, counts_NxE, jax.lax.axis_index("expert"), expert_slots,
+                        expert_parts, slots)[None]
+
+  fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("expert"), P(), P()),
+                             out_specs=P("expert")))
+  slot_NxA = np.asarray(fn(jnp.asarray(expert_NxA, jnp.int32), layout.expert_slots_LxExR[0],
+                           layout.expert_parts_LxExR[0]))
+  assert np.all(placement.slot_expert[slot_NxA] == expert_NxA), "a choice left its expert"
+  counts_SxE = np.stack([np.bincount(row, minlength=E) for row in expert_NxA])
+  slot_load, sent_SxN = pl.route(placement, counts_SxE, np.arange(n))
+  got_load = np.bincount(slot_NxA.reshape(-1), minlength=n * slots)
+  np.testing.assert_array_equal(got_load, slot_load)
+  got_sent = np.stack([np.bincount(row // slots, minlength=n) for row in slot_NxA])
+  np.testing.assert_array_equal(got_sent, sent_SxN)
+
+
+def test_round_robin_layout_and_slot_check():
+  layout = round_robin_layout(2, 8, 4, 4)
+  assert layout.expert_slots_LxExR.shape == (2, 8, 4)
+  np.testing.assert_array_equal(np.asarray(layout.expert_parts_LxExR).sum(-1), pl.SHARE_PARTS)
+  from moejax.config import ConfigError
+  with pytest.raises(ConfigError, match="N\\*C >= E"):
+    round_robin_layout(1, 16, 4, 2)
+
+
+def test_fsep_param_specs_shard_ffn_over_all_group_devices():
+  assert logical_to_spec(FSEP_PARAM_AXES["w_gate"]) == P(None, None, None, ("expert", "model"))
