@@ -161,11 +161,12 @@ class PlannerConfig:
   window: int = 10                # finished steps averaged into the predicted load
   min_gain: float = 0.05          # hysteresis: min relative drop of predicted max device load
 
-  def validate(self) -> None:
-    if self.policy not in ("static", "smartmoe"):
+  def validate(self, expert_mode: str = "ep") -> None:
+    allowed = {"ep": ("static", "smartmoe"), "fsep": ("static", "fsep")}[expert_mode]
+    if self.policy not in allowed:
       raise ConfigError(
-          f"planner.policy={self.policy!r} cannot run in training with moe.expert_mode='ep' "
-          "(one copy per expert); use 'static' or 'smartmoe' (replay also has 'shadow').")
+          f"planner.policy={self.policy!r} cannot run in training with moe.expert_mode="
+          f"{expert_mode!r}; use one of {list(allowed)} (replay also has 'shadow').")
     if self.every < 0 or self.window < 1 or self.min_gain < 0:
       raise ConfigError(f"planner.every={self.every}, planner.window={self.window}, "
                         f"planner.min_gain={self.min_gain}: need every >= 0, window >= 1, "
@@ -196,7 +197,7 @@ class Config:
     for field in dataclasses.fields(self):
       check_field_types(field.name, getattr(self, field.name))
     self.moe.validate()
-    self.planner.validate()
+    self.planner.validate(self.moe.expert_mode)
     self.model.validate(self.moe)
     if self.data.seq_len > self.model.max_seq_len:
       raise ConfigError(

@@ -9,20 +9,18 @@ from typing import IO
 import numpy as np
 
 
-def device_load(counts_SxE: np.ndarray, slot_expert_S: np.ndarray,
-                expert_devices: int) -> np.ndarray:
-  """Choices received by each (data row, expert-axis device), flattened row-major.
+def device_load(slot_counts_SxC: np.ndarray, expert_devices: int) -> np.ndarray:
+  """Choices sent to each (data row, expert-axis device), flattened row-major.
 
   Sources are ordered (data, expert) row-major, so the sources of data row r are
-  rows r*N .. r*N+N-1 of counts, and they only talk to the N devices of row r.
-  Each slot receives the choices of the expert it hosts (one copy per expert).
+  rows r*N .. r*N+N-1, and they only talk to the N devices of row r; device d of
+  a row hosts slots d*C .. d*C+C-1.
   """
-  counts_SxE = np.asarray(counts_SxE)
-  sources, _ = counts_SxE.shape
+  slot_counts_SxC = np.asarray(slot_counts_SxC)
+  sources, num_slots = slot_counts_SxC.shape
   rows = sources // expert_devices
-  per_row_RxE = counts_SxE.reshape(rows, expert_devices, -1).sum(axis=1)
-  slot_load_RxS = per_row_RxE[:, np.asarray(slot_expert_S)]
-  return slot_load_RxS.reshape(rows, expert_devices, -1).sum(axis=2).reshape(-1)
+  per_row_RxC = slot_counts_SxC.reshape(rows, expert_devices, num_slots).sum(axis=1)
+  return per_row_RxC.reshape(rows, expert_devices, -1).sum(axis=2).reshape(-1)
 
 
 def max_over_mean(load: np.ndarray) -> float:
@@ -30,14 +28,13 @@ def max_over_mean(load: np.ndarray) -> float:
   return float(np.max(load)) / mean if mean > 0 else 1.0
 
 
-def moe_layer_records(metrics: dict, slot_expert_LxS: np.ndarray,
-                      expert_devices: int) -> list[dict]:
+def moe_layer_records(metrics: dict, expert_devices: int) -> list[dict]:
   """One JSON-ready record per MoE layer from a step's metrics (numpy arrays)."""
   records = []
   counts_LxSxE = np.asarray(metrics["counts_LxSxE"])
   dropped_LxS = np.asarray(metrics["dropped_LxS"])
   for layer, counts_SxE in enumerate(counts_LxSxE):
-    load = device_load(counts_SxE, slot_expert_LxS[layer], expert_devices)
+    load = device_load(metrics["slot_counts_LxSxC"][layer], expert_devices)
     total = int(counts_SxE.sum())
     records.append({
         "layer": layer,

@@ -2,8 +2,8 @@
 
 Host-side and JAX-free. The trainer feeds it each finished step's count matrix
 and asks, before dispatching step t, whether to switch layouts; the plan uses
-only steps that had finished by then. In `ep` mode the layout is shared by all
-data rows, so sources are folded onto their expert-axis device first.
+only steps that had finished by then. The layout is shared by all data rows, so
+sources are folded onto their expert-axis device first.
 """
 
 from __future__ import annotations
@@ -23,7 +23,14 @@ class Switch(NamedTuple):
   layer: int
   predicted_before: float      # predicted max/mean device load under the current layout
   predicted_after: float
-  experts_moved: int
+  experts_moved: int           # (device, expert) copies the new layout adds
+
+
+def _presence(p: pl.Placement, num_experts: int) -> np.ndarray:
+  out = np.zeros((p.num_devices, num_experts), bool)
+  hosted = p.slot_expert >= 0
+  out[p.device_of_slot[hosted], p.slot_expert[hosted]] = True
+  return out
 
 
 class OnlinePlanner:
@@ -46,24 +53,24 @@ class OnlinePlanner:
     return (self.cfg.policy != "static" and self.cfg.every > 0 and step > 0 and
             step % self.cfg.every == 0 and len(self.history) > 0)
 
-  def propose(self, slot_expert_LxS: np.ndarray) -> tuple[np.ndarray, list[Switch]]:
-    """New slot -> expert tables (unchanged rows where no switch pays off)."""
+  def propose(self, current: list[pl.Placement]) -> tuple[list[pl.Placement], list[Switch]]:
+    """New placements per layer (the current one where no switch pays off)."""
     pred_LxNxE = planner.predict(np.stack(self.history), self.cfg.window)
     src = np.arange(self.num_devices)
-    out = np.array(slot_expert_LxS, np.int32, copy=True)
-    switches = []
+    out, switches = list(current), []
     for layer, pred_NxE in enumerate(pred_LxNxE):
-      cur = pl.one_copy(out[layer], self.num_devices)
+      cur = current[layer]
       new = self.policy(pred_NxE, cur, slots=cur.slots_per_device, src_dev_S=src,
                         cost=self.cost, num_devices=self.num_devices,
                         min_gain=self.cfg.min_gain)
-      if np.array_equal(new.slot_expert, cur.slot_expert):
+      if (np.array_equal(new.slot_expert, cur.slot_expert) and
+          np.allclose(new.share, cur.share, atol=0.5 / pl.SHARE_PARTS)):
         continue
+      experts = pred_NxE.shape[1]
       before = max_over_mean(flow(cur, pred_NxE, src).device_load_N)
       after = max_over_mean(flow(new, pred_NxE, src).device_load_N)
-      moved = int(np.sum(cur.device_of_slot[np.argsort(cur.slot_expert)] !=
-                         new.device_of_slot[np.argsort(new.slot_expert)]))
-      out[layer] = new.slot_expert
+      moved = int((_presence(new, experts) & ~_presence(cur, experts)).sum())
+      out[layer] = new
       switches.append(Switch(layer, before, after, moved))
     return out, switches
 

@@ -14,8 +14,15 @@ from tqdm import tqdm
 
 from moejax import data as data_lib, metrics as metrics_lib, step as step_lib
 from moejax.checkpoint import Checkpointer
-from moejax.config import Config, ConfigError
-from moejax.layout import Layout, from_slot_expert, static_layout
+from moejax.config import Config, ConfigError, MoEConfig
+from moejax.layout import (
+    Layout,
+    from_placements,
+    from_slot_expert,
+    round_robin_layout,
+    static_layout,
+    to_placements,
+)
 from moejax.mesh import batch_sharding, build_mesh, num_batch_shards, replicated
 from moejax.migrate import migrate
 from moejax.model import Transformer
@@ -23,6 +30,14 @@ from moejax.online import OnlinePlanner
 from moejax.optim import optimizer, schedule
 from moejax.state import init_state, state_shardings
 from moejax.trace import TraceRecorder
+
+
+def initial_layout(moe: MoEConfig, num_layers: int, num_devices: int) -> Layout:
+  """ep: expert e on device e // (E/N); fsep: C slots per device, round-robin replicas."""
+  if moe.expert_mode == "ep":
+    return static_layout(num_layers, moe.num_experts, num_devices)
+  slots = moe.slots_per_device or 2 * -(-moe.num_experts // num_devices)
+  return round_robin_layout(num_layers, moe.num_experts, num_devices, slots)
 
 
 def _check_batch(cfg: Config, shards: int) -> None:
@@ -54,9 +69,8 @@ class Trainer:
 
     self.model = Transformer(cfg.model, cfg.moe, self.mesh)
     num_moe_layers = cfg.model.num_layers // cfg.moe.moe_every
-    self.layout: Layout = static_layout(num_moe_layers, cfg.moe.num_experts,
-                                        self.mesh.shape["expert"])
-    self.layout = jax.device_put(self.layout, replicated(self.mesh))
+    self.layout: Layout = jax.device_put(
+        initial_layout(cfg.moe, num_moe_layers, self.mesh.shape["expert"]), replicated(self.mesh))
     self.lr = schedule(cfg.optim, cfg.train.num_steps)
     self.tx = optimizer(cfg.optim, cfg.train.num_steps)
     b, length = cfg.data.global_batch_size, cfg.data.seq_len
@@ -97,16 +111,20 @@ class Trainer:
     """dyn.X: before dispatching `step`, re-plan from the finished steps' loads."""
     if not self.planner.due(step):
       return
-    old = np.asarray(self.layout.slot_expert_LxS)
-    new, switches = self.planner.propose(old)
+    n, num_experts = self.mesh.shape["expert"], self.cfg.moe.num_experts
+    new, switches = self.planner.propose(to_placements(self.layout, n))
     if not switches:
       return
-    jax.block_until_ready(self.state)   # time the migration alone, not the step in flight
+    jax.block_until_ready(self.state)   # time the switch alone, not the step in flight
     tick = time.perf_counter()
-    new_layout = jax.device_put(from_slot_expert(new, self.cfg.moe.num_experts),
-                                self.layout_sharding)
-    self.state = migrate(self.state, self.layout, new_layout)
-    jax.block_until_ready(self.state)
+    if self.cfg.moe.expert_mode == "ep":  # slots own weights: move them and their Adam state
+      new_layout = jax.device_put(
+          from_slot_expert(np.stack([p.slot_expert for p in new]), num_experts),
+          self.layout_sharding)
+      self.state = migrate(self.state, self.layout, new_layout)
+    else:                                 # fsep: the next step restores the new slots
+      new_layout = jax.device_put(from_placements(new, num_experts, n), self.layout_sharding)
+    jax.block_until_ready((self.state, new_layout))
     seconds = time.perf_counter() - tick
     self.layout = new_layout
     for sw in switches:
@@ -126,11 +144,11 @@ class Trainer:
       losses.append(self.eval_step(self.state.params, batch, self.layout))
     return float(np.mean([float(x) for x in losses]))
 
-  def _record(self, step: int, m: dict, slot_expert: np.ndarray, tokens_per_s: float) -> dict:
+  def _record(self, step: int, m: dict, tokens_per_s: float) -> dict:
     return {
         "step": step, "loss": float(m["loss"]), "ce": float(m["ce"]),
         "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]), "tokens_per_s": tokens_per_s,
-        "moe": metrics_lib.moe_layer_records(m, slot_expert, self.mesh.shape["expert"]),
+        "moe": metrics_lib.moe_layer_records(m, self.mesh.shape["expert"]),
     }
 
   def run(self) -> dict:
@@ -158,7 +176,7 @@ class Trainer:
       if pending is not None:   # read step N-1's metrics after dispatching step N
         last = self._log(writer, bar, *pending, tokens_per_step)
         first = first or last
-      pending = (step, m, self.layout.slot_expert_LxS)
+      pending = (step, m)
       done = step + 1
       eval_now = done % cfg.train.eval_every == 0 or done == cfg.train.num_steps
       save_now = done % cfg.checkpoint.every == 0 and done != cfg.train.num_steps
@@ -182,15 +200,15 @@ class Trainer:
     writer.close()
     return {"start_step": start, "first": first, "last": last}
 
-  def _log(self, writer, bar, step, m, slot_expert, tokens_per_step) -> dict:
-    m, slot_expert = jax.device_get((m, slot_expert))   # blocks until `step` has finished
+  def _log(self, writer, bar, step, m, tokens_per_step) -> dict:
+    m = jax.device_get(m)   # blocks until `step` has finished
     self._reads.append(time.perf_counter())
     span = self._reads[-1] - self._reads[0]
     rate = tokens_per_step * (len(self._reads) - 1) / span if span > 0 else None
     self.planner.observe(m["counts_LxSxE"])
     if self.trace is not None:
       self.trace.add(step, m["counts_LxSxE"])
-    record = self._record(step, m, np.asarray(slot_expert), rate)
+    record = self._record(step, m, rate)
     writer.write(record)
     bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{rate or 0:.0f}")
     bar.update(step + 1 - bar.n)

@@ -150,3 +150,38 @@ def test_round_robin_layout_and_slot_check():
 
 def test_fsep_param_specs_shard_ffn_over_all_group_devices():
   assert logical_to_spec(FSEP_PARAM_AXES["w_gate"]) == P(None, None, None, ("expert", "model"))
+
+
+def _split_reference(placement, counts_SxE):
+  """Host version of the proportional split: slot loads per source [S, N*C]."""
+  parts = pl.share_parts(placement, counts_SxE.shape[1])
+  out = np.zeros((len(counts_SxE), len(placement.slot_expert)), np.int64)
+  for s, row in enumerate(counts_SxE):
+    for e, c in enumerate(row):
+      slots = np.flatnonzero(placement.slot_expert == e)
+      hi = np.cumsum(parts[slots]) * int(c) // pl.SHARE_PARTS
+      out[s, slots] = np.diff(np.concatenate([[0], hi]))
+  return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_in_graph_proportional_split_matches_host(seed):
+  from moejax.moe.replicas import split_slots
+  n, slots = 8, 2
+  mesh = mesh_of_shape((1, n, 1))
+  rng = np.random.default_rng(seed)
+  placement = random_placement(rng, n, slots)
+  layout = from_placements([placement], E, n)
+  expert_NxA = rng.choice(E, size=(n, 40), p=rng.dirichlet(np.full(E, 0.5)))
+
+  def local(expert_A, expert_slots, expert_parts):
+    return split_slots(expert_A[0], expert_slots, expert_parts)[None]
+
+  fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("expert"), P(), P()),
+                             out_specs=P("expert")))
+  slot_NxA = np.asarray(fn(jnp.asarray(expert_NxA, jnp.int32), layout.expert_slots_LxExR[0],
+                           layout.expert_parts_LxExR[0]))
+  assert np.all(placement.slot_expert[slot_NxA] == expert_NxA), "a choice left its expert"
+  counts_SxE = np.stack([np.bincount(row, minlength=E) for row in expert_NxA])
+  got = np.stack([np.bincount(row, minlength=n * slots) for row in slot_NxA])
+  np.testing.assert_array_equal(got, _split_reference(placement, counts_SxE))

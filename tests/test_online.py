@@ -11,6 +11,7 @@ import numpy as np
 
 from moejax.config import PlannerConfig, TraceConfig
 from moejax.online import OnlinePlanner
+from moejax.planner import placement as pl
 from moejax.trainer import Trainer
 from tests.test_train import tiny_config
 
@@ -37,13 +38,14 @@ def test_propose_balances_skewed_history_and_round_trips_state():
   hot[0, :, 2:] = 10.0
   op.observe(hot)
   op.observe(hot)
-  static = np.arange(8, dtype=np.int32)[None]
+  static = [pl.static(8, 4)]
   new, switches = op.propose(static)
   assert len(switches) == 1 and switches[0].predicted_after < switches[0].predicted_before
-  assert new[0].tolist().index(0) // 2 != new[0].tolist().index(1) // 2
+  row = new[0].slot_expert.tolist()
+  assert row.index(0) // 2 != row.index(1) // 2
   clone = OnlinePlanner(op.cfg, 4)
   clone.load_state_dict(json.loads(json.dumps(op.state_dict())))
-  np.testing.assert_array_equal(clone.propose(static)[0], new)
+  np.testing.assert_array_equal(clone.propose(static)[0][0].slot_expert, new[0].slot_expert)
 
 
 def test_training_switches_layouts_records_trace_and_resumes_layout(tmp_path):

@@ -19,6 +19,7 @@ class DispatchPlan(NamedTuple):
   buf_index_A: jax.Array     # int32 [T*K]: row of the send buffer, or -1 if dropped
   buf_token_B: jax.Array     # int32 [S*cap]: token that fills each buffer row, or T if empty
   dropped: jax.Array         # int32 scalar: choices dropped on this device
+  slot_counts: jax.Array     # int32 [S]: choices this device sent to each slot (before drops)
 
 
 def capacity(num_tokens: int, top_k: int, num_slots: int, capacity_factor: float) -> int:
@@ -42,7 +43,8 @@ def plan(slot_A: jax.Array, top_k: int, num_slots: int, cap: int) -> DispatchPla
   num_tokens = num_choices // top_k
   buf_token_SxP = jnp.where(filled_SxP, order_A[src_SxP] // top_k, num_tokens)
   dropped = jnp.sum(~keep_A).astype(jnp.int32)
-  return DispatchPlan(buf_index_A.astype(jnp.int32), buf_token_SxP.reshape(-1), dropped)
+  return DispatchPlan(buf_index_A.astype(jnp.int32), buf_token_SxP.reshape(-1), dropped,
+                      counts_S)
 
 
 def pack(x_TxD: jax.Array, p: DispatchPlan) -> jax.Array:

@@ -20,7 +20,7 @@ from moejax.layout import Layout
 from moejax.mesh import BATCH_AXES, logical_to_spec
 from moejax.moe import combine as combine_lib, dispatch as dispatch_lib
 from moejax.moe.experts import swiglu
-from moejax.moe.replicas import choose_slots
+from moejax.moe.replicas import split_slots
 from moejax.moe.route import route
 
 EXPERT_PARAM_AXES = {
@@ -34,6 +34,7 @@ ROUTER_AXES = ("embed", None)
 class MoEStats(NamedTuple):
   counts_SxE: jax.Array      # int32 [sources, E]: choices each source device sent to each expert
   dropped_S: jax.Array       # int32 [sources]: choices each source dropped for lack of capacity
+  slot_counts_SxC: jax.Array  # int32 [sources, N*C]: choices each source sent to each slot
   balance_loss: jax.Array    # scalar
   z_loss: jax.Array          # scalar
 
@@ -44,9 +45,8 @@ def _ep_slots(expert_A, counts_E, expert_slots_ExR, expert_parts_ExR, slots):
 
 
 def _replica_slots(expert_A, counts_E, expert_slots_ExR, expert_parts_ExR, slots):
-  counts_NxE = jax.lax.all_gather(counts_E, "expert")
-  return choose_slots(expert_A, counts_NxE, jax.lax.axis_index("expert"), expert_slots_ExR,
-                      expert_parts_ExR, slots)
+  del counts_E, slots
+  return split_slots(expert_A, expert_slots_ExR, expert_parts_ExR)
 
 
 def moe_apply(params: dict, x_BxLxD: jax.Array, layout: Layout, cfg: MoEConfig,
@@ -80,18 +80,18 @@ def moe_apply(params: dict, x_BxLxD: jax.Array, layout: Layout, cfg: MoEConfig,
     back = dispatch_lib.exchange(dispatch_lib.from_slot_major(h, num_dev), num_dev, "expert")
     y_TxD = combine_lib.combine(back, p, r.gate_TxK)
     return (y_TxD.reshape(x.shape).astype(x.dtype), r.counts_E[None], p.dropped[None],
-            r.balance_loss, r.z_loss)
+            p.slot_counts[None], r.balance_loss, r.z_loss)
 
   spec = {k: logical_to_spec(v) for k, v in EXPERT_PARAM_AXES.items()}
   fn = jax.shard_map(
       local, mesh=mesh,
       in_specs=(P(BATCH_AXES), logical_to_spec(ROUTER_AXES), spec["w_gate"], spec["w_up"],
                 spec["w_down"], P(), P()),
-      out_specs=(P(BATCH_AXES), P(BATCH_AXES), P(BATCH_AXES), P(), P()))
-  y, counts, dropped, bal, z = fn(x_BxLxD, params["router"], params["w_gate"], params["w_up"],
-                                  params["w_down"], layout.expert_slots_LxExR,
-                                  layout.expert_parts_LxExR)
-  return y, MoEStats(counts, dropped, bal, z)
+      out_specs=(P(BATCH_AXES), P(BATCH_AXES), P(BATCH_AXES), P(BATCH_AXES), P(), P()))
+  y, counts, dropped, slot_counts, bal, z = fn(
+      x_BxLxD, params["router"], params["w_gate"], params["w_up"], params["w_down"],
+      layout.expert_slots_LxExR, layout.expert_parts_LxExR)
+  return y, MoEStats(counts, dropped, slot_counts, bal, z)
 
 
 class MoELayer(nn.Module):

@@ -1,5 +1,11 @@
 """Choose a replica slot for every (token, k) choice, inside shard_map (fsep layouts).
 
+`split_slots` (used by the dense dispatch) splits each source's choices of an
+expert over its replicas by the planned shares. `choose_slots` is the local-first
+rule below; it keeps more tokens on their own device but concentrates a source's
+tokens on its local slots, which fixed per-(source, slot) capacity cannot absorb,
+so it awaits a dropless (ragged) dispatch.
+
 Deterministic and identical on every device, from the all-gathered [sources x
 experts] count matrix of this device's expert group (the same rule as
 `moejax.planner.placement.route`):
@@ -33,6 +39,21 @@ def rank_within_expert(expert_A: jax.Array, num_experts: int) -> jax.Array:
   starts = jnp.cumsum(counts) - counts
   ranks_sorted = jnp.arange(n, dtype=jnp.int32) - starts[expert_A[order]]
   return jnp.zeros((n,), jnp.int32).at[order].set(ranks_sorted)
+
+
+def split_slots(expert_A: jax.Array, expert_slots_ExR: jax.Array,
+                expert_parts_ExR: jax.Array) -> jax.Array:
+  """Proportional split (what the dense dispatch uses): this device's choices of expert e,
+  in token order, go to e's replicas in slot order, replica r taking
+  floor(P_r * c_e / 1024) - floor(P_{r-1} * c_e / 1024) of its c_e choices. Every
+  (source, slot) pair then carries ~ share x count, so fixed per-pair capacity suffices."""
+  num_experts = expert_slots_ExR.shape[0]
+  counts_E = jnp.zeros((num_experts,), jnp.int32).at[expert_A].add(1)
+  bounds_ExR = _scaled_floor(jnp.cumsum(expert_parts_ExR, axis=1), counts_E[:, None])
+  rank_A = rank_within_expert(expert_A, num_experts)
+  r_A = jnp.sum(bounds_ExR[expert_A] <= rank_A[:, None], axis=1)
+  r_A = jnp.minimum(r_A, jnp.sum(expert_slots_ExR >= 0, axis=1)[expert_A] - 1)
+  return jnp.take_along_axis(expert_slots_ExR[expert_A], r_A[:, None], axis=1)[:, 0]
 
 
 def choose_slots(expert_A: jax.Array, counts_NxE: jax.Array, device: jax.Array,
