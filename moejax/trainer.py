@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from moejax import data as data_lib, metrics as metrics_lib, step as step_lib
+from moejax import data as data_lib, memory, metrics as metrics_lib, step as step_lib
 from moejax.checkpoint import Checkpointer
 from moejax.config import Config, ConfigError, MoEConfig
 from moejax.layout import (
@@ -157,6 +157,11 @@ class Trainer:
     if self.is_main:
       with open(os.path.join(cfg.train.run_dir, "config.json"), "w") as f:
         json.dump(cfg.to_dict(), f, indent=2)
+      with open(os.path.join(cfg.train.run_dir, "memory.txt"), "w") as f:
+        f.write(memory.report(
+            cfg.model.num_layers // cfg.moe.moe_every, cfg.moe.num_experts, cfg.model.d_model,
+            cfg.moe.d_ff, self.mesh.shape["expert"], self.mesh.shape["model"],
+            self.layout.num_slots // self.mesh.shape["expert"]) + "\n")
     start = self.maybe_restore()
     if cfg.trace.path and self.is_main:
       self.trace = TraceRecorder(cfg.trace.path, cfg.moe.top_k, start)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import jax
 
 from moejax.config import ModelConfig, MoEConfig, OptimConfig
-from moejax.layout import static_layout
 from moejax.mesh import mesh_of_shape
 from moejax.model import Transformer
 from moejax.optim import optimizer
 from moejax.state import init_state, state_shardings
+from moejax.trainer import initial_layout
 
 TINY_MODEL = ModelConfig(d_model=32, num_layers=4, num_heads=4, d_ff=64, max_seq_len=16)
 TINY_MOE = MoEConfig(num_experts=8, top_k=2, capacity_factor=8.0, d_ff=32, moe_every=2)
@@ -21,7 +21,7 @@ def tiny_setup(shape, model_cfg=TINY_MODEL, moe_cfg=TINY_MOE, seed=0):
   mesh = mesh_of_shape(shape)
   model = Transformer(model_cfg, moe_cfg, mesh)
   layout = jax.device_put(
-      static_layout(model_cfg.num_layers // moe_cfg.moe_every, moe_cfg.num_experts, shape[1]),
+      initial_layout(moe_cfg, model_cfg.num_layers // moe_cfg.moe_every, shape[1]),
       jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
   tx = optimizer(OptimConfig(learning_rate=1e-2, warmup_steps=1), 10)
   shardings = state_shardings(model, tx, mesh, layout, BATCH, SEQ)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from moejax import step as step_lib
 from moejax.config import MoEConfig
 from moejax.layout import from_placements, round_robin_layout
 from moejax.mesh import logical_to_spec, mesh_of_shape
@@ -16,6 +20,7 @@ from moejax.moe.layer import moe_apply
 from moejax.moe.reference import moe_reference
 from moejax.moe.replicas import choose_slots
 from moejax.planner import placement as pl
+from tests.helpers import TINY_MOE, tiny_setup, tokens
 from tests.test_moe_equivalence import D, E, F, assert_trees_close, make_params
 
 LAYOUTS = 20
@@ -185,3 +190,48 @@ def test_in_graph_proportional_split_matches_host(seed):
   counts_SxE = np.stack([np.bincount(row, minlength=E) for row in expert_NxA])
   got = np.stack([np.bincount(row, minlength=n * slots) for row in slot_NxA])
   np.testing.assert_array_equal(got, _split_reference(placement, counts_SxE))
+
+
+FSEP_MOE = dataclasses.replace(TINY_MOE, expert_mode="fsep", slots_per_device=4)
+
+
+def test_whole_fsep_model_on_mesh_matches_one_device():
+  """fsep on (2,4,1) (4 slots per device, replicas) == fsep on one device (8 slots)."""
+  out = {}
+  for shape, slots in (((1, 1, 1), 8), ((2, 4, 1), 4)):
+    moe = dataclasses.replace(FSEP_MOE, slots_per_device=slots)
+    _, model, _, layout, _, state = tiny_setup(shape, moe_cfg=moe)
+    f = jax.jit(jax.value_and_grad(
+        functools.partial(step_lib.loss_fn, model=model, moe_cfg=moe), has_aux=True))
+    (loss, aux), grads = f(state.params, batch_BxL1=tokens(), layout=layout)
+    assert int(np.sum(aux["dropped_LxS"])) == 0
+    out[shape] = (float(loss), jax.device_get(grads))
+  (l1, g1), (l8, g8) = out[(1, 1, 1)], out[(2, 4, 1)]
+  np.testing.assert_allclose(l8, l1, rtol=1e-5)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g8), jax.tree.leaves(g1)):
+    np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
+
+
+def test_every_layers_restore_is_scheduled_before_the_layer_loop():
+  """The compiled step issues all MoE layers' restore all_to_alls before the scanned layer
+  loop, so layer l+1's restore never waits for layer l's expert matmuls."""
+  _, model, tx, layout, shardings, state = tiny_setup((2, 4, 1), moe_cfg=FSEP_MOE)
+  step = jax.jit(functools.partial(step_lib.train_step, model=model, tx=tx, moe_cfg=FSEP_MOE,
+                                   lr_schedule=lambda s: 0.0),
+                 in_shardings=(shardings, None, None), out_shardings=(shardings, None))
+  hlo = step.lower(state, tokens(), layout).compile().as_text()
+  entry = hlo[hlo.index("\nENTRY"):]
+  lines = entry[:entry.index("\n}\n")].splitlines()
+
+  def forward(line):
+    return "transpose(" not in line      # the backward pass is the transpose of jvp
+
+  restores = [i for i, line in enumerate(lines) if " all-to-all(" in line and
+              "fsep_experts/" in line and forward(line)]
+  loops = [i for i, line in enumerate(lines) if " while(" in line and forward(line)]
+  layer_a2a_in_entry = [i for i, line in enumerate(lines) if " all-to-all(" in line and
+                        "layers/moe" in line]
+  assert loops, "expected the layer scan to compile to a while loop"
+  assert len(restores) >= 3, "expected the w_gate/w_up/w_down restores in the entry computation"
+  assert max(restores) < loops[0], "a restore is scheduled after the layer loop starts"
+  assert not layer_a2a_in_entry, "token all_to_alls belong inside the layer loop"
