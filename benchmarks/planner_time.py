@@ -4,12 +4,17 @@ What it measures: the wall time (time.perf_counter) of one policy call
 `plan(pred_SxE, current, slots=C, src_dev_S=..., cost=CostModel(), num_devices=N)` for one MoE
 layer, as replay and the online trainer make it. The predicted load is one step of a lognormal
 synthetic trace (moejax.workloads.synthetic_trace, sigma=1.0, top_k=2, 2048 tokens per source)
-with sources = N (one source per device); `current` is the static placement. Each row: one
-warm-up call, then the median (and min, max) over --repeats calls (>= 5).
+with sources = N (one source per device); `current` is the static placement (fsep ignores it;
+where E < N it gets any valid layout). Each row: one warm-up call, then the median (and min,
+max) over --repeats calls (>= 5). `max/mean` is the busiest device's load over the mean when
+the planned layout routes that same predicted load (placement.route: whole SHARE_PARTS parts,
+local first).
 
-Configurations: E=64 on N=64 and N=256, plus E=256 on N=256. One-copy policies (static,
-smartmoe) get C = E/N slots; the others (shadow) get --slots (default 2) and need the static
-base, E/N integer. Rows that cannot exist (E < N) are printed as "n/a (E < N)".
+Configurations: E=64 on N=64 and N=256, plus E=256 on N=256, for every policy. One-copy
+policies (static, smartmoe) get C = E/N slots; the others get --slots (default 2); shadow needs
+the static base (E/N integer). Rows that cannot exist are printed as "n/a (...)". Then the
+fsep latency table: E=64 on N = 64, 256, 1024 with C = --fsep_slots (default 8), with the
+default options and with exact_parts=False (no snapping/rounding of shares to router parts).
 
 Run (from the repository root):
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import platform
 import statistics
@@ -35,31 +41,47 @@ if str(_REPO) not in sys.path:
 import numpy as np
 
 from moejax.planner import ONE_COPY_POLICIES, POLICIES, CostModel, placement as pl
+from moejax.planner.flow import flow, max_over_mean
 from moejax.workloads import synthetic_trace
 
 DEFAULT_JSON = "benchmarks/results/planner_time.json"
 CONFIGS = ((64, 64), (64, 256), (256, 256))     # (experts E, devices N)
+FSEP_CONFIGS = ((64, 64), (64, 256), (64, 1024))
+NEEDS_STATIC_BASE = ("static", "smartmoe", "shadow")
 
 
 def policy_order() -> list[str]:
   return ["static"] + sorted(p for p in POLICIES if p != "static")
 
 
+def _any_layout(experts: int, devices: int, slots: int) -> pl.Placement:
+  """A valid placement for `current` where the static one cannot exist (fsep ignores it)."""
+  if experts % devices == 0:
+    return pl.static(experts, devices)
+  se = (np.arange(devices * slots) % experts).astype(np.int32)
+  return pl.Placement(se, 1.0 / np.bincount(se, minlength=experts)[se], devices)
+
+
 def time_policy(name: str, experts: int, devices: int, slots: int, repeats: int,
-                seed: int) -> dict:
+                seed: int, options: dict | None = None) -> dict:
   row = {"policy": name, "experts": experts, "devices": devices, "sources": devices}
   one_copy = name in ONE_COPY_POLICIES
-  if experts % devices:
+  if experts % devices and name in NEEDS_STATIC_BASE:
     why = "E < N" if experts < devices else "E % N != 0"
     return {**row, "slots": None, "status": f"n/a ({why})"}
   c = experts // devices if one_copy else slots
   row["slots"] = c
-  if c < experts // devices:
+  if name in NEEDS_STATIC_BASE and c < experts // devices:
     return {**row, "status": f"n/a (slots < E/N={experts // devices})"}
+  if devices * c < experts:
+    return {**row, "status": f"n/a (N*C < E={experts})"}
   counts = synthetic_trace(1, 1, devices, experts, kind="lognormal", seed=seed)["counts"]
   pred = counts[0, 0].astype(np.float64)
   src = pl.source_devices(devices, devices)
-  current, cost, plan = pl.static(experts, devices), CostModel(), POLICIES[name]
+  current, cost, plan = _any_layout(experts, devices, c), CostModel(), POLICIES[name]
+  if options:
+    plan = functools.partial(plan, **options)
+    row["options"] = options
   times = []
   for i in range(repeats + 1):
     t0 = time.perf_counter()
@@ -69,8 +91,25 @@ def time_policy(name: str, experts: int, devices: int, slots: int, repeats: int,
       times.append(dt)
   out.validate(experts)
   ms = [t * 1e3 for t in times]
+  balance = max_over_mean(flow(out, counts[0, 0], src).device_load_N)
   return {**row, "status": "ok", "ms_median": statistics.median(ms), "ms_min": min(ms),
-          "ms_max": max(ms), "calls": len(ms), "replicas": int(out.replicas(experts).sum())}
+          "ms_max": max(ms), "calls": len(ms), "replicas": int(out.replicas(experts).sum()),
+          "max_over_mean": balance}
+
+
+def print_table(rows: list[dict]) -> None:
+  head = (f"{'policy':<10} {'E':>4} {'N':>5} {'C':>3} {'ms median':>10} {'ms min':>9} "
+          f"{'ms max':>9} {'copies':>6} {'max/mean':>8}")
+  print(head)
+  print("-" * len(head))
+  for r in rows:
+    c = "-" if r["slots"] is None else r["slots"]
+    if r["status"] != "ok":
+      print(f"{r['policy']:<10} {r['experts']:>4} {r['devices']:>5} {c:>3} {r['status']:>10}")
+      continue
+    print(f"{r['policy']:<10} {r['experts']:>4} {r['devices']:>5} {c:>3} "
+          f"{r['ms_median']:>10.3f} {r['ms_min']:>9.3f} {r['ms_max']:>9.3f} "
+          f"{r['replicas']:>6} {r['max_over_mean']:>8.3f}")
 
 
 def main(argv=None) -> int:
@@ -79,30 +118,28 @@ def main(argv=None) -> int:
   ap.add_argument("--json", default=DEFAULT_JSON, help=f"output JSON (default {DEFAULT_JSON})")
   ap.add_argument("--repeats", type=int, default=5, help="timed calls per row (>= 5)")
   ap.add_argument("--slots", type=int, default=2, help="slots per device for non-one-copy")
+  ap.add_argument("--fsep_slots", type=int, default=8, help="slots per device, fsep table")
   ap.add_argument("--seed", type=int, default=0)
   a = ap.parse_args(argv)
   if a.repeats < 5:
     ap.error("--repeats must be >= 5")
   rows = [time_policy(name, e, n, a.slots, a.repeats, a.seed)
           for e, n in CONFIGS for name in policy_order()]
-  head = (f"{'policy':<10} {'E':>4} {'N':>4} {'C':>3} {'ms median':>10} {'ms min':>9} "
-          f"{'ms max':>9} {'copies':>6}")
-  print(head)
-  print("-" * len(head))
-  for r in rows:
-    c = "-" if r["slots"] is None else r["slots"]
-    if r["status"] != "ok":
-      print(f"{r['policy']:<10} {r['experts']:>4} {r['devices']:>4} {c:>3} {r['status']:>10}")
-      continue
-    print(f"{r['policy']:<10} {r['experts']:>4} {r['devices']:>4} {c:>3} {r['ms_median']:>10.3f} "
-          f"{r['ms_min']:>9.3f} {r['ms_max']:>9.3f} {r['replicas']:>6}")
+  print_table(rows)
+  fsep_rows = []
+  if "fsep" in POLICIES:
+    fsep_rows = [time_policy("fsep", e, n, a.fsep_slots, a.repeats, a.seed, opts)
+                 for opts in (None, {"exact_parts": False}) for e, n in FSEP_CONFIGS]
+    print(f"\nfsep latency (C={a.fsep_slots}); last {len(FSEP_CONFIGS)} rows: exact_parts=False "
+          "(shares not snapped/rounded to SHARE_PARTS by the planner)")
+    print_table(fsep_rows)
   out = {"benchmark": "planner_time", "command": " ".join(["python"] + sys.argv),
          "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
          "python": platform.python_version(), "numpy": np.__version__,
          "machine": platform.machine(), "processor": platform.processor() or None,
-         "repeats": a.repeats, "slots": a.slots, "seed": a.seed,
+         "repeats": a.repeats, "slots": a.slots, "fsep_slots": a.fsep_slots, "seed": a.seed,
          "load": "lognormal sigma=1.0, top_k=2, 2048 tokens per source, sources = N",
-         "rows": rows}
+         "rows": rows, "fsep_rows": fsep_rows}
   path = Path(a.json)
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(out, indent=2) + "\n")

@@ -83,7 +83,8 @@ def to_placements(layout: Layout, num_devices: int) -> list[pl.Placement]:
     share = np.zeros(slot_expert.shape[1])
     ok = slots[layer] >= 0
     share[slots[layer][ok]] = parts[layer][ok] / pl.SHARE_PARTS
-    out.append(pl.Placement(slot_expert[layer].copy(), share, num_devices))
+    routing = "split" if slots.shape[-1] > 1 else "local_first"   # what the device does
+    out.append(pl.Placement(slot_expert[layer].copy(), share, num_devices, routing))
   return out
 
 
@@ -125,7 +126,7 @@ def round_robin_placement(num_experts: int, num_devices: int, slots: int) -> pl.
   fsep_slots_check(num_experts, num_devices, slots)
   slot_expert = np.arange(num_devices * slots, dtype=np.int32) % num_experts
   reps = np.bincount(slot_expert, minlength=num_experts)
-  return pl.Placement(slot_expert, 1.0 / reps[slot_expert], num_devices)
+  return pl.Placement(slot_expert, 1.0 / reps[slot_expert], num_devices, routing="split")
 
 
 def round_robin_layout(num_layers: int, num_experts: int, num_devices: int,

@@ -157,18 +157,6 @@ def test_fsep_param_specs_shard_ffn_over_all_group_devices():
   assert logical_to_spec(FSEP_PARAM_AXES["w_gate"]) == P(None, None, None, ("expert", "model"))
 
 
-def _split_reference(placement, counts_SxE):
-  """Host version of the proportional split: slot loads per source [S, N*C]."""
-  parts = pl.share_parts(placement, counts_SxE.shape[1])
-  out = np.zeros((len(counts_SxE), len(placement.slot_expert)), np.int64)
-  for s, row in enumerate(counts_SxE):
-    for e, c in enumerate(row):
-      slots = np.flatnonzero(placement.slot_expert == e)
-      hi = np.cumsum(parts[slots]) * int(c) // pl.SHARE_PARTS
-      out[s, slots] = np.diff(np.concatenate([[0], hi]))
-  return out
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_in_graph_proportional_split_matches_host(seed):
   from moejax.moe.replicas import split_slots
@@ -180,7 +168,8 @@ def test_in_graph_proportional_split_matches_host(seed):
   expert_NxA = rng.choice(E, size=(n, 40), p=rng.dirichlet(np.full(E, 0.5)))
 
   def local(expert_A, expert_slots, expert_parts):
-    return split_slots(expert_A[0], expert_slots, expert_parts)[None]
+    phase = jax.lax.axis_index("expert") * pl.SHARE_PARTS // n
+    return split_slots(expert_A[0], expert_slots, expert_parts, phase)[None]
 
   fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("expert"), P(), P()),
                              out_specs=P("expert")))
@@ -189,7 +178,7 @@ def test_in_graph_proportional_split_matches_host(seed):
   assert np.all(placement.slot_expert[slot_NxA] == expert_NxA), "a choice left its expert"
   counts_SxE = np.stack([np.bincount(row, minlength=E) for row in expert_NxA])
   got = np.stack([np.bincount(row, minlength=n * slots) for row in slot_NxA])
-  np.testing.assert_array_equal(got, _split_reference(placement, counts_SxE))
+  np.testing.assert_array_equal(got, pl.split_loads(placement, counts_SxE))
 
 
 FSEP_MOE = dataclasses.replace(TINY_MOE, expert_mode="fsep", slots_per_device=4)

@@ -22,6 +22,7 @@ from moejax.moe import combine as combine_lib, dispatch as dispatch_lib
 from moejax.moe.experts import swiglu
 from moejax.moe.replicas import split_slots
 from moejax.moe.route import route
+from moejax.planner.placement import SHARE_PARTS
 
 EXPERT_PARAM_AXES = {
     "w_gate": ("expert", "embed", "expert_mlp"),
@@ -46,7 +47,9 @@ def _ep_slots(expert_A, counts_E, expert_slots_ExR, expert_parts_ExR, slots):
 
 def _replica_slots(expert_A, counts_E, expert_slots_ExR, expert_parts_ExR, slots):
   del counts_E, slots
-  return split_slots(expert_A, expert_slots_ExR, expert_parts_ExR)
+  n = jax.lax.axis_size("expert")
+  phase = jax.lax.axis_index("expert") * SHARE_PARTS // n
+  return split_slots(expert_A, expert_slots_ExR, expert_parts_ExR, phase)
 
 
 def moe_apply(params: dict, x_BxLxD: jax.Array, layout: Layout, cfg: MoEConfig,

@@ -42,14 +42,18 @@ def rank_within_expert(expert_A: jax.Array, num_experts: int) -> jax.Array:
 
 
 def split_slots(expert_A: jax.Array, expert_slots_ExR: jax.Array,
-                expert_parts_ExR: jax.Array) -> jax.Array:
+                expert_parts_ExR: jax.Array, phase: jax.Array) -> jax.Array:
   """Proportional split (what the dense dispatch uses): this device's choices of expert e,
   in token order, go to e's replicas in slot order, replica r taking
-  floor(P_r * c_e / 1024) - floor(P_{r-1} * c_e / 1024) of its c_e choices. Every
-  (source, slot) pair then carries ~ share x count, so fixed per-pair capacity suffices."""
+  floor((P_r c_e + phase) / 1024) - floor((P_{r-1} c_e + phase) / 1024) of its c_e choices;
+  `phase` = source index * 1024 // sources spreads the rounding over replicas. Every
+  (source, slot) pair then carries ~ share x count, so fixed per-pair capacity suffices.
+  Same rule as `moejax.planner.placement.split_loads`."""
   num_experts = expert_slots_ExR.shape[0]
   counts_E = jnp.zeros((num_experts,), jnp.int32).at[expert_A].add(1)
-  bounds_ExR = _scaled_floor(jnp.cumsum(expert_parts_ExR, axis=1), counts_E[:, None])
+  cum_ExR = jnp.cumsum(expert_parts_ExR, axis=1)
+  q, r = counts_E[:, None] // SHARE_PARTS, counts_E[:, None] % SHARE_PARTS
+  bounds_ExR = cum_ExR * q + (cum_ExR * r + phase) // SHARE_PARTS
   rank_A = rank_within_expert(expert_A, num_experts)
   r_A = jnp.sum(bounds_ExR[expert_A] <= rank_A[:, None], axis=1)
   r_A = jnp.minimum(r_A, jnp.sum(expert_slots_ExR >= 0, axis=1)[expert_A] - 1)

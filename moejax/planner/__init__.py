@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from moejax.config import ConfigError
-from moejax.planner import placement, shadow, smartmoe
+from moejax.planner import fsep, placement, shadow, smartmoe
 from moejax.planner.cost import CostModel
 
 
@@ -19,7 +19,8 @@ def _static(pred_SxE, current, **_):
   return placement.static(np.asarray(pred_SxE).shape[1], current.num_devices)
 
 
-POLICIES = {"static": _static, "smartmoe": smartmoe.plan, "shadow": shadow.plan}
+POLICIES = {"static": _static, "smartmoe": smartmoe.plan, "shadow": shadow.plan,
+            "fsep": fsep.plan}
 ONE_COPY_POLICIES = ("static", "smartmoe")
 
 

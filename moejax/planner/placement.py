@@ -2,11 +2,18 @@
 
 A `Placement` describes one MoE layer on N devices with C slots each: which
 expert each slot hosts (-1 = empty) and the share of that expert's tokens the
-slot is planned to serve. Tokens are routed *local first*: a source device's
-tokens for expert e go to a replica of e on the same device while that
-replica's quota (share x the expert's actual tokens) lasts; the rest fill the
-remaining quotas in slot order. Planners return Placements; replay evaluates
-them; the trainer turns one-copy placements into JAX `Layout`s.
+slot is planned to serve. Two token rules (`Placement.routing`):
+- "local_first" (shadow experts): a source device's tokens for expert e go to a
+  replica of e on the same device while that replica's quota (share x the
+  expert's actual tokens) lasts; the rest fill the remaining quotas in slot order.
+- "split" (fsep training, the dense dispatch): each source splits its tokens for e
+  over e's replicas by the shares, so every (source, slot) pair carries ~ share x
+  count and fixed per-pair capacity suffices. With cumulative parts P_r and c tokens,
+  replica r gets floor((P_r c + phase) / 1024) - floor((P_{r-1} c + phase) / 1024), where
+  source s of S uses phase s * 1024 // S, so rounding leftovers do not all land on the
+  same replica.
+Planners return Placements; replay evaluates them; the trainer turns them into
+JAX `Layout`s.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ class Placement:
   slot_expert: np.ndarray    # int32 [N*C]; -1 = empty slot
   share: np.ndarray          # float64 [N*C]; per expert, shares of its slots sum to 1
   num_devices: int
+  routing: str = "local_first"   # or "split" (see the module doc)
 
   @property
   def slots_per_device(self) -> int:
@@ -105,13 +113,32 @@ def quotas(placement: Placement, totals_E: np.ndarray) -> np.ndarray:
   return q
 
 
+def split_loads(placement: Placement, counts_SxE: np.ndarray) -> np.ndarray:
+  """"split" rule: (token, k) rows each source sends to each slot, int64 [S, N*C]."""
+  counts_SxE = np.asarray(counts_SxE, np.int64)
+  se = placement.slot_expert
+  parts = share_parts(placement, counts_SxE.shape[1])
+  out = np.zeros((len(counts_SxE), len(se)), np.int64)
+  phase_S1 = (np.arange(len(counts_SxE)) * SHARE_PARTS // len(counts_SxE))[:, None]
+  for e in np.unique(se[se >= 0]):
+    slots = np.flatnonzero(se == e)
+    hi = (np.cumsum(parts[slots])[None, :] * counts_SxE[:, e:e + 1] + phase_S1) // SHARE_PARTS
+    out[:, slots] = np.diff(hi, axis=1, prepend=0)
+  return out
+
+
 def route(placement: Placement, counts_SxE: np.ndarray, src_dev_S: np.ndarray):
-  """Local-first routing. Returns (slot_load [N*C], tokens_SxN sent by source to device)."""
+  """Routes by `placement.routing`. Returns (slot_load [N*C], tokens_SxN sent by source to
+  device)."""
   counts_SxE = np.asarray(counts_SxE, np.int64)
   num_sources, num_experts = counts_SxE.shape
   se, dev = placement.slot_expert, placement.device_of_slot
   n = placement.num_devices
   sent_SxN = np.zeros((num_sources, n), np.int64)
+  if placement.routing == "split":
+    loads_SxC = split_loads(placement, counts_SxE)
+    np.add.at(sent_SxN.T, dev, loads_SxC.T)
+    return loads_SxC.sum(0), sent_SxN
   if placement.is_one_copy(num_experts):
     slot_of_e = np.empty(num_experts, np.int64)
     slot_of_e[se[se >= 0]] = np.flatnonzero(se >= 0)
@@ -149,6 +176,33 @@ def one_per_device(placement: Placement, num_experts: int) -> bool:
   return len(np.unique(keys)) == len(keys)
 
 
+def _quotas_vec(placement: Placement, totals_E: np.ndarray) -> np.ndarray:
+  """`quotas` without per-expert loops (same integers): share_parts' remainder parts go, per
+  expert, to the slots ranked first by (fractional part desc, slot asc); the cumulative parts
+  are then taken per expert in slot order."""
+  se = placement.slot_expert
+  num_experts = len(totals_E)
+  hosted = np.flatnonzero(se >= 0)
+  e_h = se[hosted].astype(np.int64)
+  exact = placement.share[hosted] * SHARE_PARTS
+  parts = np.floor(exact + 1e-9).astype(np.int64)
+  short = SHARE_PARTS - np.bincount(e_h, weights=parts, minlength=num_experts).astype(np.int64)
+  by_frac = np.lexsort((hosted, -(exact - parts), e_h))     # per expert: frac desc, slot asc
+  starts = np.searchsorted(e_h[by_frac], e_h[by_frac])
+  rank = np.arange(len(hosted)) - starts
+  parts[by_frac] += rank < short[e_h[by_frac]]
+  by_slot = np.argsort(e_h, kind="stable")                  # per expert: slot order
+  e_s = e_h[by_slot]
+  cum = np.cumsum(parts[by_slot])
+  first = np.searchsorted(e_s, e_s)
+  cum = cum - (cum[first] - parts[by_slot][first])          # cumulative within the expert
+  hi = cum * np.asarray(totals_E).astype(np.int64)[e_s] // SHARE_PARTS
+  lo = np.where(np.arange(len(hi)) == first, 0, np.concatenate([[0], hi[:-1]]))
+  q = np.zeros(len(se), np.int64)
+  q[hosted[by_slot]] = hi - lo
+  return q
+
+
 def _route_one_per_device(placement: Placement, counts_SxE: np.ndarray, src_dev_S: np.ndarray):
   """`route` without loops for placements with at most one replica per (device, expert).
 
@@ -161,7 +215,7 @@ def _route_one_per_device(placement: Placement, counts_SxE: np.ndarray, src_dev_
   num_sources, num_experts = counts_SxE.shape
   se, dev, n = placement.slot_expert, placement.device_of_slot, placement.num_devices
   src = np.asarray(src_dev_S, np.int64)
-  q = quotas(placement, counts_SxE.sum(0))
+  q = _quotas_vec(placement, counts_SxE.sum(0))
   hosted = np.flatnonzero(se >= 0)
   local_slot = np.full((n, num_experts), -1, np.int64)
   local_slot[dev[hosted], se[hosted]] = hosted

@@ -1,0 +1,342 @@
+"""The fsep planner (LAER-MoE style replicas) and the vectorised local-first router."""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moejax import planner
+from moejax.config import ConfigError
+from moejax.planner import fsep, placement as pl
+from moejax.planner.cost import CostModel
+from moejax.planner.flow import flow, max_over_mean
+from moejax.replay import replay
+from moejax.workloads import load_trace, synthetic_trace
+
+TRACES = Path(__file__).resolve().parents[1] / "benchmarks" / "traces"
+
+
+def _route_reference(placement, counts_SxE, src_dev_S):
+  """The loop implementation of placement.route (before vectorisation), kept as the spec."""
+  counts_SxE = np.asarray(counts_SxE, np.int64)
+  num_sources, num_experts = counts_SxE.shape
+  se, dev = placement.slot_expert, placement.device_of_slot
+  n = placement.num_devices
+  sent_SxN = np.zeros((num_sources, n), np.int64)
+  if placement.is_one_copy(num_experts):
+    slot_of_e = np.empty(num_experts, np.int64)
+    slot_of_e[se[se >= 0]] = np.flatnonzero(se >= 0)
+    slot_load = np.zeros(len(se), np.int64)
+    slot_load[slot_of_e] = counts_SxE.sum(0)
+    np.add.at(sent_SxN.T, dev[slot_of_e], counts_SxE.T)
+    return slot_load, sent_SxN
+  q = pl.quotas(placement, counts_SxE.sum(0))
+  left = q.copy()
+  for e in range(num_experts):
+    slots = np.flatnonzero(se == e)
+    rest = counts_SxE[:, e].copy()
+    for s in np.flatnonzero(rest):                    # local replicas first
+      for r in slots[dev[slots] == src_dev_S[s]]:
+        take = min(rest[s], left[r])
+        left[r] -= take
+        rest[s] -= take
+        sent_SxN[s, dev[r]] += take
+    for s in np.flatnonzero(rest):                    # then any replica, in slot order
+      for r in slots:
+        take = min(rest[s], left[r])
+        left[r] -= take
+        rest[s] -= take
+        sent_SxN[s, dev[r]] += take
+  return q - left, sent_SxN
+
+
+def _plan(pred_SxE, n, c, src=None, **kw):
+  pred_SxE = np.asarray(pred_SxE, np.float64)
+  src = np.arange(len(pred_SxE)) * n // len(pred_SxE) if src is None else src
+  current = pl.Placement(np.zeros(n, np.int32), np.ones(n), n)   # fsep ignores the layout
+  return fsep.plan(pred_SxE, current, slots=c, src_dev_S=src, cost=CostModel(), num_devices=n,
+                   **kw)
+
+
+def _check_layout(p: pl.Placement, num_experts: int, n: int, c: int):
+  p.validate(num_experts)
+  assert p.slot_expert.dtype == np.int32 and len(p.slot_expert) == n * c
+  assert p.num_devices == n and p.slots_per_device == c
+  se = p.slot_expert.reshape(n, c)
+  hosted_per_dev = (se >= 0).sum(1)
+  np.testing.assert_array_equal(hosted_per_dev, min(c, num_experts))   # every usable slot
+  for d in range(n):
+    mine = se[d][se[d] >= 0]
+    assert len(np.unique(mine)) == len(mine), f"device {d} holds one expert twice: {mine}"
+  assert np.all(p.share[p.slot_expert >= 0] >= 0) and np.all(p.share[p.slot_expert < 0] == 0)
+  assert p.replicas(num_experts).max() <= n
+
+
+def test_registered_and_not_one_copy():
+  assert planner.get_policy("fsep") is fsep.plan
+  assert "fsep" not in planner.ONE_COPY_POLICIES
+
+
+def test_half_the_load_on_one_expert_gets_a_replica_per_device():
+  # E=4 on N=4 x C=2: expert 0 takes 50% of the tokens, experts 1..3 share the rest.
+  load = np.array([0.5, 1 / 6, 1 / 6, 1 / 6]) * 2400
+  pred = np.tile(load / 4, (4, 1))                       # every device sends the same mix
+  p = _plan(pred, 4, 2)
+  _check_layout(p, 4, 4, 2)
+  assert p.replicas(4)[0] == 4                            # one replica on every device
+  dev_load = flow(p, pred, np.arange(4)).device_load_N
+  assert max_over_mean(dev_load) <= 1.1
+  assert max_over_mean(pl.device_load(p, pl.quotas(p, pred.sum(0).astype(np.int64)))) <= 1.01
+
+
+def test_uniform_load_gets_even_replicas():
+  p = _plan(np.full((8, 16), 100.0), 8, 4)                # 32 slots, 16 experts: 2 each
+  _check_layout(p, 16, 8, 4)
+  np.testing.assert_array_equal(p.replicas(16), 2)
+  assert max_over_mean(flow(p, np.full((8, 16), 100), np.arange(8)).device_load_N) <= 1.01
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_valid_layouts_on_random_loads(seed):
+  rng = np.random.default_rng(seed)
+  for _ in range(25):
+    n = int(rng.integers(1, 33))
+    e = int(rng.integers(1, 65))
+    c = int(rng.integers(-(-e // n), -(-e // n) + 6))     # N*C >= E; sometimes C > E
+    s = n * int(rng.integers(1, 3)) if rng.random() < 0.7 else int(rng.integers(1, 20))
+    src = rng.integers(0, n, s) if rng.random() < 0.3 else np.arange(s) * n // s
+    kind = rng.integers(4)
+    if kind == 0:
+      pred = rng.lognormal(0, 1.5, (s, e)) * 50
+    elif kind == 1:
+      pred = np.zeros((s, e))                             # nothing routed at all
+    elif kind == 2:
+      pred = rng.integers(0, 3, (s, e)).astype(float)     # sparse, many zero experts
+    else:
+      pred = np.zeros((s, e))
+      pred[:, rng.integers(e)] = 1000.0                   # total collapse onto one expert
+    cands = fsep.CANDIDATES if rng.random() < 0.5 else fsep.DEFAULT_CANDIDATES
+    exact = bool(rng.random() < 0.7)
+    p = _plan(pred, n, c, src=src, candidates=cands, exact_parts=exact)
+    _check_layout(p, e, n, c)
+    if exact:                                             # whole router parts, reproduced
+      np.testing.assert_array_equal(pl.share_parts(p, e), np.rint(p.share * pl.SHARE_PARTS))
+
+
+def test_too_few_slots_is_a_one_line_config_error():
+  with pytest.raises(ConfigError, match=r"N\*C >= E") as err:
+    _plan(np.ones((4, 16)), 4, 3)                          # 12 slots < 16 experts
+  assert "\n" not in str(err.value) and "ceil(E/N)=4" in str(err.value)
+  with pytest.raises(ConfigError, match=r"N\*C >= E"):
+    _plan(np.ones((4, 16)), 4, 0)
+
+
+def _heap_dhondt(load, total, cap):
+  """Textbook highest averages with a max-heap: each next replica to argmax load / r."""
+  r = np.ones(len(load), np.int64)
+  heap = [(-load[e] / 2, e) for e in range(len(load)) if cap > 1]
+  heapq.heapify(heap)
+  for _ in range(total - len(load)):
+    _, e = heapq.heappop(heap)
+    r[e] += 1
+    if r[e] < cap:
+      heapq.heappush(heap, (-load[e] / (r[e] + 1), e))
+  return r
+
+
+def test_replica_counts_match_the_heap_apportionment():
+  rng = np.random.default_rng(0)
+  for i in range(400):
+    e, cap = int(rng.integers(1, 40)), int(rng.integers(1, 40))
+    total = int(rng.integers(e, e * cap + 1))
+    load = (rng.lognormal(0, 1.5, e) if i % 2 else rng.integers(0, 6, e).astype(float))
+    r = fsep.dhondt_counts(load, total, cap)
+    assert r.sum() == total and r.min() >= 1 and r.max() <= cap
+    if load.sum() > 0:
+      np.testing.assert_array_equal(r, _heap_dhondt(load, total, cap))
+    even = fsep.even_counts(load, total)
+    assert even.sum() == total and even.max() - even.min() <= 1
+    assert np.all(even[np.argsort(-load, kind="stable")][:-1] >=
+                  even[np.argsort(-load, kind="stable")][1:])
+
+
+def test_planned_balance_on_lognormal_load_at_scale():
+  pred = synthetic_trace(1, 1, 256, 64, kind="lognormal", seed=0)["counts"][0, 0]
+  p = _plan(pred, 256, 8)
+  _check_layout(p, 64, 256, 8)
+  assert max_over_mean(flow(p, pred, np.arange(256)).device_load_N) <= 1.02
+
+
+@pytest.mark.parametrize("n", [256, 1024])
+@pytest.mark.parametrize("kind", ["lognormal", "collapse"])
+def test_shares_are_whole_router_parts_and_stay_balanced_at_scale(n, kind):
+  # With SHARE_PARTS = 1024 one part of a hot expert is several percent of a device's load on
+  # N >= 256; the planner snaps such experts to power-of-two replica counts and rounds the
+  # shares itself, so the router realises what was planned.
+  pred = synthetic_trace(1, 1, n, 64, kind=kind, seed=0)["counts"][0, 0]
+  p = _plan(pred, n, 8)
+  _check_layout(p, 64, n, 8)
+  parts = p.share * pl.SHARE_PARTS
+  np.testing.assert_array_equal(parts, np.round(parts))
+  np.testing.assert_array_equal(pl.share_parts(p, 64), np.round(parts).astype(np.int64))
+  # Under the "split" rule each of the N sources rounds its few tokens per expert to whole
+  # tokens per replica (dithered by its phase); at N=1024 that alone costs ~3-4%.
+  limit = 1.03 if n <= 256 else 1.05
+  assert max_over_mean(flow(p, pred, np.arange(n)).device_load_N) <= limit
+
+
+def test_snap_counts_gives_coarse_experts_power_of_two_counts():
+  pred = synthetic_trace(1, 1, 1024, 64, kind="lognormal", seed=0)["counts"][0, 0]
+  load = pred.sum(0).astype(float)
+  r = fsep.dhondt_counts(load, 8192, 1024)
+  snapped, coarse = fsep.snap_counts(r, load, 8192, 1024)
+  assert coarse.any() and not coarse.all()
+  assert snapped.sum() == 8192 and snapped.max() <= 1024 and snapped.min() >= 1
+  for e in np.flatnonzero(coarse):
+    assert pl.SHARE_PARTS % snapped[e] == 0, (e, r[e], snapped[e])   # whole parts, even
+    assert snapped[e] / 1.5 <= r[e] <= snapped[e] * 1.5               # the nearest power of 2
+  few = np.full(8, 2, np.int64)                           # nothing coarse: unchanged
+  same, none = fsep.snap_counts(few, np.ones(8), 16, 4)
+  assert same is few and not none.any()
+
+
+# ---- the vectorised router equals the loop -------------------------------------------------
+
+
+def _random_replicated(rng, n, c, e, empty=0.2):
+  """Every expert hosted, at most one replica per (device, expert), random shares."""
+  se = np.full((n, c), -1)
+  for x in range(e):                                      # one home per expert
+    d = rng.choice(np.flatnonzero((se < 0).any(1)))
+    se[d, np.flatnonzero(se[d] < 0)[0]] = x
+  for d in range(n):
+    for j in range(c):
+      lacking = np.setdiff1d(np.arange(e), se[d])
+      if se[d, j] < 0 and len(lacking) and rng.random() > empty:
+        se[d, j] = rng.choice(lacking)
+    rng.shuffle(se[d])
+  se = se.ravel()
+  share = np.zeros(n * c)
+  for x in range(e):
+    slots = np.flatnonzero(se == x)
+    kind = rng.integers(3)
+    if kind == 0:
+      w = rng.dirichlet(np.ones(len(slots)))
+    elif kind == 1:
+      w = np.full(len(slots), 1 / len(slots))            # 1/3 etc.: rounding in the parts
+    else:
+      w = rng.integers(0, 3, len(slots)).astype(float)   # some replicas get no tokens
+      w[0] += w.sum() == 0
+    share[slots] = w / w.sum()
+  return pl.Placement(se.astype(np.int32), share, n)
+
+
+def test_vectorised_route_equals_the_loop():
+  rng = np.random.default_rng(0)
+  vectorised = 0
+  for _ in range(400):
+    n, c = int(rng.integers(1, 7)), int(rng.integers(1, 5))
+    e = int(rng.integers(1, n * c + 1))
+    p = _random_replicated(rng, n, c, e)
+    p.validate(e)
+    mode = rng.integers(3)
+    if mode == 0:
+      src = pl.source_devices(n * int(rng.integers(1, 4)), n)
+    elif mode == 1:
+      src = rng.integers(0, n, int(rng.integers(1, 10)))  # unsorted, devices without sources
+    else:
+      src = np.arange(n)
+    counts = rng.integers(0, 40, (len(src), e)) * (rng.random((len(src), e)) < 0.7)
+    if rng.random() < 0.1:
+      counts[:] = 0
+    vectorised += not p.is_one_copy(e)
+    want = _route_reference(p, counts, src)
+    got = pl.route(p, counts, src)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+  assert vectorised > 250
+
+
+def test_vectorised_route_on_fsep_layouts_and_duplicates_fall_back():
+  rng = np.random.default_rng(1)
+  pred = synthetic_trace(2, 1, 16, 32, kind="collapse", seed=2)["counts"][:, 0]
+  p = dataclasses.replace(_plan(pred[0], 8, 8, src=pl.source_devices(16, 8)),
+                          routing="local_first")     # the loop reference is local-first
+  assert p.replicas(32).max() > 2
+  for counts in (pred[1], pred[0], rng.integers(0, 5, (16, 32))):
+    for a, b in zip(pl.route(p, counts, pl.source_devices(16, 8)),
+                    _route_reference(p, counts, pl.source_devices(16, 8))):
+      np.testing.assert_array_equal(a, b)
+  # Two replicas of expert 0 on device 0: route falls back to the loop, same answer.
+  dup = pl.Placement(np.array([0, 0, 1, 0], np.int32), np.array([0.25, 0.25, 1.0, 0.5]), 2)
+  assert not pl.one_per_device(dup, 2)
+  counts = np.array([[7, 2], [3, 4]])
+  for a, b in zip(pl.route(dup, counts, np.arange(2)),
+                  _route_reference(dup, counts, np.arange(2))):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_vectorised_quotas_equal_quotas():
+  rng = np.random.default_rng(2)
+  for _ in range(300):
+    n, c = int(rng.integers(1, 7)), int(rng.integers(1, 5))
+    e = int(rng.integers(1, n * c + 1))
+    p = _random_replicated(rng, n, c, e)
+    totals = rng.integers(0, 5000, e)
+    np.testing.assert_array_equal(pl._quotas_vec(p, totals), pl.quotas(p, totals))
+
+
+# ---- replays of the committed traces -------------------------------------------------------
+
+_REPLAYS: dict = {}
+
+
+def _replay(trace: str, n: int, policy: str) -> dict:
+  key = (trace, n, policy)
+  if key not in _REPLAYS:
+    counts = load_trace(TRACES / f"{trace}.npz")["counts"]
+    _REPLAYS[key] = replay(counts, n, 8, policy, every=10, window=10)
+  return _REPLAYS[key]
+
+
+@pytest.mark.parametrize("trace", ["synthetic_skewed", "synthetic_collapse"])
+def test_fsep_beats_static_and_smartmoe_on_committed_traces(trace):
+  ours = _replay(trace, 8, "fsep")
+  for other in ("static", "smartmoe"):
+    theirs = _replay(trace, 8, other)
+    for stat in ("median", "p90", "mean"):
+      assert ours[stat] < theirs[stat], (trace, other, stat, ours[stat], theirs[stat])
+  assert ours["predicted_median"] <= 1.01              # balanced on what it planned for
+  assert ours["planner_ms_max"] < 50
+
+
+def test_fsep_fixes_collapse():
+  for n in (8, 16):
+    r = _replay("synthetic_collapse", n, "fsep")
+    assert r["median"] <= 1.05 and r["p90"] <= 1.10, (n, r["median"], r["p90"])
+
+
+@pytest.mark.parametrize("n", [8, 16])
+def test_fsep_on_skewed_stays_near_the_noise_floor(n):
+  # Regression guard at the measured level (see the xfail below for why not lower).
+  r = _replay("synthetic_skewed", n, "fsep")
+  assert r["median"] <= 1.25 and r["p90"] <= 1.40, (n, r["median"], r["p90"])
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "issue target (median <= 1.05, p90 <= 1.10 on synthetic_skewed) is below this trace's "
+    "noise floor for any layout planned from finished steps: measured fsep median/p90 = "
+    "1.183/1.340 (N=8) and 1.203/1.368 (N=16), predicted 1.002-1.004. Each expert's load has "
+    "iid per-step log-noise of std 0.37 (corr=0.8, sigma=1) that no lagged predictor can know, "
+    "and a device holds only C=8 experts' pieces, so its load still varies by ~0.37/sqrt(8) = "
+    "13%. Planning every step with the trace's exact slow component (the best any predictor "
+    "can do) gives 1.157/1.267 (N=8) and 1.175/1.277 (N=16); planning on the step's own counts "
+    "gives 1.001/1.002 and 1.003/1.004"))
+@pytest.mark.parametrize("n", [8, 16])
+def test_fsep_meets_the_issue_target_on_skewed(n):
+  r = _replay("synthetic_skewed", n, "fsep")
+  assert r["median"] <= 1.05 and r["p90"] <= 1.10, (n, r["median"], r["p90"])
