@@ -83,3 +83,33 @@ def test_training_switches_layouts_records_trace_and_resumes_layout(tmp_path):
       np.testing.assert_array_equal(a, b)
   finally:
     resumed.checkpointer.close()
+
+
+def test_fsep_training_relayouts_without_migration_or_recompiling(tmp_path):
+  base = tiny_config(tmp_path, num_steps=6, every=3, warmup_steps=2)
+  cfg = dataclasses.replace(
+      base, moe=dataclasses.replace(base.moe, expert_mode="fsep", slots_per_device=4),
+      planner=PlannerConfig(policy="fsep", every=2, window=2))
+  trainer = Trainer(cfg)
+  try:
+    start_layout = np.asarray(trainer.layout.slot_expert_LxS).copy()
+    trainer.run()
+    assert trainer.train_step._cache_size() == 1, "a re-layout recompiled the fsep step"
+    final = trainer.layout
+  finally:
+    trainer.checkpointer.close()
+  with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
+    records = [json.loads(line) for line in f]
+  switches = [r for r in records if r.get("event") == "layout_switch"]
+  assert switches and {r["step"] for r in switches} <= {2, 4}
+  assert not np.array_equal(np.asarray(final.slot_expert_LxS), start_layout)
+  assert final.expert_slots_LxExR.shape == (1, 8, 4)
+  assert all(m["dropped_fraction"] >= 0 and len(m["device_load"]) == 8
+             for r in records if "moe" in r for m in r["moe"])
+  resumed = Trainer(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, num_steps=7)))
+  try:
+    assert resumed.maybe_restore() == 6
+    np.testing.assert_array_equal(np.asarray(resumed.layout.expert_parts_LxExR),
+                                  np.asarray(final.expert_parts_LxExR))
+  finally:
+    resumed.checkpointer.close()
