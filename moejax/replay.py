@@ -143,6 +143,10 @@ def main(argv=None) -> None:
   ap.add_argument("--every", type=int, default=10, help="re-plan every K steps")
   ap.add_argument("--window", type=int, default=10, help="predict from the last W steps")
   ap.add_argument("--json", default=None, help="write results here")
+  ap.add_argument("--d_model", type=int, default=0,
+                  help="with --d_ff and --layers: also print expert memory per device")
+  ap.add_argument("--d_ff", type=int, default=0, help="expert hidden size (memory report)")
+  ap.add_argument("--layers", type=int, default=0, help="MoE layers (memory report)")
   a = ap.parse_args(argv)
   try:
     counts = load_trace(a.trace)["counts"]
@@ -157,6 +161,9 @@ def main(argv=None) -> None:
         "pred med = median max/mean of each decision on the load it was planned from; "
         "crossing = (token, k) rows sent off their source device")
   print(format_table(results))
+  if a.d_model and a.d_ff and a.layers:
+    from moejax.memory import report
+    print(report(a.layers, experts, a.d_model, a.d_ff, a.devices, fsep_slots=a.slots))
   if a.json:
     out = {"trace": a.trace, "devices": a.devices, "slots": a.slots, "every": a.every,
            "window": a.window, "sources": sources, "experts": experts, "steps": steps,

@@ -122,3 +122,12 @@ def test_bad_placements_and_sources_are_rejected():
     pl.source_devices(3, 2)
   with pytest.raises(ConfigError, match="unknown"):
     planner.get_policy("nope")
+
+
+def test_smartmoe_is_never_predicted_worse_than_static():
+  rng = np.random.default_rng(3)
+  for _ in range(50):
+    load_E = rng.lognormal(0, 1.5, 16)
+    cur = pl.one_copy(rng.permutation(16), 4)            # whatever the current layout is
+    new = smartmoe.plan(load_E[None], cur, min_gain=0.2)  # even with strong hysteresis
+    assert _dev_loads(new, load_E).max() <= _dev_loads(pl.static(16, 4), load_E).max() + 1e-9
