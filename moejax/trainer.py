@@ -161,7 +161,7 @@ class Trainer:
         f.write(memory.report(
             cfg.model.num_layers // cfg.moe.moe_every, cfg.moe.num_experts, cfg.model.d_model,
             cfg.moe.d_ff, self.mesh.shape["expert"], self.mesh.shape["model"],
-            self.layout.num_slots // self.mesh.shape["expert"]) + "\n")
+            cfg.moe.slots_per_device or None) + "\n")
     start = self.maybe_restore()
     if cfg.trace.path and self.is_main:
       self.trace = TraceRecorder(cfg.trace.path, cfg.moe.top_k, start)
