@@ -113,29 +113,34 @@ def test_fsep_relayout_compiles_once():
   assert len(traces) == 1 and step._cache_size() == 1
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_in_graph_replica_routing_equals_host_routing(seed):
-  """choose_slots (device) and placement.route (host) send the same tokens to each slot."""
-  n, slots = 8, 2
+def _route_on_devices(pick, seed, n=8, slots=2, choices=40):
+  """Random replicated placement and per-device expert choices; runs `pick(expert_A,
+  expert_slots, expert_parts)` on each of n devices. Returns (placement, expert_NxA, slot_NxA)."""
   mesh = mesh_of_shape((1, n, 1))
   rng = np.random.default_rng(seed)
   placement = random_placement(rng, n, slots)
   layout = from_placements([placement], E, n)
-  choices = 40
   expert_NxA = rng.choice(E, size=(n, choices), p=rng.dirichlet(np.full(E, 0.5)))
-
-  def local(expert_A, expert_slots, expert_parts):
-    expert_A = expert_A[0]
-    counts_E = jnp.zeros((E,), jnp.int32).at[expert_A].add(1)
-    counts_NxE = jax.lax.all_gather(counts_E, "expert")
-    return choose_slots(expert_A, counts_NxE, jax.lax.axis_index("expert"), expert_slots,
-                        expert_parts, slots)[None]
-
-  fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("expert"), P(), P()),
-                             out_specs=P("expert")))
+  fn = jax.jit(jax.shard_map(lambda a, s, p: pick(a[0], s, p)[None], mesh=mesh,
+                             in_specs=(P("expert"), P(), P()), out_specs=P("expert")))
   slot_NxA = np.asarray(fn(jnp.asarray(expert_NxA, jnp.int32), layout.expert_slots_LxExR[0],
                            layout.expert_parts_LxExR[0]))
   assert np.all(placement.slot_expert[slot_NxA] == expert_NxA), "a choice left its expert"
+  return placement, expert_NxA, slot_NxA
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_in_graph_replica_routing_equals_host_routing(seed):
+  """choose_slots (device, local-first) and placement.route (host) agree slot by slot."""
+  n, slots = 8, 2
+
+  def pick(expert_A, expert_slots, expert_parts):
+    counts_E = jnp.zeros((E,), jnp.int32).at[expert_A].add(1)
+    counts_NxE = jax.lax.all_gather(counts_E, "expert")
+    return choose_slots(expert_A, counts_NxE, jax.lax.axis_index("expert"), expert_slots,
+                        expert_parts, slots)
+
+  placement, expert_NxA, slot_NxA = _route_on_devices(pick, seed, n, slots)
   counts_SxE = np.stack([np.bincount(row, minlength=E) for row in expert_NxA])
   slot_load, sent_SxN = pl.route(placement, counts_SxE, np.arange(n))
   got_load = np.bincount(slot_NxA.reshape(-1), minlength=n * slots)
@@ -159,23 +164,15 @@ def test_fsep_param_specs_shard_ffn_over_all_group_devices():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_in_graph_proportional_split_matches_host(seed):
+  """split_slots (device) and placement.split_loads (host) agree per (source, slot)."""
   from moejax.moe.replicas import split_slots
   n, slots = 8, 2
-  mesh = mesh_of_shape((1, n, 1))
-  rng = np.random.default_rng(seed)
-  placement = random_placement(rng, n, slots)
-  layout = from_placements([placement], E, n)
-  expert_NxA = rng.choice(E, size=(n, 40), p=rng.dirichlet(np.full(E, 0.5)))
 
-  def local(expert_A, expert_slots, expert_parts):
+  def pick(expert_A, expert_slots, expert_parts):
     phase = jax.lax.axis_index("expert") * pl.SHARE_PARTS // n
-    return split_slots(expert_A[0], expert_slots, expert_parts, phase)[None]
+    return split_slots(expert_A, expert_slots, expert_parts, phase)
 
-  fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("expert"), P(), P()),
-                             out_specs=P("expert")))
-  slot_NxA = np.asarray(fn(jnp.asarray(expert_NxA, jnp.int32), layout.expert_slots_LxExR[0],
-                           layout.expert_parts_LxExR[0]))
-  assert np.all(placement.slot_expert[slot_NxA] == expert_NxA), "a choice left its expert"
+  placement, expert_NxA, slot_NxA = _route_on_devices(pick, seed, n, slots)
   counts_SxE = np.stack([np.bincount(row, minlength=E) for row in expert_NxA])
   got = np.stack([np.bincount(row, minlength=n * slots) for row in slot_NxA])
   np.testing.assert_array_equal(got, pl.split_loads(placement, counts_SxE))
