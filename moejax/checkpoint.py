@@ -11,11 +11,13 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
-from moejax.config import CheckpointConfig
+from moejax.config import CheckpointConfig, ConfigError
 from moejax.layout import Layout
 from moejax.migrate import permute_slots
+from moejax.planner.placement import SHARE_PARTS
 
 
 def to_canonical(tree: Any, layout: Layout) -> Any:
@@ -30,6 +32,16 @@ def from_canonical(tree: Any, layout: Layout) -> Any:
 
 def _abstract(tree: Any) -> Any:
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def check_layout(layout: Layout, directory: str, step: int) -> None:
+  """A restored layout must give every expert a slot and shares summing to SHARE_PARTS."""
+  parts = np.asarray(layout.expert_parts_LxExR)
+  slots = np.asarray(layout.expert_slots_LxExR)
+  if np.any(parts.sum(-1) != SHARE_PARTS) or np.any((slots >= 0).sum(-1) == 0):
+    raise ConfigError(f"checkpoint {directory}/{step} holds an invalid layout (an expert without "
+                      f"a slot or shares not summing to {SHARE_PARTS}); delete that step to "
+                      "fall back to the previous checkpoint.")
 
 
 class Checkpointer:
@@ -54,6 +66,7 @@ class Checkpointer:
     out = self._mngr.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
     layout = out["state"]["layout"]
+    check_layout(layout, self.directory, step)
     return from_canonical(out["state"]["state"], layout), layout, dict(out["meta"])
 
   def wait(self) -> None:

@@ -53,7 +53,7 @@ class MoEConfig:
   normalize_top_k: bool = True    # renormalise the k gate weights to sum to one (k > 1)
   moe_every: int = 2              # every moe_every-th MLP is an MoE layer
   expert_mode: str = "ep"         # "ep" (slot owns weights) or "fsep" (sharded, restored)
-  slots_per_device: int = 0       # fsep: expert slots per device C (0: 2 * ceil(E / N))
+  slots_per_device: int = 0       # fsep: expert slots per device C (0: min(E, 2 * ceil(E/N)))
   dispatch: str = "dense"         # "dense" (fixed capacity all_to_all)
 
   def validate(self) -> None:

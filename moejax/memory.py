@@ -22,7 +22,7 @@ def expert_bytes(mode: str, layers: int, experts: int, d_model: int, d_ff: int, 
     params = layers * slots * per_expert // model_shards
     restored = 0
   elif mode == "fsep":
-    slots = slots_per_device or 2 * -(-experts // devices)
+    slots = slots_per_device or min(experts, 2 * -(-experts // devices))
     params = layers * experts * per_expert // (devices * model_shards)
     restored = layers * slots * per_expert // model_shards
   else:

@@ -24,9 +24,16 @@ class TraceRecorder:
         self.steps = old["step"][keep].tolist()
         self.counts = list(old["counts"][keep])
 
-  def add(self, step: int, counts_LxSxE: np.ndarray) -> None:
+  def add(self, step: int, counts_LxSxE: np.ndarray, expert_devices: int) -> None:
+    """`counts_LxSxE` as the step returns it: sources in (data, expert) row-major order.
+    Stored expert-major, so that trace source s ran on expert-axis device s*N // S, the
+    mapping replay assumes (DESIGN.md)."""
+    c = np.asarray(counts_LxSxE, np.int32)
+    layers, sources, experts = c.shape
+    rows = sources // expert_devices
+    c = c.reshape(layers, rows, expert_devices, experts).transpose(0, 2, 1, 3)
     self.steps.append(int(step))
-    self.counts.append(np.asarray(counts_LxSxE, np.int32))
+    self.counts.append(c.reshape(layers, sources, experts))
 
   def write(self) -> None:
     if not self.counts:

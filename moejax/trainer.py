@@ -16,12 +16,13 @@ from moejax import data as data_lib, memory, metrics as metrics_lib, step as ste
 from moejax.checkpoint import Checkpointer
 from moejax.config import Config, ConfigError, MoEConfig
 from moejax.layout import (
-    Layout,
-    from_placements,
-    from_slot_expert,
-    round_robin_layout,
-    static_layout,
-    to_placements,
+  Layout,
+  default_fsep_slots,
+  from_placements,
+  from_slot_expert,
+  round_robin_layout,
+  static_layout,
+  to_placements,
 )
 from moejax.mesh import batch_sharding, build_mesh, num_batch_shards, replicated
 from moejax.migrate import migrate
@@ -36,7 +37,7 @@ def initial_layout(moe: MoEConfig, num_layers: int, num_devices: int) -> Layout:
   """ep: expert e on device e // (E/N); fsep: C slots per device, round-robin replicas."""
   if moe.expert_mode == "ep":
     return static_layout(num_layers, moe.num_experts, num_devices)
-  slots = moe.slots_per_device or 2 * -(-moe.num_experts // num_devices)
+  slots = moe.slots_per_device or default_fsep_slots(moe.num_experts, num_devices)
   return round_robin_layout(num_layers, moe.num_experts, num_devices, slots)
 
 
@@ -212,7 +213,7 @@ class Trainer:
     rate = tokens_per_step * (len(self._reads) - 1) / span if span > 0 else None
     self.planner.observe(m["counts_LxSxE"])
     if self.trace is not None:
-      self.trace.add(step, m["counts_LxSxE"])
+      self.trace.add(step, m["counts_LxSxE"], self.mesh.shape["expert"])
     record = self._record(step, m, rate)
     writer.write(record)
     bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{rate or 0:.0f}")

@@ -221,3 +221,15 @@ def test_every_layers_restore_is_scheduled_before_the_layer_loop():
   assert len(restores) >= 3, "expected the w_gate/w_up/w_down restores in the entry computation"
   assert max(restores) < loops[0], "a restore is scheduled after the layer loop starts"
   assert not layer_a2a_in_entry, "token all_to_alls belong inside the layer loop"
+
+
+def test_host_split_uses_each_sources_device_phase_with_data_rows():
+  """With data rows, source s runs on device s % N and uses that device's phase."""
+  n, rows = 4, 2
+  placement = random_placement(np.random.default_rng(9), n, 4)
+  counts = np.random.default_rng(10).integers(0, 50, (rows * n, E))
+  src = np.arange(rows * n) % n
+  got = pl.split_loads(placement, counts, src)
+  for s in range(rows * n):       # each source alone, on its own device
+    np.testing.assert_array_equal(got[s], pl.split_loads(
+        placement, np.eye(1, rows * n, s, dtype=np.int64) @ counts, np.full(1, src[s]))[0])

@@ -113,3 +113,18 @@ def test_fsep_training_relayouts_without_migration_or_recompiling(tmp_path):
                                   np.asarray(final.expert_parts_LxExR))
   finally:
     resumed.checkpointer.close()
+
+
+def test_trace_sources_are_stored_expert_major(tmp_path):
+  """The step orders sources (data, expert); the trace stores them so that source s ran on
+  expert-axis device s*N // S (the replay mapping)."""
+  from moejax.trace import TraceRecorder
+  rec = TraceRecorder(str(tmp_path / "t.npz"), top_k=1)
+  counts = np.arange(1 * 8 * 3).reshape(1, 8, 3)      # 2 data rows x 4 devices, 3 experts
+  rec.add(0, counts, expert_devices=4)
+  rec.write()
+  with np.load(tmp_path / "t.npz") as t:
+    stored = t["counts"][0, 0]
+  for s in range(8):
+    device, row = s * 4 // 8, s % 2
+    np.testing.assert_array_equal(stored[s], counts[0, row * 4 + device])

@@ -10,8 +10,8 @@ slot is planned to serve. Two token rules (`Placement.routing`):
   over e's replicas by the shares, so every (source, slot) pair carries ~ share x
   count and fixed per-pair capacity suffices. With cumulative parts P_r and c tokens,
   replica r gets floor((P_r c + phase) / 1024) - floor((P_{r-1} c + phase) / 1024), where
-  source s of S uses phase s * 1024 // S, so rounding leftovers do not all land on the
-  same replica.
+  a source on device d of N uses phase d * 1024 // N, so rounding leftovers do not all
+  land on the same replica.
 Planners return Placements; replay evaluates them; the trainer turns them into
 JAX `Layout`s.
 """
@@ -113,13 +113,16 @@ def quotas(placement: Placement, totals_E: np.ndarray) -> np.ndarray:
   return q
 
 
-def split_loads(placement: Placement, counts_SxE: np.ndarray) -> np.ndarray:
-  """"split" rule: (token, k) rows each source sends to each slot, int64 [S, N*C]."""
+def split_loads(placement: Placement, counts_SxE: np.ndarray,
+                src_dev_S: np.ndarray | None = None) -> np.ndarray:
+  """"split" rule: (token, k) rows each source sends to each slot, int64 [S, N*C]. A source
+  on device d uses phase d * 1024 // N, as on the device (default: source s on device s)."""
   counts_SxE = np.asarray(counts_SxE, np.int64)
   se = placement.slot_expert
   parts = share_parts(placement, counts_SxE.shape[1])
   out = np.zeros((len(counts_SxE), len(se)), np.int64)
-  phase_S1 = (np.arange(len(counts_SxE)) * SHARE_PARTS // len(counts_SxE))[:, None]
+  src = np.arange(len(counts_SxE)) if src_dev_S is None else np.asarray(src_dev_S)
+  phase_S1 = (src * SHARE_PARTS // placement.num_devices)[:, None]
   for e in np.unique(se[se >= 0]):
     slots = np.flatnonzero(se == e)
     hi = (np.cumsum(parts[slots])[None, :] * counts_SxE[:, e:e + 1] + phase_S1) // SHARE_PARTS
@@ -136,7 +139,7 @@ def route(placement: Placement, counts_SxE: np.ndarray, src_dev_S: np.ndarray):
   n = placement.num_devices
   sent_SxN = np.zeros((num_sources, n), np.int64)
   if placement.routing == "split":
-    loads_SxC = split_loads(placement, counts_SxE)
+    loads_SxC = split_loads(placement, counts_SxE, src_dev_S)
     np.add.at(sent_SxN.T, dev, loads_SxC.T)
     return loads_SxC.sum(0), sent_SxN
   if placement.is_one_copy(num_experts):
