@@ -14,7 +14,6 @@ Changing a layout changes only these arrays, never the compiled program.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import flax.struct
@@ -138,7 +137,3 @@ def round_robin_layout(num_layers: int, num_experts: int, num_devices: int,
                        slots: int) -> Layout:
   p = round_robin_placement(num_experts, num_devices, slots)
   return from_placements([p] * num_layers, num_experts, num_devices)
-
-
-def to_numpy(layout: Layout) -> dict[str, np.ndarray]:
-  return {f.name: np.asarray(getattr(layout, f.name)) for f in dataclasses.fields(layout)}

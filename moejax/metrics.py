@@ -8,6 +8,8 @@ from typing import IO
 
 import numpy as np
 
+from moejax.planner.flow import max_over_mean
+
 
 def device_load(slot_counts_SxC: np.ndarray, expert_devices: int) -> np.ndarray:
   """Choices sent to each (data row, expert-axis device), flattened row-major.
@@ -21,11 +23,6 @@ def device_load(slot_counts_SxC: np.ndarray, expert_devices: int) -> np.ndarray:
   rows = sources // expert_devices
   per_row_RxC = slot_counts_SxC.reshape(rows, expert_devices, num_slots).sum(axis=1)
   return per_row_RxC.reshape(rows, expert_devices, -1).sum(axis=2).reshape(-1)
-
-
-def max_over_mean(load: np.ndarray) -> float:
-  mean = float(np.mean(load))
-  return float(np.max(load)) / mean if mean > 0 else 1.0
 
 
 def moe_layer_records(metrics: dict, expert_devices: int) -> list[dict]:

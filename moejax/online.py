@@ -26,13 +26,6 @@ class Switch(NamedTuple):
   experts_moved: int           # (device, expert) copies the new layout adds
 
 
-def _presence(p: pl.Placement, num_experts: int) -> np.ndarray:
-  out = np.zeros((p.num_devices, num_experts), bool)
-  hosted = p.slot_expert >= 0
-  out[p.device_of_slot[hosted], p.slot_expert[hosted]] = True
-  return out
-
-
 class OnlinePlanner:
   def __init__(self, cfg: PlannerConfig, num_devices: int, cost: planner.CostModel | None = None):
     self.cfg = cfg
@@ -69,7 +62,7 @@ class OnlinePlanner:
       experts = pred_NxE.shape[1]
       before = max_over_mean(flow(cur, pred_NxE, src).device_load_N)
       after = max_over_mean(flow(new, pred_NxE, src).device_load_N)
-      moved = int((_presence(new, experts) & ~_presence(cur, experts)).sum())
+      moved = int((pl.presence(new, experts) & ~pl.presence(cur, experts)).sum())
       out[layer] = new
       switches.append(Switch(layer, before, after, moved))
     return out, switches

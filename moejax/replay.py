@@ -35,14 +35,6 @@ from moejax.planner import (
 from moejax.planner.flow import flow, max_over_mean
 
 
-def _presence(p: pl.Placement, num_experts: int) -> np.ndarray:
-  """bool [N, E]: device d holds a copy of expert e."""
-  out = np.zeros((p.num_devices, num_experts), bool)
-  hosted = p.slot_expert >= 0
-  out[p.device_of_slot[hosted], p.slot_expert[hosted]] = True
-  return out
-
-
 def effective_slots(policy: str, num_experts: int, devices: int, slots: int) -> int:
   if num_experts % devices:
     raise ConfigError(f"replay needs E={num_experts} experts divisible by --devices={devices} "
@@ -83,7 +75,7 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
         times.append(time.perf_counter() - t0)
         new.validate(experts)
         predicted.append(max_over_mean(flow(new, pred[layer], src_dev).device_load_N))
-        moved += int((_presence(new, experts) & ~_presence(current[layer], experts)).sum())
+        moved += int((pl.presence(new, experts) & ~pl.presence(current[layer], experts)).sum())
         current[layer] = new
     for layer in range(layers):
       f = flow(current[layer], counts[t, layer], src_dev)

@@ -20,40 +20,6 @@ from moejax.workloads import load_trace, synthetic_trace
 TRACES = Path(__file__).resolve().parents[1] / "benchmarks" / "traces"
 
 
-def _route_reference(placement, counts_SxE, src_dev_S):
-  """The loop implementation of placement.route (before vectorisation), kept as the spec."""
-  counts_SxE = np.asarray(counts_SxE, np.int64)
-  num_sources, num_experts = counts_SxE.shape
-  se, dev = placement.slot_expert, placement.device_of_slot
-  n = placement.num_devices
-  sent_SxN = np.zeros((num_sources, n), np.int64)
-  if placement.is_one_copy(num_experts):
-    slot_of_e = np.empty(num_experts, np.int64)
-    slot_of_e[se[se >= 0]] = np.flatnonzero(se >= 0)
-    slot_load = np.zeros(len(se), np.int64)
-    slot_load[slot_of_e] = counts_SxE.sum(0)
-    np.add.at(sent_SxN.T, dev[slot_of_e], counts_SxE.T)
-    return slot_load, sent_SxN
-  q = pl.quotas(placement, counts_SxE.sum(0))
-  left = q.copy()
-  for e in range(num_experts):
-    slots = np.flatnonzero(se == e)
-    rest = counts_SxE[:, e].copy()
-    for s in np.flatnonzero(rest):                    # local replicas first
-      for r in slots[dev[slots] == src_dev_S[s]]:
-        take = min(rest[s], left[r])
-        left[r] -= take
-        rest[s] -= take
-        sent_SxN[s, dev[r]] += take
-    for s in np.flatnonzero(rest):                    # then any replica, in slot order
-      for r in slots:
-        take = min(rest[s], left[r])
-        left[r] -= take
-        rest[s] -= take
-        sent_SxN[s, dev[r]] += take
-  return q - left, sent_SxN
-
-
 def _plan(pred_SxE, n, c, src=None, **kw):
   pred_SxE = np.asarray(pred_SxE, np.float64)
   src = np.arange(len(pred_SxE)) * n // len(pred_SxE) if src is None else src
@@ -254,7 +220,7 @@ def test_vectorised_route_equals_the_loop():
     if rng.random() < 0.1:
       counts[:] = 0
     vectorised += not p.is_one_copy(e)
-    want = _route_reference(p, counts, src)
+    want = pl.route_local_first_loop(p, counts, src)
     got = pl.route(p, counts, src)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
@@ -269,14 +235,14 @@ def test_vectorised_route_on_fsep_layouts_and_duplicates_fall_back():
   assert p.replicas(32).max() > 2
   for counts in (pred[1], pred[0], rng.integers(0, 5, (16, 32))):
     for a, b in zip(pl.route(p, counts, pl.source_devices(16, 8)),
-                    _route_reference(p, counts, pl.source_devices(16, 8))):
+                    pl.route_local_first_loop(p, counts, pl.source_devices(16, 8))):
       np.testing.assert_array_equal(a, b)
   # Two replicas of expert 0 on device 0: route falls back to the loop, same answer.
   dup = pl.Placement(np.array([0, 0, 1, 0], np.int32), np.array([0.25, 0.25, 1.0, 0.5]), 2)
   assert not pl.one_per_device(dup, 2)
   counts = np.array([[7, 2], [3, 4]])
   for a, b in zip(pl.route(dup, counts, np.arange(2)),
-                  _route_reference(dup, counts, np.arange(2))):
+                  pl.route_local_first_loop(dup, counts, np.arange(2))):
     np.testing.assert_array_equal(a, b)
 
 

@@ -151,6 +151,18 @@ def route(placement: Placement, counts_SxE: np.ndarray, src_dev_S: np.ndarray):
     return slot_load, sent_SxN
   if one_per_device(placement, num_experts):
     return _route_one_per_device(placement, counts_SxE, src_dev_S)
+  return route_local_first_loop(placement, counts_SxE, src_dev_S)
+
+
+def route_local_first_loop(placement: Placement, counts_SxE: np.ndarray,
+                           src_dev_S: np.ndarray):
+  """The plain-loop statement of local-first routing: the spec the vectorised paths of
+  `route` are tested against, and the fallback when a device holds two replicas of one
+  expert."""
+  counts_SxE = np.asarray(counts_SxE, np.int64)
+  num_sources, num_experts = counts_SxE.shape
+  se, dev = placement.slot_expert, placement.device_of_slot
+  sent_SxN = np.zeros((num_sources, placement.num_devices), np.int64)
   q = quotas(placement, counts_SxE.sum(0))
   left = q.copy()
   for e in range(num_experts):
@@ -169,6 +181,14 @@ def route(placement: Placement, counts_SxE: np.ndarray, src_dev_S: np.ndarray):
         rest[s] -= take
         sent_SxN[s, dev[r]] += take
   return q - left, sent_SxN
+
+
+def presence(p: Placement, num_experts: int) -> np.ndarray:
+  """bool [N, E]: device d holds a copy of expert e."""
+  out = np.zeros((p.num_devices, num_experts), bool)
+  hosted = p.slot_expert >= 0
+  out[p.device_of_slot[hosted], p.slot_expert[hosted]] = True
+  return out
 
 
 def one_per_device(placement: Placement, num_experts: int) -> bool:
