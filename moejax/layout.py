@@ -30,6 +30,10 @@ class Layout:
   slot_expert_LxS: jax.Array       # int32 [layers, N*C]: expert hosted by each slot (-1: none)
   expert_slots_LxExR: jax.Array    # int32 [layers, E, R]: replica slots, ascending, -1 padded
   expert_parts_LxExR: jax.Array    # int32 [layers, E, R]: token share parts, sum SHARE_PARTS
+  # float32 [layers, E]: added to router probabilities when choosing experts (not to the
+  # gates); zeros = plain top-k. Data like the rest: a planner (or a load-injection
+  # benchmark) may change it every step without recompiling.
+  router_bias_LxE: jax.Array
 
   @property
   def expert_slot_LxE(self) -> jax.Array:
@@ -51,8 +55,9 @@ def slots_per_device(num_experts: int, num_devices: int) -> int:
 
 
 def from_placements(placements: Sequence[pl.Placement], num_experts: int,
-                    max_replicas: int) -> Layout:
-  """Host placements (one per MoE layer) -> a device Layout with R = max_replicas."""
+                    max_replicas: int, router_bias_LxE: np.ndarray | None = None) -> Layout:
+  """Host placements (one per MoE layer) -> a device Layout with R = max_replicas (router
+  bias zeros unless given)."""
   layers = len(placements)
   num_slots = len(placements[0].slot_expert)
   slot_expert = np.full((layers, num_slots), -1, np.int32)
@@ -70,7 +75,14 @@ def from_placements(placements: Sequence[pl.Placement], num_experts: int,
       mine = np.flatnonzero(p.slot_expert == e)
       slots[layer, e, :len(mine)] = mine
       parts[layer, e, :len(mine)] = share_parts[mine]
-  return Layout(jnp.asarray(slot_expert), jnp.asarray(slots), jnp.asarray(parts))
+  if router_bias_LxE is None:
+    router_bias_LxE = np.zeros((layers, num_experts), np.float32)
+  bias = np.asarray(router_bias_LxE, np.float32)
+  if bias.shape != (layers, num_experts):
+    raise ConfigError(f"router bias has shape {bias.shape}; it must be [layers={layers}, "
+                      f"experts={num_experts}].")
+  return Layout(jnp.asarray(slot_expert), jnp.asarray(slots), jnp.asarray(parts),
+                jnp.asarray(bias))
 
 
 def to_placements(layout: Layout, num_devices: int) -> list[pl.Placement]:

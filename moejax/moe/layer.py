@@ -71,10 +71,10 @@ def moe_apply(params: dict, x_BxLxD: jax.Array, layout: Layout, cfg: MoEConfig,
   # Chosen when the program is built: ep layouts have one replica per expert.
   pick_slots = _ep_slots if layout.expert_slots_LxExR.shape[-1] == 1 else _replica_slots
 
-  def local(x, w_router, w_gate, w_up, w_down, expert_slots, expert_parts):
+  def local(x, w_router, w_gate, w_up, w_down, expert_slots, expert_parts, bias):
     x_TxD = x.reshape(-1, d_model)
     r = route(x_TxD, w_router, cfg.top_k, normalize_top_k=cfg.normalize_top_k,
-              token_axes=BATCH_AXES)
+              token_axes=BATCH_AXES, bias_E=bias)
     slot_A = pick_slots(r.expert_TxK.reshape(-1), r.counts_E, expert_slots, expert_parts, slots)
     p = dispatch_lib.plan(slot_A, cfg.top_k, num_slots, cap)
     recv = dispatch_lib.exchange(dispatch_lib.pack(x_TxD, p), num_dev, "expert")
@@ -89,11 +89,11 @@ def moe_apply(params: dict, x_BxLxD: jax.Array, layout: Layout, cfg: MoEConfig,
   fn = jax.shard_map(
       local, mesh=mesh,
       in_specs=(P(BATCH_AXES), logical_to_spec(ROUTER_AXES), spec["w_gate"], spec["w_up"],
-                spec["w_down"], P(), P()),
+                spec["w_down"], P(), P(), P()),
       out_specs=(P(BATCH_AXES), P(BATCH_AXES), P(BATCH_AXES), P(BATCH_AXES), P(), P()))
   y, counts, dropped, slot_counts, bal, z = fn(
       x_BxLxD, params["router"], params["w_gate"], params["w_up"], params["w_down"],
-      layout.expert_slots_LxExR, layout.expert_parts_LxExR)
+      layout.expert_slots_LxExR, layout.expert_parts_LxExR, layout.router_bias_LxE)
   return y, MoEStats(counts, dropped, slot_counts, bal, z)
 
 

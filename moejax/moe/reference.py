@@ -12,11 +12,12 @@ import jax.numpy as jnp
 from moejax.moe.route import route
 
 
-def moe_reference(params: dict, x_BxLxD: jax.Array, top_k: int, normalize_top_k: bool = True):
-  """Returns (y_BxLxD, counts_E, balance_loss, z_loss)."""
+def moe_reference(params: dict, x_BxLxD: jax.Array, top_k: int, normalize_top_k: bool = True,
+                  bias_E: jax.Array | None = None):
+  """Returns (y_BxLxD, counts_E, balance_loss, z_loss); `bias_E` as in `route`."""
   d_model = x_BxLxD.shape[-1]
   x_TxD = x_BxLxD.reshape(-1, d_model).astype(jnp.float32)
-  r = route(x_TxD, params["router"], top_k, normalize_top_k=normalize_top_k)
+  r = route(x_TxD, params["router"], top_k, normalize_top_k=normalize_top_k, bias_E=bias_E)
   gate_h = jnp.einsum("td,edf->etf", x_TxD, params["w_gate"])
   up_h = jnp.einsum("td,edf->etf", x_TxD, params["w_up"])
   out_ExTxD = jnp.einsum("etf,efd->etd", jax.nn.silu(gate_h) * up_h, params["w_down"])

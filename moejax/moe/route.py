@@ -30,12 +30,19 @@ def _global_mean(x_sum: jax.Array, n: jax.Array | int, axes: Sequence[str]) -> j
 
 
 def route(x_TxD: jax.Array, w_router_DxE: jax.Array, top_k: int, *, normalize_top_k: bool,
-          token_axes: Sequence[str] = ()) -> Routing:
+          token_axes: Sequence[str] = (), bias_E: jax.Array | None = None) -> Routing:
+  """`bias_E` (probability units) is added to the router probabilities for the *choice* of
+  experts only; the gates stay the unbiased probabilities (aux-loss-free balancing, or load
+  injection). A zero bias chooses exactly as no bias."""
   num_tokens = x_TxD.shape[0]
   num_experts = w_router_DxE.shape[1]
   logits_TxE = jnp.dot(x_TxD.astype(jnp.float32), w_router_DxE.astype(jnp.float32))
   probs_TxE = jax.nn.softmax(logits_TxE, axis=-1)
-  gate_TxK, expert_TxK = jax.lax.top_k(probs_TxE, top_k)
+  if bias_E is None:
+    gate_TxK, expert_TxK = jax.lax.top_k(probs_TxE, top_k)
+  else:
+    _, expert_TxK = jax.lax.top_k(probs_TxE + jax.lax.stop_gradient(bias_E), top_k)
+    gate_TxK = jnp.take_along_axis(probs_TxE, expert_TxK, axis=-1)
   if normalize_top_k and top_k > 1:   # a single gate renormalised to 1 would cut the router
     gate_TxK = gate_TxK / jnp.sum(gate_TxK, axis=-1, keepdims=True)
 
