@@ -151,6 +151,8 @@ class TrainConfig:
   eval_batches: int = 4
   seed: int = 0
   progress_bar: bool = True
+  # A step with a non-finite loss or gradient is skipped; this many in a row stop the run.
+  max_consecutive_nonfinite: int = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +208,8 @@ class Config:
       raise ConfigError(f"train.num_steps={self.train.num_steps} must be >= 0.")
     for name, value in (("train.eval_every", self.train.eval_every),
                         ("train.eval_batches", self.train.eval_batches),
+                        ("train.max_consecutive_nonfinite",
+                         self.train.max_consecutive_nonfinite),
                         ("checkpoint.every", self.checkpoint.every),
                         ("checkpoint.keep", self.checkpoint.keep)):
       if value < 1:
