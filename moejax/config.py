@@ -176,6 +176,29 @@ class PlannerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class StrategyConfig:
+  """Two-stage strategy planning, online stage: the trainer compiles every pool member ahead
+  of time and, every `every` steps, switches to the member predicted fastest under the
+  current load (among those dropping at most `max_drop` of the choices) when the predicted
+  gain over the next `every` steps beats the measured switch cost. Pool specs such as
+  'ep/2x4x1/cf1.25' come from `python -m moejax.plan`; the first member starts."""
+  pool: tuple = ()                # empty: the single strategy given by mesh.* and moe.*
+  every: int = 0                  # decision period in steps; 0 = never switch
+  profile: str = "cpu"            # hardware profile: a preset name or a calibrated JSON
+  max_drop: float = 0.01          # dropped share of (token, k) choices a member may cause
+
+  def validate(self) -> None:
+    if not isinstance(self.pool, (tuple, list)) or not all(isinstance(p, str) for p in self.pool):
+      raise ConfigError(f"strategy.pool={self.pool!r} must be a list of specs such as "
+                        "['ep/2x4x1/cf1.25', 'fsep/1x8x1/c2/cf1.25'].")
+    if len(self.pool) > 4:
+      raise ConfigError(f"strategy.pool has {len(self.pool)} members; keep at most 4.")
+    if self.every < 0 or not 0 <= self.max_drop <= 1:
+      raise ConfigError(f"strategy.every={self.every}, strategy.max_drop={self.max_drop}: need "
+                        "every >= 0 and 0 <= max_drop <= 1.")
+
+
+@dataclasses.dataclass(frozen=True)
 class TraceConfig:
   """Routing trace (DESIGN.md format) written to `path` when set: counts[steps, layers,
   sources, experts]."""
@@ -194,12 +217,14 @@ class Config:
   train: TrainConfig = TrainConfig()
   planner: PlannerConfig = PlannerConfig()
   trace: TraceConfig = TraceConfig()
+  strategy: StrategyConfig = StrategyConfig()
 
   def validate(self) -> Config:
     for field in dataclasses.fields(self):
       check_field_types(field.name, getattr(self, field.name))
     self.moe.validate()
     self.planner.validate(self.moe.expert_mode)
+    self.strategy.validate()
     self.model.validate(self.moe)
     if self.data.seq_len > self.model.max_seq_len:
       raise ConfigError(

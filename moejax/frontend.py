@@ -1,0 +1,54 @@
+"""The command-line front end: gin files and bindings -> the validated frozen Config.
+
+The only module of the package that imports gin (the library proper never does);
+`train.py` and `python -m moejax.plan` parse their flags through it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import gin
+
+from moejax import config as config_lib
+
+DEFAULT_GIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "configs", "default.gin")
+CONFIGURABLES = {
+    "mesh": config_lib.MeshConfig, "model": config_lib.ModelConfig, "moe": config_lib.MoEConfig,
+    "data": config_lib.DataConfig, "optim": config_lib.OptimConfig,
+    "checkpoint": config_lib.CheckpointConfig, "train": config_lib.TrainConfig,
+    "planner": config_lib.PlannerConfig, "trace": config_lib.TraceConfig,
+    "strategy": config_lib.StrategyConfig,
+}
+_GIN_CLASSES = {name: gin.external_configurable(cls, name=name)
+                for name, cls in CONFIGURABLES.items()}
+
+
+def _plain(name: str, obj) -> object:
+  """Re-create as the plain dataclass (no gin wrapper); gin lists become tuples."""
+  fields = {k: tuple(v) if isinstance(v, list) else v for k, v in dataclasses.asdict(obj).items()}
+  return CONFIGURABLES[name](**fields)
+
+
+def parse_config(gin_files: list[str], gin_bindings: list[str]) -> config_lib.Config:
+  """Gin files + bindings -> the validated frozen Config. Raises ConfigError (one line)."""
+  for path in gin_files:
+    if not os.path.exists(path):
+      raise config_lib.ConfigError(f"--gin_file={path} does not exist; pass a path such as "
+                                   f"{os.path.relpath(DEFAULT_GIN)}.")
+  try:
+    gin.clear_config()
+    gin.parse_config_files_and_bindings(gin_files, gin_bindings)
+    parts = {name: cls() for name, cls in _GIN_CLASSES.items()}
+  except (ValueError, TypeError, SyntaxError) as e:   # gin's unknown name / bad value errors
+    first = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
+    raise config_lib.ConfigError(
+        f"bad gin binding or file: {first}. Known configurables: {', '.join(CONFIGURABLES)}; "
+        "see moejax/config.py for their fields.") from None
+  return config_lib.Config(**{name: _plain(name, obj) for name, obj in parts.items()}).validate()
+
+
+def operative_config() -> str:
+  return gin.operative_config_str()

@@ -1,0 +1,157 @@
+"""Offline stage: enumerate strategies, rank them per load regime, pick a small pool.
+
+`python -m moejax.plan --gin_file=configs/X.gin [--profile h100_node|profile.json]
+[--devices N] [--pool K] [--max_drop F] [--json OUT]` prints one row per strategy
+(predicted step time and dropped share under each regime, memory per device,
+why rejected) and the pool: the best strategy of each load regime (uniform,
+skewed, collapsed), then runners-up across regimes, at most K <= 4. A strategy's
+score under a regime is its predicted step time if it drops at most `max_drop` of
+the (token, k) choices there; otherwise it only competes on drops.
+Pure (numpy + config); the CLI parses gin through moejax.frontend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+import numpy as np
+
+from moejax.config import Config, ConfigError
+from moejax.planner.cost import HardwareProfile, StepCost, Workload, load_profile, predict_step
+from moejax.strategy import Strategy, space, why_invalid
+
+REGIMES = ("uniform", "skewed", "collapse")
+
+
+def regime_load(name: str, num_experts: int, seed: int = 0) -> np.ndarray:
+  """Expert shares (sum 1) of a load regime: even; log-normal (sigma 1; busiest ~2-3x the
+  mean, as in static-layout Mixtral training); a collapsed gate whose top expert takes 40%."""
+  if name == "uniform":
+    return np.full(num_experts, 1.0 / num_experts)
+  if name == "skewed":
+    p = np.random.default_rng(seed).lognormal(0.0, 1.0, num_experts)
+    return np.sort(p)[::-1] / p.sum()
+  if name == "collapse":
+    rest = 0.6 * 0.5 ** np.arange(1, num_experts) if num_experts > 1 else np.zeros(0)
+    p = np.concatenate([[0.4], rest]) + 1e-3
+    return p / p.sum()
+  raise ConfigError(f"load regime {name!r} is unknown; use one of {REGIMES}.")
+
+
+def workload_of(cfg: Config) -> Workload:
+  m, moe = cfg.model, cfg.moe
+  return Workload(m.d_model, m.num_layers, m.num_heads, m.d_ff, m.vocab_size, cfg.data.seq_len,
+                  cfg.data.global_batch_size, moe.num_experts, moe.top_k, moe.d_ff,
+                  moe.moe_every, act_bytes=4 if m.dtype == "float32" else 2)
+
+
+@dataclasses.dataclass
+class Row:
+  strategy: Strategy
+  costs: dict[str, StepCost]          # regime -> prediction (empty when invalid)
+  rejected: str | None = None
+  in_pool: bool = False
+
+  def score(self, regime: str, max_drop: float) -> tuple[int, float]:
+    """Lower is better: (0, step time) when the drop limit holds, else (1, drops)."""
+    c = self.costs[regime]
+    return (0, c.total_s) if c.drop_fraction <= max_drop else (1, c.drop_fraction)
+
+
+def rank(cfg: Config, profile: HardwareProfile, num_devices: int,
+         candidates: list[Strategy] | None = None, regimes=REGIMES) -> list[Row]:
+  w = workload_of(cfg)
+  loads = {r: regime_load(r, cfg.moe.num_experts) for r in regimes}
+  rows = []
+  for s in candidates if candidates is not None else space(cfg, num_devices):
+    reason = why_invalid(s, cfg)
+    if reason:
+      rows.append(Row(s, {}, reason))
+      continue
+    costs = {r: predict_step(s, w, profile, loads[r][None]) for r in regimes}
+    mem = max(c.memory_bytes for c in costs.values())
+    if mem > profile.memory_bytes:
+      reason = f"needs {mem / 2**30:.2f} GiB > {profile.memory_bytes / 2**30:.2f} GiB"
+    rows.append(Row(s, costs, reason))
+  return rows
+
+
+def pick_pool(rows: list[Row], k: int, max_drop: float, regimes=REGIMES) -> list[Strategy]:
+  """Best per regime first (so the pool covers the regimes), then the next best of each
+  regime in turn, without duplicates, until K."""
+  if not 1 <= k <= 4:
+    raise ConfigError(f"--pool={k} must be in [1, 4]; every member is a compiled program.")
+  ok = [r for r in rows if r.rejected is None]
+  if not ok:
+    raise ConfigError("no strategy fits this model on these devices; see the table's reasons.")
+  ordered = {g: sorted(ok, key=lambda r, g=g: r.score(g, max_drop)) for g in regimes}
+  pool: list[Strategy] = []
+  for depth in range(len(ok)):
+    for g in regimes:
+      s = ordered[g][depth].strategy
+      if s not in pool and len(pool) < k:
+        pool.append(s)
+    if len(pool) >= k:
+      break
+  for r in rows:
+    r.in_pool = r.strategy in pool
+  return pool
+
+
+def table(rows: list[Row], regimes=REGIMES) -> str:
+  head = f"{'strategy':<24}" + "".join(f"{g + ' ms':>13}{'drop':>7}" for g in regimes)
+  head += f"{'MiB/dev':>10}  status"
+  lines = [head, "-" * len(head)]
+  for r in sorted(rows, key=lambda r: (r.rejected is not None, not r.in_pool,
+                                      r.costs[regimes[0]].total_s if r.costs else 0.0)):
+    cells = "".join(f"{r.costs[g].total_s * 1e3:13.2f}{r.costs[g].drop_fraction:7.1%}"
+                    if r.costs else f"{'-':>13}{'-':>7}" for g in regimes)
+    mem = max(c.memory_bytes for c in r.costs.values()) / 2**20 if r.costs else float("nan")
+    status = "POOL" if r.in_pool else ("ok" if r.rejected is None else f"rejected: {r.rejected}")
+    lines.append(f"{r.strategy.spec:<24}{cells}{mem:10.1f}  {status}")
+  return "\n".join(lines)
+
+
+def to_json(rows: list[Row], pool: list[Strategy], profile: HardwareProfile) -> dict:
+  return {"profile": profile.to_dict(), "pool": [s.spec for s in pool],
+          "rows": [{"strategy": r.strategy.spec, "rejected": r.rejected, "in_pool": r.in_pool,
+                    "costs": {g: c.to_dict() for g, c in r.costs.items()}} for r in rows]}
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--gin_file", action="append", default=None)
+  parser.add_argument("--gin_bindings", action="append", default=[])
+  parser.add_argument("--profile", default="h100_node",
+                      help="preset name or a JSON written by `python -m moejax.calibrate`")
+  parser.add_argument("--devices", type=int, default=8)
+  parser.add_argument("--pool", type=int, default=4)
+  parser.add_argument("--max_drop", type=float, default=0.01)
+  parser.add_argument("--json", default=None)
+  args = parser.parse_args(argv)
+  from moejax.frontend import DEFAULT_GIN, parse_config  # the one gin importer
+
+  try:
+    cfg = parse_config(args.gin_file or [DEFAULT_GIN], args.gin_bindings)
+    profile = load_profile(args.profile)
+    rows = rank(cfg, profile, args.devices)
+    pool = pick_pool(rows, args.pool, args.max_drop)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(f"profile {profile.name}; {args.devices} devices; drop limit {args.max_drop:.1%}")
+  print(table(rows))
+  print("pool: " + ", ".join(s.spec for s in pool))
+  print("train with: --gin_bindings=\"strategy.pool = [" +
+        ", ".join(repr(s.spec) for s in pool) + "]\"")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(to_json(rows, pool, profile), f, indent=2)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

@@ -1,0 +1,136 @@
+"""Strategy space, step cost model and the offline pool pick: pure functions, known answers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from moejax import plan
+from moejax.config import Config, ConfigError, DataConfig, ModelConfig, MoEConfig
+from moejax.planner.cost import PRESETS, expected_overflow, load_profile, predict_step
+from moejax.strategy import Strategy, check_pool, factorizations, parse, space, why_invalid
+
+CFG = Config()   # the default model: E=8, top-2, 4 heads, batch 16
+
+
+@pytest.mark.parametrize("spec", ["ep/2x4x1/cf1.25", "fsep/1x8x1/c2/cf1.5", "ep/1x8x1/cf3/ragged"])
+def test_spec_round_trips(spec):
+  assert parse(spec).spec == spec
+
+
+@pytest.mark.parametrize("bad", ["ep", "tp/2x4x1", "ep/2x4/cf1", "ep/2x4x1/zz", "ep/0x8x1"])
+def test_bad_spec_is_one_line(bad):
+  with pytest.raises(ConfigError) as e:
+    parse(bad)
+  assert "\n" not in str(e.value) and "e.g." in str(e.value)
+
+
+def test_factorizations_cover_every_product():
+  f = factorizations(8)
+  assert len(f) == 10 and all(a * b * c == 8 for a, b, c in f) and len(set(f)) == 10
+
+
+def test_why_invalid_names_the_reason():
+  assert why_invalid(parse("ep/1x1x8/cf1"), CFG).startswith("model.num_heads=4")
+  cfg3 = dataclasses.replace(CFG, moe=MoEConfig(num_experts=6))
+  assert "divisible by expert axis" in why_invalid(parse("ep/2x4x1/cf1"), cfg3)
+  assert why_invalid(parse("fsep/1x8x1/c0/cf1.25"), CFG) is None
+  small_batch = dataclasses.replace(CFG, data=DataConfig(global_batch_size=4))
+  assert "batch 4" in why_invalid(parse("ep/1x8x1/cf1"), small_batch)
+
+
+def test_apply_sets_mesh_and_moe_and_mode_policy():
+  cfg = dataclasses.replace(CFG, planner=dataclasses.replace(CFG.planner, policy="smartmoe"))
+  out = parse("fsep/1x8x1/c3/cf1.5").apply(cfg)
+  assert (out.mesh.data, out.mesh.expert, out.mesh.model) == (1, 8, 1)
+  assert out.moe.expert_mode == "fsep" and out.moe.slots_per_device == 3
+  assert out.moe.capacity_factor == 1.5 and out.planner.policy == "fsep"
+  out.validate()
+
+
+def test_space_has_no_duplicates_and_skips_fsep_without_expert_axis():
+  s = space(CFG, 8)
+  assert len(s) == len(set(s))
+  assert not [x for x in s if x.expert_mode == "fsep" and x.expert == 1]
+
+
+def test_check_pool_errors():
+  with pytest.raises(ConfigError, match="uses 4 devices"):
+    check_pool([parse("ep/1x4x1/cf1")], CFG, 8)
+  with pytest.raises(ConfigError, match="at most 4"):
+    check_pool([parse("ep/1x8x1/cf1")] * 5, CFG, 8)
+
+
+def test_expected_overflow_matches_monte_carlo():
+  rng = np.random.default_rng(0)
+  for mean, cap in ((64.0, 64.0), (64.0, 80.0), (100.0, 50.0)):
+    sim = np.maximum(rng.poisson(mean, 200_000) - cap, 0).mean()
+    assert abs(float(expected_overflow(np.array([mean]), cap)[0]) - sim) < 0.1 * sim + 0.05
+
+
+def test_dense_drops_grow_with_skew_and_fsep_absorbs_collapse():
+  w = plan.workload_of(CFG)
+  uni, col = plan.regime_load("uniform", 8), plan.regime_load("collapse", 8)
+  ep = predict_step(parse("ep/1x8x1/cf1.25"), w, PRESETS["h100_node"], uni[None])
+  ep_col = predict_step(parse("ep/1x8x1/cf1.25"), w, PRESETS["h100_node"], col[None])
+  fs_col = predict_step(parse("fsep/1x8x1/c2/cf1.25"), w, PRESETS["h100_node"], col[None])
+  assert ep.drop_fraction < 0.02 < 0.2 < ep_col.drop_fraction
+  assert fs_col.drop_fraction < ep_col.drop_fraction / 4
+  # Dense dispatch computes its capacity whatever the load; fsep pays for its restore.
+  assert ep.expert_s == ep_col.expert_s and fs_col.restore_s > 0 == ep.restore_s
+
+
+def test_ragged_time_follows_the_busiest_device():
+  w = plan.workload_of(CFG)
+  s = parse("ep/1x8x1/cf1/ragged")
+  uni = predict_step(s, w, PRESETS["h100_node"], plan.regime_load("uniform", 8)[None])
+  col = predict_step(s, w, PRESETS["h100_node"], plan.regime_load("collapse", 8)[None])
+  assert uni.drop_fraction == col.drop_fraction == 0.0
+  np.testing.assert_allclose(col.expert_s / uni.expert_s,
+                             8 * plan.regime_load("collapse", 8).max(), rtol=1e-6)
+
+
+def test_more_devices_per_expert_group_cut_expert_memory():
+  w = plan.workload_of(dataclasses.replace(CFG, model=ModelConfig(d_model=1024)))
+  a = predict_step(parse("ep/8x1x1/cf1"), w, PRESETS["h100_node"])
+  b = predict_step(parse("ep/1x8x1/cf1"), w, PRESETS["h100_node"])
+  assert b.memory_bytes < a.memory_bytes
+
+
+def test_pool_covers_each_regime_and_rejects_what_does_not_fit():
+  rows = plan.rank(CFG, PRESETS["h100_node"], 8)
+  pool = plan.pick_pool(rows, 3, 0.01)
+  assert len(pool) == 3 == len(set(pool))
+  for regime in plan.REGIMES:   # each regime's best (by the same score) is in the pool
+    best = min((r for r in rows if r.rejected is None), key=lambda r: r.score(regime, 0.01))
+    assert best.strategy in pool
+  tiny = dataclasses.replace(PRESETS["h100_node"], memory_bytes=1.0)
+  assert all(r.rejected for r in plan.rank(CFG, tiny, 8))
+  with pytest.raises(ConfigError):
+    plan.pick_pool(plan.rank(CFG, tiny, 8), 2, 0.01)
+  text = plan.table(rows)
+  assert "POOL" in text and "rejected: model.num_heads=4" in text
+
+
+def test_profiles_load_from_presets_and_json(tmp_path):
+  assert load_profile("a100_cluster").name == "a100_cluster"
+  path = tmp_path / "p.json"
+  path.write_text(json.dumps(PRESETS["cpu"].to_dict()))
+  assert load_profile(str(path)) == PRESETS["cpu"]
+  with pytest.raises(ConfigError, match="moejax.calibrate"):
+    load_profile(str(tmp_path / "missing.json"))
+
+
+def test_plan_cli_prints_table_and_pool(tmp_path, capsys):
+  out = tmp_path / "plan.json"
+  assert plan.main(["--profile", "h100_cluster", "--pool", "2", "--json", str(out)]) == 0
+  printed = capsys.readouterr().out
+  assert "pool: " in printed and "strategy.pool = [" in printed
+  data = json.loads(out.read_text())
+  assert len(data["pool"]) == 2
+  in_pool = {r["strategy"] for r in data["rows"] if r["in_pool"]}
+  assert in_pool == set(data["pool"]) and all(isinstance(parse(s), Strategy) for s in in_pool)
+  assert plan.main(["--profile", "nope"]) == 2
