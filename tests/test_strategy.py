@@ -134,3 +134,33 @@ def test_plan_cli_prints_table_and_pool(tmp_path, capsys):
   in_pool = {r["strategy"] for r in data["rows"] if r["in_pool"]}
   assert in_pool == set(data["pool"]) and all(isinstance(parse(s), Strategy) for s in in_pool)
   assert plan.main(["--profile", "nope"]) == 2
+
+
+def _switcher(every=10, max_drop=0.01, pool=("ep/1x8x1/cf1.25", "fsep/1x8x1/c2/cf1.25")):
+  from moejax.config import StrategyConfig
+  from moejax.switcher import StrategySwitcher
+  return StrategySwitcher(StrategyConfig(pool=pool, every=every, max_drop=max_drop),
+                          [parse(s) for s in pool], plan.workload_of(CFG), PRESETS["h100_node"])
+
+
+def test_switcher_moves_to_fsep_when_ep_drops_and_back_when_load_evens():
+  sw = _switcher()
+  col, uni = plan.regime_load("collapse", 8)[None], plan.regime_load("uniform", 8)[None]
+  d = sw.decide(0, col, {(0, 1): 1e9})   # the drop limit wins over any switch cost
+  assert d is not None and d.target == 1 and d.reason == "drops"
+  assert d.predicted_drop[0] > 0.01 and d.predicted_drop[1] < d.predicted_drop[0] / 4
+  assert sw.decide(1, col, {}) is None                   # already on the best member
+  back = sw.decide(1, uni, {(1, 0): 0.0})                # ep is faster at even load
+  assert back is not None and back.target == 0 and back.reason == "time" and back.gain_s > 0
+  assert sw.decide(1, uni, {(1, 0): back.gain_s * 2}) is None   # not worth its cost
+
+
+def test_switcher_due_and_shares():
+  from moejax.switcher import expert_shares
+  sw = _switcher(every=5)
+  assert [s for s in range(12) if sw.due(s)] == [5, 10]
+  assert not _switcher(every=5, pool=("ep/1x8x1/cf1.25",)).due(5)
+  h = np.zeros((3, 2, 4, 8))
+  h[..., 0] = 3.0
+  h[..., 1] = 1.0
+  np.testing.assert_allclose(expert_shares(h)[:, :2], [[0.75, 0.25]] * 2)

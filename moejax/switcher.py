@@ -1,0 +1,70 @@
+"""Online stage: pick the pool member to run next from the load of finished steps.
+
+Host-side and JAX-free. Every `strategy.every` steps the trainer hands over the
+expert shares of the last finished steps; each member's step time and dropped
+share are predicted under that load (moejax.planner.cost). Members that drop at
+most `max_drop` compete on time, the others only on drops. The trainer switches
+when the best member differs from the current one and either the current one
+breaks the drop limit and the best drops less, or the predicted time saved over
+the next `every` steps exceeds the measured cost of the switch. A member over the drop
+limit is left for one that drops less whatever the switch costs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from moejax.config import StrategyConfig
+from moejax.planner.cost import HardwareProfile, StepCost, Workload, predict_step
+from moejax.strategy import Strategy
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  target: int                      # pool index to switch to
+  reason: str                      # "drops" or "time"
+  predicted_s: tuple               # per member predicted step seconds
+  predicted_drop: tuple            # per member predicted dropped share
+  gain_s: float                    # predicted seconds saved over the next window
+  switch_cost_s: float
+
+
+class StrategySwitcher:
+  def __init__(self, cfg: StrategyConfig, pool: list[Strategy], workload: Workload,
+               profile: HardwareProfile):
+    self.cfg, self.pool, self.workload, self.profile = cfg, pool, workload, profile
+
+  def due(self, step: int) -> bool:
+    return len(self.pool) > 1 and self.cfg.every > 0 and step > 0 and step % self.cfg.every == 0
+
+  def predict(self, share_LxE: np.ndarray) -> list[StepCost]:
+    return [predict_step(s, self.workload, self.profile, share_LxE) for s in self.pool]
+
+  def _score(self, c: StepCost) -> tuple[int, float]:
+    return (0, c.total_s) if c.drop_fraction <= self.cfg.max_drop else (1, c.drop_fraction)
+
+  def decide(self, current: int, share_LxE: np.ndarray,
+             switch_cost_s: dict[tuple[int, int], float]) -> Decision | None:
+    """`share_LxE`: expert shares of recent finished steps (rows sum to 1); `switch_cost_s`:
+    measured seconds of each (from, to) move. None = stay."""
+    costs = self.predict(share_LxE)
+    best = min(range(len(costs)), key=lambda i: (self._score(costs[i]), i != current))
+    if best == current:
+      return None
+    cur, new = costs[current], costs[best]
+    move_s = switch_cost_s.get((current, best), 0.0)
+    gain = (cur.total_s - new.total_s) * self.cfg.every
+    breaks = cur.drop_fraction > self.cfg.max_drop and new.drop_fraction < cur.drop_fraction
+    if not breaks and gain <= move_s:
+      return None
+    return Decision(best, "drops" if breaks else "time",
+                    tuple(c.total_s for c in costs), tuple(c.drop_fraction for c in costs),
+                    float(gain), float(move_s))
+
+
+def expert_shares(history_TxLxSxE: np.ndarray) -> np.ndarray:
+  """Mean expert shares [L, E] of finished steps' count matrices (sources summed)."""
+  counts_LxE = np.asarray(history_TxLxSxE, np.float64).sum(axis=(0, 2))
+  return counts_LxE / np.maximum(counts_LxE.sum(-1, keepdims=True), 1.0)
