@@ -1,0 +1,174 @@
+"""Grouped matmul for expert FFNs, with group sizes as data.
+
+    gmm:   out[m] = x[m] @ w[g(m)]            x [M, K], w [G, K, N] -> [M, N]
+    tgmm:  dw[g]  = x[rows of g]^T @ dy[rows of g]      x [M, K], dy [M, N] -> [G, K, N]
+
+Rows are grouped contiguously: group g owns rows [sum(sizes[:g]), sum(sizes[:g+1])), clipped
+to M. Rows past the last group give zeros (and get zero gradient), so a buffer may carry
+padding at its end. Empty groups cost nothing.
+
+`gmm` walks a static-length work list of (row tile, group) pairs, at most cdiv(M, bm) + G
+long (a group boundary inside a tile adds one pair); each program masks the tile to its
+group's rows, so tiles shared by two groups are written by two programs, disjointly. The
+"tail" pairs (rows past the last group) store zeros. `tgmm` runs one program per
+(group, K tile, N tile) and loops over the group's row tiles.
+
+Backward of gmm: dx = gmm(dy, w^T) (same kernel, w read transposed), dw = tgmm(x, dy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import backend as backend_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class GmmTuning:
+  block_m: int = 64         # rows per tile (power of two)
+  block_k: int = 64         # contraction tile: largest power of two <= this dividing the dim
+  block_n: int = 64         # output-column tile: likewise
+  num_warps: int = 4
+  num_stages: int = 2
+  backend: str = "auto"     # see pallas_kernels.backend
+  # mosaic_gpu only (JAX's Hopper ragged-dot kernels):
+  max_concurrent_steps: int = 4
+  grid_block_n: int = 1
+
+
+def gmm_reference(x_MxK, w_GxKxN, group_sizes_G):
+  """Dense per-row weight gather: memory O(M*K*N); for tests."""
+  m, num_groups = x_MxK.shape[0], w_GxKxN.shape[0]
+  ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes_G, 0)), m)
+  group_M = jnp.searchsorted(ends, jnp.arange(m), side="right")
+  ok = group_M < num_groups
+  w_MxKxN = w_GxKxN[jnp.minimum(group_M, num_groups - 1)]
+  out = jnp.einsum("mk,mkn->mn", x_MxK.astype(jnp.float32), w_MxKxN.astype(jnp.float32))
+  return jnp.where(ok[:, None], out, 0.0).astype(x_MxK.dtype)
+
+
+def tgmm_reference(x_MxK, dy_MxN, group_sizes_G, out_dtype=None):
+  m, num_groups = x_MxK.shape[0], group_sizes_G.shape[0]
+  ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes_G, 0)), m)
+  onehot_MxG = jax.nn.one_hot(jnp.searchsorted(ends, jnp.arange(m), side="right"), num_groups)
+  out = jnp.einsum("mg,mk,mn->gkn", onehot_MxG, x_MxK.astype(jnp.float32),
+                   dy_MxN.astype(jnp.float32))
+  return out.astype(out_dtype or x_MxK.dtype)
+
+
+def group_bounds(group_sizes_G, m):
+  """int32 starts/ends of the G groups plus the tail group G = [end of last group, M)."""
+  ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes_G.astype(jnp.int32), 0)), m)
+  starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+  return starts, jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+
+
+def work_list(starts_X, ends_X, m, block_m):
+  """(row tile, group, valid) for each of cdiv(M, bm) + G programs; groups include the tail."""
+  num_pairs = pl.cdiv(m, block_m) + starts_X.shape[0] - 1
+  first = starts_X // block_m
+  tiles = jnp.where(ends_X > starts_X, (ends_X - 1) // block_m - first + 1, 0)
+  cum = jnp.cumsum(tiles)
+  p = jnp.arange(num_pairs, dtype=jnp.int32)
+  group = jnp.minimum(jnp.searchsorted(cum, p, side="right"), starts_X.shape[0] - 1)
+  tile = first[group] + p - (cum - tiles)[group]
+  return tile.astype(jnp.int32), group.astype(jnp.int32), (p < cum[-1]).astype(jnp.int32)
+
+
+def _gmm_kernel(starts_ref, ends_ref, tile_ref, group_ref, valid_ref, x_ref, w_ref, out_ref, *,
+                num_groups, block_m, block_k, block_n, k_blocks, transpose_rhs):
+  p, j = pl.program_id(0), pl.program_id(1)
+  tile, g = tile_ref[p], group_ref[p]
+  rows = pl.ds(tile * block_m, block_m)
+  cols = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
+  r = tile * block_m + jnp.arange(block_m)
+  mask = ((r >= starts_ref[g]) & (r < ends_ref[g]))[:, None]
+  work = valid_ref[p] > 0
+
+  @pl.when(work & (g < num_groups))
+  def _():
+    def body(kb, acc):
+      ks = pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
+      a = pltriton.load(x_ref.at[rows, ks], mask=mask, other=0)
+      if transpose_rhs:     # w [G, N_out, K_contract]
+        b, dims = w_ref[g, cols, ks], (((1,), (1,)), ((), ()))
+      else:                 # w [G, K_contract, N_out]
+        b, dims = w_ref[g, ks, cols], (((1,), (0,)), ((), ()))
+      return acc + jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+    acc = jax.lax.fori_loop(0, k_blocks, body, jnp.zeros((block_m, block_n), jnp.float32))
+    pltriton.store(out_ref.at[rows, cols], acc.astype(out_ref.dtype), mask=mask)
+
+  @pl.when(work & (g == num_groups))
+  def _():
+    pltriton.store(out_ref.at[rows, cols], jnp.zeros((block_m, block_n), out_ref.dtype),
+                   mask=mask)
+
+
+def gmm_call(x_MxK, w_GxKxN, group_sizes_G, tuning: GmmTuning, backend: str,
+             transpose_rhs: bool = False):
+  """Generic Pallas grouped matmul (no custom_vjp); `backend` resolved, not mosaic_gpu."""
+  m, k = x_MxK.shape
+  num_groups = w_GxKxN.shape[0]
+  n = w_GxKxN.shape[1] if transpose_rhs else w_GxKxN.shape[2]
+  if m == 0 or n == 0 or k == 0 or num_groups == 0:
+    return jnp.zeros((m, n), x_MxK.dtype)
+  bk, bn = backend_lib.pow2_tile(k, tuning.block_k), backend_lib.pow2_tile(n, tuning.block_n)
+  backend_lib.check_dot_tile("contraction dim", k, bk, backend)
+  backend_lib.check_dot_tile("output dim", n, bn, backend)
+  starts, ends = group_bounds(group_sizes_G, m)
+  tile, group, valid = work_list(starts, ends, m, tuning.block_m)
+  kernel = functools.partial(_gmm_kernel, num_groups=num_groups, block_m=tuning.block_m,
+                             block_k=bk, block_n=bn, k_blocks=k // bk,
+                             transpose_rhs=transpose_rhs)
+  return pl.pallas_call(
+      kernel,
+      out_shape=backend_lib.out_struct((m, n), x_MxK.dtype, x_MxK, w_GxKxN, group_sizes_G),
+      grid=(tile.shape[0], n // bn), name="gmm",
+      **backend_lib.call_kwargs(backend, tuning.num_warps, tuning.num_stages))(
+          starts, ends, tile, group, valid, x_MxK, w_GxKxN)
+
+
+def _tgmm_kernel(starts_ref, ends_ref, x_ref, dy_ref, out_ref, *, block_m, block_k, block_n):
+  g, kb, nb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  start, end = starts_ref[g], ends_ref[g]
+  ks = pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
+  ns = pl.ds(pl.multiple_of(nb * block_n, block_n), block_n)
+  first = start // block_m
+  num_tiles = jnp.where(end > start, (end - 1) // block_m - first + 1, 0)
+
+  def body(t, acc):
+    r = t * block_m + jnp.arange(block_m)
+    mask = ((r >= start) & (r < end))[:, None]
+    a = pltriton.load(x_ref.at[pl.ds(t * block_m, block_m), ks], mask=mask, other=0)
+    b = pltriton.load(dy_ref.at[pl.ds(t * block_m, block_m), ns], mask=mask, other=0)
+    return acc + jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())),
+                                     preferred_element_type=jnp.float32)
+
+  acc = jax.lax.fori_loop(first, first + num_tiles, body,
+                          jnp.zeros((block_k, block_n), jnp.float32))
+  out_ref[g, ks, ns] = acc.astype(out_ref.dtype)
+
+
+def tgmm_call(x_MxK, dy_MxN, group_sizes_G, tuning: GmmTuning, backend: str, out_dtype):
+  """Generic Pallas transposed grouped matmul: [G, K, N] in `out_dtype`."""
+  (m, k), n, num_groups = x_MxK.shape, dy_MxN.shape[1], group_sizes_G.shape[0]
+  if m == 0 or n == 0 or k == 0 or num_groups == 0:
+    return jnp.zeros((num_groups, k, n), out_dtype)
+  bk, bn = backend_lib.pow2_tile(k, tuning.block_k), backend_lib.pow2_tile(n, tuning.block_n)
+  backend_lib.check_dot_tile("x columns", k, bk, backend)
+  backend_lib.check_dot_tile("dy columns", n, bn, backend)
+  starts, ends = group_bounds(group_sizes_G, m)
+  kernel = functools.partial(_tgmm_kernel, block_m=tuning.block_m, block_k=bk, block_n=bn)
+  return pl.pallas_call(
+      kernel, out_shape=backend_lib.out_struct((num_groups, k, n), out_dtype, x_MxK, dy_MxN,
+                                               group_sizes_G),
+      grid=(num_groups, k // bk, n // bn), name="tgmm",
+      **backend_lib.call_kwargs(backend, tuning.num_warps, tuning.num_stages))(
+          starts, ends, x_MxK, dy_MxN)

@@ -1,0 +1,135 @@
+"""Permute: gather token rows into expert/slot-contiguous order.
+
+    out[r] = x[token_R[r]]        (0 where token_R[r] is outside [0, T): empty rows)
+
+A row of x may be copied to several output rows (one per top-k choice), so the backward pass
+is a scatter-add, done here as a gather by the inverse map `rows_TxK` (the output rows each
+token was copied to, -1 padded): dx[t] = sum_k dout[rows_TxK[t, k]]. That is the
+unpermute-combine kernel with unit weights; both run on `pallas_kernels.gather`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import backend as backend_lib, timing
+from pallas_kernels.gather import gather_sum
+
+
+@dataclasses.dataclass(frozen=True)
+class PermuteTuning:
+  block_rows: int = 64      # output rows per program (power of two)
+  block_d: int = 256        # feature tile; the largest power of two <= this dividing D
+  num_warps: int = 4
+  backend: str = "auto"     # see pallas_kernels.backend
+
+
+def permute_reference(x_TxD: jax.Array, token_R: jax.Array) -> jax.Array:
+  ok = (token_R >= 0) & (token_R < x_TxD.shape[0])
+  rows = x_TxD[jnp.where(ok, token_R, 0)]
+  return jnp.where(ok[:, None], rows, jnp.zeros((), x_TxD.dtype))
+
+
+def invert(token_R: jax.Array, num_tokens: int, max_copies: int) -> jax.Array:
+  """rows_TxK for `permute`: the output rows holding each token, in row order, -1 padded.
+  A token with more than `max_copies` rows loses the extra ones (and their gradient)."""
+  r = token_R.shape[0]
+  key = jnp.where((token_R >= 0) & (token_R < num_tokens), token_R, num_tokens)
+  order = jnp.argsort(key, stable=True)
+  counts = jnp.zeros((num_tokens + 1,), jnp.int32).at[key].add(1)
+  starts = jnp.cumsum(counts) - counts
+  rank = jnp.zeros((r,), jnp.int32).at[order].set(
+      jnp.arange(r, dtype=jnp.int32) - starts[key[order]])
+  out = jnp.full((num_tokens + 1, max_copies), -1, jnp.int32)
+  return out.at[key, rank].set(jnp.arange(r, dtype=jnp.int32), mode="drop")[:num_tokens]
+
+
+def _check(x_TxD, token_R, rows_TxK, tuning):
+  if x_TxD.ndim != 2:
+    raise ValueError(f"permute: x has shape {x_TxD.shape}; it must be [tokens, D].")
+  if token_R.ndim != 1 or not jnp.issubdtype(token_R.dtype, jnp.integer):
+    raise ValueError(f"permute: token_R is {token_R.dtype}{list(token_R.shape)}; it must be a "
+                     "1-D integer array (one source token per output row).")
+  if rows_TxK.ndim != 2 or rows_TxK.shape[0] != x_TxD.shape[0]:
+    raise ValueError(f"permute: rows_TxK has shape {rows_TxK.shape}; it must be "
+                     f"[tokens={x_TxD.shape[0]}, K] (see permute.invert).")
+  backend_lib.check_pow2("PermuteTuning.block_rows", tuning.block_rows)
+
+
+def permute(x_TxD: jax.Array, token_R: jax.Array, rows_TxK: jax.Array,
+            tuning: PermuteTuning = PermuteTuning()) -> jax.Array:
+  """[R, D] in x's dtype. `rows_TxK` must be the inverse of `token_R` (`invert` computes it);
+  it is used by the backward pass only."""
+  _check(x_TxD, token_R, rows_TxK, tuning)
+  return _permute(*backend_lib.match_varying(x_TxD, token_R.astype(jnp.int32),
+                                             rows_TxK.astype(jnp.int32)), tuning)
+
+
+def _gather(src, idx, tuning, out_dtype):
+  return gather_sum(src, idx, None, out_dtype=out_dtype, block_rows=tuning.block_rows,
+                    block_d=backend_lib.pow2_tile(src.shape[1], tuning.block_d),
+                    backend=backend_lib.resolve(tuning.backend), num_warps=tuning.num_warps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _permute(x_TxD, token_R, rows_TxK, tuning):
+  return _gather(x_TxD, token_R[:, None], tuning, x_TxD.dtype)
+
+
+def _permute_fwd(x_TxD, token_R, rows_TxK, tuning):
+  return _permute(x_TxD, token_R, rows_TxK, tuning), rows_TxK
+
+
+def _permute_bwd(tuning, rows_TxK, dout_RxD):   # dout has x's dtype
+  return _gather(dout_RxD, rows_TxK, tuning, dout_RxD.dtype), None, None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+def sweep(num_tokens: int, d: int, top_k: int, tunings, dtype=jnp.float32, iters: int = 5,
+          seed: int = 0) -> list[dict]:
+  """Time `permute` (fwd, and fwd+bwd) on a random dispatch: every token copied top_k times
+  in shuffled order. GB/s counts the rows read and written once each."""
+  rng = np.random.default_rng(seed)
+  rows = num_tokens * top_k
+  token_R = jnp.asarray(rng.permutation(np.repeat(np.arange(num_tokens), top_k)), jnp.int32)
+  x = jnp.asarray(rng.standard_normal((num_tokens, d)), dtype)
+  rows_TxK = invert(token_R, num_tokens, top_k)
+  ref = permute_reference(x, token_R)
+  moved = 2 * rows * d * jnp.dtype(dtype).itemsize
+  out = []
+  for tuning in tunings:
+    fwd = jax.jit(lambda x, t=tuning: permute(x, token_R, rows_TxK, t))
+    bwd = jax.jit(jax.grad(lambda x, t=tuning: jnp.sum(permute(x, token_R, rows_TxK, t) ** 2)))
+    err = timing.max_abs_diff(fwd(x), ref)
+    s_fwd, s_bwd = timing.median_seconds(fwd, x, iters=iters), timing.median_seconds(
+        bwd, x, iters=iters)
+    out.append({"kernel": "permute", "T": num_tokens, "D": d, "K": top_k,
+                "dtype": jnp.dtype(dtype).name, "block_rows": tuning.block_rows,
+                "block_d": backend_lib.pow2_tile(d, tuning.block_d), "max_err": err,
+                "fwd_ms": 1e3 * s_fwd, "fwd_GBps": moved / s_fwd / 1e9,
+                "fwd_bwd_ms": 1e3 * s_bwd})
+  return out
+
+
+def main(argv=None) -> None:
+  del argv
+  gpu = jax.default_backend() != "cpu"
+  t, d = (16384, 2048) if gpu else (256, 128)
+  tunings = [PermuteTuning(block_rows=br, block_d=bd) for br in (16, 32, 64, 128)
+             for bd in (64, 128, 256, 512)] if gpu else [PermuteTuning(32, 64),
+                                                         PermuteTuning(64, 128)]
+  print(timing.platform_note())
+  rows = sweep(t, d, 2, tunings, jnp.bfloat16 if gpu else jnp.float32)
+  timing.print_table(rows, ["T", "D", "K", "dtype", "block_rows", "block_d", "max_err",
+                            "fwd_ms", "fwd_GBps", "fwd_bwd_ms"])
+
+
+if __name__ == "__main__":
+  main()

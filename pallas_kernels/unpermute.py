@@ -1,0 +1,137 @@
+"""Unpermute-combine: gather each token's expert outputs back, weight by the gates, sum over k.
+
+    y[t] = sum_k gate[t, k] * rows[row_TxK[t, k]]      (row -1 or >= R: adds 0, a dropped choice)
+
+Contract: every row is used by at most one (t, k) (true of a dispatch, where a row holds one
+choice). The backward pass relies on it:
+    d rows[r]      = gate[t, k] * dy[t]       for the (t, k) that uses r, else 0 (a gather),
+    d gate[t, k]   = <dy[t], rows[row_TxK[t, k]]>                               (a gather-dot).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import backend as backend_lib, timing
+from pallas_kernels.gather import gather_dot, gather_sum
+
+
+@dataclasses.dataclass(frozen=True)
+class CombineTuning:
+  block_rows: int = 64      # tokens per program (power of two)
+  block_d: int = 256        # feature tile; the largest power of two <= this dividing D
+  num_warps: int = 4
+  backend: str = "auto"     # see pallas_kernels.backend
+
+
+def unpermute_combine_reference(rows_RxD, row_TxK, gate_TxK, out_dtype=jnp.float32):
+  ok = (row_TxK >= 0) & (row_TxK < rows_RxD.shape[0])
+  picked = rows_RxD[jnp.where(ok, row_TxK, 0)].astype(jnp.float32)       # [T, K, D]
+  weights = jnp.where(ok, gate_TxK.astype(jnp.float32), 0.0)
+  return jnp.einsum("tkd,tk->td", picked, weights).astype(out_dtype)
+
+
+def _check(rows_RxD, row_TxK, gate_TxK, tuning):
+  if rows_RxD.ndim != 2:
+    raise ValueError(f"unpermute_combine: rows has shape {rows_RxD.shape}; it must be [R, D].")
+  if row_TxK.ndim != 2 or not jnp.issubdtype(row_TxK.dtype, jnp.integer):
+    raise ValueError(f"unpermute_combine: row_TxK is {row_TxK.dtype}{list(row_TxK.shape)}; it "
+                     "must be a 2-D integer array [tokens, K].")
+  if gate_TxK.shape != row_TxK.shape:
+    raise ValueError(f"unpermute_combine: gate shape {gate_TxK.shape} must equal row_TxK "
+                     f"shape {row_TxK.shape}.")
+  backend_lib.check_pow2("CombineTuning.block_rows", tuning.block_rows)
+
+
+def unpermute_combine(rows_RxD: jax.Array, row_TxK: jax.Array, gate_TxK: jax.Array,
+                      tuning: CombineTuning = CombineTuning(),
+                      out_dtype=jnp.float32) -> jax.Array:
+  """[T, D] in `out_dtype`, accumulated in float32."""
+  _check(rows_RxD, row_TxK, gate_TxK, tuning)
+  args = backend_lib.match_varying(rows_RxD, row_TxK.astype(jnp.int32), gate_TxK)
+  return _combine(*args, tuning, jnp.dtype(out_dtype))
+
+
+def _kw(tuning, d):
+  return dict(block_rows=tuning.block_rows, block_d=backend_lib.pow2_tile(d, tuning.block_d),
+              backend=backend_lib.resolve(tuning.backend), num_warps=tuning.num_warps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _combine(rows_RxD, row_TxK, gate_TxK, tuning, out_dtype):
+  return gather_sum(rows_RxD, row_TxK, gate_TxK, out_dtype=out_dtype,
+                    **_kw(tuning, rows_RxD.shape[1]))
+
+
+def _combine_fwd(rows_RxD, row_TxK, gate_TxK, tuning, out_dtype):
+  return _combine(rows_RxD, row_TxK, gate_TxK, tuning, out_dtype), (rows_RxD, row_TxK, gate_TxK)
+
+
+def _combine_bwd(tuning, out_dtype, res, dy_TxD):
+  del out_dtype
+  rows_RxD, row_TxK, gate_TxK = res
+  num_rows = rows_RxD.shape[0]
+  top_k = row_TxK.shape[1]
+  flat = row_TxK.reshape(-1)
+  target = jnp.where((flat >= 0) & (flat < num_rows), flat, num_rows)
+  choice_R = jnp.full((num_rows,), -1, jnp.int32).at[target].set(
+      jnp.arange(flat.shape[0], dtype=jnp.int32), mode="drop")
+  used = choice_R >= 0
+  token_R = jnp.where(used, choice_R // top_k, -1)
+  w_R = jnp.where(used, gate_TxK.reshape(-1)[jnp.maximum(choice_R, 0)], 0.0)
+  kw = _kw(tuning, rows_RxD.shape[1])
+  d_rows = gather_sum(dy_TxD, token_R[:, None], w_R[:, None], out_dtype=rows_RxD.dtype, **kw)
+  d_gate = gather_dot(dy_TxD, rows_RxD, row_TxK, **kw)
+  return d_rows, None, d_gate.astype(gate_TxK.dtype)
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+def sweep(num_tokens: int, d: int, top_k: int, tunings, dtype=jnp.float32, iters: int = 5,
+          seed: int = 0) -> list[dict]:
+  """Time unpermute_combine (fwd, and fwd+bwd wrt rows and gates) on a random dispatch.
+  GB/s counts T*K rows read and T rows written once each."""
+  rng = np.random.default_rng(seed)
+  rows = num_tokens * top_k
+  row_TxK = jnp.asarray(rng.permutation(rows).reshape(num_tokens, top_k), jnp.int32)
+  src = jnp.asarray(rng.standard_normal((rows, d)), dtype)
+  gate = jnp.asarray(rng.random((num_tokens, top_k)), jnp.float32)
+  ref = unpermute_combine_reference(src, row_TxK, gate)
+  moved = (rows + num_tokens) * d * jnp.dtype(dtype).itemsize
+  out = []
+  for tuning in tunings:
+    fwd = jax.jit(lambda s, g, t=tuning: unpermute_combine(s, row_TxK, g, t))
+    bwd = jax.jit(jax.grad(lambda s, g, t=tuning: jnp.sum(unpermute_combine(s, row_TxK, g, t)
+                                                          ** 2), argnums=(0, 1)))
+    err = timing.max_abs_diff(fwd(src, gate), ref)
+    s_fwd = timing.median_seconds(fwd, src, gate, iters=iters)
+    s_bwd = timing.median_seconds(bwd, src, gate, iters=iters)
+    out.append({"kernel": "unpermute_combine", "T": num_tokens, "D": d, "K": top_k,
+                "dtype": jnp.dtype(dtype).name, "block_rows": tuning.block_rows,
+                "block_d": backend_lib.pow2_tile(d, tuning.block_d), "max_err": err,
+                "fwd_ms": 1e3 * s_fwd, "fwd_GBps": moved / s_fwd / 1e9,
+                "fwd_bwd_ms": 1e3 * s_bwd})
+  return out
+
+
+def main(argv=None) -> None:
+  del argv
+  gpu = jax.default_backend() != "cpu"
+  t, d = (16384, 2048) if gpu else (256, 128)
+  tunings = [CombineTuning(block_rows=br, block_d=bd) for br in (16, 32, 64, 128)
+             for bd in (64, 128, 256, 512)] if gpu else [CombineTuning(32, 64),
+                                                         CombineTuning(64, 128)]
+  print(timing.platform_note())
+  rows = sweep(t, d, 2, tunings, jnp.bfloat16 if gpu else jnp.float32)
+  timing.print_table(rows, ["T", "D", "K", "dtype", "block_rows", "block_d", "max_err",
+                            "fwd_ms", "fwd_GBps", "fwd_bwd_ms"])
+
+
+if __name__ == "__main__":
+  main()
