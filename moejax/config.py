@@ -54,7 +54,8 @@ class MoEConfig:
   moe_every: int = 2              # every moe_every-th MLP is an MoE layer
   expert_mode: str = "ep"         # "ep" (slot owns weights) or "fsep" (sharded, restored)
   slots_per_device: int = 0       # fsep: expert slots per device C (0: min(E, 2 * ceil(E/N)))
-  dispatch: str = "dense"         # "dense" (fixed capacity all_to_all)
+  dispatch: str = "dense"         # "dense" (fixed capacity all_to_all) or "ragged" (dropless, GPU)
+  kernels: str = "xla"            # "xla" or "pallas" (permute/combine/grouped-matmul kernels)
 
   def validate(self) -> None:
     if self.num_experts < 1:
@@ -76,8 +77,11 @@ class MoEConfig:
                         "'fsep'.")
     if self.slots_per_device < 0:
       raise ConfigError(f"moe.slots_per_device={self.slots_per_device} must be >= 0.")
-    if self.dispatch != "dense":
-      raise ConfigError(f"moe.dispatch={self.dispatch!r} is not supported; use 'dense'.")
+    if self.dispatch not in ("dense", "ragged"):
+      raise ConfigError(f"moe.dispatch={self.dispatch!r} is not supported; use 'dense' or "
+                        "'ragged' (dropless, GPU/TPU only).")
+    if self.kernels not in ("xla", "pallas"):
+      raise ConfigError(f"moe.kernels={self.kernels!r} is not supported; use 'xla' or 'pallas'.")
 
 
 @dataclasses.dataclass(frozen=True)

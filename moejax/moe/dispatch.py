@@ -47,10 +47,16 @@ def plan(slot_A: jax.Array, top_k: int, num_slots: int, cap: int) -> DispatchPla
                       counts_S)
 
 
+def gather_rows(x_TxD: jax.Array, token_R: jax.Array) -> jax.Array:
+  """out[r] = x[token_R[r]], zeros where token_R[r] is outside [0, T) (XLA gather)."""
+  num_tokens = x_TxD.shape[0]
+  x_ext = jnp.concatenate([x_TxD, jnp.zeros((1, x_TxD.shape[1]), x_TxD.dtype)], axis=0)
+  return x_ext[jnp.where((token_R >= 0) & (token_R < num_tokens), token_R, num_tokens)]
+
+
 def pack(x_TxD: jax.Array, p: DispatchPlan) -> jax.Array:
   """Send buffer [S*cap, D]; empty rows are zeros."""
-  x_ext = jnp.concatenate([x_TxD, jnp.zeros((1, x_TxD.shape[1]), x_TxD.dtype)], axis=0)
-  return x_ext[p.buf_token_B]
+  return gather_rows(x_TxD, p.buf_token_B)
 
 
 def exchange(buf_SxD: jax.Array, num_devices: int, axis_name: str) -> jax.Array:

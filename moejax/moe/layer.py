@@ -4,6 +4,13 @@
 `MoELayer` is the Flax module that owns the parameters and calls it. Tokens are
 sharded over (data, expert); expert slots over expert; the expert FFN dim over
 model. Each data row of the mesh exchanges tokens among its expert-axis devices.
+
+Chosen when the program is built (`moe.dispatch`, `moe.kernels`), never inside the step:
+  dense + xla     fixed-capacity buffers, all_to_all, per-slot batched einsum.
+  dense + pallas  the same buffers moved by the permute / unpermute-combine kernels; the
+                  received rows are packed by slot and the experts run as a grouped matmul
+                  over the real rows only (capacity padding costs no FLOPs).
+  ragged + either dropless ragged_all_to_all (moejax.moe.ragged); GPU/TPU only.
 """
 
 from __future__ import annotations
@@ -18,8 +25,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 from moejax.config import ConfigError, MoEConfig
 from moejax.layout import Layout
 from moejax.mesh import BATCH_AXES, logical_to_spec
-from moejax.moe import combine as combine_lib, dispatch as dispatch_lib
-from moejax.moe.experts import swiglu
+from moejax.moe import combine as combine_lib, dispatch as dispatch_lib, grouping, ragged
+from moejax.moe.experts import grouped_ffn, swiglu
+from moejax.moe.kernels import ops_for
 from moejax.moe.replicas import split_slots
 from moejax.moe.route import route
 from moejax.planner.placement import SHARE_PARTS
@@ -52,6 +60,42 @@ def _replica_slots(expert_A, counts_E, expert_slots_ExR, expert_parts_ExR, slots
   return split_slots(expert_A, expert_slots_ExR, expert_parts_ExR, phase)
 
 
+def _dense_einsum(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, dtype):
+  p = dispatch_lib.plan(slot_A, gate_TxK.shape[1], num_dev * slots, cap)
+  recv = dispatch_lib.exchange(dispatch_lib.pack(x_TxD, p), num_dev, "expert")
+  h = swiglu(dispatch_lib.to_slot_major(recv, num_dev, slots), *weights, dtype)
+  h = jax.lax.psum(h, "model")
+  back = dispatch_lib.exchange(dispatch_lib.from_slot_major(h, num_dev), num_dev, "expert")
+  return combine_lib.combine(back, p, gate_TxK), p.dropped, p.slot_counts
+
+
+def _dense_grouped(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, dtype):
+  p = dispatch_lib.plan(slot_A, gate_TxK.shape[1], num_dev * slots, cap)
+  row_TxK = p.buf_index_A.reshape(gate_TxK.shape)
+  recv = dispatch_lib.exchange(ops.permute(x_TxD, p.buf_token_B, row_TxK), num_dev, "expert")
+  # Rows each source kept for each of my slots: [sources, C].
+  kept_NxC = jax.lax.all_to_all(jnp.minimum(p.slot_counts, cap).reshape(num_dev, slots),
+                                "expert", 0, 0)
+  g = grouping.group_received(grouping.dense_starts(num_dev, slots, cap), kept_NxC,
+                              recv.shape[0])
+  back = dispatch_lib.exchange(grouped_ffn(recv, g, weights, ops, dtype), num_dev, "expert")
+  return ops.combine(back, row_TxK, gate_TxK), p.dropped, p.slot_counts
+
+
+def _ragged(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, dtype):
+  del cap
+  y_TxD, slot_counts = ragged.ragged_moe(x_TxD, slot_A, gate_TxK, weights, ops, num_dev,
+                                         slots, dtype)
+  return y_TxD, jnp.zeros((), jnp.int32), slot_counts
+
+
+def dispatch_combine_fn(cfg: MoEConfig):
+  """The dispatch -> experts -> combine pipeline for this config (a build-time choice)."""
+  if cfg.dispatch == "ragged":
+    return _ragged
+  return _dense_einsum if cfg.kernels == "xla" else _dense_grouped
+
+
 def moe_apply(params: dict, x_BxLxD: jax.Array, layout: Layout, cfg: MoEConfig,
               mesh: Mesh, dtype=jnp.float32) -> tuple[jax.Array, MoEStats]:
   """`params`: router [D, E] and slot-ordered expert weights [S, D, F] / [S, F, D] (the ep
@@ -70,24 +114,29 @@ def moe_apply(params: dict, x_BxLxD: jax.Array, layout: Layout, cfg: MoEConfig,
   cap = dispatch_lib.capacity(num_tokens, cfg.top_k, num_slots, cfg.capacity_factor)
   # Chosen when the program is built: ep layouts have one replica per expert.
   pick_slots = _ep_slots if layout.expert_slots_LxExR.shape[-1] == 1 else _replica_slots
+  platform = mesh.devices.flat[0].platform
+  if cfg.dispatch == "ragged":
+    ragged.check_platform(platform)
+  ops = ops_for(cfg.kernels, platform)
+  pipeline = dispatch_combine_fn(cfg)
+  # Pallas's interpreter (jax 0.10) fails shard_map's varying-axes check inside its kernels
+  # ("Primitive pad requires varying manual axes to match"), so interpreted kernels run with
+  # the check off; values and gradients do not depend on it (pallas == xla is tested).
+  check_vma = ops.backend != "interpret"
 
   def local(x, w_router, w_gate, w_up, w_down, expert_slots, expert_parts, bias):
     x_TxD = x.reshape(-1, d_model)
     r = route(x_TxD, w_router, cfg.top_k, normalize_top_k=cfg.normalize_top_k,
               token_axes=BATCH_AXES, bias_E=bias)
     slot_A = pick_slots(r.expert_TxK.reshape(-1), r.counts_E, expert_slots, expert_parts, slots)
-    p = dispatch_lib.plan(slot_A, cfg.top_k, num_slots, cap)
-    recv = dispatch_lib.exchange(dispatch_lib.pack(x_TxD, p), num_dev, "expert")
-    h = swiglu(dispatch_lib.to_slot_major(recv, num_dev, slots), w_gate, w_up, w_down, dtype)
-    h = jax.lax.psum(h, "model")
-    back = dispatch_lib.exchange(dispatch_lib.from_slot_major(h, num_dev), num_dev, "expert")
-    y_TxD = combine_lib.combine(back, p, r.gate_TxK)
-    return (y_TxD.reshape(x.shape).astype(x.dtype), r.counts_E[None], p.dropped[None],
-            p.slot_counts[None], r.balance_loss, r.z_loss)
+    y_TxD, dropped, slot_counts = pipeline(x_TxD, slot_A, r.gate_TxK, (w_gate, w_up, w_down),
+                                           ops, num_dev, slots, cap, dtype)
+    return (y_TxD.reshape(x.shape).astype(x.dtype), r.counts_E[None], dropped[None],
+            slot_counts[None], r.balance_loss, r.z_loss)
 
   spec = {k: logical_to_spec(v) for k, v in EXPERT_PARAM_AXES.items()}
   fn = jax.shard_map(
-      local, mesh=mesh,
+      local, mesh=mesh, check_vma=check_vma,
       in_specs=(P(BATCH_AXES), logical_to_spec(ROUTER_AXES), spec["w_gate"], spec["w_up"],
                 spec["w_down"], P(), P(), P()),
       out_specs=(P(BATCH_AXES), P(BATCH_AXES), P(BATCH_AXES), P(BATCH_AXES), P(), P()))

@@ -1,0 +1,189 @@
+"""The MoE layer's build-time options: `moe.kernels` ("xla" | "pallas") and `moe.dispatch`
+("dense" | "ragged") give the same layer.
+
+* dense + pallas (kernels interpreted on the CPU mesh) equals dense + xla, drops included.
+* ragged is dropless and equals the single-device reference. XLA:CPU has no
+  ragged_all_to_all, so on CPU the collective is replaced by `emulated_ragged_all_to_all`
+  below (same contract, built from all_to_all); everything around it (counts, offsets,
+  grouping, grouped matmul, reverse exchange, combine, autodiff) is the library's code.
+  The real collective runs only in the GPU test (skipped without a GPU) and is lowered for
+  CUDA, forward and backward, in `test_ragged_path_lowers_for_cuda`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from moejax.config import ConfigError, MoEConfig
+from moejax.layout import static_layout
+from moejax.mesh import mesh_of_shape
+from moejax.moe import ragged
+from moejax.moe.kernels import ops_for
+from tests.helpers import TINY_MOE, tiny_setup
+from tests.test_moe_equivalence import (
+  D,
+  E,
+  F,
+  assert_trees_close,
+  make_params,
+  reference_value_and_grad,
+  row,
+  sharded_value_and_grad,
+)
+
+
+def skewed_params(seed=0):
+  """Every token picks experts 0 and 1 (positive inputs, ordered router columns)."""
+  params = make_params(seed)
+  router = np.full((D, E), -10.0, np.float32)
+  router[:, 0], router[:, 1] = 10.0, 5.0
+  return dict(params, router=jnp.asarray(router))
+
+
+def positive_tokens(seed=2):
+  return jnp.abs(jax.random.normal(jax.random.key(seed), (8, 8, D))) + 0.1
+
+
+def test_dense_pallas_equals_dense_xla_with_drops():
+  """(data, expert, model) = (2, 2, 2): 4 slots per device, F split over model; capacity
+  factor 1 with half the tokens on two experts, so both drop the same choices."""
+  shape = (2, 2, 2)
+  params = make_params(7)
+  params["router"] = params["router"].at[:, 0].add(1.0)    # skew, so some choices drop
+  x = jax.random.normal(jax.random.key(8), (8, 8, D))
+  layout = row(static_layout(1, E, shape[1]))
+  out = {}
+  for kernels in ("xla", "pallas"):
+    cfg = MoEConfig(num_experts=E, top_k=2, capacity_factor=1.0, d_ff=F, kernels=kernels)
+    out[kernels] = sharded_value_and_grad(params, x, layout, cfg, mesh_of_shape(shape))
+  (loss, (y, st)), grads = out["pallas"]
+  (ref_loss, (ref_y, ref_st)), ref_grads = out["xla"]
+  assert int(np.sum(ref_st.dropped_S)) > 0, "the test should make the dense dispatch drop"
+  for name in ("counts_SxE", "dropped_S", "slot_counts_SxC"):
+    np.testing.assert_array_equal(getattr(st, name), getattr(ref_st, name), err_msg=name)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), atol=1e-5)
+  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+  assert_trees_close(grads, ref_grads, atol=5e-5)
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                               recv_sizes, *, axis_name):
+  """jax.lax.ragged_all_to_all's contract from all_to_all (O(N x rows) memory; for tests).
+  The sender zero-pads its N chunks (send_sizes), the receiver places them by the offsets
+  the senders chose (all_to_all of output_offsets) and its own recv_sizes, so inconsistent
+  sizes or offsets corrupt the result."""
+  rows, d = operand.shape
+  r = jnp.arange(rows)
+  src_NxR = jnp.clip(input_offsets[:, None] + r[None, :], 0, rows - 1)
+  chunks = jnp.where((r[None, :] < send_sizes[:, None])[..., None], operand[src_NxR], 0)
+  got = jax.lax.all_to_all(chunks, axis_name, 0, 0)                  # [source, rows, D]
+  offsets = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+  dst = jnp.where(r[None, :] < recv_sizes[:, None], offsets[:, None] + r[None, :],
+                  output.shape[0])
+  return output.at[dst.reshape(-1)].set(got.reshape(-1, d), mode="drop")
+
+
+@pytest.fixture
+def emulated_collective(monkeypatch):
+  monkeypatch.setattr(ragged, "ragged_all_to_all", emulated_ragged_all_to_all)
+  monkeypatch.setattr(ragged, "check_platform", lambda platform: None)
+
+
+@pytest.mark.parametrize("kernels", ["xla", "pallas"])
+def test_ragged_is_dropless_and_matches_reference(kernels, emulated_collective):
+  """All tokens on experts 0 and 1: a dense dispatch at capacity factor 1 drops most choices;
+  ragged drops none and equals the reference (values and gradients)."""
+  del emulated_collective
+  shape = (2, 2, 2)
+  params, x = skewed_params(), positive_tokens()
+  cfg = MoEConfig(num_experts=E, top_k=2, capacity_factor=1.0, d_ff=F, kernels=kernels,
+                  dispatch="ragged")
+  (loss, (y, st)), grads = sharded_value_and_grad(
+      params, x, row(static_layout(1, E, shape[1])), cfg, mesh_of_shape(shape))
+  (ref_loss, (ref_y, ref_counts)), ref_grads = reference_value_and_grad(params, x, 2)
+  assert int(np.sum(st.dropped_S)) == 0
+  np.testing.assert_array_equal(np.asarray(st.counts_SxE).sum(0), np.asarray(ref_counts))
+  # 4 sources x 16 tokens, each token on slots 0 and 1: dense capacity would be 4 rows.
+  np.testing.assert_array_equal(np.asarray(st.slot_counts_SxC)[:, :2], 16)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), atol=1e-5)
+  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+  assert_trees_close(grads, ref_grads, atol=5e-5)
+
+
+def test_ragged_on_cpu_fails_at_build_time_with_one_line():
+  moe = dataclasses.replace(TINY_MOE, dispatch="ragged")
+  with pytest.raises(ConfigError) as e:
+    tiny_setup((2, 4, 1), moe_cfg=moe)
+  msg = str(e.value)
+  assert "\n" not in msg and "XLA:CPU" in msg and "moe.dispatch = 'dense'" in msg, msg
+
+
+@pytest.mark.parametrize("field,value", [("kernels", "triton"), ("dispatch", "sparse")])
+def test_unknown_option_is_a_one_line_config_error(field, value):
+  with pytest.raises(ConfigError, match=f"moe.{field}={value!r}") as e:
+    dataclasses.replace(TINY_MOE, **{field: value}).validate()
+  assert "\n" not in str(e.value)
+
+
+def test_ragged_path_lowers_for_cuda():
+  """The real ragged_all_to_all path (pallas ops, Triton backend) traced with shard_map's
+  varying-axes check on, differentiated, and lowered for CUDA (not compiled)."""
+  mesh = mesh_of_shape((1, 4, 2))
+  ops = ops_for("pallas", "gpu")
+  assert ops.backend == "triton"
+  t, d, f, slots = 32, 64, 64, 2
+
+  def local(x_TxD, slot_A, gate_TxK, w_gate, w_up, w_down):
+    def loss(x, gate, *w):
+      y, _ = ragged.ragged_moe(x, slot_A, gate, w, ops, 4, slots, jnp.bfloat16)
+      return jnp.sum(y ** 2)
+    gx, gg, *gw = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(x_TxD, gate_TxK, w_gate, w_up, w_down)
+    return gx, gg, *(jax.lax.psum(g, "data") for g in gw)
+
+  w_spec = P("expert", None, "model")
+  fn = jax.shard_map(local, mesh=mesh, in_specs=(P("expert"),) * 3 + (w_spec,) * 2 +
+                     (P("expert", "model", None),),
+                     out_specs=(P("expert"),) * 2 + (w_spec,) * 2 + (P("expert", "model", None),))
+  s = jax.ShapeDtypeStruct
+  bf16 = jnp.bfloat16
+  exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+      jax.export.DisabledSafetyCheck.custom_call(n) for n in ("__gpu$xla.gpu.triton",
+                                                            "ragged_all_to_all")])(
+          s((4 * t, d), bf16), s((4 * t * 2,), jnp.int32), s((4 * t, 2), jnp.float32),
+          s((8, d, f), bf16), s((8, d, f), bf16), s((8, f, d), bf16))
+  mlir = exported.mlir_module()
+  assert mlir.count("ragged_all_to_all") >= 4      # 2 forward + their 2 transposes
+
+
+def _gpus():
+  try:
+    return jax.devices("gpu")
+  except RuntimeError:
+    return []
+
+
+@pytest.mark.skipif(not _gpus(), reason="no GPU: ragged_all_to_all runs only on GPU/TPU "
+                    "(JAX_PLATFORMS=cpu,cuda on a GPU host)")
+@pytest.mark.parametrize("kernels", ["xla", "pallas"])
+def test_ragged_on_gpu_matches_reference(kernels):
+  gpus = _gpus()
+  n = 2 if len(gpus) >= 2 else 1
+  mesh = jax.make_mesh((1, n, 1), ("data", "expert", "model"), devices=gpus[:n],
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  params, x = skewed_params(), positive_tokens()
+  cfg = MoEConfig(num_experts=E, top_k=2, capacity_factor=1.0, d_ff=F, kernels=kernels,
+                  dispatch="ragged")
+  with jax.default_device(gpus[0]):
+    (loss, (y, st)), grads = sharded_value_and_grad(
+        params, x, row(static_layout(1, E, n)), cfg, mesh)
+    (ref_loss, (ref_y, _)), ref_grads = reference_value_and_grad(params, x, 2)
+  assert int(np.sum(st.dropped_S)) == 0
+  np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), atol=3e-2, rtol=3e-2)
+  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=3e-2)
+  assert_trees_close(grads, ref_grads, atol=3e-2)
