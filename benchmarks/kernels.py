@@ -1,0 +1,160 @@
+"""Pallas dispatch kernels and the MoE layer with each `moe.kernels` / `moe.dispatch` option.
+
+Part 1, kernel sweeps (each kernel against its plain-jnp reference; max_err = max |kernel -
+reference| of the forward): permute and unpermute-combine report GB/s (rows read + written
+once), the grouped matmul TFLOP/s (2*M*K*N per matmul; fwd+bwd counts 3 matmuls). Part 2,
+the sharded MoE layer's jit(value_and_grad) time (wrt params and tokens) per option, median
+of interleaved iterations, and max |y - y(dense, xla)|.
+
+On CPU the kernels run in Pallas INTERPRET mode and the 8 "devices" are faked on the host's
+cores: those numbers time the interpreter, say nothing about kernel speed, and are recorded
+only as a smoke run; `ragged` is skipped there (XLA:CPU has no ragged_all_to_all). On a GPU
+host the kernels are compiled with the Triton backend, in bf16, over a tile sweep.
+
+Run (from the repository root):
+  python benchmarks/kernels.py   # -> benchmarks/results/kernels_{gpu,cpu_interpret}.json
+  python benchmarks/kernels.py --skip_layer --json /tmp/k.json
+"""
+
+from __future__ import annotations
+
+import os
+
+if "XLA_FLAGS" not in os.environ:
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+
+import argparse
+import datetime
+import json
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:
+  sys.path.insert(0, str(_REPO))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.moe_layer import init_params, place_sharded
+from moejax.config import MoEConfig
+from moejax.layout import static_layout
+from moejax.mesh import AXES
+from moejax.moe.layer import moe_apply
+from pallas_kernels import grouped_matmul, permute, timing, unpermute
+
+KERNEL_COLUMNS = ["kernel", "dtype", "block_rows", "block_d", "block_m", "block_k", "block_n",
+                  "max_err", "fwd_ms", "fwd_GBps", "fwd_TFLOPs", "fwd_bwd_ms", "fwd_bwd_TFLOPs"]
+
+
+def kernel_sweeps(gpu: bool, iters: int) -> list[dict]:
+  if gpu:
+    t, d, f, e, dtype = 16384, 2048, 1536, 8, jnp.bfloat16
+    gather_tiles = [(br, bd) for br in (16, 32, 64) for bd in (128, 256, 512)]
+    gmm_tunings = [grouped_matmul.GmmTuning(block_m=bm, block_k=bk, block_n=bn, num_warps=w,
+                                            num_stages=s)
+                   for bm in (64, 128) for bk in (32, 64) for bn in (64, 128)
+                   for w, s in ((4, 2), (8, 3))]
+  else:
+    t, d, f, e, dtype = 256, 128, 128, 4, jnp.float32
+    gather_tiles = [(32, 64), (64, 128)]
+    gmm_tunings = [grouped_matmul.GmmTuning(32, 32, 32), grouped_matmul.GmmTuning(64, 64, 64)]
+  rows = permute.sweep(t, d, 2, [permute.PermuteTuning(*bt) for bt in gather_tiles], dtype,
+                       iters)
+  rows += unpermute.sweep(t, d, 2, [unpermute.CombineTuning(*bt) for bt in gather_tiles],
+                          dtype, iters)
+  rows += grouped_matmul.sweep(2 * t, d, f, e, gmm_tunings, dtype, iters)
+  return rows
+
+
+def layer_times(gpu: bool, iters: int) -> list[dict]:
+  devices = jax.devices()
+  n = len(devices)
+  tokens, seq, d, f, experts = (65536, 1024, 1024, 2048, 4 * n) if gpu else (2048, 64, 64, 128, 8)
+  options = [("dense", "xla"), ("dense", "pallas")]
+  options += [("ragged", "xla"), ("ragged", "pallas")] if gpu else []
+  mesh = jax.make_mesh((1, n, 1), AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3,
+                       devices=devices)
+  kp, kx = jax.random.split(jax.random.key(0))
+  params_h = jax.device_get(init_params(kp, d, f, experts))
+  x_h = np.asarray(jax.random.normal(kx, (tokens // seq, seq, d), jnp.float32))
+  layout = jax.tree.map(lambda a: a[0], static_layout(1, experts, n))
+  dtype = jnp.bfloat16 if gpu else jnp.float32
+  steps, ys = {}, {}
+  for dispatch, kernels in options:
+    cfg = MoEConfig(num_experts=experts, top_k=2, capacity_factor=1.25, d_ff=f,
+                    dispatch=dispatch, kernels=kernels)
+
+    def loss(p, x, lay, cfg=cfg):
+      y, st = moe_apply(p, x, lay, cfg, mesh, dtype)
+      return 0.5 * jnp.mean(jnp.square(y.astype(jnp.float32))), (y, jnp.sum(st.dropped_S))
+
+    fn = jax.jit(jax.value_and_grad(loss, has_aux=True, argnums=(0, 1)))
+    args = place_sharded(params_h, x_h, layout, mesh)
+    t0 = time.perf_counter()
+    (_, (y, dropped)), _ = jax.block_until_ready(fn(*args))
+    steps[(dispatch, kernels)] = (fn, args, time.perf_counter() - t0, int(dropped))
+    ys[(dispatch, kernels)] = np.asarray(y, np.float32)
+  times = {k: [] for k in steps}
+  for i in range(iters):                    # interleaved, order rotated per round
+    keys = list(steps)
+    for k in keys[i % len(keys):] + keys[:i % len(keys)]:
+      fn, args, _, _ = steps[k]
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times[k].append(time.perf_counter() - t0)
+  base = ys[("dense", "xla")]
+  return [{"kernel": "moe_layer", "dispatch": dsp, "kernels": krn, "mesh": f"1x{n}x1",
+           "tokens": tokens, "D": d, "F": f, "E": experts, "dtype": jnp.dtype(dtype).name,
+           "first_call_s": steps[(dsp, krn)][2],
+           "fwd_bwd_ms": 1e3 * statistics.median(times[(dsp, krn)]),
+           "dropped_fraction": steps[(dsp, krn)][3] / (2 * tokens),
+           "max_diff_vs_dense_xla": float(np.max(np.abs(ys[(dsp, krn)] - base)))}
+          for dsp, krn in steps]
+
+
+def main(argv=None) -> int:
+  dev = jax.devices()[0]
+  gpu = dev.platform == "gpu"
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  suffix = "" if gpu else "_interpret"
+  ap.add_argument("--json", default=f"benchmarks/results/kernels_{dev.platform}{suffix}.json")
+  ap.add_argument("--iters", type=int, default=10 if gpu else 3)
+  ap.add_argument("--skip_layer", action="store_true")
+  args = ap.parse_args(argv)
+
+  note = timing.platform_note()
+  print(note)
+  kernels = kernel_sweeps(gpu, args.iters)
+  timing.print_table(kernels, KERNEL_COLUMNS)
+  layer = [] if args.skip_layer else layer_times(gpu, args.iters)
+  if layer:
+    print()
+    timing.print_table(layer, ["dispatch", "kernels", "mesh", "tokens", "D", "F", "E", "dtype",
+                               "fwd_bwd_ms", "dropped_fraction", "max_diff_vs_dense_xla"])
+  out = {
+      "benchmark": "pallas dispatch kernels (sweeps) and MoE layer fwd+bwd per option",
+      "metadata": {
+          "note": note, "jax_version": jax.__version__, "platform": dev.platform,
+          "device_kind": dev.device_kind, "device_count": len(jax.devices()),
+          "host_cpu_count": os.cpu_count(), "python": platform.python_version(),
+          "xla_flags": os.environ.get("XLA_FLAGS", ""),
+          "command": shlex.join([sys.executable, *sys.argv]),
+          "timestamp_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+      },
+      "kernels": kernels, "layer": layer,
+  }
+  path = Path(args.json)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(out, indent=2) + "\n")
+  print(f"\nwrote {path}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
