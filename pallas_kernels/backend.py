@@ -2,7 +2,7 @@
 
 Backends (a kernel's tuning dataclass names one; resolved when the program is built):
 
-* ``"auto"``: ``"interpret"`` on CPU, ``"triton"`` on GPU.
+* ``"auto"``: ``"interpret"`` on CPU, ``"triton"`` on GPU (no TPU backend here).
 * ``"interpret"``: ``pallas_call(interpret=True)``, runs anywhere (CPU tests and CI).
 * ``"triton"``: the Pallas Triton lowering, chosen by passing Triton ``CompilerParams``
   (since jax 0.10 a GPU ``pallas_call`` without them lowers to Mosaic GPU). The kernels of
@@ -16,32 +16,27 @@ Backends (a kernel's tuning dataclass names one; resolved when the program is bu
 from __future__ import annotations
 
 import jax
-
-try:   # the Triton lowering ships with jaxlib; absent builds can still interpret
-  from jax.experimental.pallas import triton as pltriton
-except ImportError:   # pragma: no cover
-  pltriton = None
+from jax.experimental.pallas import triton as pltriton
 
 BACKENDS = ("auto", "interpret", "triton", "mosaic_gpu")
 GPU_BACKENDS = ("triton", "mosaic_gpu")
 MIN_DOT_TILE = 16     # tl.dot needs every tile dim >= 16
 
 
-def default_platform() -> str:
-  """The platform 'auto' resolves for (tests lowering for CUDA on a CPU host replace it)."""
-  return jax.default_backend()
-
-
 def resolve(backend: str, platform: str | None = None) -> str:
-  """'auto' -> a concrete backend for `platform` (default: `default_platform()`)."""
+  """'auto' -> a concrete backend for `platform` (default: JAX's default backend). The MoE
+  layer passes its mesh's platform."""
   if backend not in BACKENDS:
     raise ValueError(f"Pallas backend {backend!r} is unknown; use one of {BACKENDS}.")
-  platform = platform or default_platform()
-  if backend == "auto":
-    return "interpret" if platform == "cpu" else "triton"
-  if backend == "triton" and pltriton is None:
-    raise ValueError("Pallas backend 'triton' is not in this jaxlib; use backend='interpret'.")
-  return backend
+  platform = platform or jax.default_backend()
+  if backend != "auto":
+    return backend
+  if platform == "cpu":
+    return "interpret"
+  if platform in ("gpu", "cuda", "rocm"):
+    return "triton"
+  raise ValueError(f"these Pallas kernels have no {platform} backend; use moe.kernels = 'xla' "
+                   "(or backend='interpret').")
 
 
 def call_kwargs(backend: str, num_warps: int | None = None,

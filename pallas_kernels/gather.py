@@ -57,15 +57,14 @@ def gather_sum(src_NxD, idx_MxK, w_MxK, *, out_dtype, block_rows, block_d, backe
                              num_src=num_src, num_rows=m, block_rows=block_rows,
                              block_d=block_d)
   return pl.pallas_call(
-      kernel, out_shape=backend_lib.out_struct((m, d), out_dtype, src_NxD, idx_MxK, *(
-          [w_MxK] if weighted else [])),
+      kernel,
+      out_shape=backend_lib.out_struct((m, d), out_dtype, src_NxD, idx_MxK, *cols[top_k:]),
       grid=(pl.cdiv(m, block_rows), d // block_d), name="gather_sum",
       **backend_lib.call_kwargs(backend, num_warps))(*cols, src_NxD)
 
 
 def _gather_dot_kernel(*refs, top_k, num_src, num_rows, block_rows, block_d, d_blocks):
-  idx_refs, dy_ref, src_ref, out_refs = refs[:top_k], refs[top_k], refs[top_k + 1], refs[
-      top_k + 2:]
+  idx_refs, (dy_ref, src_ref), out_refs = refs[:top_k], refs[top_k:top_k + 2], refs[top_k + 2:]
   i = pl.program_id(0)
   rows = pl.ds(i * block_rows, block_rows)
   row_ok = i * block_rows + jnp.arange(block_rows) < num_rows
@@ -94,8 +93,8 @@ def gather_dot(dy_MxD, src_NxD, idx_MxK, *, block_rows, block_d, backend, num_wa
   kernel = functools.partial(_gather_dot_kernel, top_k=top_k, num_src=num_src, num_rows=m,
                              block_rows=block_rows, block_d=block_d, d_blocks=d // block_d)
   outs = pl.pallas_call(
-      kernel, out_shape=[backend_lib.out_struct((m,), jnp.float32, dy_MxD, src_NxD, idx_MxK)]
-      * top_k,
+      kernel,
+      out_shape=[backend_lib.out_struct((m,), jnp.float32, dy_MxD, src_NxD, idx_MxK)] * top_k,
       grid=(pl.cdiv(m, block_rows),), name="gather_dot",
       **backend_lib.call_kwargs(backend, num_warps))(
           *[idx_MxK[:, k].astype(jnp.int32) for k in range(top_k)], dy_MxD, src_NxD)

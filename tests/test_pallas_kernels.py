@@ -178,6 +178,8 @@ def test_bad_inputs_give_one_line_errors(call, needle):
 def test_auto_backend_is_interpret_on_cpu_and_triton_on_gpu():
   assert backend_lib.resolve("auto", "cpu") == "interpret"
   assert backend_lib.resolve("auto", "gpu") == "triton"
+  with pytest.raises(ValueError, match="moe.kernels = 'xla'"):
+    backend_lib.resolve("auto", "tpu")
   assert backend_lib.pow2_tile(768, 256) == 256 and backend_lib.pow2_tile(24, 256) == 8
 
 
