@@ -2,6 +2,10 @@
 
 With no flags it runs the embedded default (configs/default.gin) on 8 fake CPU
 devices. Thin on purpose: parse gin, build the frozen configs, call the library.
+On a cluster run it once per host: `jax.distributed` starts from the environment
+(moejax/distributed.py). Exit codes: 0 done or preempted (SIGTERM/SIGINT: the step
+in flight finishes and is saved), 2 bad configuration or no usable checkpoint,
+3 too many non-finite steps in a row, 130 a second Ctrl-C.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import sys
 import gin
 
 from moejax import config as config_lib
+from moejax.faults import NonFiniteError
+from moejax.preempt import StopRequest
 
 DEFAULT_GIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.gin")
 CONFIGURABLES = {
@@ -59,24 +65,45 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--gin_bindings", action="append", default=[],
                       help="gin binding such as 'train.num_steps = 10' (repeatable)")
   args = parser.parse_args(argv)
+  with StopRequest() as stop:   # from the start: a SIGTERM during start-up also ends in a save
+    return _run(args, stop)
+
+
+def _run(args: argparse.Namespace, stop: StopRequest) -> int:
   try:
     cfg = parse_config(args.gin_file or [DEFAULT_GIN], args.gin_bindings)
     fake_host_devices(cfg.mesh.host_device_count)
+    from moejax import distributed  # imports jax only if the environment is multi-process
+
+    if distributed.maybe_initialize():
+      stop.reinstall()   # JAX's preemption notifier took SIGTERM
+    import jax
+
     from moejax.trainer import train  # imports jax: only after XLA_FLAGS is settled
 
+    main_process = jax.process_index() == 0
     os.makedirs(cfg.train.run_dir, exist_ok=True)
-    with open(os.path.join(cfg.train.run_dir, "operative_config.gin"), "w") as f:
-      f.write(gin.operative_config_str())
-    summary = train(cfg)
+    if main_process:
+      with open(os.path.join(cfg.train.run_dir, "operative_config.gin"), "w") as f:
+        f.write(gin.operative_config_str())
+    summary = train(cfg, stop=stop)
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except NonFiniteError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 3
   except KeyboardInterrupt:
     print("interrupted; re-run the same command to resume from the latest checkpoint in the "
           "run dir's checkpoints/", file=sys.stderr)
     return 130
+  if not main_process:
+    return 0
   first, last = summary["first"], summary["last"]
-  if first and last:
+  if summary["preempted"]:
+    print(f"stopped by {summary['preempted']}: saved step {summary['saved_step']} in "
+          f"{summary['checkpoint_dir']}; re-run the same command to resume")
+  elif first and last:
     print(f"steps {summary['start_step']}..{last['step']}: loss {first['loss']:.3f} -> "
           f"{last['loss']:.3f}; run dir {cfg.train.run_dir}")
   else:

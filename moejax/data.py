@@ -154,11 +154,13 @@ class BatchLoader:
   Window i is tokens[i*seq_len : i*seq_len + seq_len + 1]. Epoch e visits the windows in the
   order `np.random.default_rng([seed, e]).permutation(num_windows)`, global_batch_size at a time,
   dropping the remainder. `position` counts the global batches consumed (save it in
-  checkpoints); process p of P gets global rows [p*B/P, (p+1)*B/P) of each batch.
+  checkpoints); process p of P gets global rows [p*B/P, (p+1)*B/P) of each batch, or the
+  rows [start, stop) given as `rows` (see `process_rows`). Only those rows are read.
   """
 
   def __init__(self, tokens: np.ndarray, seq_len: int, global_batch_size: int, seed: int,
-               process_index: int = 0, process_count: int = 1, position: int = 0):
+               process_index: int = 0, process_count: int = 1, position: int = 0,
+               rows: tuple[int, int] | None = None):
     if tokens.ndim != 1:
       raise ConfigError(f"BatchLoader needs a 1-D token stream, got shape {tokens.shape}.")
     if seq_len < 1:
@@ -182,6 +184,12 @@ class BatchLoader:
     self.process_count = process_count
     self.position = position
     self.local_batch_size = global_batch_size // process_count
+    self.row_start = process_index * self.local_batch_size
+    if rows is not None:
+      if not 0 <= rows[0] < rows[1] <= global_batch_size:
+        raise ConfigError(f"rows={rows} must be a non-empty range within the "
+                          f"data.global_batch_size={global_batch_size} rows of a batch.")
+      self.row_start, self.local_batch_size = rows[0], rows[1] - rows[0]
     self.num_windows = max(0, (len(tokens) - 1) // seq_len)
     if self.num_windows < global_batch_size:
       raise ConfigError(
@@ -202,7 +210,7 @@ class BatchLoader:
   def window_ids_at(self, position: int) -> np.ndarray:
     """Global window indices of this process's rows of global batch `position`."""
     epoch, step = divmod(position, self.batches_per_epoch)
-    start = step * self.global_batch_size + self.process_index * self.local_batch_size
+    start = step * self.global_batch_size + self.row_start
     return self._permutation(epoch)[start:start + self.local_batch_size]
 
   def batch_at(self, position: int) -> np.ndarray:
@@ -224,3 +232,18 @@ def make_global_batch(local_rows: np.ndarray, sharding, global_batch_size: int) 
 
   return jax.make_array_from_process_local_data(
       sharding, local_rows, (global_batch_size,) + local_rows.shape[1:])
+
+
+def process_rows(sharding, global_batch_size: int, row_len: int) -> tuple[int, int]:
+  """[start, stop) of the global batch rows that this process's devices hold under `sharding`
+  (what `make_global_batch` expects as its local rows)."""
+  shape = (global_batch_size, row_len)
+  rows: set[int] = set()
+  for index in sharding.addressable_devices_indices_map(shape).values():
+    rows.update(range(*index[0].indices(global_batch_size)))
+  start, stop = min(rows), max(rows) + 1
+  if len(rows) != stop - start:
+    raise ConfigError(f"this process's devices hold batch rows {sorted(rows)}, not one "
+                      "contiguous block; order the mesh so each process owns a block of the "
+                      "data and expert axes.")
+  return start, stop

@@ -32,11 +32,19 @@ def loss_fn(params, model: nn.Module, moe_cfg: MoEConfig, batch_BxL1: jax.Array,
 
 def train_step(state: TrainState, batch_BxL1: jax.Array, layout: Layout, *, model: nn.Module,
                tx: optax.GradientTransformation, moe_cfg: MoEConfig, lr_schedule):
+  """One AdamW step. A non-finite loss or gradient norm keeps the old params and optimizer
+  state (a data-dependent select, same program) and reports `skipped`; `step` advances."""
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   (loss, aux), grads = grad_fn(state.params, model, moe_cfg, batch_BxL1, layout)
+  grad_norm = optax.tree.norm(grads)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  metrics = dict(aux, loss=loss, grad_norm=optax.tree.norm(grads), lr=lr_schedule(state.step))
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  keep_new = lambda new, old: jnp.where(finite, new, old)
+  params = jax.tree.map(keep_new, params, state.params)
+  opt_state = jax.tree.map(keep_new, opt_state, state.opt_state)
+  metrics = dict(aux, loss=loss, grad_norm=grad_norm, lr=lr_schedule(state.step),
+                 skipped=jnp.logical_not(finite))
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
