@@ -11,6 +11,7 @@ profile.json` and the trainer's strategy switching use the result.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import socket
 import time
@@ -30,7 +31,7 @@ def _median_s(fn, *args, repeats: int) -> float:
     tick = time.perf_counter()
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - tick)
-  return float(np.median(times))
+  return float(np.min(times))   # the machine may be shared: contention only adds time
 
 
 def _fit(work: list[float], seconds: list[float]) -> tuple[float, float]:
@@ -120,6 +121,27 @@ def calibrate(devices=None, repeats: int = 15, name: str | None = None) -> Hardw
       reduce_bytes_per_s=float(np.median([r[2] for r in red])) if red else 1e12,
       latency_s=max(float(base), 0.0), latency_per_device_s=max(float(per_dev), 0.0),
       overhead_s=launch_s, memory_bytes=_device_memory(devices[0]))
+
+
+def fit_steps(profile: HardwareProfile, costs: list, measured_s: list[float]) -> HardwareProfile:
+  """Fit the whole-step scales: measured = a * (compute terms) + b * (collective terms) + c,
+  least squares over calibration strategies' StepCosts predicted with `profile` (scales 1).
+  Coefficients are kept >= 0 (a term that cannot be told apart keeps its micro-benchmark
+  value)."""
+  comp = np.array([c.compute_s + c.expert_s + c.memory_s for c in costs])
+  comm = np.array([c.a2a_s + c.restore_s + c.reduce_s for c in costs])
+  y = np.asarray(measured_s, np.float64)
+  cols = [comp, comm, np.ones_like(y)]
+  active = [0, 1, 2]
+  while True:                                   # tiny active-set non-negative least squares
+    coef, *_ = np.linalg.lstsq(np.stack([cols[i] for i in active], 1), y, rcond=None)
+    if np.all(coef >= 0) or len(active) == 1:
+      break
+    active.pop(int(np.argmin(coef)))
+  full = dict(zip(active, np.maximum(coef, 0.0)))
+  return dataclasses.replace(profile, compute_scale=float(full.get(0, 1.0)),
+                             comm_scale=float(full.get(1, 1.0)),
+                             overhead_s=float(full.get(2, 0.0)))
 
 
 def _device_memory(device) -> float:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import collections
-import functools
+import contextlib
 import json
+import logging
 import os
 import time
 
@@ -12,33 +13,36 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from moejax import data as data_lib, memory, metrics as metrics_lib, step as step_lib
+from moejax import (
+  data as data_lib,
+  faults,
+  memory,
+  metrics as metrics_lib,
+  preempt,
+)
 from moejax.checkpoint import Checkpointer
-from moejax.config import Config, ConfigError, MoEConfig
+from moejax.config import Config, ConfigError
 from moejax.layout import (
   Layout,
-  default_fsep_slots,
   from_placements,
   from_slot_expert,
-  round_robin_layout,
-  static_layout,
   to_placements,
 )
-from moejax.mesh import batch_sharding, build_mesh, num_batch_shards, replicated
+from moejax.mesh import num_batch_shards
 from moejax.migrate import migrate
-from moejax.model import Transformer
 from moejax.online import OnlinePlanner
 from moejax.optim import optimizer, schedule
-from moejax.state import init_state, state_shardings
+from moejax.plan import workload_of
+from moejax.planner.cost import load_profile
+from moejax.programs import Transfer, build_program, initial_layout
+from moejax.state import init_state
+from moejax.strategy import check_pool, from_config, parse
+from moejax.switcher import StrategySwitcher, expert_shares
 from moejax.trace import TraceRecorder
 
+__all__ = ["Trainer", "initial_layout", "train"]
 
-def initial_layout(moe: MoEConfig, num_layers: int, num_devices: int) -> Layout:
-  """ep: expert e on device e // (E/N); fsep: C slots per device, round-robin replicas."""
-  if moe.expert_mode == "ep":
-    return static_layout(num_layers, moe.num_experts, num_devices)
-  slots = moe.slots_per_device or default_fsep_slots(moe.num_experts, num_devices)
-  return round_robin_layout(num_layers, moe.num_experts, num_devices, slots)
+log = logging.getLogger("moejax")
 
 
 def _check_batch(cfg: Config, shards: int) -> None:
@@ -54,57 +58,164 @@ def _check_batch(cfg: Config, shards: int) -> None:
 class Trainer:
   """Holds the built pieces of one run; `run()` trains to `train.num_steps`."""
 
-  def __init__(self, cfg: Config):
+  def __init__(self, cfg: Config, devices=None):
+    """`devices`: the devices of the mesh (default: all of them, over all processes)."""
     self.cfg = cfg.validate()
-    self.mesh = build_mesh(cfg.mesh)
+    devices = list(jax.devices() if devices is None else devices)
+    self.lr = schedule(cfg.optim, cfg.train.num_steps)
+    self.tx = optimizer(cfg.optim, cfg.train.num_steps)
+    # One program per strategy: the pool (compiled ahead of time), or the config's own.
+    strategies = [parse(spec) for spec in cfg.strategy.pool]
+    if strategies:
+      check_pool(strategies, cfg, len(devices))
+    else:
+      strategies = [from_config(cfg, len(devices))]
+    aot = len(strategies) > 1
+    self.programs = [build_program(cfg, s, self.tx, self.lr, devices, compile_now=aot)
+                     for s in strategies]
+    self.active = 0
     _check_batch(cfg, num_batch_shards(self.mesh))
     train_tokens, val_tokens, min_vocab = data_lib.load_tokens(cfg.data)
     if min_vocab > cfg.model.vocab_size:
       raise ConfigError(f"the data has token ids up to {min_vocab - 1} but model.vocab_size="
                         f"{cfg.model.vocab_size}; set model.vocab_size >= {min_vocab}.")
     self.is_main = jax.process_index() == 0
+    rows = data_lib.process_rows(self.batch_sharding, cfg.data.global_batch_size,
+                                 cfg.data.seq_len + 1)   # only this process's rows are read
     loader_args = dict(seq_len=cfg.data.seq_len, global_batch_size=cfg.data.global_batch_size,
-                       process_index=jax.process_index(), process_count=jax.process_count())
+                       process_index=jax.process_index(), process_count=jax.process_count(),
+                       rows=rows)
     self.loader = data_lib.BatchLoader(train_tokens, seed=cfg.data.seed, **loader_args)
     self.val_loader = data_lib.BatchLoader(val_tokens, seed=cfg.data.seed + 1, **loader_args)
-
-    self.model = Transformer(cfg.model, cfg.moe, self.mesh)
-    num_moe_layers = cfg.model.num_layers // cfg.moe.moe_every
-    self.layout: Layout = jax.device_put(
-        initial_layout(cfg.moe, num_moe_layers, self.mesh.shape["expert"]), replicated(self.mesh))
-    self.lr = schedule(cfg.optim, cfg.train.num_steps)
-    self.tx = optimizer(cfg.optim, cfg.train.num_steps)
     b, length = cfg.data.global_batch_size, cfg.data.seq_len
-    self.shardings = state_shardings(self.model, self.tx, self.mesh, self.layout, b, length)
-    self.batch_sharding = batch_sharding(self.mesh)
-    layout_sh = replicated(self.mesh)
-    self.train_step = jax.jit(
-        functools.partial(step_lib.train_step, model=self.model, tx=self.tx, moe_cfg=cfg.moe,
-                          lr_schedule=self.lr),
-        in_shardings=(self.shardings, self.batch_sharding, layout_sh),
-        out_shardings=(self.shardings, layout_sh), donate_argnums=0)   # metrics replicated
-    self.eval_step = jax.jit(
-        functools.partial(step_lib.eval_step, model=self.model, moe_cfg=cfg.moe),
-        in_shardings=(self.shardings.params, self.batch_sharding, layout_sh))
-    self.layout_sharding = layout_sh
-    self.planner = OnlinePlanner(cfg.planner, self.mesh.shape["expert"])
+    self.planners = [OnlinePlanner(p.cfg.planner, p.mesh.shape["expert"])
+                     for p in self.programs]
     self.trace: TraceRecorder | None = None
+    self.guard = faults.NonFiniteGuard(cfg.train.max_consecutive_nonfinite)
     self.checkpointer = Checkpointer(cfg.train.run_dir, cfg.checkpoint)
+    self.restore_warnings: list[str] = []
     self.state = init_state(self.model, self.tx, self.shardings, self.layout, b, length,
                             cfg.train.seed)
+    self.transfers: dict = {}
+    self.switch_cost_s: dict = {}
+    self.switcher = None
+    self._recent = collections.deque(maxlen=cfg.planner.window)   # finished steps' counts
+    if aot:
+      self._warm_up_switching(strategies)
+
+  # The active program's pieces (one strategy = one compiled program).
+  program = property(lambda self: self.programs[self.active])
+  mesh = property(lambda self: self.program.mesh)
+  model = property(lambda self: self.program.model)
+  shardings = property(lambda self: self.program.shardings)
+  batch_sharding = property(lambda self: self.program.batch_sharding)
+  layout_sharding = property(lambda self: self.program.layout_sharding)
+  train_step = property(lambda self: self.program.train_step)
+  eval_step = property(lambda self: self.program.eval_step)
+  planner = property(lambda self: self.planners[self.active])
+  moe_cfg = property(lambda self: self.program.cfg.moe)
+
+  @property
+  def layout(self) -> Layout:
+    return self.program.layout
+
+  @layout.setter
+  def layout(self, value: Layout) -> None:
+    self.program.layout = value
+
+  def _warm_up_switching(self, strategies) -> None:
+    """Compile every state move between pool members and time each once (a move returns a
+    new state; the input stays), so switching later compiles nothing."""
+    k = len(self.programs)
+    self.transfers = {(a, b): Transfer(self.programs[a], self.programs[b], self.tx)
+                      for a in range(k) for b in range(k) if a != b}
+    states = {0: self.state}
+    for a in range(1, k):
+      states[a] = self.transfers[(0, a)](self.state)
+    for (a, b), move in self.transfers.items():
+      jax.block_until_ready(states[a])
+      tick = time.perf_counter()
+      jax.block_until_ready(move(states[a]))
+      self.switch_cost_s[(a, b)] = time.perf_counter() - tick
+    del states
+    self.switcher = StrategySwitcher(self.cfg.strategy, strategies, workload_of(self.cfg),
+                                     load_profile(self.cfg.strategy.profile))
+
+  def _to_member(self, target: int) -> None:
+    self.state = self.transfers[(self.active, target)](self.state)
+    self.active = target
+
+  def maybe_switch_strategy(self, step: int, writer) -> None:
+    """Online stage: every strategy.every steps, move to the pool member predicted best."""
+    if self.switcher is None or not self.switcher.due(step) or not self._recent:
+      return
+    decision = self.switcher.decide(self.active, expert_shares(np.stack(self._recent)),
+                                    self.switch_cost_s)
+    if decision is None:
+      return
+    jax.block_until_ready(self.state)   # time the switch alone, not the step in flight
+    tick = time.perf_counter()
+    src = self.active
+    self._to_member(decision.target)
+    jax.block_until_ready(self.state)
+    writer.write({"step": step, "event": "strategy_switch",
+                  "from": self.programs[src].strategy.spec, "to": self.program.strategy.spec,
+                  "reason": decision.reason, "predicted_s": list(decision.predicted_s),
+                  "predicted_drop": list(decision.predicted_drop),
+                  "predicted_gain_s": decision.gain_s,
+                  "switch_cost_s": decision.switch_cost_s,
+                  "seconds": time.perf_counter() - tick})
+    self._recent.clear()
+    self._reads.clear()   # keep switch time out of tokens/s
 
   def maybe_restore(self) -> int:
-    """Resumes from the latest checkpoint of the run dir; returns the starting step."""
-    if self.checkpointer.latest_step() is None:
+    """Resumes from the latest intact checkpoint of the run dir, whatever mesh or expert mode
+    it was saved under; returns the starting step."""
+    restored = self.checkpointer.restore(self.state, self.layout, self.moe_cfg.expert_mode)
+    if restored is None:
       return 0
-    self.state, self.layout, meta = self.checkpointer.restore(self.state, self.layout)
+    self.state, self.layout, meta = restored.state, restored.layout, restored.meta
+    self.restore_warnings = restored.warnings
     self.loader.position = int(meta["data_position"])
-    self.planner.load_state_dict(meta.get("planner", {}))
-    return int(meta["step"])
+    planner_state = meta.get("planner", {})
+    history = planner_state.get("history", [])
+    if history and len(history[0][0]) != self.mesh.shape["expert"]:
+      planner_state = {}   # loads of another expert-axis size: start the statistics afresh
+      self.restore_warnings.append("planner statistics were saved on another expert-axis size; "
+                                   "they start afresh")
+    self.planner.load_state_dict(planner_state)
+    self.guard.load_state_dict(meta.get("nonfinite", {}))
+    pool_meta = meta.get("strategy")
+    if pool_meta and self.transfers and pool_meta.get("pool") == [
+        p.strategy.spec for p in self.programs]:
+      for prog, saved in zip(self.programs[1:], pool_meta["layouts"][1:]):
+        prog.layout = jax.device_put(
+            Layout(**{k: np.asarray(v, dtype=np.asarray(getattr(prog.layout, k)).dtype)
+                      for k, v in saved.items()}), prog.layout_sharding)
+      if pool_meta["active"]:
+        self._to_member(int(pool_meta["active"]))
+    if self.is_main:
+      for w in self.restore_warnings:
+        log.warning("warning: %s", w)
+    return restored.step
 
   def save(self, step: int) -> None:
-    self.checkpointer.save(step, self.state, self.layout, {
-        "data_position": self.loader.position, "planner": self.planner.state_dict()})
+    """With a pool, the checkpoint holds member 0's form of the state (an exact move), the
+    active member and every member's layout, so a resume lands on the same member."""
+    meta = {"data_position": self.loader.position, "planner": self.planner.state_dict(),
+            "nonfinite": self.guard.state_dict()}
+    state, active = self.state, self.active
+    if self.transfers:
+      meta["strategy"] = {"pool": [p.strategy.spec for p in self.programs], "active": active,
+                          "layouts": [{k: np.asarray(v).tolist() for k, v in
+                                       vars(p.layout).items()} for p in self.programs]}
+      if active:
+        state = self.transfers[(active, 0)](state)
+    self.active = 0
+    try:
+      self.checkpointer.save(step, state, self.layout, meta, self.moe_cfg.expert_mode)
+    finally:
+      self.active = active
     if self.trace is not None:
       self.trace.write()
 
@@ -112,25 +223,27 @@ class Trainer:
     """dyn.X: before dispatching `step`, re-plan from the finished steps' loads."""
     if not self.planner.due(step):
       return
-    n, num_experts = self.mesh.shape["expert"], self.cfg.moe.num_experts
+    n, num_experts = self.mesh.shape["expert"], self.moe_cfg.num_experts
     new, switches = self.planner.propose(to_placements(self.layout, n))
     if not switches:
       return
     jax.block_until_ready(self.state)   # time the switch alone, not the step in flight
     tick = time.perf_counter()
-    if self.cfg.moe.expert_mode == "ep":  # slots own weights: move them and their Adam state
+    bias = self.layout.router_bias_LxE
+    if self.moe_cfg.expert_mode == "ep":  # slots own weights: move them and their Adam state
       new_layout = jax.device_put(
-          from_slot_expert(np.stack([p.slot_expert for p in new]), num_experts),
-          self.layout_sharding)
+          from_slot_expert(np.stack([p.slot_expert for p in new]), num_experts).replace(
+              router_bias_LxE=bias), self.layout_sharding)
       self.state = migrate(self.state, self.layout, new_layout)
     else:                                 # fsep: the next step restores the new slots
-      new_layout = jax.device_put(from_placements(new, num_experts, n), self.layout_sharding)
+      new_layout = jax.device_put(from_placements(new, num_experts, n).replace(
+          router_bias_LxE=bias), self.layout_sharding)
     jax.block_until_ready((self.state, new_layout))
     seconds = time.perf_counter() - tick
     self.layout = new_layout
     for sw in switches:
       writer.write({"step": step, "event": "layout_switch", "layer": sw.layer,
-                    "policy": self.cfg.planner.policy,
+                    "policy": self.program.cfg.planner.policy,
                     "predicted_gain": sw.predicted_before - sw.predicted_after,
                     "predicted_before": sw.predicted_before,
                     "predicted_after": sw.predicted_after,
@@ -149,10 +262,16 @@ class Trainer:
     return {
         "step": step, "loss": float(m["loss"]), "ce": float(m["ce"]),
         "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]), "tokens_per_s": tokens_per_s,
+        "skipped": bool(m["skipped"]),
         "moe": metrics_lib.moe_layer_records(m, self.mesh.shape["expert"]),
+        "strategy": self.program.strategy.spec,
     }
 
-  def run(self) -> dict:
+  def run(self, before_step=None, stop: preempt.StopRequest | None = None) -> dict:
+    """Trains to train.num_steps. `before_step(trainer, step)`, if given, runs on the host
+    before each step is dispatched (schedules, load injection in benchmarks). On SIGTERM or
+    SIGINT (`stop`, entered by the caller, e.g. train.py from its start; default: handlers for
+    this call) every process finishes the same step, saves it and returns."""
     cfg = self.cfg
     os.makedirs(cfg.train.run_dir, exist_ok=True)
     if self.is_main:
@@ -162,49 +281,68 @@ class Trainer:
         f.write(memory.report(
             cfg.model.num_layers // cfg.moe.moe_every, cfg.moe.num_experts, cfg.model.d_model,
             cfg.moe.d_ff, self.mesh.shape["expert"], self.mesh.shape["model"],
-            cfg.moe.slots_per_device or None) + "\n")
+            self.moe_cfg.slots_per_device or None) + "\n")
     start = self.maybe_restore()
     if cfg.trace.path and self.is_main:
       self.trace = TraceRecorder(cfg.trace.path, cfg.moe.top_k, start)
     writer = metrics_lib.JsonlWriter(os.path.join(cfg.train.run_dir, "metrics.jsonl"),
                                      enabled=self.is_main, start=start)
+    for w in self.restore_warnings:
+      writer.write({"step": start, "event": "checkpoint_warning", "message": w})
     bar = tqdm(total=cfg.train.num_steps, initial=start,
                disable=not (self.is_main and cfg.train.progress_bar), dynamic_ncols=True)
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
     first = last = None
     pending = None
+    done = start
     self._reads = collections.deque(maxlen=11)   # times at which step metrics became ready
-    for step in range(start, cfg.train.num_steps):
-      self.maybe_switch_layout(step, writer)
-      batch = data_lib.make_global_batch(self.loader.next_local(), self.batch_sharding,
-                                         cfg.data.global_batch_size)
-      self.state, m = self.train_step(self.state, batch, self.layout)
-      if pending is not None:   # read step N-1's metrics after dispatching step N
+    with contextlib.ExitStack() as stack:
+      if stop is None:
+        stop = stack.enter_context(preempt.StopRequest())
+      for step in range(start, cfg.train.num_steps):
+        if before_step is not None:
+          before_step(self, step)
+        self.maybe_switch_strategy(step, writer)
+        self.maybe_switch_layout(step, writer)
+        batch = data_lib.make_global_batch(self.loader.next_local(), self.batch_sharding,
+                                           cfg.data.global_batch_size)
+        self.state, m = self.train_step(self.state, batch, self.layout)
+        if pending is not None:   # read step N-1's metrics after dispatching step N
+          last = self._log(writer, bar, *pending, tokens_per_step)
+          first = first or last
+        pending = (step, m)
+        done = step + 1
+        stopping = stop.poll(self.mesh)   # SIGTERM/SIGINT: the same step on every process
+        eval_now = not stopping and (done % cfg.train.eval_every == 0 or
+                                     done == cfg.train.num_steps)
+        save_now = not stopping and done % cfg.checkpoint.every == 0 and (
+            done != cfg.train.num_steps)
+        if eval_now or save_now:   # write this step's record first: a kill then loses nothing
+          last = self._log(writer, bar, *pending, tokens_per_step)
+          first = first or last
+          pending = None
+          if eval_now:   # evaluated after step `step` finished (= at checkpoint `done`)
+            writer.write({"step": step, "eval_loss": self.evaluate()})
+          if save_now:
+            self.save(done)
+          self._reads.clear()   # keep eval and checkpoint time out of tokens/s
+        if stopping:
+          break
+      if pending is not None:
         last = self._log(writer, bar, *pending, tokens_per_step)
-        first = first or last
-      pending = (step, m)
-      done = step + 1
-      eval_now = done % cfg.train.eval_every == 0 or done == cfg.train.num_steps
-      save_now = done % cfg.checkpoint.every == 0 and done != cfg.train.num_steps
-      if eval_now or save_now:   # write this step's record first: a kill then loses nothing
-        last = self._log(writer, bar, *pending, tokens_per_step)
-        first = first or last
-        pending = None
-        if eval_now:   # evaluated after step `step` finished (= at checkpoint `done`)
-          writer.write({"step": step, "eval_loss": self.evaluate()})
-        if save_now:
-          self.save(done)
-        self._reads.clear()   # keep eval and checkpoint time out of tokens/s
-    if pending is not None:
-      last = self._log(writer, bar, *pending, tokens_per_step)
-    if cfg.train.num_steps > start or self.checkpointer.latest_step() is None:
-      self.save(cfg.train.num_steps)
-    if self.trace is not None:
-      self.trace.write()
-    self.checkpointer.wait()
+      if self.checkpointer.latest_step() != done:   # the end, or the step reached when stopped
+        self.save(done)
+      if self.trace is not None:
+        self.trace.write()
+      self.checkpointer.wait()
+    preempted = stop.signal_name if done < cfg.train.num_steps else None
+    if preempted:
+      writer.write({"step": done - 1, "event": "preempted", "signal": preempted,
+                    "checkpoint_step": done})
     bar.close()
     writer.close()
-    return {"start_step": start, "first": first, "last": last}
+    return {"start_step": start, "first": first, "last": last, "preempted": preempted,
+            "saved_step": done, "checkpoint_dir": self.checkpointer.directory}
 
   def _log(self, writer, bar, step, m, tokens_per_step) -> dict:
     m = jax.device_get(m)   # blocks until `step` has finished
@@ -212,18 +350,26 @@ class Trainer:
     span = self._reads[-1] - self._reads[0]
     rate = tokens_per_step * (len(self._reads) - 1) / span if span > 0 else None
     self.planner.observe(m["counts_LxSxE"])
+    self._recent.append(m["counts_LxSxE"])
     if self.trace is not None:
       self.trace.add(step, m["counts_LxSxE"], self.mesh.shape["expert"])
     record = self._record(step, m, rate)
+    stop = self.guard.observe(step, record["skipped"])
+    if record["skipped"]:
+      record.update(nonfinite_consecutive=self.guard.consecutive, nonfinite_total=self.guard.total)
     writer.write(record)
+    if stop:
+      latest = self.checkpointer.latest_step()
+      raise self.guard.error(step, "none" if latest is None else
+                             f"step {latest} in {self.checkpointer.directory}")
     bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{rate or 0:.0f}")
     bar.update(step + 1 - bar.n)
     return record
 
 
-def train(cfg: Config) -> dict:
-  trainer = Trainer(cfg)
+def train(cfg: Config, devices=None, stop: preempt.StopRequest | None = None) -> dict:
+  trainer = Trainer(cfg, devices)
   try:
-    return trainer.run()
+    return trainer.run(stop=stop)
   finally:
     trainer.checkpointer.close()

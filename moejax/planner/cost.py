@@ -74,6 +74,10 @@ class HardwareProfile:
   memory_bytes: float            # usable device memory
   concurrency: float = 0.0
   latency_per_device_s: float = 0.0   # extra per call and per device in the group
+  # Whole-step fit (moejax.calibrate.fit_steps): measured steps of a few calibration
+  # strategies vs the composed prediction; scales the compute and the collective terms.
+  compute_scale: float = 1.0
+  comm_scale: float = 1.0
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -271,5 +275,7 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
   activations = (20 * tokens * d * w.num_layers + 6 * sum(rows) * d) * w.act_bytes / m + \
       2 * tokens * w.vocab_size / m * 4
   memory_bytes = 4 * 4 * params_dev + restored + activations
-  return StepCost(compute_s, expert_s, memory_s, a2a_s, restore_s, reduce_s,
-                  profile.overhead_s, float(np.mean(drops)), float(memory_bytes))
+  cs, ms = profile.compute_scale, profile.comm_scale
+  return StepCost(compute_s * cs, expert_s * cs, memory_s * cs, a2a_s * ms, restore_s * ms,
+                  reduce_s * ms, profile.overhead_s, float(np.mean(drops)),
+                  float(memory_bytes))

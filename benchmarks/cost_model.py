@@ -1,0 +1,145 @@
+"""Cost-model accuracy: predicted vs measured train-step time of every pool member.
+
+    python benchmarks/cost_model.py [--gin_file F] [--pool SPEC ...] [--rounds 3] [--steps 5]
+
+1. Calibrates a hardware profile by micro-benchmarks on this machine's devices
+   (`moejax.calibrate`: matmul, elementwise, all_to_all and psum over 2..N devices).
+2. Picks the pool with `moejax.plan` under that profile (or takes `--pool`).
+3. Compiles every member, then times train steps in interleaved rounds (fastest per
+   member; the machine is shared, interleaving spreads its noise evenly).
+4. Fits the whole-step scales (`moejax.calibrate.fit_steps`) on `--calib` other
+   strategies timed the same way, then predicts each pool member (never seen by
+   the fit) under the expert load its timed steps really had: error and MAPE, also
+   for the micro-benchmarks alone and the uncalibrated preset.
+Writes benchmarks/results/cost_model_<platform>.json. Default: 8 fake CPU devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+if "XLA_FLAGS" not in os.environ:
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import numpy as np
+
+from moejax import plan
+from moejax.calibrate import calibrate, fit_steps
+from moejax.data import BatchLoader, load_tokens
+from moejax.frontend import DEFAULT_GIN, parse_config
+from moejax.optim import optimizer, schedule
+from moejax.planner.cost import PRESETS, predict_step
+from moejax.programs import build_program
+from moejax.state import init_state
+from moejax.strategy import parse
+from moejax.switcher import expert_shares
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--gin_file", action="append", default=None)
+  p.add_argument("--gin_bindings", action="append", default=[])
+  p.add_argument("--pool", nargs="*", default=None, help="specs; default: moejax.plan's pool")
+  p.add_argument("--calib", type=int, default=4, help="calibration strategies for the fit")
+  p.add_argument("--rounds", type=int, default=3)
+  p.add_argument("--steps", type=int, default=5)
+  p.add_argument("--out", default=None)
+  args = p.parse_args(argv)
+  cfg = parse_config(args.gin_file or [DEFAULT_GIN], args.gin_bindings)
+  devices = jax.devices()
+
+  tick = time.perf_counter()
+  profile = calibrate(devices, repeats=9)
+  calib_s = time.perf_counter() - tick
+  rows = plan.rank(cfg, profile, len(devices))
+  pool = [parse(s) for s in args.pool] if args.pool else plan.pick_pool(rows, 4, 0.01)
+  # Calibration strategies for the whole-step fit: valid ones outside the pool, spread over
+  # the predicted range (so the fit is judged on members it never saw).
+  others = sorted((r for r in rows if r.rejected is None and r.strategy not in pool),
+                  key=lambda r: r.costs["uniform"].total_s)
+  pick = np.linspace(0, len(others) - 1, args.calib).round().astype(int)
+  calib = [others[i].strategy for i in sorted(set(pick.tolist()))]
+  print(f"micro-benchmarks in {calib_s:.1f}s: {profile}")
+  print("pool: " + ", ".join(s.spec for s in pool))
+  print("calibration strategies: " + ", ".join(s.spec for s in calib))
+
+  tx, lr = optimizer(cfg.optim, 1000), schedule(cfg.optim, 1000)
+  tokens, _, _ = load_tokens(cfg.data)
+  loader = BatchLoader(tokens, cfg.data.seq_len, cfg.data.global_batch_size, cfg.data.seed)
+  rows = [loader.next_local() for _ in range(args.steps)]
+  members = []
+  for s in calib + pool:
+    prog = build_program(cfg, s, tx, lr, devices)
+    state = init_state(prog.model, tx, prog.shardings, prog.layout,
+                       cfg.data.global_batch_size, cfg.data.seq_len, 0)
+    batches = [jax.device_put(r, prog.batch_sharding) for r in rows]
+    members.append({"prog": prog, "state": state, "batches": batches, "times": [],
+                    "counts": []})
+  for _ in range(args.rounds + 1):            # the first round warms up and is not counted
+    for mem in members:
+      times = []
+      for b in mem["batches"]:
+        tick = time.perf_counter()
+        mem["state"], m = mem["prog"].train_step(mem["state"], b, mem["prog"].layout)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - tick)
+        mem["counts"].append(np.asarray(m["counts_LxSxE"]))
+      mem["times"].append(times)
+
+  w = plan.workload_of(cfg)
+  for mem in members:
+    mem["measured"] = float(np.min(np.concatenate(mem["times"][1:])))   # contention only adds
+    mem["share"] = expert_shares(np.stack(mem["counts"]))
+  fit_members = members[:len(calib)]
+  fitted = fit_steps(profile, [predict_step(m["prog"].strategy, w, profile, m["share"])
+                               for m in fit_members], [m["measured"] for m in fit_members])
+  print(f"whole-step fit on {len(calib)} calibration strategies: compute x"
+        f"{fitted.compute_scale:.2f}, collectives x{fitted.comm_scale:.2f}, fixed "
+        f"{fitted.overhead_s * 1e3:.1f} ms")
+  out, errors, errors_micro, errors_preset = [], [], [], []
+  print(f"\n{'strategy':<24}{'role':>7}{'measured ms':>13}{'predicted ms':>14}{'error':>9}"
+        f"{'micro only':>12}{'cpu preset':>12}{'drop pred':>11}")
+  for i, mem in enumerate(members):
+    s, measured, share = mem["prog"].strategy, mem["measured"], mem["share"]
+    role = "fit" if i < len(calib) else "pool"
+    pred = predict_step(s, w, fitted, share)
+    micro = predict_step(s, w, profile, share)
+    preset = predict_step(s, w, PRESETS["cpu"], share)
+    err = (pred.total_s - measured) / measured
+    if role == "pool":
+      errors.append(abs(err))
+      errors_micro.append(abs(micro.total_s - measured) / measured)
+      errors_preset.append(abs(preset.total_s - measured) / measured)
+    print(f"{s.spec:<24}{role:>7}{measured * 1e3:13.1f}{pred.total_s * 1e3:14.1f}{err:9.1%}"
+          f"{micro.total_s * 1e3:12.1f}{preset.total_s * 1e3:12.1f}{pred.drop_fraction:11.2%}")
+    out.append({"strategy": s.spec, "role": role, "measured_s": measured,
+                "predicted": pred.to_dict(), "micro_only_total_s": micro.total_s,
+                "cpu_preset_total_s": preset.total_s, "error": err})
+  mape = float(np.mean(errors))
+  mape_micro, mape_preset = float(np.mean(errors_micro)), float(np.mean(errors_preset))
+  print(f"\npool MAPE: calibrated (micro-benchmarks + whole-step fit) {mape:.1%} (goal <= 10%);"
+        f" micro-benchmarks only {mape_micro:.1%}; uncalibrated cpu preset {mape_preset:.1%}")
+  result = {"device": f"{devices[0].platform} x{len(devices)} ({devices[0].device_kind})",
+            "command": "python benchmarks/cost_model.py " + " ".join(argv or sys.argv[1:]),
+            "profile_micro": profile.to_dict(), "profile": fitted.to_dict(),
+            "calibration_s": calib_s, "members": out, "mape": mape,
+            "mape_micro_only": mape_micro, "mape_cpu_preset": mape_preset,
+            "rounds": args.rounds, "steps_per_round": args.steps}
+  path = args.out or os.path.join(RESULTS, f"cost_model_{devices[0].platform}.json")
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(result, f, indent=2)
+  print(f"wrote {path}")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

@@ -1,0 +1,159 @@
+"""Switching among compiled strategies: nothing compiles after warm-up, a round trip gives
+the identical state, and training goes on with the same losses (CPU mesh, tiny model)."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import numpy as np
+import pytest
+
+from moejax.config import Config, DataConfig, ModelConfig, MoEConfig, OptimConfig
+from moejax.layout import from_slot_expert
+from moejax.optim import optimizer, schedule
+from moejax.programs import CompileCounter, Transfer, build_program
+from moejax.state import init_state
+from moejax.strategy import parse
+
+CFG = Config(model=ModelConfig(d_model=32, num_layers=2, num_heads=2, d_ff=64, max_seq_len=16),
+             moe=MoEConfig(num_experts=8, top_k=2, capacity_factor=4.0, d_ff=32, moe_every=2),
+             data=DataConfig(seq_len=16, global_batch_size=8),
+             optim=OptimConfig(learning_rate=1e-2, warmup_steps=1))
+POOL = ["ep/2x4x1/cf4", "ep/1x8x1/cf4", "fsep/1x8x1/c2/cf4"]
+
+
+TX = optimizer(CFG.optim, 10)
+
+
+@pytest.fixture(scope="module")
+def pool():
+  """The compiled programs and every ordered transfer, built once (the expensive part)."""
+  tx, lr = TX, schedule(CFG.optim, 10)
+  progs = [build_program(CFG, parse(s), tx, lr) for s in POOL]
+  # A non-trivial ep placement on the first member, so canonical order really matters.
+  perm = np.random.default_rng(0).permutation(8)
+  progs[0].layout = jax.device_put(from_slot_expert(perm[None], 8), progs[0].layout_sharding)
+  moves = {(a, b): Transfer(progs[a], progs[b], tx)
+           for a, b in itertools.permutations(range(len(progs)), 2)}
+  return progs, moves
+
+
+def _init(prog):
+  return init_state(prog.model, TX, prog.shardings, prog.layout, 8, 16, 0)
+
+
+def _batches(n):
+  rng = np.random.default_rng(1)
+  return [rng.integers(0, 256, (8, 17)).astype(np.int32) for _ in range(n)]
+
+
+def _step(prog, state, rows):
+  batch = jax.device_put(rows, prog.batch_sharding)
+  return prog.train_step(state, batch, prog.layout)
+
+
+def _host(tree):
+  return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+def _assert_identical(a, b):
+  """Same structure and bitwise-equal leaves."""
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
+
+
+def test_switching_compiles_nothing_and_round_trip_is_identical(pool):
+  progs, moves = pool
+  state = _init(progs[0])
+  rows = _batches(8)
+  state, m0 = _step(progs[0], state, rows[0])            # warm-up: programs + moves compiled
+  before = _host(state)
+  layout_before = _host(progs[0].layout)
+  with CompileCounter() as compiles:
+    back = moves[(1, 0)](moves[(0, 1)](state))            # ep 2x4 -> ep 1x8 -> ep 2x4
+    _assert_identical(_host(back), before)
+    back = moves[(2, 0)](moves[(0, 2)](back))             # ep -> fsep -> ep
+    _assert_identical(_host(back), before)
+    _assert_identical(_host(progs[0].layout), layout_before)
+    cur, s = 0, back
+    for i, nxt in enumerate([1, 2, 0, 2, 1, 0, 1]):       # every member, several times
+      s = moves[(cur, nxt)](s)
+      cur = nxt
+      s, m = _step(progs[cur], s, rows[1 + i])
+      assert np.isfinite(float(m["loss"]))
+  assert compiles.count == 0, f"{compiles.count} compilations after warm-up"
+
+
+def test_training_continues_with_the_same_losses(pool):
+  progs, moves = pool
+  rows = _batches(6)
+  ref, losses_ref = _init(progs[0]), []
+  for r in rows:
+    ref, m = _step(progs[0], ref, r)
+    losses_ref.append(float(m["loss"]))
+  # Fresh state (the first run donated it): same init, switching every step 0 -> 2 -> 1 -> 0.
+  state = _init(progs[0])
+  order, cur, losses = [0, 2, 1, 0, 2, 0], 0, []
+  for member, r in zip(order, rows):
+    if member != cur:
+      state, cur = moves[(cur, member)](state), member
+    state, m = _step(progs[cur], state, r)
+    losses.append(float(m["loss"]))
+  np.testing.assert_allclose(losses, losses_ref, rtol=2e-5)
+  final = moves[(cur, 0)](state) if cur else state
+  for a, b in zip(jax.tree.leaves(_host(final.params)), jax.tree.leaves(_host(ref.params))):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_trainer_switches_online_under_a_drifting_load_and_resumes_on_that_member(tmp_path):
+  """A pool of two: from step 4 a router bias sends every token to experts 0 and 1; the
+  ep member (capacity 1.5x) then drops far over the limit, so the online stage moves to the
+  fsep member, compiling nothing; a resume from the last checkpoint lands on it again."""
+  import dataclasses
+
+  from moejax.config import CheckpointConfig, StrategyConfig, TrainConfig
+  from moejax.trainer import Trainer
+
+  cfg = dataclasses.replace(
+      CFG, moe=dataclasses.replace(CFG.moe, capacity_factor=1.5, balance_loss_weight=0.0),
+      strategy=StrategyConfig(pool=("ep/2x4x1/cf1.5", "fsep/1x8x1/c2/cf1.25"), every=2,
+                              max_drop=0.3),
+      planner=dataclasses.replace(CFG.planner, window=2),
+      checkpoint=CheckpointConfig(every=4),
+      train=TrainConfig(run_dir=str(tmp_path), num_steps=10, eval_every=100, eval_batches=1,
+                        progress_bar=False),
+      data=dataclasses.replace(CFG.data, max_corpus_bytes=100_000))
+
+  def drift(trainer, step):
+    if step == 4:
+      for prog in trainer.programs:
+        bias = np.zeros(prog.layout.router_bias_LxE.shape, np.float32)
+        bias[:, :2] = 1.0
+        prog.layout = prog.layout.replace(
+            router_bias_LxE=jax.device_put(bias, prog.layout_sharding))
+
+  trainer = Trainer(cfg)
+  switch_compiles = []
+  decide = trainer.maybe_switch_strategy
+
+  def counted(step, writer):   # the train steps are AOT executables: they cannot recompile
+    with CompileCounter() as c:
+      decide(step, writer)
+    switch_compiles.append(c.count)
+  trainer.maybe_switch_strategy = counted
+  trainer.run(before_step=drift)
+  import json
+  records = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+  switches = [r for r in records if r.get("event") == "strategy_switch"]
+  assert switches and switches[0]["to"] == "fsep/1x8x1/c2/cf1.25"
+  assert switches[0]["reason"] == "drops" and switches[0]["step"] >= 5
+  assert [r["strategy"] for r in records if "loss" in r][-1] == "fsep/1x8x1/c2/cf1.25"
+  assert len(switch_compiles) == 10 and sum(switch_compiles) == 0, switch_compiles
+  resumed = Trainer(cfg)
+  assert resumed.maybe_restore() == 10 and resumed.program.strategy.spec == "fsep/1x8x1/c2/cf1.25"
+  for a, b in zip(jax.tree.leaves(_host(resumed.state)), jax.tree.leaves(_host(trainer.state))):
+    np.testing.assert_array_equal(a, b)
+  trainer.checkpointer.close()
+  resumed.checkpointer.close()
