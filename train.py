@@ -11,45 +11,15 @@ in flight finishes and is saved), 2 bad configuration or no usable checkpoint,
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 
-import gin
-
 from moejax import config as config_lib
 from moejax.faults import NonFiniteError
+from moejax.frontend import DEFAULT_GIN, operative_config, parse_config
 from moejax.preempt import StopRequest
 
-DEFAULT_GIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "default.gin")
-CONFIGURABLES = {
-    "mesh": config_lib.MeshConfig, "model": config_lib.ModelConfig, "moe": config_lib.MoEConfig,
-    "data": config_lib.DataConfig, "optim": config_lib.OptimConfig,
-    "checkpoint": config_lib.CheckpointConfig, "train": config_lib.TrainConfig,
-    "planner": config_lib.PlannerConfig, "trace": config_lib.TraceConfig,
-}
-_GIN_CLASSES = {name: gin.external_configurable(cls, name=name)
-                for name, cls in CONFIGURABLES.items()}
-
-
-def parse_config(gin_files: list[str], gin_bindings: list[str]) -> config_lib.Config:
-  """Gin files + bindings -> the validated frozen Config. Raises ConfigError (one line)."""
-  for path in gin_files:
-    if not os.path.exists(path):
-      raise config_lib.ConfigError(f"--gin_file={path} does not exist; pass a path such as "
-                                   f"{os.path.relpath(DEFAULT_GIN)}.")
-  try:
-    gin.clear_config()
-    gin.parse_config_files_and_bindings(gin_files, gin_bindings)
-    parts = {name: cls() for name, cls in _GIN_CLASSES.items()}
-  except (ValueError, TypeError, SyntaxError) as e:   # gin's unknown name / bad value errors
-    first = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
-    raise config_lib.ConfigError(
-        f"bad gin binding or file: {first}. Known configurables: {', '.join(CONFIGURABLES)}; "
-        "see moejax/config.py for their fields.") from None
-  # Re-create as the plain dataclasses so the library never sees gin's wrappers.
-  plain = {name: CONFIGURABLES[name](**dataclasses.asdict(obj)) for name, obj in parts.items()}
-  return config_lib.Config(**plain).validate()
+__all__ = ["DEFAULT_GIN", "main", "parse_config"]
 
 
 def fake_host_devices(count: int) -> None:
@@ -85,7 +55,7 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
     os.makedirs(cfg.train.run_dir, exist_ok=True)
     if main_process:
       with open(os.path.join(cfg.train.run_dir, "operative_config.gin"), "w") as f:
-        f.write(gin.operative_config_str())
+        f.write(operative_config())
     summary = train(cfg, stop=stop)
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)

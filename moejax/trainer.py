@@ -28,7 +28,6 @@ from moejax.layout import (
   from_slot_expert,
   to_placements,
 )
-from moejax.mesh import num_batch_shards
 from moejax.migrate import migrate
 from moejax.online import OnlinePlanner
 from moejax.optim import optimizer, schedule
@@ -70,11 +69,12 @@ class Trainer:
       check_pool(strategies, cfg, len(devices))
     else:
       strategies = [from_config(cfg, len(devices))]
+    for s in strategies:
+      _check_batch(cfg, s.data * s.expert)
     aot = len(strategies) > 1
     self.programs = [build_program(cfg, s, self.tx, self.lr, devices, compile_now=aot)
                      for s in strategies]
     self.active = 0
-    _check_batch(cfg, num_batch_shards(self.mesh))
     train_tokens, val_tokens, min_vocab = data_lib.load_tokens(cfg.data)
     if min_vocab > cfg.model.vocab_size:
       raise ConfigError(f"the data has token ids up to {min_vocab - 1} but model.vocab_size="
