@@ -218,3 +218,25 @@ def test_damaged_checkpoints_fall_back_to_the_last_intact_one(tmp_path, caplog):
     trainer.checkpointer.close()
   msg = str(e.value)
   assert "\n" not in msg and "no intact checkpoint in" in msg and "tried steps [6, 4, 2]" in msg
+
+
+def test_digest_sees_one_changed_word_and_ignores_sharding():
+  from jax.sharding import NamedSharding, PartitionSpec as P
+
+  from moejax import digest
+  from moejax.mesh import mesh_of_shape
+
+  x = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+  mesh = mesh_of_shape((2, 4, 1))
+  tree = {"a": jax.device_put(x, NamedSharding(mesh, P(("data", "expert")))),
+          "b": jax.device_put(np.int32(3), NamedSharding(mesh, P()))}
+  expected = digest.tree_digest(tree)
+  assert digest.mismatches(
+      {"a": jax.device_put(x, NamedSharding(mesh, P(None, "expert"))), "b": tree["b"]},
+      expected) == []
+  y = x.copy()
+  y[40, 3] = np.nextafter(y[40, 3], np.inf)          # one ulp in one element
+  z = x.copy()
+  z[[1, 2]] = z[[2, 1]]                               # two rows swapped: same plain sum
+  for changed in (y, z):
+    assert digest.mismatches({"a": jax.device_put(changed), "b": tree["b"]}, expected) == ["a"]

@@ -58,3 +58,63 @@ def test_two_processes_match_one_stop_together_and_resume(tmp_path, reference_lo
   np.testing.assert_allclose([losses[s] for s in range(run_helpers.STEPS)],
                              [reference_losses[s] for s in range(run_helpers.STEPS)], rtol=1e-4)
   assert os.path.exists(run_dir / "operative_config.gin")
+
+
+def test_distributed_plan_reads_explicit_env_and_clusters():
+  from moejax.config import ConfigError
+  from moejax.distributed import plan
+
+  assert plan({}) is None
+  env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4",
+         "JAX_PROCESS_ID": "3"}
+  assert plan(env) == {"coordinator_address": "10.0.0.1:1234", "num_processes": 4,
+                       "process_id": 3}
+  assert plan(dict(env, JAX_NUM_PROCESSES="1", JAX_PROCESS_ID="0")) is None
+  assert plan(dict(env, MOEJAX_DISTRIBUTED="0")) is None
+  slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[01-02]", "SLURM_NTASKS": "2",
+           "SLURM_PROCID": "1", "SLURM_LOCALID": "0"}
+  assert plan(slurm) == {} and plan(dict(slurm, SLURM_NTASKS="1")) is None
+  assert plan({"MOEJAX_DISTRIBUTED": "1"}) == {}
+  for bad, needle in (({"JAX_COORDINATOR_ADDRESS": "h:1"}, "JAX_NUM_PROCESSES, JAX_PROCESS_ID"),
+                      (dict(env, JAX_PROCESS_ID="4"), "JAX_PROCESS_ID=4 must be in [0, "),
+                      (dict(env, JAX_NUM_PROCESSES="two"), "JAX_NUM_PROCESSES='two'"),
+                      (dict(env, JAX_COORDINATOR_ADDRESS="10.0.0.1"), "must be host:port"),
+                      ({"MOEJAX_DISTRIBUTED": "yes"}, "MOEJAX_DISTRIBUTED='yes'")):
+    with pytest.raises(ConfigError) as e:
+      plan(bad)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_launcher_env_exit_codes_and_usage(capsys):
+  from moejax import launch
+
+  env = launch.child_env({"XLA_FLAGS": "--xla_foo=1 --xla_force_host_platform_device_count=8"},
+                         1, 2, 4321, devices_per_process=4)
+  assert env["JAX_COORDINATOR_ADDRESS"] == "127.0.0.1:4321"
+  assert (env["JAX_NUM_PROCESSES"], env["JAX_PROCESS_ID"], env["JAX_PLATFORMS"]) == (
+      "2", "1", "cpu")
+  assert env["XLA_FLAGS"] == "--xla_foo=1 --xla_force_host_platform_device_count=4"
+  assert launch.exit_code(-9) == 137 and launch.exit_code(3) == 3
+  # A failing child fails the launch, and its siblings are not left running.
+  code = launch.launch([sys.executable, "-c",
+                        "import os, time; pid = int(os.environ['JAX_PROCESS_ID']);"
+                        "time.sleep(60) if pid == 0 else exit(5)"], processes=2)
+  assert code == 5
+  with pytest.raises(SystemExit):
+    launch.main(["--processes", "2"])
+  assert "give the command after --" in capsys.readouterr().err
+
+
+def test_each_process_reads_only_the_rows_its_devices_hold():
+  from moejax import data as data_lib
+  from moejax.mesh import batch_sharding, mesh_of_shape
+
+  sharding = batch_sharding(mesh_of_shape((2, 4, 1)))
+  assert data_lib.process_rows(sharding, 16, 33) == (0, 16)   # one process holds all rows
+  tokens = np.arange(10_000, dtype=np.uint16)
+  whole = data_lib.BatchLoader(tokens, seq_len=8, global_batch_size=8, seed=0)
+  parts = [data_lib.BatchLoader(tokens, seq_len=8, global_batch_size=8, seed=0, rows=r)
+           for r in ((0, 2), (2, 8))]
+  for position in (0, 5, 500):   # also past an epoch
+    np.testing.assert_array_equal(np.concatenate([p.batch_at(position) for p in parts]),
+                                  whole.batch_at(position))
