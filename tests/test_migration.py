@@ -79,13 +79,15 @@ def test_migration_moves_adam_moments_with_the_expert():
 def test_migration_compiles_once_for_many_layouts():
   mesh, _, _, layout, _, state = tiny_setup((2, 4, 1))
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  before = len(migrate._PERMUTERS)
+  # Other tests in the same process leave their own permuters behind, so count
+  # what this loop adds: at most one new executable over all cached permuters.
+  before = {key: fn._cache_size() for key, fn in migrate._PERMUTERS.items()}
   rng = np.random.default_rng(7)
   for _ in range(4):
     new = jax.device_put(_random_layout(rng), rep)
     state = migrate.migrate(state, layout, new)
     layout = new
   jax.block_until_ready(state)
-  added = [fn for key, fn in migrate._PERMUTERS.items() if key[2]]
-  assert len(migrate._PERMUTERS) - before <= 1
-  assert all(fn._cache_size() == 1 for fn in added)
+  grown = sum(fn._cache_size() - before.get(key, 0) for key, fn in migrate._PERMUTERS.items())
+  assert len(migrate._PERMUTERS) - len(before) <= 1
+  assert grown <= 1, f"4 layout changes compiled {grown} permute programs, expected at most 1"
