@@ -8,16 +8,16 @@
 3. Compiles every member, then times train steps in interleaved rounds (fastest per
    member; the machine is shared, interleaving spreads its noise evenly).
 4. Fits the whole-step scales (`moejax.calibrate.fit_steps`) on `--calib` other
-   strategies timed the same way, then predicts each pool member (never seen by
-   the fit) under the expert load its timed steps really had: error and MAPE, also
-   for the micro-benchmarks alone and the uncalibrated preset.
+   strategies of every kind (ep/fsep, with/without expert and model axes) timed the
+   same way, then predicts each pool member (never seen by the fit) under the expert
+   load its timed steps really had: error and MAPE, also for the micro-benchmarks
+   alone and the uncalibrated preset.
 Writes benchmarks/results/cost_model_<platform>.json. Default: 8 fake CPU devices.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import numpy as np
 
+from benchmarks.common import RESULTS, write_result
 from moejax import plan
 from moejax.calibrate import calibrate, fit_steps
 from moejax.data import BatchLoader, load_tokens
@@ -40,7 +41,30 @@ from moejax.state import init_state
 from moejax.strategy import parse
 from moejax.switcher import expert_shares
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+def calibration_strategies(rows, pool, k: int) -> list:
+  """k valid strategies that share no mode and mesh with a pool member (the fit is judged on
+  programs unlike any it saw; a pool member's mesh at another capacity would be close), taken
+  in turn from each kind (mode, with/without expert axis, with/without model axis) so every
+  fitted term is seen, each kind's picks spread over its predicted time range."""
+  def program_kind(s):
+    return s.expert_mode, s.data, s.expert, s.model
+
+  taken = {program_kind(s) for s in pool}
+  kinds: dict = {}
+  for r in sorted((r for r in rows if r.rejected is None and
+                   program_kind(r.strategy) not in taken),
+                  key=lambda r: r.costs["uniform"].total_s):
+    s = r.strategy
+    kinds.setdefault((s.expert_mode, s.expert > 1, s.model > 1), []).append(s)
+  order = [0.5, 0.0, 1.0, 0.25, 0.75]            # median first, then the ends, then between
+  picks: list = []
+  for frac in order * k:
+    for group in kinds.values():
+      s = group[int(round(frac * (len(group) - 1)))]
+      if len(picks) < k and s not in picks:
+        picks.append(s)
+  return picks
 
 
 def main(argv=None) -> int:
@@ -48,7 +72,7 @@ def main(argv=None) -> int:
   p.add_argument("--gin_file", action="append", default=None)
   p.add_argument("--gin_bindings", action="append", default=[])
   p.add_argument("--pool", nargs="*", default=None, help="specs; default: moejax.plan's pool")
-  p.add_argument("--calib", type=int, default=4, help="calibration strategies for the fit")
+  p.add_argument("--calib", type=int, default=6, help="calibration strategies for the fit")
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--out", default=None)
@@ -61,12 +85,7 @@ def main(argv=None) -> int:
   calib_s = time.perf_counter() - tick
   rows = plan.rank(cfg, profile, len(devices))
   pool = [parse(s) for s in args.pool] if args.pool else plan.pick_pool(rows, 4, 0.01)
-  # Calibration strategies for the whole-step fit: valid ones outside the pool, spread over
-  # the predicted range (so the fit is judged on members it never saw).
-  others = sorted((r for r in rows if r.rejected is None and r.strategy not in pool),
-                  key=lambda r: r.costs["uniform"].total_s)
-  pick = np.linspace(0, len(others) - 1, args.calib).round().astype(int)
-  calib = [others[i].strategy for i in sorted(set(pick.tolist()))]
+  calib = calibration_strategies(rows, pool, args.calib)
   print(f"micro-benchmarks in {calib_s:.1f}s: {profile}")
   print("pool: " + ", ".join(s.spec for s in pool))
   print("calibration strategies: " + ", ".join(s.spec for s in calib))
@@ -102,8 +121,8 @@ def main(argv=None) -> int:
   fitted = fit_steps(profile, [predict_step(m["prog"].strategy, w, profile, m["share"])
                                for m in fit_members], [m["measured"] for m in fit_members])
   print(f"whole-step fit on {len(calib)} calibration strategies: compute x"
-        f"{fitted.compute_scale:.2f}, collectives x{fitted.comm_scale:.2f}, fixed "
-        f"{fitted.overhead_s * 1e3:.1f} ms")
+        f"{fitted.compute_scale:.2f}, collectives x{fitted.comm_scale:.2f}, tensor-parallel "
+        f"psums x{fitted.tp_scale:.2f}, fixed {fitted.overhead_s * 1e3:.1f} ms")
   out, errors, errors_micro, errors_preset = [], [], [], []
   print(f"\n{'strategy':<24}{'role':>7}{'measured ms':>13}{'predicted ms':>14}{'error':>9}"
         f"{'micro only':>12}{'cpu preset':>12}{'drop pred':>11}")
@@ -121,7 +140,8 @@ def main(argv=None) -> int:
     print(f"{s.spec:<24}{role:>7}{measured * 1e3:13.1f}{pred.total_s * 1e3:14.1f}{err:9.1%}"
           f"{micro.total_s * 1e3:12.1f}{preset.total_s * 1e3:12.1f}{pred.drop_fraction:11.2%}")
     out.append({"strategy": s.spec, "role": role, "measured_s": measured,
-                "predicted": pred.to_dict(), "micro_only_total_s": micro.total_s,
+                "predicted": pred.to_dict(), "micro_only": micro.to_dict(),
+                "micro_only_total_s": micro.total_s, "expert_share_LxE": share.tolist(),
                 "cpu_preset_total_s": preset.total_s, "error": err})
   mape = float(np.mean(errors))
   mape_micro, mape_preset = float(np.mean(errors_micro)), float(np.mean(errors_preset))
@@ -133,11 +153,7 @@ def main(argv=None) -> int:
             "calibration_s": calib_s, "members": out, "mape": mape,
             "mape_micro_only": mape_micro, "mape_cpu_preset": mape_preset,
             "rounds": args.rounds, "steps_per_round": args.steps}
-  path = args.out or os.path.join(RESULTS, f"cost_model_{devices[0].platform}.json")
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  with open(path, "w") as f:
-    json.dump(result, f, indent=2)
-  print(f"wrote {path}")
+  write_result(result, args.out or os.path.join(RESULTS, f"cost_model_{devices[0].platform}.json"))
   return 0
 
 

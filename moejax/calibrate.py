@@ -124,24 +124,28 @@ def calibrate(devices=None, repeats: int = 15, name: str | None = None) -> Hardw
 
 
 def fit_steps(profile: HardwareProfile, costs: list, measured_s: list[float]) -> HardwareProfile:
-  """Fit the whole-step scales: measured = a * (compute terms) + b * (collective terms) + c,
-  least squares over calibration strategies' StepCosts predicted with `profile` (scales 1).
-  Coefficients are kept >= 0 (a term that cannot be told apart keeps its micro-benchmark
-  value)."""
-  comp = np.array([c.compute_s + c.expert_s + c.memory_s for c in costs])
-  comm = np.array([c.a2a_s + c.restore_s + c.reduce_s for c in costs])
+  """Fit the whole-step scales: measured = a * (compute terms) + b * (collectives but tensor
+  parallel) + t * (tensor-parallel psums) + c, non-negative least squares over calibration
+  strategies' StepCosts predicted with `profile` (scales 1). A term no calibration strategy
+  has (e.g. no model axis) is not fitted: t then follows b, a and b stay 1."""
+  cols = {"overhead_s": [1.0] * len(costs),   # in the order they are kept with few points
+          "compute_scale": [c.compute_s + c.expert_s + c.memory_s for c in costs],
+          "comm_scale": [c.a2a_s + c.restore_s + c.reduce_s for c in costs],
+          "tp_scale": [c.tp_s for c in costs]}
   y = np.asarray(measured_s, np.float64)
-  cols = [comp, comm, np.ones_like(y)]
-  active = [0, 1, 2]
+  active = [k for k, v in cols.items() if np.max(np.abs(v)) > 0]
+  active = active[:max(1, len(y) - 1)]          # keep at least one residual degree of freedom
   while True:                                   # tiny active-set non-negative least squares
-    coef, *_ = np.linalg.lstsq(np.stack([cols[i] for i in active], 1), y, rcond=None)
+    a = np.stack([np.asarray(cols[k], np.float64) for k in active], 1)
+    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
     if np.all(coef >= 0) or len(active) == 1:
       break
     active.pop(int(np.argmin(coef)))
-  full = dict(zip(active, np.maximum(coef, 0.0)))
-  return dataclasses.replace(profile, compute_scale=float(full.get(0, 1.0)),
-                             comm_scale=float(full.get(1, 1.0)),
-                             overhead_s=float(full.get(2, 0.0)))
+  fit = {k: float(max(v, 0.0)) for k, v in zip(active, coef)}
+  comm = fit.get("comm_scale", 1.0)
+  return dataclasses.replace(profile, compute_scale=fit.get("compute_scale", 1.0),
+                             comm_scale=comm, tp_scale=fit.get("tp_scale", comm),
+                             overhead_s=fit.get("overhead_s", 0.0))
 
 
 def _device_memory(device) -> float:

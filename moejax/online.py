@@ -38,12 +38,19 @@ class OnlinePlanner:
     """Counts of one finished step; sources ordered (data, expert) row-major."""
     c = np.asarray(counts_LxSxE, np.float64)
     layers, sources, experts = c.shape
-    folded_LxNxE = c.reshape(layers, sources // self.num_devices, self.num_devices,
-                             experts).sum(1)
+    if sources % self.num_devices:   # another pool member's mesh: keep the expert totals
+      folded_LxNxE = np.repeat(c.sum(1, keepdims=True) / self.num_devices, self.num_devices, 1)
+    else:
+      folded_LxNxE = c.reshape(layers, sources // self.num_devices, self.num_devices,
+                               experts).sum(1)
     self.history.append(folded_LxNxE)
 
+  @property
+  def active(self) -> bool:
+    return self.cfg.policy != "static"
+
   def due(self, step: int) -> bool:
-    return (self.cfg.policy != "static" and self.cfg.every > 0 and step > 0 and
+    return (self.active and self.cfg.every > 0 and step > 0 and
             step % self.cfg.every == 0 and len(self.history) > 0)
 
   def propose(self, current: list[pl.Placement]) -> tuple[list[pl.Placement], list[Switch]]:

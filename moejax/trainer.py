@@ -137,6 +137,12 @@ class Trainer:
       tick = time.perf_counter()
       jax.block_until_ready(move(states[a]))
       self.switch_cost_s[(a, b)] = time.perf_counter() - tick
+    # An ep member that re-plans moves experts with `migrate`: compile its permuter now too
+    # (on a copy; the move donates it), so no switch or re-plan compiles mid-run.
+    for a, prog in enumerate(self.programs):
+      if prog.cfg.moe.expert_mode == "ep" and self.planners[a].active:
+        copy = states[a] if a else self.transfers[(1, 0)](states[1])
+        jax.block_until_ready(migrate(copy, prog.layout, prog.layout))
     del states
     self.switcher = StrategySwitcher(self.cfg.strategy, strategies, workload_of(self.cfg),
                                      load_profile(self.cfg.strategy.profile))
@@ -155,7 +161,7 @@ class Trainer:
       return
     jax.block_until_ready(self.state)   # time the switch alone, not the step in flight
     tick = time.perf_counter()
-    src = self.active
+    src, recent = self.active, list(self._recent)
     self._to_member(decision.target)
     jax.block_until_ready(self.state)
     writer.write({"step": step, "event": "strategy_switch",
@@ -167,6 +173,11 @@ class Trainer:
                   "seconds": time.perf_counter() - tick})
     self._recent.clear()
     self._reads.clear()   # keep switch time out of tokens/s
+    if self.planner.active:   # the member was idle: its re-planner gets this load and re-plans
+      self.planner.history.clear()   # now, so fsep replicas follow the load from the first step
+      for counts in recent:
+        self.planner.observe(counts)
+      self.maybe_switch_layout(step, writer, now=True)
 
   def maybe_restore(self) -> int:
     """Resumes from the latest intact checkpoint of the run dir, whatever mesh or expert mode
@@ -219,9 +230,10 @@ class Trainer:
     if self.trace is not None:
       self.trace.write()
 
-  def maybe_switch_layout(self, step: int, writer) -> None:
-    """dyn.X: before dispatching `step`, re-plan from the finished steps' loads."""
-    if not self.planner.due(step):
+  def maybe_switch_layout(self, step: int, writer, now: bool = False) -> None:
+    """dyn.X: before dispatching `step`, re-plan from the finished steps' loads (`now`: even
+    off the period, right after a strategy switch)."""
+    if not (now or self.planner.due(step)):
       return
     n, num_experts = self.mesh.shape["expert"], self.moe_cfg.num_experts
     new, switches = self.planner.propose(to_placements(self.layout, n))

@@ -23,6 +23,15 @@ def test_observe_folds_data_rows_onto_expert_devices():
   np.testing.assert_array_equal(op.history[-1], counts[:, :4] + counts[:, 4:])
 
 
+def test_observe_counts_from_another_members_mesh_keep_the_expert_totals():
+  op = OnlinePlanner(PlannerConfig(policy="fsep", every=2, window=3), num_devices=8)
+  counts = np.arange(2 * 4 * 8, dtype=np.float64).reshape(2, 4, 8)   # 4 sources, not 8
+  op.observe(counts)
+  assert op.history[-1].shape == (2, 8, 8)
+  np.testing.assert_allclose(op.history[-1].sum(1), counts.sum(1))
+  np.testing.assert_allclose(op.history[-1][:, 0], op.history[-1][:, 7])   # spread evenly
+
+
 def test_due_only_every_x_steps_with_history():
   op = OnlinePlanner(PlannerConfig(policy="smartmoe", every=5), num_devices=4)
   assert not op.due(5)                                # nothing observed yet

@@ -115,6 +115,25 @@ def test_pool_covers_each_regime_and_rejects_what_does_not_fit():
   assert "POOL" in text and "rejected: model.num_heads=4" in text
 
 
+def test_whole_step_fit_recovers_known_scales_and_leaves_absent_terms_alone():
+  from moejax.calibrate import fit_steps
+  w, base = plan.workload_of(CFG), PRESETS["cpu"]
+  specs = ["ep/8x1x1/cf1", "ep/1x8x1/cf1.25", "fsep/1x8x1/c2/cf1.5", "ep/2x2x2/cf1",
+           "ep/1x4x2/cf2", "fsep/2x4x1/c2/cf1.25", "ep/4x2x1/cf3"]
+  costs = [predict_step(parse(s), w, base) for s in specs]
+  truth = dataclasses.replace(base, compute_scale=1.3, comm_scale=2.5, tp_scale=4.0,
+                              overhead_s=0.2)
+  measured = [predict_step(parse(s), w, truth).total_s for s in specs]
+  fitted = fit_steps(base, costs, measured)
+  for key in ("compute_scale", "comm_scale", "tp_scale", "overhead_s"):
+    assert getattr(fitted, key) == pytest.approx(getattr(truth, key), rel=1e-6), key
+  # No calibration strategy has a model axis: tp follows the other collectives.
+  no_tp = [s for s in specs if s.split("/")[1].endswith("x1")]
+  fitted = fit_steps(base, [predict_step(parse(s), w, base) for s in no_tp],
+                     [predict_step(parse(s), w, truth).total_s for s in no_tp])
+  assert fitted.tp_scale == fitted.comm_scale == pytest.approx(2.5, rel=1e-6)
+
+
 def test_profiles_load_from_presets_and_json(tmp_path):
   assert load_profile("a100_cluster").name == "a100_cluster"
   path = tmp_path / "p.json"

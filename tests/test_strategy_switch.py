@@ -110,7 +110,8 @@ def test_training_continues_with_the_same_losses(pool):
 def test_trainer_switches_online_under_a_drifting_load_and_resumes_on_that_member(tmp_path):
   """A pool of two: from step 4 a router bias sends every token to experts 0 and 1; the
   ep member (capacity 1.5x) then drops far over the limit, so the online stage moves to the
-  fsep member, compiling nothing; a resume from the last checkpoint lands on it again."""
+  fsep member, whose re-planner gets the load and places replicas at once, compiling
+  nothing; a resume from the last checkpoint lands on that member again."""
   import dataclasses
 
   from moejax.config import CheckpointConfig, StrategyConfig, TrainConfig
@@ -120,7 +121,8 @@ def test_trainer_switches_online_under_a_drifting_load_and_resumes_on_that_membe
       CFG, moe=dataclasses.replace(CFG.moe, capacity_factor=1.5, balance_loss_weight=0.0),
       strategy=StrategyConfig(pool=("ep/2x4x1/cf1.5", "fsep/1x8x1/c2/cf1.25"), every=2,
                               max_drop=0.3),
-      planner=dataclasses.replace(CFG.planner, window=2),
+      # Re-planning only when a switch lands on a member (every=100 is never due here).
+      planner=dataclasses.replace(CFG.planner, policy="smartmoe", every=100, window=2),
       checkpoint=CheckpointConfig(every=4),
       train=TrainConfig(run_dir=str(tmp_path), num_steps=10, eval_every=100, eval_batches=1,
                         progress_bar=False),
@@ -149,6 +151,11 @@ def test_trainer_switches_online_under_a_drifting_load_and_resumes_on_that_membe
   switches = [r for r in records if r.get("event") == "strategy_switch"]
   assert switches and switches[0]["to"] == "fsep/1x8x1/c2/cf1.25"
   assert switches[0]["reason"] == "drops" and switches[0]["step"] >= 5
+  # The fsep member was idle until then: it re-plans its replicas for this load at once.
+  relayouts = [r for r in records if r.get("event") == "layout_switch"]
+  assert relayouts and all(r["policy"] == "fsep" for r in relayouts)
+  assert relayouts[0]["step"] == switches[0]["step"]
+  assert relayouts[0]["predicted_after"] < relayouts[0]["predicted_before"]
   assert [r["strategy"] for r in records if "loss" in r][-1] == "fsep/1x8x1/c2/cf1.25"
   assert len(switch_compiles) == 10 and sum(switch_compiles) == 0, switch_compiles
   resumed = Trainer(cfg)

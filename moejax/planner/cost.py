@@ -78,6 +78,7 @@ class HardwareProfile:
   # strategies vs the composed prediction; scales the compute and the collective terms.
   compute_scale: float = 1.0
   comm_scale: float = 1.0
+  tp_scale: float = 1.0          # tensor-parallel psums, fitted apart from other collectives
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -158,15 +159,17 @@ class StepCost:
   memory_s: float                # elementwise work and the optimizer update
   a2a_s: float                   # token dispatch + combine, forward and backward
   restore_s: float               # fsep restore + its gradient reduce-scatter
-  reduce_s: float                # gradient all-reduce over data, tensor-parallel psums
+  reduce_s: float                # gradient all-reduce over data, router psums
+  tp_s: float                    # tensor-parallel activation psums (model axis)
   overhead_s: float
   drop_fraction: float           # predicted share of (token, k) choices dropped
   memory_bytes: float            # per device
+  calls: int = 0                 # collective calls per step (all kinds)
 
   @property
   def total_s(self) -> float:
     return (self.compute_s + self.expert_s + self.memory_s + self.a2a_s + self.restore_s +
-            self.reduce_s + self.overhead_s)
+            self.reduce_s + self.tp_s + self.overhead_s)
 
   def to_dict(self) -> dict:
     return dict(dataclasses.asdict(self), total_s=self.total_s)
@@ -248,15 +251,17 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
   memory_s = (act_bytes + opt_bytes) * scale / profile.mem_bytes_per_s
 
   call = profile.call_s
-  a2a_s = 0.0
+  a2a_s, calls = 0.0, 0
   if n > 1:        # dispatch + combine, forward and backward
     buf = sum(rows) / w.moe_layers * d * w.act_bytes / m      # bytes per exchange and layer
     a2a_s = w.moe_layers * 4 * (call(n) + buf * (n - 1) / n / profile.a2a_bytes_per_s) * scale
+    calls += w.moe_layers * 4
   restore_s = 0.0
   if strategy.expert_mode == "fsep" and n > 1:   # 3 weights, restore + gradient return
     per_layer = c * 3 * d * f / m * 4             # fp32 slot weights restored per device
     restore_s = w.moe_layers * 2 * (3 * call(n) + per_layer * (n - 1) / n /
                                     profile.a2a_bytes_per_s) * scale
+    calls += w.moe_layers * 6
   reduce_s = 0.0
   shards = dd * n
   if shards > 1:
@@ -267,9 +272,12 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
     volume = 4 * (w.dense_params / m * 2 * (shards - 1) / shards +
                   ep_local * 2 * (dd - 1) / dd)
     reduce_s += (leaves * call(shards) + volume / profile.reduce_bytes_per_s) * scale
+    calls += 12 * w.moe_layers + leaves
+  tp_s = 0.0
   if m > 1:        # two activation psums per layer, forward and backward
     volume = 4 * w.num_layers * tokens * d * w.act_bytes * 2 * (m - 1) / m
-    reduce_s += (4 * w.num_layers * call(m) + volume / profile.reduce_bytes_per_s) * scale
+    tp_s = (4 * w.num_layers * call(m) + volume / profile.reduce_bytes_per_s) * scale
+    calls += 4 * w.num_layers
 
   restored = 2 * w.moe_layers * c * 3 * d * f / m * 4 if strategy.expert_mode == "fsep" else 0
   activations = (20 * tokens * d * w.num_layers + 6 * sum(rows) * d) * w.act_bytes / m + \
@@ -277,5 +285,5 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
   memory_bytes = 4 * 4 * params_dev + restored + activations
   cs, ms = profile.compute_scale, profile.comm_scale
   return StepCost(compute_s * cs, expert_s * cs, memory_s * cs, a2a_s * ms, restore_s * ms,
-                  reduce_s * ms, profile.overhead_s, float(np.mean(drops)),
-                  float(memory_bytes))
+                  reduce_s * ms, tp_s * profile.tp_scale, profile.overhead_s,
+                  float(np.mean(drops)), float(memory_bytes), calls)

@@ -1,0 +1,16 @@
+"""What every benchmark does the same way: where results go and how they are written."""
+
+from __future__ import annotations
+
+import json
+import os
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def write_result(result: dict, path: str) -> None:
+  """Writes `result` as indented JSON to `path` (folders made) and says where."""
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(result, f, indent=2)
+  print(f"wrote {path}")

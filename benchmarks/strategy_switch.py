@@ -1,0 +1,211 @@
+"""Drifting load: the online strategy switch vs every pool member held fixed, same run.
+
+    python benchmarks/strategy_switch.py [--gin_file F] [--gin_bindings B ...]
+        [--pool SPEC ...] [--phases uniform:12,hot:12,uniform:12] [--every 2]
+        [--max_drop 0.02] [--profile benchmarks/results/cost_model_cpu.json]
+
+The load drifts in phases. `uniform`: no steering. `hot`: a router bias puts one
+expert (another one in each hot phase) into every token's top-k, so it gets half
+of all choices, like a collapsed gate. The bias is data in the layout, so it
+changes nothing compiled. The same data, seed and schedule is trained
+
+  * with the pool, the online stage deciding every `--every` steps, and
+  * with each pool member alone (no switching).
+
+Every run re-plans its layout (smartmoe for ep, the fsep planner for fsep). Timed:
+wall seconds from step 2 to the last step (compilation is outside that window;
+compilations inside it are counted and reported). "Best fixed" is the fastest
+fixed run whose overall dropped share is at most the switching run's; the fastest
+fixed run of all is reported too, with its drops.
+Writes benchmarks/results/strategy_switch_<platform>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+
+if "XLA_FLAGS" not in os.environ:
+  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import numpy as np
+
+from benchmarks.common import RESULTS, write_result
+from moejax import plan
+from moejax.calibrate import calibrate, save
+from moejax.config import CheckpointConfig, ConfigError
+from moejax.frontend import DEFAULT_GIN, parse_config
+from moejax.planner.cost import PRESETS
+from moejax.programs import CompileCounter
+from moejax.trainer import Trainer
+
+DEFAULT_PROFILE = os.path.join(RESULTS, "cost_model_cpu.json")
+
+
+def parse_phases(text: str) -> list[tuple[str, int]]:
+  """'uniform:12,hot:12' -> [('uniform', 12), ('hot', 12)] (one-line errors)."""
+  out = []
+  for part in text.split(","):
+    name, _, steps = part.partition(":")
+    if name not in ("uniform", "hot") or not steps.isdigit() or int(steps) < 1:
+      raise ConfigError(f"--phases part {part!r} must be uniform:N or hot:N with N >= 1, "
+                        "e.g. 'uniform:12,hot:12,uniform:12'.")
+    out.append((name, int(steps)))
+  return out
+
+
+def bias_schedule(phases, num_layers: int, num_experts: int) -> list[np.ndarray]:
+  """The router bias [L, E] of every step: zeros, or +1 on the phase's hot expert."""
+  out, hot_phase = [], 0
+  for name, steps in phases:
+    bias = np.zeros((num_layers, num_experts), np.float32)
+    if name == "hot":
+      bias[:, (3 * hot_phase) % num_experts] = 1.0
+      hot_phase += 1
+    out += [bias] * steps
+  return out
+
+
+def resolve_profile(arg: str, tmp: str) -> tuple[str, str]:
+  """(profile for strategy.profile, where it came from): a preset, a profile JSON, or a
+  cost_model benchmark result (its fitted profile); 'calibrate' runs the micro-benchmarks."""
+  if arg in PRESETS:
+    return arg, f"preset {arg}"
+  path = os.path.join(tmp, "profile.json")
+  if arg == "calibrate":
+    save(calibrate(), path)
+    return path, "micro-benchmarks on this machine (moejax.calibrate)"
+  with open(arg) as f:
+    data = json.load(f)
+  if "profile" in data:                        # a benchmarks/cost_model.py result
+    with open(path, "w") as f:
+      json.dump(data["profile"], f)
+    return path, f"whole-step fit from {arg}"
+  return arg, arg
+
+
+def run_one(cfg, biases, label: str) -> dict:
+  """Trains `cfg` to the end under the bias schedule; times steps 2..end."""
+  trainer = Trainer(cfg)
+  marks, counter = {}, CompileCounter()
+  last = len(biases) - 1
+
+  def before_step(tr, step):
+    for prog in tr.programs:                   # every member sees the same load
+      prog.layout = prog.layout.replace(
+          router_bias_LxE=jax.device_put(biases[step], prog.layout_sharding))
+    if step == 2:
+      jax.block_until_ready(tr.state)
+      marks["start"] = time.perf_counter()
+      counter.__enter__()
+    if step == last:
+      jax.block_until_ready(tr.state)
+      counter.__exit__(None, None, None)
+      marks["end"] = time.perf_counter()
+
+  trainer.run(before_step=before_step)
+  trainer.checkpointer.close()
+  records = [json.loads(x) for x in open(os.path.join(cfg.train.run_dir, "metrics.jsonl"))]
+  steps = [r for r in records if "loss" in r]
+  drops = [float(np.mean([m["dropped_fraction"] for m in r["moe"]])) for r in steps]
+  return {"label": label, "seconds": marks["end"] - marks["start"],
+          "timed_steps": last - 2, "compiles_in_window": counter.count,
+          "dropped_by_step": drops, "strategy_by_step": [r["strategy"] for r in steps],
+          "final_loss": steps[-1]["loss"],
+          "switches": [{k: r[k] for k in ("step", "from", "to", "reason", "seconds")}
+                       for r in records if r.get("event") == "strategy_switch"],
+          "layout_switches": sum(r.get("event") == "layout_switch" for r in records)}
+
+
+def phase_drops(drops: list[float], phases) -> list[float]:
+  out, at = [], 0
+  for _, steps in phases:
+    out.append(float(np.mean(drops[at:at + steps])))
+    at += steps
+  return out
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--gin_file", action="append", default=None)
+  p.add_argument("--gin_bindings", action="append", default=[])
+  p.add_argument("--pool", nargs="*", default=None,
+                 help="specs; default: moejax.plan's pool of 2 under the profile")
+  p.add_argument("--phases", default="uniform:12,hot:12,uniform:12")
+  p.add_argument("--every", type=int, default=2, help="strategy.every")
+  p.add_argument("--max_drop", type=float, default=0.02, help="strategy.max_drop")
+  p.add_argument("--profile", default=DEFAULT_PROFILE if os.path.exists(DEFAULT_PROFILE)
+                 else "calibrate", help="preset, profile JSON, cost_model result, calibrate")
+  p.add_argument("--out", default=None)
+  args = p.parse_args(argv)
+  phases = parse_phases(args.phases)
+  num_steps = sum(n for _, n in phases)
+  cfg = parse_config(args.gin_file or [DEFAULT_GIN], args.gin_bindings)
+  devices = jax.devices()
+  tmp = tempfile.mkdtemp(prefix="strategy_switch_")
+  profile, profile_from = resolve_profile(args.profile, tmp)
+  pool = args.pool or [s.spec for s in plan.pick_pool(
+      plan.rank(cfg, plan.load_profile(profile), len(devices)), 2, args.max_drop)]
+  print(f"profile: {profile_from}\npool: {', '.join(pool)}\nphases: {args.phases}")
+  biases = bias_schedule(phases, cfg.model.num_layers // cfg.moe.moe_every,
+                         cfg.moe.num_experts)
+
+  def config(members, name):
+    return dataclasses.replace(
+        cfg, strategy=dataclasses.replace(cfg.strategy, pool=tuple(members), every=args.every,
+                                          profile=profile, max_drop=args.max_drop),
+        planner=dataclasses.replace(cfg.planner, policy="smartmoe", every=4, window=2),
+        checkpoint=CheckpointConfig(every=10**6, keep=1),
+        train=dataclasses.replace(cfg.train, run_dir=os.path.join(tmp, name),
+                                  num_steps=num_steps, eval_every=10**6, progress_bar=False))
+
+  runs = [run_one(config(pool, "switching"), biases, "switching")]
+  for i, spec in enumerate(pool):
+    runs.append(run_one(config([spec], f"fixed{i}"), biases, f"fixed {spec}"))
+  for r in runs:
+    r["dropped"] = float(np.mean(r["dropped_by_step"]))
+    r["dropped_by_phase"] = phase_drops(r["dropped_by_step"], phases)
+  switching, fixed = runs[0], runs[1:]
+  fair = [r for r in fixed if r["dropped"] <= switching["dropped"]]
+  best = min(fair, key=lambda r: r["seconds"]) if fair else None
+  fastest = min(fixed, key=lambda r: r["seconds"])
+
+  names = [n for n, _ in phases]
+  print(f"\n{'run':<34}{'seconds':>9}{'ms/step':>9}{'dropped':>9}  per phase "
+        f"({', '.join(names)}){'':>4}switches  compiles")
+  for r in runs:
+    per = " ".join(f"{d:6.1%}" for d in r["dropped_by_phase"])
+    print(f"{r['label']:<34}{r['seconds']:9.2f}{r['seconds'] / r['timed_steps'] * 1e3:9.1f}"
+          f"{r['dropped']:9.2%}  {per:<28}{len(r['switches']):>8}{r['compiles_in_window']:>10}")
+  for s in switching["switches"]:
+    print(f"  switch at step {s['step']}: {s['from']} -> {s['to']} ({s['reason']}, "
+          f"{s['seconds'] * 1e3:.0f} ms)")
+  if best is None:
+    print("no fixed member drops as little as the switching run; fastest fixed: "
+          f"{fastest['label']} {fastest['seconds']:.2f}s at {fastest['dropped']:.1%} dropped")
+  else:
+    print(f"switching {switching['seconds']:.2f}s vs best fixed ({best['label']}, dropping "
+          f"{best['dropped']:.1%} <= {switching['dropped']:.1%}) {best['seconds']:.2f}s: "
+          f"ratio {switching['seconds'] / best['seconds']:.3f}")
+  result = {"device": f"{devices[0].platform} x{len(devices)} ({devices[0].device_kind})",
+            "command": "python benchmarks/strategy_switch.py " + " ".join(argv or sys.argv[1:]),
+            "profile": profile_from, "pool": pool, "phases": args.phases,
+            "every": args.every, "max_drop": args.max_drop, "runs": runs,
+            "best_fixed": best and best["label"],
+            "ratio_switching_over_best_fixed": best and switching["seconds"] / best["seconds"],
+            "fastest_fixed": fastest["label"],
+            "ratio_switching_over_fastest_fixed": switching["seconds"] / fastest["seconds"]}
+  write_result(result, args.out or
+               os.path.join(RESULTS, f"strategy_switch_{devices[0].platform}.json"))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
