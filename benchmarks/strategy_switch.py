@@ -2,12 +2,20 @@
 
     python benchmarks/strategy_switch.py [--gin_file F] [--gin_bindings B ...]
         [--pool SPEC ...] [--phases uniform:12,hot:12,uniform:12] [--every 2]
-        [--max_drop 0.02] [--profile benchmarks/results/cost_model_cpu.json]
+        [--max_drop 0.02] [--warmup_steps 150] [--balance_rate 0]
+        [--profile benchmarks/results/cost_model_cpu.json]
 
-The load drifts in phases. `uniform`: no steering. `hot`: a router bias puts one
-expert (another one in each hot phase) into every token's top-k, so it gets half
-of all choices, like a collapsed gate. The bias is data in the layout, so it
-changes nothing compiled. The same data, seed and schedule is trained
+First `--warmup_steps` of plain training (the config's own strategy, balance
+loss on) take the router past its first steps, where a byte-level model's load
+is far from even; every run below restores that checkpoint (onto its own mesh
+and expert mode) and goes on from the same data position.
+
+The load then drifts in phases, steered by the router bias (data in the layout,
+so nothing recompiles). `uniform`: no steering, or with `--balance_rate` > 0 an
+aux-loss-free balancing controller (bias += rate * (mean share - share) per
+expert, from the last finished step). `hot`: a +1 bias puts one expert (another
+one in each hot phase) into every token's top-k, so it gets half of all choices,
+like a collapsed gate. The same data, seed and schedule is trained
 
   * with the pool, the online stage deciding every `--every` steps, and
   * with each pool member alone (no switching).
@@ -26,6 +34,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -61,16 +70,37 @@ def parse_phases(text: str) -> list[tuple[str, int]]:
   return out
 
 
-def bias_schedule(phases, num_layers: int, num_experts: int) -> list[np.ndarray]:
-  """The router bias [L, E] of every step: zeros, or +1 on the phase's hot expert."""
+def hot_schedule(phases, num_experts: int) -> list[int | None]:
+  """The hot expert of every step (None in uniform phases); another one each hot phase."""
   out, hot_phase = [], 0
   for name, steps in phases:
-    bias = np.zeros((num_layers, num_experts), np.float32)
+    hot = None
     if name == "hot":
-      bias[:, (3 * hot_phase) % num_experts] = 1.0
-      hot_phase += 1
-    out += [bias] * steps
+      hot, hot_phase = (3 * hot_phase) % num_experts, hot_phase + 1
+    out += [hot] * steps
   return out
+
+
+class LoadSteering:
+  """Router bias [L, E] per step: a balancing controller plus the phase's hot expert."""
+
+  def __init__(self, hot_by_step: list, num_layers: int, num_experts: int, rate: float):
+    self.hot_by_step, self.rate = hot_by_step, rate
+    self.balance_LxE = np.zeros((num_layers, num_experts), np.float32)
+
+  def bias(self, step: int, counts_LxSxE: np.ndarray | None) -> np.ndarray:
+    hot = self.hot_by_step[step]
+    if counts_LxSxE is not None:               # the last finished step's routing
+      c = np.asarray(counts_LxSxE, np.float64).sum(1)
+      share = c / np.maximum(c.sum(-1, keepdims=True), 1.0)
+      update = self.rate * (1.0 / share.shape[-1] - share)
+      if hot is not None:
+        update[:, hot] = 0.0
+      self.balance_LxE += update.astype(np.float32)
+    bias = self.balance_LxE.copy()
+    if hot is not None:
+      bias[:, hot] += 1.0
+    return bias
 
 
 def resolve_profile(arg: str, tmp: str) -> tuple[str, str]:
@@ -91,17 +121,27 @@ def resolve_profile(arg: str, tmp: str) -> tuple[str, str]:
   return arg, arg
 
 
-def run_one(cfg, biases, label: str) -> dict:
-  """Trains `cfg` to the end under the bias schedule; times steps 2..end."""
+def run_one(cfg, hot_by_step, rate: float, label: str, warm_dir: str | None) -> dict:
+  """Trains `cfg` from the warm-up checkpoint to the end under the load steering; times the
+  phase steps from the third on."""
+  if warm_dir:
+    shutil.copytree(os.path.join(warm_dir, "checkpoints"),
+                    os.path.join(cfg.train.run_dir, "checkpoints"))
   trainer = Trainer(cfg)
   marks, counter = {}, CompileCounter()
-  last = len(biases) - 1
+  start = cfg.train.num_steps - len(hot_by_step)
+  last = cfg.train.num_steps - 1
+  steer = LoadSteering(hot_by_step, cfg.model.num_layers // cfg.moe.moe_every,
+                       cfg.moe.num_experts, rate)
 
   def before_step(tr, step):
-    for prog in tr.programs:                   # every member sees the same load
+    if step < start:
+      raise RuntimeError(f"{label}: started at step {step}, not at the warm-up's {start}")
+    bias = steer.bias(step - start, tr.last_counts if step > start else None)
+    for prog in tr.programs:                   # every member sees the same steering
       prog.layout = prog.layout.replace(
-          router_bias_LxE=jax.device_put(biases[step], prog.layout_sharding))
-    if step == 2:
+          router_bias_LxE=jax.device_put(bias, prog.layout_sharding))
+    if step == start + 2:
       jax.block_until_ready(tr.state)
       marks["start"] = time.perf_counter()
       counter.__enter__()
@@ -116,10 +156,11 @@ def run_one(cfg, biases, label: str) -> dict:
   steps = [r for r in records if "loss" in r]
   drops = [float(np.mean([m["dropped_fraction"] for m in r["moe"]])) for r in steps]
   return {"label": label, "seconds": marks["end"] - marks["start"],
-          "timed_steps": last - 2, "compiles_in_window": counter.count,
+          "timed_steps": last - start - 2, "compiles_in_window": counter.count,
           "dropped_by_step": drops, "strategy_by_step": [r["strategy"] for r in steps],
           "final_loss": steps[-1]["loss"],
-          "switches": [{k: r[k] for k in ("step", "from", "to", "reason", "seconds")}
+          "switches": [{k: r[k] for k in ("step", "from", "to", "reason", "seconds",
+                                          "predicted_gain_s", "switch_cost_s")}
                        for r in records if r.get("event") == "strategy_switch"],
           "layout_switches": sum(r.get("event") == "layout_switch" for r in records)}
 
@@ -143,6 +184,9 @@ def main(argv=None) -> int:
   p.add_argument("--max_drop", type=float, default=0.02, help="strategy.max_drop")
   p.add_argument("--profile", default=DEFAULT_PROFILE if os.path.exists(DEFAULT_PROFILE)
                  else "calibrate", help="preset, profile JSON, cost_model result, calibrate")
+  p.add_argument("--warmup_steps", type=int, default=150)
+  p.add_argument("--balance_rate", type=float, default=0.0,
+                 help="bias step per unit of share error (0 = no balancing controller)")
   p.add_argument("--out", default=None)
   args = p.parse_args(argv)
   phases = parse_phases(args.phases)
@@ -154,8 +198,21 @@ def main(argv=None) -> int:
   pool = args.pool or [s.spec for s in plan.pick_pool(
       plan.rank(cfg, plan.load_profile(profile), len(devices)), 2, args.max_drop)]
   print(f"profile: {profile_from}\npool: {', '.join(pool)}\nphases: {args.phases}")
-  biases = bias_schedule(phases, cfg.model.num_layers // cfg.moe.moe_every,
-                         cfg.moe.num_experts)
+  hot_by_step = hot_schedule(phases, cfg.moe.num_experts)
+
+  warm_dir = None
+  if args.warmup_steps:
+    warm_dir = os.path.join(tmp, "warmup")
+    tick = time.perf_counter()
+    warm = Trainer(dataclasses.replace(
+        cfg, checkpoint=CheckpointConfig(every=10**6, keep=1),
+        train=dataclasses.replace(cfg.train, run_dir=warm_dir, num_steps=args.warmup_steps,
+                                  eval_every=10**6, progress_bar=False)))
+    summary = warm.run()
+    warm.checkpointer.close()
+    print(f"warm-up: {args.warmup_steps} steps in {time.perf_counter() - tick:.0f}s, loss "
+          f"{summary['last']['loss']:.3f}, dropped "
+          f"{np.mean([m['dropped_fraction'] for m in summary['last']['moe']]):.1%}")
 
   def config(members, name):
     return dataclasses.replace(
@@ -164,11 +221,14 @@ def main(argv=None) -> int:
         planner=dataclasses.replace(cfg.planner, policy="smartmoe", every=4, window=2),
         checkpoint=CheckpointConfig(every=10**6, keep=1),
         train=dataclasses.replace(cfg.train, run_dir=os.path.join(tmp, name),
-                                  num_steps=num_steps, eval_every=10**6, progress_bar=False))
+                                  num_steps=args.warmup_steps + num_steps, eval_every=10**6,
+                                  progress_bar=False))
 
-  runs = [run_one(config(pool, "switching"), biases, "switching")]
+  runs = [run_one(config(pool, "switching"), hot_by_step, args.balance_rate, "switching",
+                  warm_dir)]
   for i, spec in enumerate(pool):
-    runs.append(run_one(config([spec], f"fixed{i}"), biases, f"fixed {spec}"))
+    runs.append(run_one(config([spec], f"fixed{i}"), hot_by_step, args.balance_rate,
+                        f"fixed {spec}", warm_dir))
   for r in runs:
     r["dropped"] = float(np.mean(r["dropped_by_step"]))
     r["dropped_by_phase"] = phase_drops(r["dropped_by_step"], phases)
@@ -197,7 +257,8 @@ def main(argv=None) -> int:
   result = {"device": f"{devices[0].platform} x{len(devices)} ({devices[0].device_kind})",
             "command": "python benchmarks/strategy_switch.py " + " ".join(argv or sys.argv[1:]),
             "profile": profile_from, "pool": pool, "phases": args.phases,
-            "every": args.every, "max_drop": args.max_drop, "runs": runs,
+            "every": args.every, "max_drop": args.max_drop,
+            "balance_rate": args.balance_rate, "warmup_steps": args.warmup_steps, "runs": runs,
             "best_fixed": best and best["label"],
             "ratio_switching_over_best_fixed": best and switching["seconds"] / best["seconds"],
             "fastest_fixed": fastest["label"],

@@ -1,13 +1,18 @@
 """Online stage: pick the pool member to run next from the load of finished steps.
 
 Host-side and JAX-free. Every `strategy.every` steps the trainer hands over the
-expert shares of the last finished steps; each member's step time and dropped
-share are predicted under that load (moejax.planner.cost). Members that drop at
-most `max_drop` compete on time, the others only on drops. The trainer switches
-when the best member differs from the current one and either the current one
-breaks the drop limit and the best drops less, or the predicted time saved over
-the next `every` steps exceeds the measured cost of the switch. A member over the drop
-limit is left for one that drops less whatever the switch costs.
+expert shares of the last finished steps and the share of choices they really
+dropped; each member's step time and dropped share are predicted under that load
+(moejax.planner.cost). The model's drops assume independent tokens; real batches
+cluster (a sequence repeats its tokens), so the active member's measured drops
+count when they are higher, and the excess seen on a member is remembered and
+added to its later predictions. Members that drop at most `max_drop` compete on
+time, the others only on drops. The trainer switches when the best member differs
+from the current one and either the current one breaks the drop limit and the best
+drops less, or the predicted time saved over the next `every` steps exceeds the
+measured cost of going there and back (a time switch may be undone; without that
+margin two members of near time oscillate). A member over the drop limit is left
+for one that drops less whatever the switch costs.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class StrategySwitcher:
   def __init__(self, cfg: StrategyConfig, pool: list[Strategy], workload: Workload,
                profile: HardwareProfile):
     self.cfg, self.pool, self.workload, self.profile = cfg, pool, workload, profile
+    self.drop_excess = [0.0] * len(pool)   # measured minus predicted drops, last seen
 
   def due(self, step: int) -> bool:
     return len(self.pool) > 1 and self.cfg.every > 0 and step > 0 and step % self.cfg.every == 0
@@ -46,18 +52,25 @@ class StrategySwitcher:
     return (0, c.total_s) if c.drop_fraction <= self.cfg.max_drop else (1, c.drop_fraction)
 
   def decide(self, current: int, share_LxE: np.ndarray,
-             switch_cost_s: dict[tuple[int, int], float]) -> Decision | None:
+             switch_cost_s: dict[tuple[int, int], float],
+             measured_drop: float | None = None) -> Decision | None:
     """`share_LxE`: expert shares of recent finished steps (rows sum to 1); `switch_cost_s`:
-    measured seconds of each (from, to) move. None = stay."""
+    measured seconds of each (from, to) move; `measured_drop`: the share of choices those
+    steps dropped on `current`. None = stay."""
     costs = self.predict(share_LxE)
+    if measured_drop is not None:
+      self.drop_excess[current] = max(measured_drop - costs[current].drop_fraction, 0.0)
+    costs = [dataclasses.replace(c, drop_fraction=min(c.drop_fraction + x, 1.0))
+             for c, x in zip(costs, self.drop_excess)]
     best = min(range(len(costs)), key=lambda i: (self._score(costs[i]), i != current))
     if best == current:
       return None
     cur, new = costs[current], costs[best]
     move_s = switch_cost_s.get((current, best), 0.0)
+    round_trip_s = move_s + switch_cost_s.get((best, current), 0.0)
     gain = (cur.total_s - new.total_s) * self.cfg.every
     breaks = cur.drop_fraction > self.cfg.max_drop and new.drop_fraction < cur.drop_fraction
-    if not breaks and gain <= move_s:
+    if not breaks and gain <= round_trip_s:
       return None
     return Decision(best, "drops" if breaks else "time",
                     tuple(c.total_s for c in costs), tuple(c.drop_fraction for c in costs),

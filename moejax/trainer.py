@@ -100,6 +100,8 @@ class Trainer:
     self.switch_cost_s: dict = {}
     self.switcher = None
     self._recent = collections.deque(maxlen=cfg.planner.window)   # finished steps' counts
+    self._recent_drops = collections.deque(maxlen=cfg.planner.window)   # and dropped shares
+    self.last_counts: np.ndarray | None = None   # [L, S, E] of the latest finished step
     if aot:
       self._warm_up_switching(strategies)
 
@@ -156,7 +158,7 @@ class Trainer:
     if self.switcher is None or not self.switcher.due(step) or not self._recent:
       return
     decision = self.switcher.decide(self.active, expert_shares(np.stack(self._recent)),
-                                    self.switch_cost_s)
+                                    self.switch_cost_s, float(np.mean(self._recent_drops)))
     if decision is None:
       return
     jax.block_until_ready(self.state)   # time the switch alone, not the step in flight
@@ -172,6 +174,7 @@ class Trainer:
                   "switch_cost_s": decision.switch_cost_s,
                   "seconds": time.perf_counter() - tick})
     self._recent.clear()
+    self._recent_drops.clear()
     self._reads.clear()   # keep switch time out of tokens/s
     if self.planner.active:   # the member was idle: its re-planner gets this load and re-plans
       self.planner.history.clear()   # now, so fsep replicas follow the load from the first step
@@ -363,9 +366,11 @@ class Trainer:
     rate = tokens_per_step * (len(self._reads) - 1) / span if span > 0 else None
     self.planner.observe(m["counts_LxSxE"])
     self._recent.append(m["counts_LxSxE"])
+    self.last_counts = m["counts_LxSxE"]   # for host-side controllers run in before_step
     if self.trace is not None:
       self.trace.add(step, m["counts_LxSxE"], self.mesh.shape["expert"])
     record = self._record(step, m, rate)
+    self._recent_drops.append(np.mean([r["dropped_fraction"] for r in record["moe"]]))
     stop = self.guard.observe(step, record["skipped"])
     if record["skipped"]:
       record.update(nonfinite_consecutive=self.guard.consecutive, nonfinite_total=self.guard.total)

@@ -174,6 +174,24 @@ def test_switcher_moves_to_fsep_when_ep_drops_and_back_when_load_evens():
   assert sw.decide(1, uni, {(1, 0): back.gain_s * 2}) is None   # not worth its cost
 
 
+def test_switcher_believes_measured_drops_and_needs_the_round_trip_paid():
+  sw = _switcher()
+  uni = plan.regime_load("uniform", 8)[None]
+  assert sw.decide(0, uni, {}, measured_drop=0.001) is None    # ep is best at even load
+  # ep really drops 4% here (clustered tokens): leave it, and do not come back at once.
+  d = sw.decide(0, uni, {(0, 1): 1e9}, measured_drop=0.04)
+  assert d is not None and d.target == 1 and d.reason == "drops"
+  assert d.predicted_drop[0] >= 0.04
+  assert sw.decide(1, uni, {(1, 0): 0.0, (0, 1): 0.0}, measured_drop=0.001) is None
+  # A time switch must pay for going there and back.
+  fresh = _switcher()
+  back = fresh.decide(1, uni, {})
+  assert back is not None and back.reason == "time"
+  half = back.gain_s / 2 * 1.01
+  assert fresh.decide(1, uni, {(1, 0): half, (0, 1): half}) is None
+  assert fresh.decide(1, uni, {(1, 0): half, (0, 1): 0.0}) is not None
+
+
 def test_switcher_due_and_shares():
   from moejax.switcher import expert_shares
   sw = _switcher(every=5)
