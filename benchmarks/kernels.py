@@ -25,7 +25,6 @@ if "XLA_FLAGS" not in os.environ:
 
 import argparse
 import datetime
-import json
 import platform
 import shlex
 import statistics
@@ -41,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import write_result
 from benchmarks.moe_layer import init_params, place_sharded
 from moejax.config import MoEConfig
 from moejax.layout import static_layout
@@ -149,10 +149,7 @@ def main(argv=None) -> int:
       },
       "kernels": kernels, "layer": layer,
   }
-  path = Path(args.json)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(out, indent=2) + "\n")
-  print(f"\nwrote {path}")
+  write_result(out, args.json)
   return 0
 
 

@@ -37,7 +37,6 @@ if "XLA_FLAGS" not in os.environ:
 
 import argparse
 import datetime
-import json
 import math
 import platform
 import shlex
@@ -59,6 +58,7 @@ from jax.sharding import (
   PartitionSpec as P,
 )
 
+from benchmarks.common import write_result
 from moejax.config import MoEConfig
 from moejax.layout import static_layout
 from moejax.mesh import BATCH_AXES, logical_to_spec, mesh_of_shape
@@ -268,10 +268,7 @@ def main(argv=None) -> int:
       "args": {k: v for k, v in vars(args).items() if k != "mesh_shapes"},
       "rows": rows,
   }
-  path = Path(args.json)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(out, indent=2) + "\n")
-  print(f"\nwrote {path}")
+  write_result(out, args.json)
   return 0
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import json
 import platform
 import statistics
 import sys
@@ -40,6 +39,7 @@ if str(_REPO) not in sys.path:
 
 import numpy as np
 
+from benchmarks.common import write_result
 from moejax.planner import ONE_COPY_POLICIES, POLICIES, CostModel, placement as pl
 from moejax.planner.flow import flow, max_over_mean
 from moejax.workloads import synthetic_trace
@@ -140,10 +140,7 @@ def main(argv=None) -> int:
          "repeats": a.repeats, "slots": a.slots, "fsep_slots": a.fsep_slots, "seed": a.seed,
          "load": "lognormal sigma=1.0, top_k=2, 2048 tokens per source, sources = N",
          "rows": rows, "fsep_rows": fsep_rows}
-  path = Path(a.json)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(out, indent=2) + "\n")
-  print(f"wrote {path}")
+  write_result(out, a.json)
   return 0
 
 
