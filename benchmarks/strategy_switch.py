@@ -8,7 +8,9 @@
 First `--warmup_steps` of plain training (the config's own strategy, balance
 loss on) take the router past its first steps, where a byte-level model's load
 is far from even; every run below restores that checkpoint (onto its own mesh
-and expert mode) and goes on from the same data position.
+and expert mode) and goes on from the same data position. Without `--pool`, the
+pool is moejax.plan's pick of 2 under the profile and the count dispersion of the
+warm-up's last 10 steps (`load_dispersion`).
 
 The load then drifts in phases, steered by the router bias (data in the layout,
 so nothing recompiles). `uniform`: no steering, or with `--balance_rate` > 0 an
@@ -51,7 +53,7 @@ from moejax import plan
 from moejax.calibrate import calibrate, save
 from moejax.config import CheckpointConfig, ConfigError
 from moejax.frontend import DEFAULT_GIN, parse_config
-from moejax.planner.cost import PRESETS
+from moejax.planner.cost import PRESETS, load_dispersion
 from moejax.programs import CompileCounter
 from moejax.trainer import Trainer
 
@@ -195,12 +197,9 @@ def main(argv=None) -> int:
   devices = jax.devices()
   tmp = tempfile.mkdtemp(prefix="strategy_switch_")
   profile, profile_from = resolve_profile(args.profile, tmp)
-  pool = args.pool or [s.spec for s in plan.pick_pool(
-      plan.rank(cfg, plan.load_profile(profile), len(devices)), 2, args.max_drop)]
-  print(f"profile: {profile_from}\npool: {', '.join(pool)}\nphases: {args.phases}")
   hot_by_step = hot_schedule(phases, cfg.moe.num_experts)
 
-  warm_dir = None
+  warm_dir, dispersion = None, 1.0
   if args.warmup_steps:
     warm_dir = os.path.join(tmp, "warmup")
     tick = time.perf_counter()
@@ -210,9 +209,18 @@ def main(argv=None) -> int:
                                   eval_every=10**6, progress_bar=False)))
     summary = warm.run()
     warm.checkpointer.close()
+    records = [json.loads(x) for x in open(os.path.join(warm_dir, "metrics.jsonl"))]
+    counts = [[m["counts_by_source"] for m in r["moe"]] for r in records if "loss" in r]
+    dispersion = load_dispersion(np.asarray(counts[-10:]))
     print(f"warm-up: {args.warmup_steps} steps in {time.perf_counter() - tick:.0f}s, loss "
           f"{summary['last']['loss']:.3f}, dropped "
-          f"{np.mean([m['dropped_fraction'] for m in summary['last']['moe']]):.1%}")
+          f"{np.mean([m['dropped_fraction'] for m in summary['last']['moe']]):.1%}, count "
+          f"dispersion {dispersion:.1f}")
+
+  pool = args.pool or [s.spec for s in plan.pick_pool(
+      plan.rank(cfg, plan.load_profile(profile), len(devices), dispersion=dispersion), 2,
+      args.max_drop)]
+  print(f"profile: {profile_from}\npool: {', '.join(pool)}\nphases: {args.phases}")
 
   def config(members, name):
     return dataclasses.replace(
@@ -258,7 +266,8 @@ def main(argv=None) -> int:
             "command": "python benchmarks/strategy_switch.py " + " ".join(argv or sys.argv[1:]),
             "profile": profile_from, "pool": pool, "phases": args.phases,
             "every": args.every, "max_drop": args.max_drop,
-            "balance_rate": args.balance_rate, "warmup_steps": args.warmup_steps, "runs": runs,
+            "balance_rate": args.balance_rate, "warmup_steps": args.warmup_steps,
+            "warmup_dispersion": dispersion, "runs": runs,
             "best_fixed": best and best["label"],
             "ratio_switching_over_best_fixed": best and switching["seconds"] / best["seconds"],
             "fastest_fixed": fastest["label"],

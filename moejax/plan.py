@@ -62,7 +62,10 @@ class Row:
 
 
 def rank(cfg: Config, profile: HardwareProfile, num_devices: int,
-         candidates: list[Strategy] | None = None, regimes=REGIMES) -> list[Row]:
+         candidates: list[Strategy] | None = None, regimes=REGIMES,
+         dispersion: float = 1.0) -> list[Row]:
+  """Every candidate's predicted cost per regime (or why it is rejected); `dispersion`: how
+  much a source's count per expert varies beyond independent tokens (drops grow with it)."""
   w = workload_of(cfg)
   loads = {r: regime_load(r, cfg.moe.num_experts) for r in regimes}
   rows = []
@@ -71,7 +74,7 @@ def rank(cfg: Config, profile: HardwareProfile, num_devices: int,
     if reason:
       rows.append(Row(s, {}, reason))
       continue
-    costs = {r: predict_step(s, w, profile, loads[r][None]) for r in regimes}
+    costs = {r: predict_step(s, w, profile, loads[r][None], dispersion) for r in regimes}
     mem = max(c.memory_bytes for c in costs.values())
     if mem > profile.memory_bytes:
       reason = f"needs {mem / 2**30:.2f} GiB > {profile.memory_bytes / 2**30:.2f} GiB"
@@ -130,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--devices", type=int, default=8)
   parser.add_argument("--pool", type=int, default=4)
   parser.add_argument("--max_drop", type=float, default=0.01)
+  parser.add_argument("--dispersion", type=float, default=1.0,
+                      help="count variance / mean per source and expert (1 = independent "
+                      "tokens; byte-level text after warm-up: about 6-9)")
   parser.add_argument("--json", default=None)
   args = parser.parse_args(argv)
   from moejax.frontend import DEFAULT_GIN, parse_config  # the one gin importer
@@ -137,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
   try:
     cfg = parse_config(args.gin_file or [DEFAULT_GIN], args.gin_bindings)
     profile = load_profile(args.profile)
-    rows = rank(cfg, profile, args.devices)
+    if args.dispersion < 1.0:
+      raise ConfigError(f"--dispersion={args.dispersion} must be >= 1 (1 = independent "
+                        "tokens).")
+    rows = rank(cfg, profile, args.devices, dispersion=args.dispersion)
     pool = pick_pool(rows, args.pool, args.max_drop)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)

@@ -3,16 +3,18 @@
 Host-side and JAX-free. Every `strategy.every` steps the trainer hands over the
 expert shares of the last finished steps and the share of choices they really
 dropped; each member's step time and dropped share are predicted under that load
-(moejax.planner.cost). The model's drops assume independent tokens; real batches
-cluster (a sequence repeats its tokens), so the active member's measured drops
-count when they are higher, and the excess seen on a member is remembered and
-added to its later predictions. Members that drop at most `max_drop` compete on
-time, the others only on drops. The trainer switches when the best member differs
-from the current one and either the current one breaks the drop limit and the best
-drops less, or the predicted time saved over the next `every` steps exceeds the
-measured cost of going there and back (a time switch may be undone; without that
-margin two members of near time oscillate). A member over the drop limit is left
-for one that drops less whatever the switch costs.
+(moejax.planner.cost), with the spread of a source's count per expert measured
+from the same steps (real batches cluster: a sequence repeats its tokens). Where
+the active member still drops more than predicted, its measured drops count, and
+the excess seen on a member is remembered and added to its later predictions.
+
+Members that drop at most `max_drop` compete on time, the others only on drops.
+The trainer switches when the best member differs from the current one and either
+the current one breaks the drop limit and the best drops less, or the predicted
+time saved over the next `every` steps exceeds the measured cost of going there
+and back (a time switch may be undone; without that margin two members of near
+time oscillate). A member over the drop limit is left for one that drops less
+whatever the switch costs.
 """
 
 from __future__ import annotations
@@ -45,19 +47,20 @@ class StrategySwitcher:
   def due(self, step: int) -> bool:
     return len(self.pool) > 1 and self.cfg.every > 0 and step > 0 and step % self.cfg.every == 0
 
-  def predict(self, share_LxE: np.ndarray) -> list[StepCost]:
-    return [predict_step(s, self.workload, self.profile, share_LxE) for s in self.pool]
+  def predict(self, share_LxE: np.ndarray, dispersion: float = 1.0) -> list[StepCost]:
+    return [predict_step(s, self.workload, self.profile, share_LxE, dispersion)
+            for s in self.pool]
 
   def _score(self, c: StepCost) -> tuple[int, float]:
     return (0, c.total_s) if c.drop_fraction <= self.cfg.max_drop else (1, c.drop_fraction)
 
   def decide(self, current: int, share_LxE: np.ndarray,
              switch_cost_s: dict[tuple[int, int], float],
-             measured_drop: float | None = None) -> Decision | None:
+             measured_drop: float | None = None, dispersion: float = 1.0) -> Decision | None:
     """`share_LxE`: expert shares of recent finished steps (rows sum to 1); `switch_cost_s`:
     measured seconds of each (from, to) move; `measured_drop`: the share of choices those
-    steps dropped on `current`. None = stay."""
-    costs = self.predict(share_LxE)
+    steps dropped on `current`; `dispersion`: their `load_dispersion`. None = stay."""
+    costs = self.predict(share_LxE, dispersion)
     if measured_drop is not None:
       self.drop_excess[current] = max(measured_drop - costs[current].drop_fraction, 0.0)
     costs = [dataclasses.replace(c, drop_fraction=min(c.drop_fraction + x, 1.0))

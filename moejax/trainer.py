@@ -32,7 +32,7 @@ from moejax.migrate import migrate
 from moejax.online import OnlinePlanner
 from moejax.optim import optimizer, schedule
 from moejax.plan import workload_of
-from moejax.planner.cost import load_profile
+from moejax.planner.cost import load_dispersion, load_profile
 from moejax.programs import Transfer, build_program, initial_layout
 from moejax.state import init_state
 from moejax.strategy import check_pool, from_config, parse
@@ -157,8 +157,9 @@ class Trainer:
     """Online stage: every strategy.every steps, move to the pool member predicted best."""
     if self.switcher is None or not self.switcher.due(step) or not self._recent:
       return
-    decision = self.switcher.decide(self.active, expert_shares(np.stack(self._recent)),
-                                    self.switch_cost_s, float(np.mean(self._recent_drops)))
+    counts = np.stack(self._recent)
+    decision = self.switcher.decide(self.active, expert_shares(counts), self.switch_cost_s,
+                                    float(np.mean(self._recent_drops)), load_dispersion(counts))
     if decision is None:
       return
     jax.block_until_ready(self.state)   # time the switch alone, not the step in flight

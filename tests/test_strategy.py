@@ -83,6 +83,28 @@ def test_dense_drops_grow_with_skew_and_fsep_absorbs_collapse():
   assert ep.expert_s == ep_col.expert_s and fs_col.restore_s > 0 == ep.restore_s
 
 
+def test_load_dispersion_measures_clustered_sources_and_drops_follow_it():
+  from moejax.planner.cost import load_dispersion
+  rng = np.random.default_rng(0)
+  p = plan.regime_load("skewed", 8)
+  independent = rng.multinomial(512, p, size=(4, 2, 8))            # [T, L, S, E]
+  assert load_dispersion(independent) == pytest.approx(1.0, abs=0.15)
+  # Tokens in clusters of 6 (a sequence repeating its tokens): variance ~6x the mean.
+  clustered = 6 * rng.multinomial(512 // 6, p, size=(64, 2, 8))
+  assert load_dispersion(clustered) == pytest.approx(6.0, rel=0.15)
+  # Monte Carlo of the overflow with that variance.
+  mean, var, cap = 64.0, 6 * 64.0, 80.0
+  sim = np.maximum(rng.normal(mean, np.sqrt(var), 400_000) - cap, 0).mean()
+  assert float(expected_overflow(np.array([mean]), cap, np.array([var]))[0]) == \
+      pytest.approx(sim, rel=0.03)
+  w = plan.workload_of(CFG)
+  ep = parse("ep/1x8x1/cf1.25")
+  uni = plan.regime_load("uniform", 8)[None]
+  low = predict_step(ep, w, PRESETS["cpu"], uni).drop_fraction
+  high = predict_step(ep, w, PRESETS["cpu"], uni, dispersion=6.5).drop_fraction
+  assert low < 0.005 < 0.02 < high
+
+
 def test_ragged_time_follows_the_busiest_device():
   w = plan.workload_of(CFG)
   s = parse("ep/1x8x1/cf1/ragged")
@@ -190,6 +212,15 @@ def test_switcher_believes_measured_drops_and_needs_the_round_trip_paid():
   half = back.gain_s / 2 * 1.01
   assert fresh.decide(1, uni, {(1, 0): half, (0, 1): half}) is None
   assert fresh.decide(1, uni, {(1, 0): half, (0, 1): 0.0}) is not None
+
+
+def test_switcher_leaves_ep_when_the_measured_spread_predicts_its_drops():
+  uni = plan.regime_load("uniform", 8)[None]
+  pool = ("ep/1x8x1/cf1.25", "ep/1x8x1/cf2")
+  assert _switcher(pool=pool).decide(0, uni, {}, dispersion=1.0) is None
+  d = _switcher(pool=pool).decide(0, uni, {(0, 1): 1e9}, dispersion=6.5)
+  assert d is not None and d.target == 1 and d.reason == "drops"
+  assert d.predicted_drop[0] > 0.02 > 0.01 > d.predicted_drop[1]
 
 
 def test_switcher_due_and_shares():

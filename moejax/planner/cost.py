@@ -185,20 +185,24 @@ def _lpt_max_share(p_E: np.ndarray, devices: int, slots: int) -> float:
   return float(load_N.max())
 
 
-def expected_overflow(mean: np.ndarray, cap: float) -> np.ndarray:
-  """E[max(X - cap, 0)] for a source's count X to one slot, X ~ Normal(mean, mean) (binomial
-  choices): mean-field loads alone would predict no drops at all below capacity."""
+def expected_overflow(mean: np.ndarray, cap: float, var: np.ndarray | None = None) -> np.ndarray:
+  """E[max(X - cap, 0)] for a source's count X to one slot, X ~ Normal(mean, var); var
+  defaults to the mean (independent binomial choices). Mean-field loads alone would predict
+  no drops at all below capacity."""
   mean = np.asarray(mean, np.float64)
-  sd = np.sqrt(np.maximum(mean, 1e-12))
+  sd = np.sqrt(np.maximum(mean if var is None else np.asarray(var, np.float64), 1e-12))
   z = (cap - mean) / sd
   pdf = np.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
   tail = 0.5 * np.vectorize(math.erfc)(z / math.sqrt(2))
   return np.maximum(sd * pdf + (mean - cap) * tail, 0.0)
 
 
-def _expert_rows(strategy, w: Workload, p_E: np.ndarray, tokens: float) -> tuple[float, float]:
+def _expert_rows(strategy, w: Workload, p_E: np.ndarray, tokens: float,
+                 dispersion: float = 1.0) -> tuple[float, float]:
   """(rows the busiest device computes per MoE layer, dropped fraction) for one layer's
-  expert shares `p_E` (summing to 1); `tokens` per source device."""
+  expert shares `p_E` (summing to 1); `tokens` per source device. A source's count to an
+  expert has variance `dispersion` x its mean (1: independent tokens; real batches cluster,
+  see `load_dispersion`); r replicas split it in fixed parts, so each part has 1/r^2 of it."""
   from moejax.planner.fsep import dhondt_counts  # fsep imports this module
 
   n, e, k = strategy.expert, w.num_experts, w.top_k
@@ -216,14 +220,16 @@ def _expert_rows(strategy, w: Workload, p_E: np.ndarray, tokens: float) -> tuple
     reps = np.ones(e)                              # one slot per expert
   else:
     reps = dhondt_counts(p_E, n * c, n).astype(np.float64)
-  dropped = float(np.sum(expected_overflow(choices * p_E / reps, cap) * reps)) / choices
+  mean = choices * p_E / reps
+  dropped = float(np.sum(expected_overflow(mean, cap, dispersion * mean / reps) * reps)) / choices
   return float(n * c * cap), dropped
 
 
 def predict_step(strategy, w: Workload, profile: HardwareProfile,
-                 load_LxE: np.ndarray | None = None) -> StepCost:
+                 load_LxE: np.ndarray | None = None, dispersion: float = 1.0) -> StepCost:
   """Predicted step time of `strategy` (moejax.strategy.Strategy) on `profile` when the MoE
-  layers' expert shares are `load_LxE` (rows sum to 1; None = uniform)."""
+  layers' expert shares are `load_LxE` (rows sum to 1; None = uniform) and a source's count
+  to an expert varies `dispersion` times more than independent tokens would."""
   d, f, e = w.d_model, w.expert_d_ff, w.num_experts
   dd, n, m = strategy.data, strategy.expert, strategy.model
   devices = dd * n * m
@@ -239,7 +245,7 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
   attn_flops = 2 * 2 * w.seq_len * d / 2           # causal QK^T and AV per token
   dense_flops = 6 * tokens * (w.dense_params - w.vocab_size * d) / m + \
       3 * tokens * w.num_layers * attn_flops / m
-  rows, drops = zip(*(_expert_rows(strategy, w, p, tokens) for p in load_LxE))
+  rows, drops = zip(*(_expert_rows(strategy, w, p, tokens, dispersion) for p in load_LxE))
   expert_flops = 6 * sum(rows) * 3 * d * f / m
   compute_s = dense_flops * scale / profile.flops_per_s
   expert_s = expert_flops * scale / profile.flops_per_s
@@ -287,3 +293,18 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
   return StepCost(compute_s * cs, expert_s * cs, memory_s * cs, a2a_s * ms, restore_s * ms,
                   reduce_s * ms, tp_s * profile.tp_scale, profile.overhead_s,
                   float(np.mean(drops)), float(memory_bytes), calls)
+
+
+def load_dispersion(counts_TxLxSxE: np.ndarray) -> float:
+  """How much more a source's count to an expert varies than independent tokens would:
+  mean of (X - m)^2 / m over steps, layers, sources and experts, where m is the count the
+  source would send at the window's mean shares. Byte-level batches repeat tokens within a
+  sequence, so this is several times 1 (about 6-9 in the default run after warm-up)."""
+  x = np.asarray(counts_TxLxSxE, np.float64)
+  share_LxE = x.sum(axis=(0, 2))
+  share_LxE = share_LxE / np.maximum(share_LxE.sum(-1, keepdims=True), 1.0)
+  m = x.sum(-1, keepdims=True) * share_LxE[None, :, None, :]
+  ok = m > 0
+  if not ok.any():
+    return 1.0
+  return float(max(np.mean((x - m)[ok] ** 2 / m[ok]), 1.0))
