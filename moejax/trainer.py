@@ -274,13 +274,13 @@ class Trainer:
       losses.append(self.eval_step(self.state.params, batch, self.layout))
     return float(np.mean([float(x) for x in losses]))
 
-  def _record(self, step: int, m: dict, tokens_per_s: float) -> dict:
+  def _record(self, step: int, m: dict, tokens_per_s: float, prog) -> dict:
     return {
         "step": step, "loss": float(m["loss"]), "ce": float(m["ce"]),
         "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]), "tokens_per_s": tokens_per_s,
         "skipped": bool(m["skipped"]),
-        "moe": metrics_lib.moe_layer_records(m, self.mesh.shape["expert"]),
-        "strategy": self.program.strategy.spec,
+        "moe": metrics_lib.moe_layer_records(m, prog.mesh.shape["expert"]),
+        "strategy": prog.strategy.spec,
     }
 
   def run(self, before_step=None, stop: preempt.StopRequest | None = None) -> dict:
@@ -326,7 +326,7 @@ class Trainer:
         if pending is not None:   # read step N-1's metrics after dispatching step N
           last = self._log(writer, bar, *pending, tokens_per_step)
           first = first or last
-        pending = (step, m)
+        pending = (step, m, self.active)
         done = step + 1
         stopping = stop.poll(self.mesh)   # SIGTERM/SIGINT: the same step on every process
         eval_now = not stopping and (done % cfg.train.eval_every == 0 or
@@ -360,18 +360,22 @@ class Trainer:
     return {"start_step": start, "first": first, "last": last, "preempted": preempted,
             "saved_step": done, "checkpoint_dir": self.checkpointer.directory}
 
-  def _log(self, writer, bar, step, m, tokens_per_step) -> dict:
+  def _log(self, writer, bar, step, m, member, tokens_per_step) -> dict:
+    """Reads and records `step`'s metrics; `member` is the pool member that ran it (the one
+    before a switch, for the step still in flight when the switch happened)."""
     m = jax.device_get(m)   # blocks until `step` has finished
+    prog = self.programs[member]
     self._reads.append(time.perf_counter())
     span = self._reads[-1] - self._reads[0]
     rate = tokens_per_step * (len(self._reads) - 1) / span if span > 0 else None
-    self.planner.observe(m["counts_LxSxE"])
-    self._recent.append(m["counts_LxSxE"])
+    self.planners[member].observe(m["counts_LxSxE"])
     self.last_counts = m["counts_LxSxE"]   # for host-side controllers run in before_step
     if self.trace is not None:
-      self.trace.add(step, m["counts_LxSxE"], self.mesh.shape["expert"])
-    record = self._record(step, m, rate)
-    self._recent_drops.append(np.mean([r["dropped_fraction"] for r in record["moe"]]))
+      self.trace.add(step, m["counts_LxSxE"], prog.mesh.shape["expert"])
+    record = self._record(step, m, rate, prog)
+    if member == self.active:   # the online stage judges the member now running
+      self._recent.append(m["counts_LxSxE"])
+      self._recent_drops.append(np.mean([r["dropped_fraction"] for r in record["moe"]]))
     stop = self.guard.observe(step, record["skipped"])
     if record["skipped"]:
       record.update(nonfinite_consecutive=self.guard.consecutive, nonfinite_total=self.guard.total)

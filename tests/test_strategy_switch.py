@@ -119,7 +119,7 @@ def test_trainer_switches_online_under_a_drifting_load_and_resumes_on_that_membe
 
   cfg = dataclasses.replace(
       CFG, moe=dataclasses.replace(CFG.moe, capacity_factor=1.5, balance_loss_weight=0.0),
-      strategy=StrategyConfig(pool=("ep/2x4x1/cf1.5", "fsep/1x8x1/c2/cf1.25"), every=2,
+      strategy=StrategyConfig(pool=("ep/2x4x1/cf1.5", "fsep/1x4x2/c4/cf1.25"), every=2,
                               max_drop=0.3),
       # Re-planning only when a switch lands on a member (every=100 is never due here).
       planner=dataclasses.replace(CFG.planner, policy="smartmoe", every=100, window=2),
@@ -149,17 +149,25 @@ def test_trainer_switches_online_under_a_drifting_load_and_resumes_on_that_membe
   import json
   records = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
   switches = [r for r in records if r.get("event") == "strategy_switch"]
-  assert switches and switches[0]["to"] == "fsep/1x8x1/c2/cf1.25"
+  assert switches and switches[0]["to"] == "fsep/1x4x2/c4/cf1.25"
+  # The step in flight at the switch ran on the ep member (8 sources, the fsep one has 4)
+  # and is recorded as such; the next runs on fsep.
+  by_step = {r["step"]: r for r in records if "loss" in r}
+  at = switches[0]["step"]
+  assert by_step[at - 1]["strategy"] == "ep/2x4x1/cf1.5"
+  assert by_step[at]["strategy"] == "fsep/1x4x2/c4/cf1.25"
+  assert len(by_step[at - 1]["moe"][0]["counts_by_source"]) == 8
+  assert len(by_step[at]["moe"][0]["counts_by_source"]) == 4
   assert switches[0]["reason"] == "drops" and switches[0]["step"] >= 5
   # The fsep member was idle until then: it re-plans its replicas for this load at once.
   relayouts = [r for r in records if r.get("event") == "layout_switch"]
   assert relayouts and all(r["policy"] == "fsep" for r in relayouts)
   assert relayouts[0]["step"] == switches[0]["step"]
   assert relayouts[0]["predicted_after"] < relayouts[0]["predicted_before"]
-  assert [r["strategy"] for r in records if "loss" in r][-1] == "fsep/1x8x1/c2/cf1.25"
+  assert [r["strategy"] for r in records if "loss" in r][-1] == "fsep/1x4x2/c4/cf1.25"
   assert len(switch_compiles) == 10 and sum(switch_compiles) == 0, switch_compiles
   resumed = Trainer(cfg)
-  assert resumed.maybe_restore() == 10 and resumed.program.strategy.spec == "fsep/1x8x1/c2/cf1.25"
+  assert resumed.maybe_restore() == 10 and resumed.program.strategy.spec == "fsep/1x4x2/c4/cf1.25"
   for a, b in zip(jax.tree.leaves(_host(resumed.state)), jax.tree.leaves(_host(trainer.state))):
     np.testing.assert_array_equal(a, b)
   trainer.checkpointer.close()
