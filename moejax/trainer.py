@@ -99,8 +99,8 @@ class Trainer:
     self.transfers: dict = {}
     self.switch_cost_s: dict = {}
     self.switcher = None
-    self._recent = collections.deque(maxlen=cfg.planner.window)   # finished steps' counts
-    self._recent_drops = collections.deque(maxlen=cfg.planner.window)   # and dropped shares
+    # Finished steps of the active member: (counts [L, S, E], dropped share of choices).
+    self._recent = collections.deque(maxlen=cfg.planner.window)
     self.last_counts: np.ndarray | None = None   # [L, S, E] of the latest finished step
     if aot:
       self._warm_up_switching(strategies)
@@ -157,14 +157,15 @@ class Trainer:
     """Online stage: every strategy.every steps, move to the pool member predicted best."""
     if self.switcher is None or not self.switcher.due(step) or not self._recent:
       return
-    counts = np.stack(self._recent)
+    counts = np.stack([c for c, _ in self._recent])
+    dropped = float(np.mean([d for _, d in self._recent]))
     decision = self.switcher.decide(self.active, expert_shares(counts), self.switch_cost_s,
-                                    float(np.mean(self._recent_drops)), load_dispersion(counts))
+                                    dropped, load_dispersion(counts))
     if decision is None:
       return
     jax.block_until_ready(self.state)   # time the switch alone, not the step in flight
     tick = time.perf_counter()
-    src, recent = self.active, list(self._recent)
+    src = self.active
     self._to_member(decision.target)
     jax.block_until_ready(self.state)
     writer.write({"step": step, "event": "strategy_switch",
@@ -175,12 +176,11 @@ class Trainer:
                   "switch_cost_s": decision.switch_cost_s,
                   "seconds": time.perf_counter() - tick})
     self._recent.clear()
-    self._recent_drops.clear()
     self._reads.clear()   # keep switch time out of tokens/s
     if self.planner.active:   # the member was idle: its re-planner gets this load and re-plans
       self.planner.history.clear()   # now, so fsep replicas follow the load from the first step
-      for counts in recent:
-        self.planner.observe(counts)
+      for step_counts in counts:
+        self.planner.observe(step_counts)
       self.maybe_switch_layout(step, writer, now=True)
 
   def maybe_restore(self) -> int:
@@ -374,8 +374,8 @@ class Trainer:
       self.trace.add(step, m["counts_LxSxE"], prog.mesh.shape["expert"])
     record = self._record(step, m, rate, prog)
     if member == self.active:   # the online stage judges the member now running
-      self._recent.append(m["counts_LxSxE"])
-      self._recent_drops.append(np.mean([r["dropped_fraction"] for r in record["moe"]]))
+      self._recent.append((m["counts_LxSxE"],
+                           np.mean([r["dropped_fraction"] for r in record["moe"]])))
     stop = self.guard.observe(step, record["skipped"])
     if record["skipped"]:
       record.update(nonfinite_consecutive=self.guard.consecutive, nonfinite_total=self.guard.total)

@@ -164,7 +164,6 @@ class StepCost:
   overhead_s: float
   drop_fraction: float           # predicted share of (token, k) choices dropped
   memory_bytes: float            # per device
-  calls: int = 0                 # collective calls per step (all kinds)
 
   @property
   def total_s(self) -> float:
@@ -257,17 +256,15 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
   memory_s = (act_bytes + opt_bytes) * scale / profile.mem_bytes_per_s
 
   call = profile.call_s
-  a2a_s, calls = 0.0, 0
+  a2a_s = 0.0
   if n > 1:        # dispatch + combine, forward and backward
     buf = sum(rows) / w.moe_layers * d * w.act_bytes / m      # bytes per exchange and layer
     a2a_s = w.moe_layers * 4 * (call(n) + buf * (n - 1) / n / profile.a2a_bytes_per_s) * scale
-    calls += w.moe_layers * 4
   restore_s = 0.0
   if strategy.expert_mode == "fsep" and n > 1:   # 3 weights, restore + gradient return
     per_layer = c * 3 * d * f / m * 4             # fp32 slot weights restored per device
     restore_s = w.moe_layers * 2 * (3 * call(n) + per_layer * (n - 1) / n /
                                     profile.a2a_bytes_per_s) * scale
-    calls += w.moe_layers * 6
   reduce_s = 0.0
   shards = dd * n
   if shards > 1:
@@ -278,12 +275,10 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
     volume = 4 * (w.dense_params / m * 2 * (shards - 1) / shards +
                   ep_local * 2 * (dd - 1) / dd)
     reduce_s += (leaves * call(shards) + volume / profile.reduce_bytes_per_s) * scale
-    calls += 12 * w.moe_layers + leaves
   tp_s = 0.0
   if m > 1:        # two activation psums per layer, forward and backward
     volume = 4 * w.num_layers * tokens * d * w.act_bytes * 2 * (m - 1) / m
     tp_s = (4 * w.num_layers * call(m) + volume / profile.reduce_bytes_per_s) * scale
-    calls += 4 * w.num_layers
 
   restored = 2 * w.moe_layers * c * 3 * d * f / m * 4 if strategy.expert_mode == "fsep" else 0
   activations = (20 * tokens * d * w.num_layers + 6 * sum(rows) * d) * w.act_bytes / m + \
@@ -292,7 +287,7 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
   cs, ms = profile.compute_scale, profile.comm_scale
   return StepCost(compute_s * cs, expert_s * cs, memory_s * cs, a2a_s * ms, restore_s * ms,
                   reduce_s * ms, tp_s * profile.tp_scale, profile.overhead_s,
-                  float(np.mean(drops)), float(memory_bytes), calls)
+                  float(np.mean(drops)), float(memory_bytes))
 
 
 def load_dispersion(counts_TxLxSxE: np.ndarray) -> float:
