@@ -13,3 +13,14 @@ import pytest
 @pytest.fixture(autouse=True, scope="session")
 def _eight_devices():
   assert len(jax.devices()) == 8, "tests need 8 fake CPU devices; is jax imported before conftest?"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _session_compile_cache():
+  """One persistent compilation cache for the whole session (and the processes tests start):
+  many tests build the same small programs. Compile-count tests stay strict: CompileCounter
+  counts executables loaded from this cache as compilations, and `_cache_size` counts traces."""
+  from tests.run_helpers import _cache_on, shared_dir
+
+  with _cache_on(shared_dir("jax_cache")) as directory:
+    yield directory

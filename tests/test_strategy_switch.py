@@ -3,9 +3,11 @@ the identical state, and training goes on with the same losses (CPU mesh, tiny m
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -172,3 +174,15 @@ def test_trainer_switches_online_under_a_drifting_load_and_resumes_on_that_membe
     np.testing.assert_array_equal(a, b)
   trainer.checkpointer.close()
   resumed.checkpointer.close()
+
+
+def test_compile_counter_counts_compiles_and_executables_from_the_disk_cache():
+  def f(x):
+    return x * 3.0 + 1.0
+
+  x = jnp.arange(5.0)
+  with CompileCounter() as first:
+    jax.block_until_ready(jax.jit(f)(x))
+  with CompileCounter() as again:   # a new jit object: traced and compiled again (or cache hit)
+    jax.block_until_ready(jax.jit(functools.partial(f))(x))
+  assert (first.count, again.count) == (1, 1), (first.count, again.count)
