@@ -44,6 +44,13 @@ __all__ = ["Trainer", "initial_layout", "train"]
 log = logging.getLogger("moejax")
 
 
+def _zero_batch(prog) -> jax.Array:
+  """A global [B, L+1] batch of token 0 laid out for `prog` (warm-up executions)."""
+  shape = (prog.cfg.data.global_batch_size, prog.cfg.data.seq_len + 1)
+  return jax.make_array_from_callback(shape, prog.batch_sharding,
+                                      lambda index: np.zeros(shape, np.int32)[index])
+
+
 def _check_batch(cfg: Config, shards: int) -> None:
   b = cfg.data.global_batch_size
   if b % shards:
@@ -139,12 +146,18 @@ class Trainer:
       tick = time.perf_counter()
       jax.block_until_ready(move(states[a]))
       self.switch_cost_s[(a, b)] = time.perf_counter() - tick
-    # An ep member that re-plans moves experts with `migrate`: compile its permuter now too
-    # (on a copy; the move donates it), so no switch or re-plan compiles mid-run.
+    # Run every other member's step once on its copy (a first execution costs XLA one-off set-up,
+    # ~300 ms here, that would land on the first step after a switch), and an ep member that
+    # re-plans moves experts with `migrate`: compile its permuter now too (on a copy; both
+    # donate their input), so no switch or re-plan compiles or sets up anything mid-run.
     for a, prog in enumerate(self.programs):
+      copy = None
+      if a:
+        copy, _ = prog.train_step(states.pop(a), _zero_batch(prog), prog.layout)
       if prog.cfg.moe.expert_mode == "ep" and self.planners[a].active:
-        copy = states[a] if a else self.transfers[(1, 0)](states[1])
-        jax.block_until_ready(migrate(copy, prog.layout, prog.layout))
+        copy = migrate(copy if a else self.transfers[(1, 0)](states[1]), prog.layout,
+                       prog.layout)
+      jax.block_until_ready(copy)
     del states
     self.switcher = StrategySwitcher(self.cfg.strategy, strategies, workload_of(self.cfg),
                                      load_profile(self.cfg.strategy.profile))
