@@ -5,18 +5,20 @@ shardings and the AOT-compiled train step (`jit(...).lower(...).compile()`).
 `Transfer` moves the whole train state from one program to another in one
 compiled function: expert slots to canonical (expert-id) order, ep <-> fsep
 parameter paths, reshard to the target's shardings, then the target layout's
-slot order. Built and compiled at warm-up, so a strategy switch compiles
-nothing. `CompileCounter` counts XLA compilations (tests, and the trainer's
-switch log).
+slot order. `warm_up_pool` compiles, times and runs them all once before
+training, so a strategy switch compiles nothing. `CompileCounter` counts XLA
+compilations (tests, and the trainer's switch log).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 from jax.sharding import Mesh
 
@@ -25,7 +27,7 @@ from moejax.config import Config, MoEConfig
 from moejax.convert import convert_tree
 from moejax.layout import Layout, default_fsep_slots, round_robin_layout, static_layout
 from moejax.mesh import batch_sharding, build_mesh, replicated
-from moejax.migrate import _gather_slots
+from moejax.migrate import _gather_slots, migrate
 from moejax.model import Transformer
 from moejax.state import TrainState, init_state, state_shardings
 from moejax.strategy import Strategy
@@ -151,3 +153,41 @@ class Transfer:
 
   def __call__(self, state: TrainState) -> TrainState:
     return self.compiled(state, self.src.layout, self.dst.layout)
+
+
+def _zero_batch(prog: Program) -> jax.Array:
+  """A global [B, L+1] batch of token 0 laid out for `prog` (warm-up executions)."""
+  shape = (prog.cfg.data.global_batch_size, prog.cfg.data.seq_len + 1)
+  return jax.make_array_from_callback(shape, prog.batch_sharding,
+                                      lambda index: np.zeros(shape, np.int32)[index])
+
+
+def warm_up_pool(programs: list[Program], state: TrainState, tx: optax.GradientTransformation,
+                 replans: list[bool]) -> tuple[dict, dict]:
+  """(transfers, switch_cost_s) of a pool whose member 0 holds `state` (left as it is).
+
+  Compiles the state move of every ordered pair and times each once; runs every other
+  member's train step once on a throwaway copy (a first execution costs XLA one-off set-up,
+  ~160 ms on the CPU mesh, that would land on the first step after a switch); and compiles
+  the `migrate` permuter of each ep member that re-plans (`replans[i]`), on a copy too (both
+  donate their input). Afterwards a switch or a re-plan compiles and sets up nothing."""
+  k = len(programs)
+  transfers = {(a, b): Transfer(programs[a], programs[b], tx)
+               for a in range(k) for b in range(k) if a != b}
+  states = {0: state}
+  for a in range(1, k):
+    states[a] = transfers[(0, a)](state)
+  switch_cost_s = {}
+  for (a, b), move in transfers.items():
+    jax.block_until_ready(states[a])
+    tick = time.perf_counter()
+    jax.block_until_ready(move(states[a]))
+    switch_cost_s[(a, b)] = time.perf_counter() - tick
+  for a, prog in enumerate(programs):
+    copy = None
+    if a:
+      copy, _ = prog.train_step(states.pop(a), _zero_batch(prog), prog.layout)
+    if prog.expert_mode == "ep" and replans[a]:
+      copy = migrate(copy if a else transfers[(1, 0)](states[1]), prog.layout, prog.layout)
+    jax.block_until_ready(copy)
+  return transfers, switch_cost_s

@@ -33,7 +33,7 @@ from moejax.online import OnlinePlanner
 from moejax.optim import optimizer, schedule
 from moejax.plan import workload_of
 from moejax.planner.cost import load_dispersion, load_profile
-from moejax.programs import Transfer, build_program, initial_layout
+from moejax.programs import build_program, initial_layout, warm_up_pool
 from moejax.state import init_state
 from moejax.strategy import check_pool, from_config, parse
 from moejax.switcher import StrategySwitcher, expert_shares
@@ -42,13 +42,6 @@ from moejax.trace import TraceRecorder
 __all__ = ["Trainer", "initial_layout", "train"]
 
 log = logging.getLogger("moejax")
-
-
-def _zero_batch(prog) -> jax.Array:
-  """A global [B, L+1] batch of token 0 laid out for `prog` (warm-up executions)."""
-  shape = (prog.cfg.data.global_batch_size, prog.cfg.data.seq_len + 1)
-  return jax.make_array_from_callback(shape, prog.batch_sharding,
-                                      lambda index: np.zeros(shape, np.int32)[index])
 
 
 def _check_batch(cfg: Config, shards: int) -> None:
@@ -133,32 +126,10 @@ class Trainer:
     self.program.layout = value
 
   def _warm_up_switching(self, strategies) -> None:
-    """Compile every state move between pool members and time each once (a move returns a
-    new state; the input stays), so switching later compiles nothing."""
-    k = len(self.programs)
-    self.transfers = {(a, b): Transfer(self.programs[a], self.programs[b], self.tx)
-                      for a in range(k) for b in range(k) if a != b}
-    states = {0: self.state}
-    for a in range(1, k):
-      states[a] = self.transfers[(0, a)](self.state)
-    for (a, b), move in self.transfers.items():
-      jax.block_until_ready(states[a])
-      tick = time.perf_counter()
-      jax.block_until_ready(move(states[a]))
-      self.switch_cost_s[(a, b)] = time.perf_counter() - tick
-    # Run every other member's step once on its copy (a first execution costs XLA one-off set-up,
-    # ~300 ms here, that would land on the first step after a switch), and an ep member that
-    # re-plans moves experts with `migrate`: compile its permuter now too (on a copy; both
-    # donate their input), so no switch or re-plan compiles or sets up anything mid-run.
-    for a, prog in enumerate(self.programs):
-      copy = None
-      if a:
-        copy, _ = prog.train_step(states.pop(a), _zero_batch(prog), prog.layout)
-      if prog.cfg.moe.expert_mode == "ep" and self.planners[a].active:
-        copy = migrate(copy if a else self.transfers[(1, 0)](states[1]), prog.layout,
-                       prog.layout)
-      jax.block_until_ready(copy)
-    del states
+    """Compiles, times and runs once every state move and member step (`warm_up_pool`), so
+    switching later compiles nothing; then the online stage."""
+    self.transfers, self.switch_cost_s = warm_up_pool(
+        self.programs, self.state, self.tx, [p.active for p in self.planners])
     self.switcher = StrategySwitcher(self.cfg.strategy, strategies, workload_of(self.cfg),
                                      load_profile(self.cfg.strategy.profile))
 

@@ -20,7 +20,7 @@ def _session_compile_cache():
   """One persistent compilation cache for the whole session (and the processes tests start):
   many tests build the same small programs. Compile-count tests stay strict: CompileCounter
   counts executables loaded from this cache as compilations, and `_cache_size` counts traces."""
-  from tests.run_helpers import _cache_on, shared_dir
+  from tests.run_helpers import cache_on, shared_dir
 
-  with _cache_on(shared_dir("jax_cache")) as directory:
+  with cache_on(shared_dir("jax_cache")) as directory:
     yield directory

@@ -55,7 +55,10 @@ def shared_dir(name: str) -> str:
 
 
 @contextlib.contextmanager
-def _cache_on(directory: str):
+def cache_on(directory: str):
+  """JAX's persistent compilation cache in `directory` (every program, however quick to
+  compile) while inside; the previous settings come back after. tests/conftest.py turns it on
+  for the session, so the many tiny runs of the tests compile each program once."""
   from jax._src import compilation_cache
 
   options = dict(_CACHE_OPTIONS, jax_compilation_cache_dir=directory)
@@ -69,15 +72,6 @@ def _cache_on(directory: str):
     for name, value in old.items():
       jax.config.update(name, value)
     compilation_cache.reset_cache()
-
-
-@pytest.fixture(scope="module")
-def compile_cache():
-  """JAX's persistent compilation cache for one test module (and the runs it starts), so the
-  many tiny runs of these tests compile each program once; the previous settings come back
-  after the module."""
-  with _cache_on(shared_dir("jax_cache")) as directory:
-    yield directory
 
 
 def subprocess_env() -> dict:
@@ -142,7 +136,7 @@ def run_in_process(cfg) -> dict:
 
 
 @pytest.fixture
-def reference_losses(compile_cache) -> dict[int, float]:
+def reference_losses() -> dict[int, float]:
   """Losses of the uninterrupted STEPS-step run on one process with 8 devices (run once; its
   run dir, with checkpoints 10, 20, 30, is shared_dir("reference_run"))."""
   if "reference" not in _SHARED:

@@ -17,13 +17,8 @@ from moejax.digest import path_name
 from moejax.layout import from_slot_expert
 from moejax.migrate import migrate
 from moejax.trainer import Trainer
-from tests.run_helpers import (  # noqa: F401  (fixtures)
-  compile_cache,
-  reference_losses,
-)
+from tests.run_helpers import reference_losses  # noqa: F401  (fixture)
 from tests.test_train import tiny_config
-
-pytestmark = pytest.mark.usefixtures("compile_cache")
 
 
 def _canonical(state, layout, mode) -> dict[str, np.ndarray]:

@@ -20,13 +20,8 @@ from moejax import data as data_lib
 from moejax.checkpoint import CheckpointError
 from moejax.trainer import Trainer
 from tests import run_helpers
-from tests.run_helpers import (  # noqa: F401  (fixtures)
-  compile_cache,
-  reference_losses,
-)
+from tests.run_helpers import reference_losses  # noqa: F401  (fixture)
 from tests.test_train import checkpoint_steps, read_jsonl, step_losses, tiny_config
-
-pytestmark = pytest.mark.usefixtures("compile_cache")
 
 
 def test_sigkill_then_the_same_command_continues_exactly(tmp_path, reference_losses):  # noqa: F811

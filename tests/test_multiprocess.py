@@ -13,13 +13,8 @@ import numpy as np
 import pytest
 
 from tests import run_helpers
-from tests.run_helpers import (  # noqa: F401  (fixtures)
-  compile_cache,
-  reference_losses,
-)
+from tests.run_helpers import reference_losses  # noqa: F401  (fixture)
 from tests.test_train import checkpoint_steps, read_jsonl, step_losses, tiny_config
-
-pytestmark = pytest.mark.usefixtures("compile_cache")
 
 
 def test_two_processes_match_one_stop_together_and_resume(tmp_path, reference_losses):  # noqa: F811
