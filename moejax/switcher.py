@@ -6,7 +6,11 @@ dropped; each member's step time and dropped share are predicted under that load
 (moejax.planner.cost), with the spread of a source's count per expert measured
 from the same steps (real batches cluster: a sequence repeats its tokens). Where
 the active member still drops more than predicted, its measured drops count, and
-the excess seen on a member is remembered and added to its later predictions.
+the excess seen on a member is remembered and added to its later predictions as
+long as the load stays near the one it was seen under (total variation distance
+of the expert shares at most `STALE_TV`): an excess seen while an fsep member's
+replicas still served a gone hot expert says nothing of that member under the
+next hot expert.
 
 Members that drop at most `max_drop` compete on time, the others only on drops.
 The trainer switches when the best member differs from the current one and either
@@ -27,6 +31,8 @@ from moejax.config import StrategyConfig
 from moejax.planner.cost import HardwareProfile, StepCost, Workload, predict_step
 from moejax.strategy import Strategy
 
+STALE_TV = 0.1   # share distance past which a remembered drop excess no longer applies
+
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
@@ -42,7 +48,8 @@ class StrategySwitcher:
   def __init__(self, cfg: StrategyConfig, pool: list[Strategy], workload: Workload,
                profile: HardwareProfile):
     self.cfg, self.pool, self.workload, self.profile = cfg, pool, workload, profile
-    self.drop_excess = [0.0] * len(pool)   # measured minus predicted drops, last seen
+    # Per member: (measured minus predicted drops, expert shares [L, E] it was seen under).
+    self.drop_excess: list[tuple[float, np.ndarray] | None] = [None] * len(pool)
 
   def due(self, step: int) -> bool:
     return len(self.pool) > 1 and self.cfg.every > 0 and step > 0 and step % self.cfg.every == 0
@@ -54,6 +61,14 @@ class StrategySwitcher:
   def _score(self, c: StepCost) -> tuple[int, float]:
     return (0, c.total_s) if c.drop_fraction <= self.cfg.max_drop else (1, c.drop_fraction)
 
+  def _excess(self, member: int, share_LxE: np.ndarray) -> float:
+    """The drop excess remembered for `member`, if seen under a load near `share_LxE`."""
+    if self.drop_excess[member] is None:
+      return 0.0
+    excess, seen_LxE = self.drop_excess[member]
+    distance = 0.5 * np.abs(np.asarray(share_LxE, np.float64) - seen_LxE).sum(-1).max()
+    return excess if distance <= STALE_TV else 0.0
+
   def decide(self, current: int, share_LxE: np.ndarray,
              switch_cost_s: dict[tuple[int, int], float],
              measured_drop: float | None = None, dispersion: float = 1.0) -> Decision | None:
@@ -62,9 +77,11 @@ class StrategySwitcher:
     steps dropped on `current`; `dispersion`: their `load_dispersion`. None = stay."""
     costs = self.predict(share_LxE, dispersion)
     if measured_drop is not None:
-      self.drop_excess[current] = max(measured_drop - costs[current].drop_fraction, 0.0)
-    costs = [dataclasses.replace(c, drop_fraction=min(c.drop_fraction + x, 1.0))
-             for c, x in zip(costs, self.drop_excess)]
+      self.drop_excess[current] = (max(measured_drop - costs[current].drop_fraction, 0.0),
+                                   np.asarray(share_LxE, np.float64))
+    costs = [dataclasses.replace(c, drop_fraction=min(c.drop_fraction + self._excess(i, share_LxE),
+                                                      1.0))
+             for i, c in enumerate(costs)]
     best = min(range(len(costs)), key=lambda i: (self._score(costs[i]), i != current))
     if best == current:
       return None

@@ -214,6 +214,21 @@ def test_switcher_believes_measured_drops_and_needs_the_round_trip_paid():
   assert fresh.decide(1, uni, {(1, 0): half, (0, 1): 0.0}) is not None
 
 
+def test_switcher_forgets_a_drop_excess_seen_under_another_load():
+  sw = _switcher()
+  col, uni = plan.regime_load("collapse", 8)[None], plan.regime_load("uniform", 8)[None]
+  # fsep's replicas still serve a gone hot expert: at even load it drops 30% for a while.
+  d = sw.decide(1, uni, {(1, 0): 0.0}, measured_drop=0.3)
+  assert d is not None and d.target == 0 and d.reason == "drops"
+  assert d.predicted_drop[1] >= 0.3                     # believed while the load stays even
+  again = sw.decide(0, uni * 0.98 + col * 0.02, {})       # about the same load: still believed
+  assert again is None
+  # The next collapse: that excess says nothing of fsep's re-planned replicas under it.
+  d = sw.decide(0, col, {(0, 1): 1e9})
+  assert d is not None and d.target == 1 and d.reason == "drops"
+  assert d.predicted_drop[1] == sw.predict(col)[1].drop_fraction < d.predicted_drop[0] / 4
+
+
 def test_switcher_leaves_ep_when_the_measured_spread_predicts_its_drops():
   uni = plan.regime_load("uniform", 8)[None]
   pool = ("ep/1x8x1/cf1.25", "ep/1x8x1/cf2")
