@@ -26,9 +26,10 @@ def is_expert_leaf(path) -> bool:
   return "moe" in keys and keys[-1] in EXPERT_PARAM_AXES
 
 
-def _gather_slots(tree: Any, src_LxS: jax.Array) -> Any:
+def _gather_slots(tree: Any, src_LxS: jax.Array, select=is_expert_leaf) -> Any:
+  """leaf[l, s] <- leaf[l, src[l, s]] for every leaf whose path `select` accepts."""
   def one(path, leaf):
-    if not is_expert_leaf(path):
+    if not select(path):
       return leaf
     idx = src_LxS.reshape(src_LxS.shape + (1,) * (leaf.ndim - 2))
     return jnp.take_along_axis(leaf, idx, axis=1)
