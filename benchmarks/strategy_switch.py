@@ -23,7 +23,8 @@ like a collapsed gate. The same data, seed and schedule is trained
   * with each pool member alone (no switching).
 
 Every run re-plans its layout (smartmoe for ep, the fsep planner for fsep). With
-`--repeats N` the runs go round N times, interleaved, and each keeps its fastest
+`--repeats N` the runs go round N times, interleaved (each round starts with the
+next run, so none always runs first), and each keeps its fastest
 time (drops are deterministic). Timed: wall seconds from the third phase step to
 the last (compilation is outside that window; compilations inside it are counted
 and reported). "Best fixed" is the fastest
@@ -247,10 +248,11 @@ def main(argv=None) -> int:
                                   num_steps=args.warmup_steps + num_steps, eval_every=10**6,
                                   progress_bar=False))
 
-  members = [("switching", pool)] + [(f"fixed {spec}", [spec]) for spec in pool]
+  members = list(enumerate([("switching", pool)] + [(f"fixed {spec}", [spec]) for spec in pool]))
   by_label: dict = {}
-  for repeat in range(args.repeats):           # interleaved: the machine's drift hits all
-    for i, (label, specs) in enumerate(members):
+  for repeat in range(args.repeats):           # interleaved: the machine's drift hits all,
+    turn = repeat % len(members)               # and each run goes first in some round
+    for i, (label, specs) in members[turn:] + members[:turn]:
       r = run_one(config(specs, f"run{i}_{repeat}"), hot_by_step, args.balance_rate, label,
                   warm_dir)
       by_label.setdefault(label, r).setdefault("seconds_all", []).append(r["seconds"])
