@@ -15,7 +15,7 @@ from typing import Any
 import jax
 
 from moejax.layout import Layout
-from moejax.migrate import is_expert_leaf, permute_slots
+from moejax.migrate import is_expert_leaf, path_keys, permute_slots
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
 MODES = ("ep", "fsep")
@@ -57,6 +57,12 @@ def from_canonical_state(state: Any, layout: Layout, expert_mode: str) -> Any:
   """Inverse of `canonical_state`: ep slots in `layout`'s order; fsep unchanged."""
   _check_mode(expert_mode)
   return from_canonical(state, layout) if expert_mode == "ep" else state
+
+
+def is_fsep_expert_leaf(path) -> bool:
+  """An fsep expert weight (or its optimizer moment): `...['fsep_experts'][w]`."""
+  keys = path_keys(path)
+  return "fsep_experts" in keys and keys[-1] in EXPERT_WEIGHTS
 
 
 def _is_param_root(x: Any) -> bool:

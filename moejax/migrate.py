@@ -19,10 +19,15 @@ from moejax.moe.layer import EXPERT_PARAM_AXES
 _PERMUTERS: dict = {}
 
 
+def path_keys(path) -> list:
+  """The dict keys / attribute names along a pytree key path."""
+  return [getattr(k, "key", getattr(k, "name", None)) for k in path]
+
+
 def is_expert_leaf(path) -> bool:
   """Expert weights live under a module named 'moe' as w_gate / w_up / w_down; the
   optimizer moments mirror the parameter tree, so they match too."""
-  keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+  keys = path_keys(path)
   return "moe" in keys and keys[-1] in EXPERT_PARAM_AXES
 
 

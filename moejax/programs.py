@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 
 from moejax import step as step_lib
 from moejax.config import Config, MoEConfig
-from moejax.convert import EXPERT_WEIGHTS, convert_tree
+from moejax.convert import convert_tree, is_fsep_expert_leaf
 from moejax.layout import Layout, default_fsep_slots, round_robin_layout, static_layout
 from moejax.mesh import batch_sharding, build_mesh, replicated
 from moejax.migrate import _gather_slots, migrate
@@ -131,19 +131,14 @@ def build_program(cfg: Config, strategy: Strategy, tx: optax.GradientTransformat
   return prog
 
 
-def _is_fsep_expert_leaf(path) -> bool:
-  keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-  return "fsep_experts" in keys and keys[-1] in EXPERT_WEIGHTS
-
-
 def _move(state: TrainState, src_layout: Layout, dst_layout: Layout, *, src_mode: str,
           dst_mode: str, dst_shardings) -> TrainState:
   if src_mode == "ep" and dst_mode == "fsep":
     # Reshard first (expert-sharded slots -> every expert 1/N per device: one all-to-all),
     # then put the slots in expert-id order locally. Gathering along the sharded slot axis
-    # first makes XLA all-gather every expert leaf to every device (4x slower measured).
+    # first makes XLA all-gather every expert leaf to every device (10-20x slower measured).
     state = jax.lax.with_sharding_constraint(convert_tree(state, "ep", "fsep"), dst_shardings)
-    return _gather_slots(state, src_layout.expert_slot_LxE, select=_is_fsep_expert_leaf)
+    return _gather_slots(state, src_layout.expert_slot_LxE, select=is_fsep_expert_leaf)
   if src_mode == "ep":                 # slot order -> expert-id order
     state = _gather_slots(state, src_layout.expert_slot_LxE)
   state = convert_tree(state, src_mode, dst_mode)
