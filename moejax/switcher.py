@@ -66,7 +66,7 @@ class StrategySwitcher:
     if self.drop_excess[member] is None:
       return 0.0
     excess, seen_LxE = self.drop_excess[member]
-    distance = 0.5 * np.abs(np.asarray(share_LxE, np.float64) - seen_LxE).sum(-1).max()
+    distance = 0.5 * np.abs(share_LxE - seen_LxE).sum(-1).max()
     return excess if distance <= STALE_TV else 0.0
 
   def decide(self, current: int, share_LxE: np.ndarray,
@@ -75,10 +75,11 @@ class StrategySwitcher:
     """`share_LxE`: expert shares of recent finished steps (rows sum to 1); `switch_cost_s`:
     measured seconds of each (from, to) move; `measured_drop`: the share of choices those
     steps dropped on `current`; `dispersion`: their `load_dispersion`. None = stay."""
+    share_LxE = np.asarray(share_LxE, np.float64)
     costs = self.predict(share_LxE, dispersion)
     if measured_drop is not None:
       self.drop_excess[current] = (max(measured_drop - costs[current].drop_fraction, 0.0),
-                                   np.asarray(share_LxE, np.float64))
+                                   share_LxE)
     costs = [dataclasses.replace(c, drop_fraction=min(c.drop_fraction + self._excess(i, share_LxE),
                                                       1.0))
              for i, c in enumerate(costs)]
