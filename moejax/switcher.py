@@ -5,12 +5,17 @@ expert shares of the last finished steps and the share of choices they really
 dropped; each member's step time and dropped share are predicted under that load
 (moejax.planner.cost), with the spread of a source's count per expert measured
 from the same steps (real batches cluster: a sequence repeats its tokens). Where
-the active member still drops more than predicted, its measured drops count, and
-the excess seen on a member is remembered and added to its later predictions as
-long as the load stays near the one it was seen under (total variation distance
-of the expert shares at most `STALE_TV`): an excess seen while an fsep member's
-replicas still served a gone hot expert says nothing of that member under the
-next hot expert.
+a member drops more than predicted, the excess is remembered with the expert
+shares it was seen under, and added to that member's later predictions while the
+load stays near (total variation distance of the shares at most `STALE_TV`): an
+excess seen while an fsep member's replicas still served a gone hot expert says
+nothing of that member under the next hot expert. A member with no excess seen
+near this load is given the running member's: what the model misses there is
+taken as the load's doing (clustered batches drop on every member alike) until
+that member is measured under it. Without that, a brief drop spike on the running
+member made an idle one look better on paper alone, and the trainer went there
+and back (measured: both members of an ep/fsep pool dropped ~2.5% at even load
+against 0.5% predicted).
 
 Members that drop at most `max_drop` compete on time, the others only on drops.
 The trainer switches when the best member differs from the current one and either
@@ -32,6 +37,7 @@ from moejax.planner.cost import HardwareProfile, StepCost, Workload, predict_ste
 from moejax.strategy import Strategy
 
 STALE_TV = 0.1   # share distance past which a remembered drop excess no longer applies
+LOADS_KEPT = 8   # loads per member whose drop excess is remembered
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +54,8 @@ class StrategySwitcher:
   def __init__(self, cfg: StrategyConfig, pool: list[Strategy], workload: Workload,
                profile: HardwareProfile):
     self.cfg, self.pool, self.workload, self.profile = cfg, pool, workload, profile
-    # Per member: (measured minus predicted drops, expert shares [L, E] it was seen under).
-    self.drop_excess: list[tuple[float, np.ndarray] | None] = [None] * len(pool)
+    # Per member, newest last: (measured minus predicted drops, expert shares [L, E] seen under).
+    self.drop_excess: list[list[tuple[float, np.ndarray]]] = [[] for _ in pool]
 
   def due(self, step: int) -> bool:
     return len(self.pool) > 1 and self.cfg.every > 0 and step > 0 and step % self.cfg.every == 0
@@ -61,13 +67,14 @@ class StrategySwitcher:
   def _score(self, c: StepCost) -> tuple[int, float]:
     return (0, c.total_s) if c.drop_fraction <= self.cfg.max_drop else (1, c.drop_fraction)
 
-  def _excess(self, member: int, share_LxE: np.ndarray) -> float:
-    """The drop excess remembered for `member`, if seen under a load near `share_LxE`."""
-    if self.drop_excess[member] is None:
-      return 0.0
-    excess, seen_LxE = self.drop_excess[member]
-    distance = 0.5 * np.abs(share_LxE - seen_LxE).sum(-1).max()
-    return excess if distance <= STALE_TV else 0.0
+  def _remember(self, member: int, excess: float, share_LxE: np.ndarray) -> None:
+    seen = [e for e in self.drop_excess[member] if _distance(e[1], share_LxE) > STALE_TV]
+    self.drop_excess[member] = (seen + [(excess, share_LxE)])[-LOADS_KEPT:]
+
+  def _excess(self, member: int, share_LxE: np.ndarray) -> float | None:
+    """The drop excess last seen on `member` under a load near `share_LxE`, else None."""
+    near = [x for x, seen in self.drop_excess[member] if _distance(seen, share_LxE) <= STALE_TV]
+    return near[-1] if near else None
 
   def decide(self, current: int, share_LxE: np.ndarray,
              switch_cost_s: dict[tuple[int, int], float],
@@ -78,11 +85,12 @@ class StrategySwitcher:
     share_LxE = np.asarray(share_LxE, np.float64)
     costs = self.predict(share_LxE, dispersion)
     if measured_drop is not None:
-      self.drop_excess[current] = (max(measured_drop - costs[current].drop_fraction, 0.0),
-                                   share_LxE)
-    costs = [dataclasses.replace(c, drop_fraction=min(c.drop_fraction + self._excess(i, share_LxE),
-                                                      1.0))
-             for i, c in enumerate(costs)]
+      self._remember(current, max(measured_drop - costs[current].drop_fraction, 0.0), share_LxE)
+    seen = [self._excess(i, share_LxE) for i in range(len(costs))]
+    load_miss = seen[current] or 0.0   # unseen members: the running one's miss is the load's
+    costs = [dataclasses.replace(c, drop_fraction=min(
+                 c.drop_fraction + (load_miss if x is None else x), 1.0))
+             for c, x in zip(costs, seen, strict=True)]
     best = min(range(len(costs)), key=lambda i: (self._score(costs[i]), i != current))
     if best == current:
       return None
@@ -96,6 +104,11 @@ class StrategySwitcher:
     return Decision(best, "drops" if breaks else "time",
                     tuple(c.total_s for c in costs), tuple(c.drop_fraction for c in costs),
                     float(gain), float(move_s))
+
+
+def _distance(a_LxE: np.ndarray, b_LxE: np.ndarray) -> float:
+  """Total variation distance of two loads' expert shares, worst layer."""
+  return float(0.5 * np.abs(a_LxE - b_LxE).sum(-1).max())
 
 
 def expert_shares(history_TxLxSxE: np.ndarray) -> np.ndarray:

@@ -200,10 +200,14 @@ def test_switcher_believes_measured_drops_and_needs_the_round_trip_paid():
   sw = _switcher()
   uni = plan.regime_load("uniform", 8)[None]
   assert sw.decide(0, uni, {}, measured_drop=0.001) is None    # ep is best at even load
-  # ep really drops 4% here (clustered tokens): leave it, and do not come back at once.
+  # ep drops 4% here (clustered tokens). fsep was never measured under this load, so it is
+  # taken to miss the model by as much: no switch on paper alone.
+  assert sw.decide(0, uni, {(0, 1): 0.0}, measured_drop=0.04) is None
+  # Once fsep is measured here at 0.1%, ep's 4% is left, and fsep is not left again at once.
+  assert sw.decide(1, uni, {}, measured_drop=0.001) is None
   d = sw.decide(0, uni, {(0, 1): 1e9}, measured_drop=0.04)
   assert d is not None and d.target == 1 and d.reason == "drops"
-  assert d.predicted_drop[0] >= 0.04
+  assert d.predicted_drop[0] >= 0.04 > 0.002 > d.predicted_drop[1]
   assert sw.decide(1, uni, {(1, 0): 0.0, (0, 1): 0.0}, measured_drop=0.001) is None
   # A time switch must pay for going there and back.
   fresh = _switcher()
@@ -214,9 +218,29 @@ def test_switcher_believes_measured_drops_and_needs_the_round_trip_paid():
   assert fresh.decide(1, uni, {(1, 0): half, (0, 1): 0.0}) is not None
 
 
+def test_switcher_lends_the_running_members_drop_excess_to_unmeasured_ones():
+  sw = _switcher(max_drop=0.03)
+  col, uni = plan.regime_load("collapse", 8)[None], plan.regime_load("uniform", 8)[None]
+  model = [c.drop_fraction for c in sw.predict(col)]
+  # ep under a collapse drops 20 points over the model: fsep, unmeasured there, is given
+  # them too, and still drops less.
+  d = sw.decide(0, col, {(0, 1): 1e9}, measured_drop=model[0] + 0.2)
+  assert d is not None and d.target == 1 and d.reason == "drops"
+  np.testing.assert_allclose(d.predicted_drop, np.array(model) + 0.2)
+  # A member's own excess counts once measured, remembered per load: ep's small one from the
+  # even load before the collapse outlives the collapse.
+  sw = _switcher(max_drop=0.03)
+  assert sw.decide(0, uni, {}, measured_drop=0.01) is None
+  sw.decide(0, col, {(0, 1): 0.0}, measured_drop=model[0])
+  d = sw.decide(1, uni, {(1, 0): 0.0}, measured_drop=0.3)   # fsep's stale replicas
+  assert d is not None and d.target == 0 and d.reason == "drops"
+  assert d.predicted_drop[0] == pytest.approx(0.01) and d.predicted_drop[1] >= 0.3
+
+
 def test_switcher_forgets_a_drop_excess_seen_under_another_load():
   sw = _switcher()
   col, uni = plan.regime_load("collapse", 8)[None], plan.regime_load("uniform", 8)[None]
+  assert sw.decide(0, uni, {}, measured_drop=0.005) is None   # ep measured at even load
   # fsep's replicas still serve a gone hot expert: at even load it drops 30% for a while.
   d = sw.decide(1, uni, {(1, 0): 0.0}, measured_drop=0.3)
   assert d is not None and d.target == 0 and d.reason == "drops"
