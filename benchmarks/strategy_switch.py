@@ -22,12 +22,15 @@ like a collapsed gate. The same data, seed and schedule is trained
   * with the pool, the online stage deciding every `--every` steps, and
   * with each pool member alone (no switching).
 
-Every run re-plans its layout (smartmoe for ep, the fsep planner for fsep). With
-`--repeats N` the runs go round N times, interleaved (each round starts with the
-next run, so none always runs first), and each keeps its fastest
-time (drops are deterministic). Timed: wall seconds from the third phase step to
-the last (compilation is outside that window; compilations inside it are counted
-and reported). "Best fixed" is the fastest
+Every run re-plans its layout (smartmoe for ep, the fsep planner for fsep). The
+runs train side by side, in threads that take turns one step each, so a slow
+spell of this shared machine slows every run alike; each run's time is the sum of
+its own turns (a turn: steering, online stage, dispatch, the last step's metrics,
+until the step has finished) from the third phase step to the last, compilation
+outside it (compilations inside are counted and reported). With `--repeats N`
+this goes round N times, another run taking the first turn each round; each run
+keeps its fastest time (drops are deterministic) and the switching run's ratio to
+the best fixed one is given per round too. "Best fixed" is the fastest
 fixed run whose dropped share in every phase is at most the switching run's in
 that phase plus `--max_drop` (no fixed member keeps every phase under the limit
 once a gate collapses; phase by phase, so long even phases do not dilute a
@@ -40,11 +43,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 
 if "XLA_FLAGS" not in os.environ:
@@ -129,48 +134,107 @@ def resolve_profile(arg: str, tmp: str) -> tuple[str, str]:
   return arg, arg
 
 
-def run_one(cfg, hot_by_step, rate: float, label: str, warm_dir: str | None) -> dict:
-  """Trains `cfg` from the warm-up checkpoint to the end under the load steering; times the
-  phase steps from the third on."""
+class Turns:
+  """Runs that train side by side take turns, one step each: a slow spell of a shared machine
+  then hits every run alike instead of whichever ran during it."""
+
+  def __init__(self, order: list[int]):
+    self.order, self.done = order, set()
+    self.at = 0
+    self.cond = threading.Condition()
+
+  def wait(self, me: int) -> None:
+    with self.cond:
+      self.cond.wait_for(lambda: self.order[self.at] == me)
+
+  def pass_on(self, me: int, finished: bool = False) -> None:
+    with self.cond:
+      if finished:
+        self.done.add(me)
+      if len(self.done) < len(self.order):
+        self.at = (self.at + 1) % len(self.order)
+        while self.order[self.at] in self.done:
+          self.at = (self.at + 1) % len(self.order)
+      self.cond.notify_all()
+
+
+def run_one(cfg, hot_by_step, rate: float, label: str, warm_dir: str | None,
+            turns: Turns, me: int) -> dict:
+  """Trains `cfg` from the warm-up checkpoint to the end under the load steering, one step
+  per turn; times its own turns from the third phase step to the last."""
   if warm_dir:
     shutil.copytree(os.path.join(warm_dir, "checkpoints"),
                     os.path.join(cfg.train.run_dir, "checkpoints"))
   trainer = Trainer(cfg)
-  marks, counter = {}, CompileCounter()
+  counter = CompileCounter()
   start = cfg.train.num_steps - len(hot_by_step)
   last = cfg.train.num_steps - 1
   steer = LoadSteering(hot_by_step, cfg.model.num_layers // cfg.moe.moe_every,
                        cfg.moe.num_experts, rate)
+  step_s: list[float] = []
+  compiles: list[int] = []                     # in timed turns (other runs' turns not counted)
+  turn_began = [0.0]
 
   def before_step(tr, step):
     if step < start:
       raise RuntimeError(f"{label}: started at step {step}, not at the warm-up's {start}")
+    if step > start:                           # the turn ends once its step has finished
+      jax.block_until_ready(tr.state)
+      if step > start + 2:
+        step_s.append(time.perf_counter() - turn_began[0])
+        counter.__exit__(None, None, None)
+        compiles.append(counter.count)
+      if step == last:                         # keep the turn through the untimed end
+        return
+      turns.pass_on(me)
+    turns.wait(me)
+    turn_began[0] = time.perf_counter()
+    if step >= start + 2:
+      counter.__enter__()
     bias = steer.bias(step - start, tr.last_counts if step > start else None)
     for prog in tr.programs:                   # every member sees the same steering
       prog.layout = prog.layout.replace(
           router_bias_LxE=jax.device_put(bias, prog.layout_sharding))
-    if step == start + 2:
-      jax.block_until_ready(tr.state)
-      marks["start"] = time.perf_counter()
-      counter.__enter__()
-    if step == last:
-      jax.block_until_ready(tr.state)
-      counter.__exit__(None, None, None)
-      marks["end"] = time.perf_counter()
 
-  trainer.run(before_step=before_step)
-  trainer.checkpointer.close()
+  try:
+    trainer.run(before_step=before_step)
+  finally:
+    turns.pass_on(me, finished=True)
+    trainer.checkpointer.close()
   records = [json.loads(x) for x in open(os.path.join(cfg.train.run_dir, "metrics.jsonl"))]
   steps = [r for r in records if "loss" in r]
   drops = [float(np.mean([m["dropped_fraction"] for m in r["moe"]])) for r in steps]
-  return {"label": label, "seconds": marks["end"] - marks["start"],
-          "timed_steps": last - start - 2, "compiles_in_window": counter.count,
+  return {"label": label, "seconds": float(np.sum(step_s)), "timed_steps": len(step_s),
+          "step_seconds": step_s, "compiles_in_window": int(np.sum(compiles)),
           "dropped_by_step": drops, "strategy_by_step": [r["strategy"] for r in steps],
           "final_loss": steps[-1]["loss"],
           "switches": [{k: r[k] for k in ("step", "from", "to", "reason", "seconds",
                                           "predicted_gain_s", "switch_cost_s")}
                        for r in records if r.get("event") == "strategy_switch"],
           "layout_switches": sum(r.get("event") == "layout_switch" for r in records)}
+
+
+def side_by_side(jobs: list) -> list[dict]:
+  """Runs `jobs` (callables of (turns, me)) in threads that take turns one step each, in the
+  list's order; re-raises the first failure."""
+  turns = Turns(list(range(len(jobs))))
+  out: list = [None] * len(jobs)
+
+  def go(i):
+    try:
+      out[i] = jobs[i](turns, i)
+    except BaseException as e:   # noqa: BLE001 - handed to the main thread below
+      out[i] = e
+
+  threads = [threading.Thread(target=go, args=(i,)) for i in range(len(jobs))]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  for r in out:
+    if isinstance(r, BaseException):
+      raise r
+  return out
 
 
 def phase_drops(drops: list[float], phases) -> list[float]:
@@ -250,11 +314,12 @@ def main(argv=None) -> int:
 
   members = list(enumerate([("switching", pool)] + [(f"fixed {spec}", [spec]) for spec in pool]))
   by_label: dict = {}
-  for repeat in range(args.repeats):           # interleaved: the machine's drift hits all,
-    turn = repeat % len(members)               # and each run goes first in some round
-    for i, (label, specs) in members[turn:] + members[:turn]:
-      r = run_one(config(specs, f"run{i}_{repeat}"), hot_by_step, args.balance_rate, label,
-                  warm_dir)
+  for repeat in range(args.repeats):           # side by side, a step each in turn; each run
+    turn = repeat % len(members)               # goes first in some round
+    order = members[turn:] + members[:turn]
+    jobs = [functools.partial(run_one, config(specs, f"run{i}_{repeat}"), hot_by_step,
+                              args.balance_rate, label, warm_dir) for i, (label, specs) in order]
+    for (_, (label, _)), r in zip(order, side_by_side(jobs), strict=True):
       by_label.setdefault(label, r).setdefault("seconds_all", []).append(r["seconds"])
   runs = list(by_label.values())
   for r in runs:

@@ -1,10 +1,17 @@
-"""The drifting-load benchmark's pure parts: phases, the hot schedule, the fair comparison."""
+"""The drifting-load benchmark's pure parts: phases, hot schedule, fair comparison, turns."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.strategy_switch import best_fixed, hot_schedule, parse_phases, phase_drops
+from benchmarks.strategy_switch import (
+  Turns,
+  best_fixed,
+  hot_schedule,
+  parse_phases,
+  phase_drops,
+  side_by_side,
+)
 from moejax.config import ConfigError
 
 
@@ -33,3 +40,36 @@ def test_best_fixed_is_the_fastest_within_the_drop_margin_in_every_phase():
   assert best_fixed(switching, [ep, slow], 0.03)["label"] == "slow"
   assert best_fixed(switching, [ep], 0.03) is None
   assert best_fixed(switching, [ep], 0.3)["label"] == "ep"
+
+
+def test_side_by_side_runs_take_one_step_each_in_turn():
+  log = []
+
+  def job(steps):
+    def run(turns: Turns, me: int):
+      for step in range(steps):
+        turns.wait(me)
+        log.append((me, step))
+        if step < steps - 1:
+          turns.pass_on(me)
+      turns.pass_on(me, finished=True)   # a finished run leaves the rotation
+      return me
+    return run
+
+  assert side_by_side([job(3), job(1), job(2)]) == [0, 1, 2]
+  assert log == [(0, 0), (1, 0), (2, 0), (0, 1), (2, 1), (0, 2)]
+
+
+def test_side_by_side_hands_a_failure_to_the_caller():
+  def bad(turns, me):
+    turns.wait(me)
+    turns.pass_on(me, finished=True)
+    raise ValueError("run 1 failed")
+
+  def good(turns, me):
+    turns.wait(me)
+    turns.pass_on(me, finished=True)
+    return "ok"
+
+  with pytest.raises(ValueError, match="run 1 failed"):
+    side_by_side([good, bad])
