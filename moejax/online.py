@@ -27,8 +27,12 @@ class Switch(NamedTuple):
 
 
 class OnlinePlanner:
-  def __init__(self, cfg: PlannerConfig, num_devices: int, cost: planner.CostModel | None = None):
+  def __init__(self, cfg: PlannerConfig, num_devices: int, cost: planner.CostModel | None = None,
+               capacity_factor: float | None = None):
+    """`capacity_factor`: the dense dispatch's, so fsep plans count per-slot drops (None for
+    the dropless ragged dispatch)."""
     self.cfg = cfg
+    self.capacity_factor = capacity_factor
     self.num_devices = num_devices
     self.cost = cost or planner.CostModel()
     self.policy = planner.get_policy(cfg.policy)
@@ -62,7 +66,7 @@ class OnlinePlanner:
       cur = current[layer]
       new = self.policy(pred_NxE, cur, slots=cur.slots_per_device, src_dev_S=src,
                         cost=self.cost, num_devices=self.num_devices,
-                        min_gain=self.cfg.min_gain)
+                        min_gain=self.cfg.min_gain, capacity_factor=self.capacity_factor)
       if (np.array_equal(new.slot_expert, cur.slot_expert) and
           np.allclose(new.share, cur.share, atol=0.5 / pl.SHARE_PARTS)):
         continue

@@ -88,7 +88,8 @@ class Trainer:
     self.loader = data_lib.BatchLoader(train_tokens, seed=cfg.data.seed, **loader_args)
     self.val_loader = data_lib.BatchLoader(val_tokens, seed=cfg.data.seed + 1, **loader_args)
     b, length = cfg.data.global_batch_size, cfg.data.seq_len
-    self.planners = [OnlinePlanner(p.cfg.planner, p.mesh.shape["expert"])
+    self.planners = [OnlinePlanner(p.cfg.planner, p.mesh.shape["expert"], capacity_factor=(
+                         None if p.cfg.moe.dispatch == "ragged" else p.cfg.moe.capacity_factor))
                      for p in self.programs]
     self.trace: TraceRecorder | None = None
     self.guard = faults.NonFiniteGuard(cfg.train.max_consecutive_nonfinite)
