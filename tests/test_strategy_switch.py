@@ -114,8 +114,7 @@ def test_trainer_switches_online_under_a_drifting_load_and_resumes_on_that_membe
   member (capacity 1.5x) then drops far over the limit, so the online stage moves to the
   fsep member, whose re-planner gets the load and places replicas at once, compiling
   nothing, and which drops about half as much, so it stays; a resume from the last
-  checkpoint lands on that member again. (With every token on experts 0 and 1 this tiny
-  fsep member drops more than ep, and the online stage rightly goes back.)"""
+  checkpoint lands on that member again."""
   import dataclasses
 
   from moejax.config import CheckpointConfig, StrategyConfig, TrainConfig
