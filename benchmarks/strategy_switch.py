@@ -1,7 +1,7 @@
 """Drifting load: the online strategy switch vs every pool member held fixed, same run.
 
     python benchmarks/strategy_switch.py [--gin_file F] [--gin_bindings B ...]
-        [--pool SPEC ...] [--phases uniform:12,hot:12,uniform:12] [--every 2]
+        [--pool SPEC ...] [--phases uniform:12,hot:12,uniform:12] [--every 2] [--horizon 0]
         [--max_drop 0.02] [--warmup_steps 150] [--balance_rate 0] [--repeats 1]
         [--profile benchmarks/results/cost_model_cpu.json]
 
@@ -262,6 +262,7 @@ def main(argv=None) -> int:
                  help="specs; default: moejax.plan's pool of 2 under the profile")
   p.add_argument("--phases", default="uniform:12,hot:12,uniform:12")
   p.add_argument("--every", type=int, default=2, help="strategy.every")
+  p.add_argument("--horizon", type=int, default=0, help="strategy.horizon (0: --every)")
   p.add_argument("--max_drop", type=float, default=0.02, help="strategy.max_drop")
   p.add_argument("--profile", default=DEFAULT_PROFILE if os.path.exists(DEFAULT_PROFILE)
                  else "calibrate", help="preset, profile JSON, cost_model result, calibrate")
@@ -305,7 +306,8 @@ def main(argv=None) -> int:
   def config(members, name):
     return dataclasses.replace(
         cfg, strategy=dataclasses.replace(cfg.strategy, pool=tuple(members), every=args.every,
-                                          profile=profile, max_drop=args.max_drop),
+                                          horizon=args.horizon, profile=profile,
+                                          max_drop=args.max_drop),
         planner=dataclasses.replace(cfg.planner, policy="smartmoe", every=4, window=2),
         checkpoint=CheckpointConfig(every=10**6, keep=1),
         train=dataclasses.replace(cfg.train, run_dir=os.path.join(tmp, name),
@@ -353,7 +355,7 @@ def main(argv=None) -> int:
   result = {"device": f"{devices[0].platform} x{len(devices)} ({devices[0].device_kind})",
             "command": "python benchmarks/strategy_switch.py " + " ".join(argv or sys.argv[1:]),
             "profile": profile_from, "pool": pool, "phases": args.phases,
-            "every": args.every, "max_drop": args.max_drop,
+            "every": args.every, "horizon": args.horizon, "max_drop": args.max_drop,
             "balance_rate": args.balance_rate, "warmup_steps": args.warmup_steps,
             "warmup_dispersion": dispersion, "runs": runs,
             "best_fixed": best and best["label"],

@@ -184,12 +184,13 @@ class StrategyConfig:
   """Two-stage strategy planning, online stage: the trainer compiles every pool member ahead
   of time and, every `every` steps, switches to the member predicted fastest under the
   current load (among those dropping at most `max_drop` of the choices) when the predicted
-  gain over the next `every` steps beats the measured switch cost. Pool specs such as
+  gain over the next `horizon` steps beats the measured switch cost. Pool specs such as
   'ep/2x4x1/cf1.25' come from `python -m moejax.plan`; the first member starts."""
   pool: tuple = ()                # empty: the single strategy given by mesh.* and moe.*
   every: int = 0                  # decision period in steps; 0 = never switch
   profile: str = "cpu"            # hardware profile: a preset name or a calibrated JSON
   max_drop: float = 0.01          # dropped share of (token, k) choices a member may cause
+  horizon: int = 0                # steps a time switch must pay off over; 0 = `every`
 
   def validate(self) -> None:
     if not isinstance(self.pool, (tuple, list)) or not all(isinstance(p, str) for p in self.pool):
@@ -200,6 +201,8 @@ class StrategyConfig:
     if self.every < 0 or not 0 <= self.max_drop <= 1:
       raise ConfigError(f"strategy.every={self.every}, strategy.max_drop={self.max_drop}: need "
                         "every >= 0 and 0 <= max_drop <= 1.")
+    if self.horizon < 0:
+      raise ConfigError(f"strategy.horizon={self.horizon} must be >= 0 (0: strategy.every).")
 
 
 @dataclasses.dataclass(frozen=True)

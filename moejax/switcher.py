@@ -6,24 +6,25 @@ dropped; each member's step time and dropped share are predicted under that load
 (moejax.planner.cost), with the spread of a source's count per expert measured
 from the same steps (real batches cluster: a sequence repeats its tokens). Where
 a member drops more than predicted, the excess is remembered with the expert
-shares it was seen under, and added to that member's later predictions while the
-load stays near (total variation distance of the shares at most `STALE_TV`): an
-excess seen while an fsep member's replicas still served a gone hot expert says
-nothing of that member under the next hot expert. A member with no excess seen
-near this load is given the running member's: what the model misses there is
-taken as the load's doing (clustered batches drop on every member alike) until
-that member is measured under it. Without that, a brief drop spike on the running
-member made an idle one look better on paper alone, and the trainer went there
-and back (measured: both members of an ep/fsep pool dropped ~2.5% at even load
-against 0.5% predicted).
+shares it was seen under; the median of the last `EXCESS_SAMPLES` excesses seen
+near a load (total variation distance of the shares at most `STALE_TV`) is added
+to that member's predictions there, so one spike of a few steps moves nothing,
+and an excess seen while an fsep member's replicas still served a gone hot
+expert says nothing of that member under the next hot expert. A member with no
+excess seen near this load is given the running member's: what the model misses
+there is taken as the load's doing (clustered batches drop on every member alike)
+until that member is measured under it. Without that, a brief drop spike on the
+running member made an idle one look better on paper alone, and the trainer went
+there and back (measured: both members of an ep/fsep pool dropped ~2.5% at even
+load against 0.5% predicted).
 
-Members that drop at most `max_drop` compete on time, the others only on drops.
-The trainer switches when the best member differs from the current one and either
-the current one breaks the drop limit and the best drops less, or the predicted
-time saved over the next `every` steps exceeds the measured cost of going there
-and back (a time switch may be undone; without that margin two members of near
-time oscillate). A member over the drop limit is left for one that drops less
-whatever the switch costs.
+Members whose predicted drops are at most `max_drop`, or within `DROP_SLACK` of
+the least, are acceptable and compete on time; the current member, if not
+acceptable, is left for the fastest acceptable one whatever the switch costs
+("drops"). Otherwise the trainer moves to the fastest acceptable member only when
+the time it is predicted to save over the next `horizon` steps exceeds the
+measured cost of going there and back ("time": a time switch may be undone;
+without that margin two members of near time oscillate).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from moejax.strategy import Strategy
 
 STALE_TV = 0.1   # share distance past which a remembered drop excess no longer applies
 LOADS_KEPT = 8   # loads per member whose drop excess is remembered
+EXCESS_SAMPLES = 3   # excesses per (member, load) whose median is believed
+DROP_SLACK = 0.01    # predicted drops this close to the least count as equally good
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +57,10 @@ class StrategySwitcher:
   def __init__(self, cfg: StrategyConfig, pool: list[Strategy], workload: Workload,
                profile: HardwareProfile):
     self.cfg, self.pool, self.workload, self.profile = cfg, pool, workload, profile
-    # Per member, newest last: (measured minus predicted drops, expert shares [L, E] seen under).
-    self.drop_excess: list[list[tuple[float, np.ndarray]]] = [[] for _ in pool]
+    # Per member, most recently seen last: (expert shares [L, E] of a load, the last
+    # measured-minus-predicted drops seen near it).
+    self.drop_excess: list[list[tuple[np.ndarray, list[float]]]] = [[] for _ in pool]
+    self.horizon = cfg.horizon or cfg.every
 
   def due(self, step: int) -> bool:
     return len(self.pool) > 1 and self.cfg.every > 0 and step > 0 and step % self.cfg.every == 0
@@ -64,17 +69,26 @@ class StrategySwitcher:
     return [predict_step(s, self.workload, self.profile, share_LxE, dispersion)
             for s in self.pool]
 
-  def _score(self, c: StepCost) -> tuple[int, float]:
-    return (0, c.total_s) if c.drop_fraction <= self.cfg.max_drop else (1, c.drop_fraction)
+  def _near(self, member: int, share_LxE: np.ndarray) -> int | None:
+    """Index of the remembered load of `member` nearest `share_LxE`, if near enough."""
+    seen = self.drop_excess[member]
+    if not seen:
+      return None
+    distance = [_distance(load, share_LxE) for load, _ in seen]
+    i = int(np.argmin(distance))
+    return i if distance[i] <= STALE_TV else None
 
   def _remember(self, member: int, excess: float, share_LxE: np.ndarray) -> None:
-    seen = [e for e in self.drop_excess[member] if _distance(e[1], share_LxE) > STALE_TV]
-    self.drop_excess[member] = (seen + [(excess, share_LxE)])[-LOADS_KEPT:]
+    seen = self.drop_excess[member]
+    i = self._near(member, share_LxE)
+    samples = [] if i is None else seen.pop(i)[1]
+    seen.append((share_LxE, (samples + [excess])[-EXCESS_SAMPLES:]))
+    del seen[:-LOADS_KEPT]
 
   def _excess(self, member: int, share_LxE: np.ndarray) -> float | None:
-    """The drop excess last seen on `member` under a load near `share_LxE`, else None."""
-    near = [x for x, seen in self.drop_excess[member] if _distance(seen, share_LxE) <= STALE_TV]
-    return near[-1] if near else None
+    """The median excess seen on `member` under a load near `share_LxE`, else None."""
+    i = self._near(member, share_LxE)
+    return None if i is None else float(np.median(self.drop_excess[member][i][1]))
 
   def decide(self, current: int, share_LxE: np.ndarray,
              switch_cost_s: dict[tuple[int, int], float],
@@ -91,18 +105,19 @@ class StrategySwitcher:
     costs = [dataclasses.replace(c, drop_fraction=min(
                  c.drop_fraction + (load_miss if x is None else x), 1.0))
              for c, x in zip(costs, seen, strict=True)]
-    best = min(range(len(costs)), key=lambda i: (self._score(costs[i]), i != current))
+    drops = np.array([c.drop_fraction for c in costs])
+    ok = drops <= max(self.cfg.max_drop, drops.min() + DROP_SLACK)
+    best = min(np.flatnonzero(ok), key=lambda i: (costs[i].total_s, i != current))
     if best == current:
       return None
     cur, new = costs[current], costs[best]
     move_s = switch_cost_s.get((current, best), 0.0)
     round_trip_s = move_s + switch_cost_s.get((best, current), 0.0)
-    gain = (cur.total_s - new.total_s) * self.cfg.every
-    breaks = cur.drop_fraction > self.cfg.max_drop and new.drop_fraction < cur.drop_fraction
-    if not breaks and gain <= round_trip_s:
+    gain = (cur.total_s - new.total_s) * self.horizon
+    if ok[current] and gain <= round_trip_s:
       return None
-    return Decision(best, "drops" if breaks else "time",
-                    tuple(c.total_s for c in costs), tuple(c.drop_fraction for c in costs),
+    return Decision(int(best), "time" if ok[current] else "drops",
+                    tuple(c.total_s for c in costs), tuple(drops.tolist()),
                     float(gain), float(move_s))
 
 

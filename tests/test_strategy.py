@@ -57,6 +57,14 @@ def test_space_has_no_duplicates_and_skips_fsep_without_expert_axis():
   assert not [x for x in s if x.expert_mode == "fsep" and x.expert == 1]
 
 
+def test_strategy_config_errors_name_the_value():
+  from moejax.config import StrategyConfig
+  for bad, match in ((dict(every=-1), "strategy.every=-1"), (dict(max_drop=2.0), "max_drop=2.0"),
+                     (dict(horizon=-3), "strategy.horizon=-3")):
+    with pytest.raises(ConfigError, match=match):
+      StrategyConfig(**bad).validate()
+
+
 def test_check_pool_errors():
   with pytest.raises(ConfigError, match="uses 4 devices"):
     check_pool([parse("ep/1x4x1/cf1")], CFG, 8)
@@ -177,10 +185,12 @@ def test_plan_cli_prints_table_and_pool(tmp_path, capsys):
   assert plan.main(["--profile", "nope"]) == 2
 
 
-def _switcher(every=10, max_drop=0.01, pool=("ep/1x8x1/cf1.25", "fsep/1x8x1/c2/cf1.25")):
+def _switcher(every=10, max_drop=0.01, pool=("ep/1x8x1/cf1.25", "fsep/1x8x1/c2/cf1.25"),
+              horizon=0):
   from moejax.config import StrategyConfig
   from moejax.switcher import StrategySwitcher
-  return StrategySwitcher(StrategyConfig(pool=pool, every=every, max_drop=max_drop),
+  return StrategySwitcher(StrategyConfig(pool=pool, every=every, max_drop=max_drop,
+                                         horizon=horizon),
                           [parse(s) for s in pool], plan.workload_of(CFG), PRESETS["h100_node"])
 
 
@@ -251,6 +261,34 @@ def test_switcher_forgets_a_drop_excess_seen_under_another_load():
   d = sw.decide(0, col, {(0, 1): 1e9})
   assert d is not None and d.target == 1 and d.reason == "drops"
   assert d.predicted_drop[1] == sw.predict(col)[1].drop_fraction < d.predicted_drop[0] / 4
+
+
+def test_switcher_believes_the_median_excess_so_one_spike_moves_nothing():
+  sw = _switcher(max_drop=0.03)
+  uni = plan.regime_load("uniform", 8)[None]
+  never = {(0, 1): 1e9, (1, 0): 1e9}                     # no time switch can pay
+  assert sw.decide(0, uni, never, measured_drop=0.02) is None
+  assert sw.decide(1, uni, never, measured_drop=0.02) is None    # fsep measured here too
+  assert sw.decide(0, uni, never, measured_drop=0.02) is None
+  assert sw.decide(0, uni, never, measured_drop=0.08) is None    # one spike: median 2%
+  d = sw.decide(0, uni, never, measured_drop=0.08)               # two: median 8%
+  assert d is not None and d.target == 1 and d.reason == "drops"
+  assert d.predicted_drop[0] == pytest.approx(0.08) and d.predicted_drop[1] < 0.03
+
+
+def test_switcher_counts_near_drops_as_equal_and_pays_a_switch_over_the_horizon():
+  uni = plan.regime_load("uniform", 8)[None]
+  # Both over the limit by as much (fsep measured 5%, ep given that miss): neither is
+  # better on drops, so the faster one wins on time.
+  d = _switcher(every=1).decide(1, uni, {(1, 0): 0.0, (0, 1): 0.0}, measured_drop=0.05)
+  assert d is not None and d.target == 0 and d.reason == "time"
+  assert min(d.predicted_drop) > 0.01 and abs(d.predicted_drop[0] - d.predicted_drop[1]) < 0.01
+  # A time switch pays its round trip over `horizon` steps (default: `every`).
+  gain_per_step = _switcher(every=1).decide(1, uni, {}).gain_s
+  cost = {(1, 0): gain_per_step * 0.75, (0, 1): gain_per_step * 0.75}
+  assert _switcher(every=1).decide(1, uni, cost) is None
+  d = _switcher(every=1, horizon=2).decide(1, uni, cost)
+  assert d is not None and d.gain_s == pytest.approx(2 * gain_per_step)
 
 
 def test_switcher_leaves_ep_when_the_measured_spread_predicts_its_drops():
