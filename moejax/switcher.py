@@ -19,12 +19,14 @@ there and back (measured: both members of an ep/fsep pool dropped ~2.5% at even
 load against 0.5% predicted).
 
 Members whose predicted drops are at most `max_drop`, or within `DROP_SLACK` of
-the least, are acceptable and compete on time; the current member, if not
-acceptable, is left for the fastest acceptable one whatever the switch costs
-("drops"). Otherwise the trainer moves to the fastest acceptable member only when
-the time it is predicted to save over the next `horizon` steps exceeds the
-measured cost of going there and back ("time": a time switch may be undone;
-without that margin two members of near time oscillate).
+the least (1 point, or half again: one step's drops of one member at even load
+ranged 1.4-5.4% in the drifting benchmark), are acceptable and compete on time;
+the current member, if not acceptable, is left for the fastest acceptable one
+whatever the switch costs ("drops"). Otherwise the trainer moves to the fastest
+acceptable member only when the time it is predicted to save over the next
+`horizon` steps exceeds the measured cost of going there and back ("time": a
+time switch may be undone; without that margin two members of near time
+oscillate).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from moejax.strategy import Strategy
 STALE_TV = 0.1   # share distance past which a remembered drop excess no longer applies
 LOADS_KEPT = 8   # loads per member whose drop excess is remembered
 EXCESS_SAMPLES = 3   # excesses per (member, load) whose median is believed
-DROP_SLACK = 0.01    # predicted drops this close to the least count as equally good
+DROP_SLACK = (0.01, 0.5)   # drops within 1 point, or half again, of the least are as good
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +108,8 @@ class StrategySwitcher:
                  c.drop_fraction + (load_miss if x is None else x), 1.0))
              for c, x in zip(costs, seen, strict=True)]
     drops = np.array([c.drop_fraction for c in costs])
-    ok = drops <= max(self.cfg.max_drop, drops.min() + DROP_SLACK)
+    ok = drops <= max(self.cfg.max_drop, drops.min() + max(DROP_SLACK[0],
+                                                          DROP_SLACK[1] * drops.min()))
     best = min(np.flatnonzero(ok), key=lambda i: (costs[i].total_s, i != current))
     if best == current:
       return None

@@ -283,6 +283,14 @@ def test_switcher_counts_near_drops_as_equal_and_pays_a_switch_over_the_horizon(
   d = _switcher(every=1).decide(1, uni, {(1, 0): 0.0, (0, 1): 0.0}, measured_drop=0.05)
   assert d is not None and d.target == 0 and d.reason == "time"
   assert min(d.predicted_drop) > 0.01 and abs(d.predicted_drop[0] - d.predicted_drop[1]) < 0.01
+  # Half again the fewest drops is as good too: ep's 3.5% against fsep's measured 2.4%.
+  sw = _switcher(max_drop=0.03)
+  never = {(0, 1): 1e9, (1, 0): 1e9}
+  assert sw.decide(1, uni, never, measured_drop=0.024) is None
+  assert sw.decide(0, uni, never, measured_drop=0.035) is None
+  d = sw.decide(0, uni, never, measured_drop=0.05)     # median of 3.5% and 5%: 4.25% is not
+  assert d is not None and d.target == 1 and d.reason == "drops"
+  assert d.predicted_drop[0] == pytest.approx(0.0425)
   # A time switch pays its round trip over `horizon` steps (default: `every`).
   gain_per_step = _switcher(every=1).decide(1, uni, {}).gain_s
   cost = {(1, 0): gain_per_step * 0.75, (0, 1): gain_per_step * 0.75}
