@@ -352,6 +352,10 @@ def main(argv=None) -> int:
           f"ratio {switching['seconds'] / best['seconds']:.3f}; per repeat " +
           " ".join(f"{a / b:.3f}" for a, b in zip(switching["seconds_all"],
                                                  best["seconds_all"])))
+  by_round = {r["label"]: [a / b for a, b in zip(switching["seconds_all"], r["seconds_all"])]
+              for r in fixed}
+  for label, ratios in by_round.items():
+    print(f"switching / {label}: " + " ".join(f"{x:.3f}" for x in ratios) + " (per round)")
   result = {"device": f"{devices[0].platform} x{len(devices)} ({devices[0].device_kind})",
             "command": "python benchmarks/strategy_switch.py " + " ".join(argv or sys.argv[1:]),
             "profile": profile_from, "pool": pool, "phases": args.phases,
@@ -362,6 +366,7 @@ def main(argv=None) -> int:
             "ratio_switching_over_best_fixed": best and switching["seconds"] / best["seconds"],
             "ratio_by_repeat": best and [a / b for a, b in zip(switching["seconds_all"],
                                                                best["seconds_all"])],
+            "ratio_by_repeat_over_each_fixed": by_round,
             "fastest_fixed": fastest["label"],
             "ratio_switching_over_fastest_fixed": switching["seconds"] / fastest["seconds"]}
   write_result(result, args.out or

@@ -29,8 +29,9 @@ mean load) goes through:
      Device loads alone can tie: with two experts taking every token on 4 devices x 4
      slots, two replicas each or four each load every device alike, but per slot the first
      overflows twice as far (measured 69% dropped against 38%). Overflow first, time
-     second was tried and dropped more on the drifting benchmark (fixed fsep 6.05% ->
-     6.52% of choices): mean counts miss the spread that the levelled layouts absorb.
+     second was tried too; on the drifting benchmark fixed fsep then dropped 6.52% of
+     choices (time first: 6.38%; before either: 6.05%), but a changed layout changes
+     the training run itself, so those differences are not the planner's alone.
 The best candidate's shares are then rounded to whole parts of pl.SHARE_PARTS, the router's
 unit, towards level device loads (`quantise`), so what replay and the device router realise
 is what was planned. All candidates are processed together in vectorised numpy; Python loops
