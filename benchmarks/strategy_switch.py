@@ -1,7 +1,8 @@
 """Drifting load: the online strategy switch vs every pool member held fixed, same run.
 
     python benchmarks/strategy_switch.py [--gin_file F] [--gin_bindings B ...]
-        [--pool SPEC ...] [--phases uniform:12,hot:12,uniform:12] [--every 2] [--horizon 0]
+        [--pool SPEC ...] [--also_fixed SPEC ...] [--phases uniform:12,hot:12,uniform:12]
+        [--every 2] [--horizon 0]
         [--max_drop 0.02] [--warmup_steps 150] [--balance_rate 0] [--repeats 1]
         [--profile benchmarks/results/cost_model_cpu.json]
 
@@ -20,7 +21,7 @@ one in each hot phase) into every token's top-k, so it gets half of all choices,
 like a collapsed gate. The same data, seed and schedule is trained
 
   * with the pool, the online stage deciding every `--every` steps, and
-  * with each pool member alone (no switching).
+  * with each pool member alone (no switching), and each `--also_fixed` spec alone.
 
 Every run re-plans its layout (smartmoe for ep, the fsep planner for fsep). The
 runs train side by side, in threads that take turns one step each, so a slow
@@ -148,10 +149,15 @@ class Turns:
       self.cond.wait_for(lambda: self.order[self.at] == me)
 
   def pass_on(self, me: int, finished: bool = False) -> None:
+    """Ends `me`'s turn (the next run not finished takes it); `finished`: `me` leaves the
+    rotation, from its turn or, failing before it, from anywhere."""
     with self.cond:
+      if me in self.done:
+        return
+      holding = self.order[self.at] == me
       if finished:
         self.done.add(me)
-      if len(self.done) < len(self.order):
+      if holding and len(self.done) < len(self.order):
         self.at = (self.at + 1) % len(self.order)
         while self.order[self.at] in self.done:
           self.at = (self.at + 1) % len(self.order)
@@ -161,47 +167,51 @@ class Turns:
 def run_one(cfg, hot_by_step, rate: float, label: str, warm_dir: str | None,
             turns: Turns, me: int) -> dict:
   """Trains `cfg` from the warm-up checkpoint to the end under the load steering, one step
-  per turn; times its own turns from the third phase step to the last."""
-  if warm_dir:
-    shutil.copytree(os.path.join(warm_dir, "checkpoints"),
-                    os.path.join(cfg.train.run_dir, "checkpoints"))
-  trainer = Trainer(cfg)
-  counter = CompileCounter()
+  per turn; times its own turns from the third phase step to the last. The last step, the
+  final checkpoint and reading the run's records keep the turn, untimed."""
   start = cfg.train.num_steps - len(hot_by_step)
   last = cfg.train.num_steps - 1
   steer = LoadSteering(hot_by_step, cfg.model.num_layers // cfg.moe.moe_every,
                        cfg.moe.num_experts, rate)
   step_s: list[float] = []
   compiles: list[int] = []                     # in timed turns (other runs' turns not counted)
-  turn_began = [0.0]
+  began = 0.0
+  counter = CompileCounter()
 
   def before_step(tr, step):
+    nonlocal began
     if step < start:
       raise RuntimeError(f"{label}: started at step {step}, not at the warm-up's {start}")
-    if step > start:                           # the turn ends once its step has finished
+    if step > start:                           # a turn ends once its step has finished
       jax.block_until_ready(tr.state)
       if step > start + 2:
-        step_s.append(time.perf_counter() - turn_began[0])
+        step_s.append(time.perf_counter() - began)
         counter.__exit__(None, None, None)
         compiles.append(counter.count)
-      if step == last:                         # keep the turn through the untimed end
-        return
-      turns.pass_on(me)
-    turns.wait(me)
-    turn_began[0] = time.perf_counter()
-    if step >= start + 2:
-      counter.__enter__()
+    if step < last:                            # the last step keeps the turn it has
+      if step > start:
+        turns.pass_on(me)
+      turns.wait(me)
+      began = time.perf_counter()
+      if step >= start + 2:
+        counter.__enter__()
     bias = steer.bias(step - start, tr.last_counts if step > start else None)
     for prog in tr.programs:                   # every member sees the same steering
       prog.layout = prog.layout.replace(
           router_bias_LxE=jax.device_put(bias, prog.layout_sharding))
 
   try:
-    trainer.run(before_step=before_step)
+    if warm_dir:
+      shutil.copytree(os.path.join(warm_dir, "checkpoints"),
+                      os.path.join(cfg.train.run_dir, "checkpoints"))
+    trainer = Trainer(cfg)
+    try:
+      trainer.run(before_step=before_step)
+    finally:
+      trainer.checkpointer.close()
+    records = [json.loads(x) for x in open(os.path.join(cfg.train.run_dir, "metrics.jsonl"))]
   finally:
     turns.pass_on(me, finished=True)
-    trainer.checkpointer.close()
-  records = [json.loads(x) for x in open(os.path.join(cfg.train.run_dir, "metrics.jsonl"))]
   steps = [r for r in records if "loss" in r]
   drops = [float(np.mean([m["dropped_fraction"] for m in r["moe"]])) for r in steps]
   return {"label": label, "seconds": float(np.sum(step_s)), "timed_steps": len(step_s),
@@ -223,8 +233,10 @@ def side_by_side(jobs: list) -> list[dict]:
   def go(i):
     try:
       out[i] = jobs[i](turns, i)
-    except BaseException as e:   # noqa: BLE001 - handed to the main thread below
+    except BaseException as e:   # handed to the main thread below
       out[i] = e
+    finally:
+      turns.pass_on(i, finished=True)   # a no-op for a job that already left the rotation
 
   threads = [threading.Thread(target=go, args=(i,)) for i in range(len(jobs))]
   for t in threads:
@@ -260,6 +272,9 @@ def main(argv=None) -> int:
   p.add_argument("--gin_bindings", action="append", default=[])
   p.add_argument("--pool", nargs="*", default=None,
                  help="specs; default: moejax.plan's pool of 2 under the profile")
+  p.add_argument("--also_fixed", nargs="*", default=[],
+                 help="more specs to train held fixed beside the pool's members, e.g. an ep "
+                      "with the capacity a hot expert needs")
   p.add_argument("--phases", default="uniform:12,hot:12,uniform:12")
   p.add_argument("--every", type=int, default=2, help="strategy.every")
   p.add_argument("--horizon", type=int, default=0, help="strategy.horizon (0: --every)")
@@ -314,7 +329,9 @@ def main(argv=None) -> int:
                                   num_steps=args.warmup_steps + num_steps, eval_every=10**6,
                                   progress_bar=False))
 
-  members = list(enumerate([("switching", pool)] + [(f"fixed {spec}", [spec]) for spec in pool]))
+  fixed_specs = pool + [spec for spec in args.also_fixed if spec not in pool]
+  members = list(enumerate([("switching", pool)] +
+                           [(f"fixed {spec}", [spec]) for spec in fixed_specs]))
   by_label: dict = {}
   for repeat in range(args.repeats):           # side by side, a step each in turn; each run
     turn = repeat % len(members)               # goes first in some round
@@ -358,7 +375,8 @@ def main(argv=None) -> int:
     print(f"switching / {label}: " + " ".join(f"{x:.3f}" for x in ratios) + " (per round)")
   result = {"device": f"{devices[0].platform} x{len(devices)} ({devices[0].device_kind})",
             "command": "python benchmarks/strategy_switch.py " + " ".join(argv or sys.argv[1:]),
-            "profile": profile_from, "pool": pool, "phases": args.phases,
+            "profile": profile_from, "pool": pool, "also_fixed": args.also_fixed,
+            "phases": args.phases,
             "every": args.every, "horizon": args.horizon, "max_drop": args.max_drop,
             "balance_rate": args.balance_rate, "warmup_steps": args.warmup_steps,
             "warmup_dispersion": dispersion, "runs": runs,

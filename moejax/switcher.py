@@ -6,17 +6,18 @@ dropped; each member's step time and dropped share are predicted under that load
 (moejax.planner.cost), with the spread of a source's count per expert measured
 from the same steps (real batches cluster: a sequence repeats its tokens). Where
 a member drops more than predicted, the excess is remembered with the expert
-shares it was seen under; the median of the last `EXCESS_SAMPLES` excesses seen
-near a load (total variation distance of the shares at most `STALE_TV`) is added
-to that member's predictions there, so one spike of a few steps moves nothing,
-and an excess seen while an fsep member's replicas still served a gone hot
-expert says nothing of that member under the next hot expert. A member with no
-excess seen near this load is given the running member's: what the model misses
-there is taken as the load's doing (clustered batches drop on every member alike)
-until that member is measured under it. Without that, a brief drop spike on the
-running member made an idle one look better on paper alone, and the trainer went
-there and back (measured: both members of an ep/fsep pool dropped ~2.5% at even
-load against 0.5% predicted).
+shares it was first seen under; the median of the last `EXCESS_SAMPLES` excesses
+seen near that load (total variation distance of the shares at most `STALE_TV`)
+is added to that member's predictions there, so once two ordinary steps have
+been seen there a one-step spike moves nothing, and an excess seen while an fsep
+member's replicas still served a gone hot expert says nothing of that member
+under the next hot expert. A member with no excess seen near this load is given
+the running member's: what the model misses there is taken as the load's doing
+(clustered batches drop on every member alike) until that member is measured
+under it. Without that, a brief drop spike on the running member made an idle
+one look better on paper alone, and the trainer went there and back (measured:
+both members of an ep/fsep pool dropped ~2.5% at even load against 0.5%
+predicted).
 
 Members whose predicted drops are at most `max_drop`, or within `DROP_SLACK` of
 the least (1 point, or half again: one step's drops of one member at even load
@@ -51,7 +52,7 @@ class Decision:
   reason: str                      # "drops" or "time"
   predicted_s: tuple               # per member predicted step seconds
   predicted_drop: tuple            # per member predicted dropped share
-  gain_s: float                    # predicted seconds saved over the next window
+  gain_s: float                    # predicted seconds saved over the next `horizon` steps
   switch_cost_s: float
 
 
@@ -83,8 +84,8 @@ class StrategySwitcher:
   def _remember(self, member: int, excess: float, share_LxE: np.ndarray) -> None:
     seen = self.drop_excess[member]
     i = self._near(member, share_LxE)
-    samples = [] if i is None else seen.pop(i)[1]
-    seen.append((share_LxE, (samples + [excess])[-EXCESS_SAMPLES:]))
+    load, samples = (share_LxE.copy(), []) if i is None else seen.pop(i)   # keyed by the first
+    seen.append((load, (samples + [excess])[-EXCESS_SAMPLES:]))
     del seen[:-LOADS_KEPT]
 
   def _excess(self, member: int, share_LxE: np.ndarray) -> float | None:
@@ -100,10 +101,11 @@ class StrategySwitcher:
     steps dropped on `current`; `dispersion`: their `load_dispersion`. None = stay."""
     share_LxE = np.asarray(share_LxE, np.float64)
     costs = self.predict(share_LxE, dispersion)
-    if measured_drop is not None:
+    if measured_drop is not None and np.isfinite(measured_drop):
       self._remember(current, max(measured_drop - costs[current].drop_fraction, 0.0), share_LxE)
     seen = [self._excess(i, share_LxE) for i in range(len(costs))]
-    load_miss = seen[current] or 0.0   # unseen members: the running one's miss is the load's
+    # Members not seen near this load: the running one's miss is taken as the load's.
+    load_miss = 0.0 if seen[current] is None else seen[current]
     costs = [dataclasses.replace(c, drop_fraction=min(
                  c.drop_fraction + (load_miss if x is None else x), 1.0))
              for c, x in zip(costs, seen, strict=True)]

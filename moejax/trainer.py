@@ -44,6 +44,11 @@ __all__ = ["Trainer", "initial_layout", "train"]
 log = logging.getLogger("moejax")
 
 
+def _dense_capacity(moe) -> float | None:
+  """The capacity factor the dense dispatch enforces (None: ragged, dropless)."""
+  return None if moe.dispatch == "ragged" else moe.capacity_factor
+
+
 def _check_batch(cfg: Config, shards: int) -> None:
   b = cfg.data.global_batch_size
   if b % shards:
@@ -88,8 +93,8 @@ class Trainer:
     self.loader = data_lib.BatchLoader(train_tokens, seed=cfg.data.seed, **loader_args)
     self.val_loader = data_lib.BatchLoader(val_tokens, seed=cfg.data.seed + 1, **loader_args)
     b, length = cfg.data.global_batch_size, cfg.data.seq_len
-    self.planners = [OnlinePlanner(p.cfg.planner, p.mesh.shape["expert"], capacity_factor=(
-                         None if p.cfg.moe.dispatch == "ragged" else p.cfg.moe.capacity_factor))
+    self.planners = [OnlinePlanner(p.cfg.planner, p.mesh.shape["expert"],
+                                   capacity_factor=_dense_capacity(p.cfg.moe))
                      for p in self.programs]
     self.trace: TraceRecorder | None = None
     self.guard = faults.NonFiniteGuard(cfg.train.max_consecutive_nonfinite)

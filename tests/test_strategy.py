@@ -299,6 +299,19 @@ def test_switcher_counts_near_drops_as_equal_and_pays_a_switch_over_the_horizon(
   assert d is not None and d.gain_s == pytest.approx(2 * gain_per_step)
 
 
+def test_switcher_keys_a_remembered_excess_by_the_load_first_seen():
+  sw = _switcher()
+  col, uni = plan.regime_load("collapse", 8)[None], plan.regime_load("uniform", 8)[None]
+
+  def toward_collapse(tv):   # a load at total variation distance `tv` from the even one
+    return uni + (col - uni) * tv / (0.5 * np.abs(col - uni).sum())
+
+  sw.decide(1, uni, {(1, 0): 1e9}, measured_drop=0.3)
+  sw.decide(1, toward_collapse(0.08), {(1, 0): 1e9}, measured_drop=0.3)   # same load, 2 samples
+  assert len(sw.drop_excess[1]) == 1 and sw._excess(1, toward_collapse(0.09)) is not None
+  assert sw._excess(1, toward_collapse(0.16)) is None   # 0.16 from the load first seen
+
+
 def test_switcher_leaves_ep_when_the_measured_spread_predicts_its_drops():
   uni = plan.regime_load("uniform", 8)[None]
   pool = ("ep/1x8x1/cf1.25", "ep/1x8x1/cf2")

@@ -60,16 +60,56 @@ def test_side_by_side_runs_take_one_step_each_in_turn():
   assert log == [(0, 0), (1, 0), (2, 0), (0, 1), (2, 1), (0, 2)]
 
 
+def _within(seconds, fn):
+  """fn() in a daemon thread; fails instead of hanging the suite when the turns deadlock."""
+  import threading
+  out = {}
+
+  def go():
+    try:
+      out["value"] = fn()
+    except BaseException as e:   # checked by the caller
+      out["error"] = e
+
+  t = threading.Thread(target=go, daemon=True)
+  t.start()
+  t.join(seconds)
+  assert not t.is_alive(), "side_by_side deadlocked"
+  return out
+
+
 def test_side_by_side_hands_a_failure_to_the_caller():
-  def bad(turns, me):
+  log = []
+
+  def bad_in_turn(turns, me):
     turns.wait(me)
-    turns.pass_on(me, finished=True)
-    raise ValueError("run 1 failed")
+    raise ValueError("run 1 failed in its turn")
+
+  def bad_before_its_turn(turns, me):   # e.g. a config error while building its trainer
+    raise ValueError("run 2 failed before its turn")
 
   def good(turns, me):
-    turns.wait(me)
+    for step in range(3):
+      turns.wait(me)
+      log.append((me, step))
+      if step < 2:
+        turns.pass_on(me)
     turns.pass_on(me, finished=True)
     return "ok"
 
-  with pytest.raises(ValueError, match="run 1 failed"):
-    side_by_side([good, bad])
+  out = _within(20, lambda: side_by_side([good, bad_in_turn, bad_before_its_turn, good]))
+  assert isinstance(out.get("error"), ValueError) and "run 1" in str(out["error"])
+  # The failed runs left the rotation; the others still took strict turns.
+  assert log == [(0, 0), (3, 0), (0, 1), (3, 1), (0, 2), (3, 2)]
+
+
+def test_turns_pass_on_out_of_turn_does_not_move_the_turn():
+  turns = Turns([0, 1, 2])
+  turns.pass_on(2, finished=True)       # leaves while run 0 holds the turn
+  assert turns.order[turns.at] == 0
+  turns.pass_on(0)
+  assert turns.order[turns.at] == 1
+  turns.pass_on(1)
+  assert turns.order[turns.at] == 0     # 2 is skipped
+  turns.pass_on(2, finished=True)       # twice: still a no-op
+  assert turns.order[turns.at] == 0

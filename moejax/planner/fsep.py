@@ -22,8 +22,9 @@ mean load) goes through:
      over-relaxed Sinkhorn steps (scale by (device target / device load) ** 1.5, renormalise
      per expert, keep the best step);
   3. score: cost.compute_s(max device load) + cost.exchange_s(max tokens a device sends off
-     itself) under local-first routing on the predicted counts (a device's tokens for e stay
-     local up to its replica's quota of e, the rest cross). With `capacity_factor` (the
+     itself) under the dense dispatch's split routing on the predicted counts (each source
+     splits its tokens for e over e's replicas by their shares; `estimate`). With
+     `capacity_factor` (the
      dense dispatch: fixed rows per (source, slot) pair), candidates within `TIME_SLACK` of
      the best score are told apart by their overflow of those rows on the mean counts.
      Device loads alone can tie: with two experts taking every token on 4 devices x 4
@@ -306,7 +307,10 @@ def overflow(grid: np.ndarray, share: np.ndarray, dev_NxE: np.ndarray,
              cap_N: np.ndarray) -> np.ndarray:
   """Dropped share [K] of all choices when source device s sends dev_NxE[s, e] x share to
   each replica of e (grid[K, N, rounds], share[K, N, rounds]) and a (source, slot) pair
-  takes at most cap_N[s] rows (mean counts: no spread)."""
+  takes at most cap_N[s] rows. An estimate for ranking candidates: mean counts (no spread),
+  no rounding of the capacity, and sources already folded onto their expert-axis device
+  (with data > 1, sources that differ overflow more than this says). Memory grows as
+  K x N^2 x rounds (about 1 GB at N=1024, C=64)."""
   rows_KxSxNxR = dev_NxE[:, grid].transpose(1, 0, 2, 3) * share[:, None]
   over = np.maximum(rows_KxSxNxR - cap_N[None, :, None, None], 0.0).sum((1, 2, 3))
   return over / max(float(dev_NxE.sum()), 1e-12)
