@@ -359,6 +359,8 @@ def main(argv=None) -> int:
   for s in switching["switches"]:
     print(f"  switch at step {s['step']}: {s['from']} -> {s['to']} ({s['reason']}, "
           f"{s['seconds'] * 1e3:.0f} ms)")
+  by_round = {r["label"]: [a / b for a, b in zip(switching["seconds_all"], r["seconds_all"])]
+              for r in fixed}
   if best is None:
     print(f"every fixed member drops over the switching run's + {args.max_drop:.1%} in a phase; "
           f"fastest fixed: {fastest['label']} {fastest['seconds']:.2f}s at "
@@ -366,11 +368,7 @@ def main(argv=None) -> int:
   else:
     print(f"switching {switching['seconds']:.2f}s ({switching['dropped']:.1%} dropped) vs best "
           f"fixed {best['label']} {best['seconds']:.2f}s ({best['dropped']:.1%} dropped): "
-          f"ratio {switching['seconds'] / best['seconds']:.3f}; per repeat " +
-          " ".join(f"{a / b:.3f}" for a, b in zip(switching["seconds_all"],
-                                                 best["seconds_all"])))
-  by_round = {r["label"]: [a / b for a, b in zip(switching["seconds_all"], r["seconds_all"])]
-              for r in fixed}
+          f"ratio {switching['seconds'] / best['seconds']:.3f}")
   for label, ratios in by_round.items():
     print(f"switching / {label}: " + " ".join(f"{x:.3f}" for x in ratios) + " (per round)")
   result = {"device": f"{devices[0].platform} x{len(devices)} ({devices[0].device_kind})",
@@ -382,8 +380,7 @@ def main(argv=None) -> int:
             "warmup_dispersion": dispersion, "runs": runs,
             "best_fixed": best and best["label"],
             "ratio_switching_over_best_fixed": best and switching["seconds"] / best["seconds"],
-            "ratio_by_repeat": best and [a / b for a, b in zip(switching["seconds_all"],
-                                                               best["seconds_all"])],
+            "ratio_by_repeat": best and by_round[best["label"]],
             "ratio_by_repeat_over_each_fixed": by_round,
             "fastest_fixed": fastest["label"],
             "ratio_switching_over_fastest_fixed": switching["seconds"] / fastest["seconds"]}

@@ -60,8 +60,8 @@ class StrategySwitcher:
   def __init__(self, cfg: StrategyConfig, pool: list[Strategy], workload: Workload,
                profile: HardwareProfile):
     self.cfg, self.pool, self.workload, self.profile = cfg, pool, workload, profile
-    # Per member, most recently seen last: (expert shares [L, E] of a load, the last
-    # measured-minus-predicted drops seen near it).
+    # Per member, most recently seen last: (expert shares [L, E] a load was first seen
+    # under, the last EXCESS_SAMPLES measured-minus-predicted drops seen near it).
     self.drop_excess: list[list[tuple[np.ndarray, list[float]]]] = [[] for _ in pool]
     self.horizon = cfg.horizon or cfg.every
 

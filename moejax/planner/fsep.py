@@ -24,9 +24,9 @@ mean load) goes through:
   3. score: cost.compute_s(max device load) + cost.exchange_s(max tokens a device sends off
      itself) under the dense dispatch's split routing on the predicted counts (each source
      splits its tokens for e over e's replicas by their shares; `estimate`). With
-     `capacity_factor` (the
-     dense dispatch: fixed rows per (source, slot) pair), candidates within `TIME_SLACK` of
-     the best score are told apart by their overflow of those rows on the mean counts.
+     `capacity_factor` (the dense dispatch: fixed rows per (source, slot) pair),
+     candidates within `TIME_SLACK` of the best score are told apart by their overflow of
+     those rows on the mean counts (`overflow`).
      Device loads alone can tie: with two experts taking every token on 4 devices x 4
      slots, two replicas each or four each load every device alike, but per slot the first
      overflows twice as far (measured 69% dropped against 38%). Overflow first, time
