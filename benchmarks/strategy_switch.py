@@ -2,7 +2,7 @@
 
     python benchmarks/strategy_switch.py [--gin_file F] [--gin_bindings B ...]
         [--pool SPEC ...] [--also_fixed SPEC ...] [--phases uniform:12,hot:12,uniform:12]
-        [--every 2] [--horizon 0]
+        [--every 2] [--horizon 0] [--fsep_every 0] [--window 2] [--fresh]
         [--max_drop 0.02] [--warmup_steps 150] [--balance_rate 0] [--repeats 1]
         [--profile benchmarks/results/cost_model_cpu.json]
 
@@ -23,8 +23,12 @@ like a collapsed gate. The same data, seed and schedule is trained
   * with the pool, the online stage deciding every `--every` steps, and
   * with each pool member alone (no switching), and each `--also_fixed` spec alone.
 
-Every run re-plans its layout (smartmoe for ep, the fsep planner for fsep). The
-runs train side by side, in threads that take turns one step each, so a slow
+Every run re-plans its layout from the mean of the last `--window` finished steps:
+smartmoe for ep every 4 steps, the fsep planner for fsep every `--fsep_every` steps
+(0: 4). Steps are read one step late unless `--fresh` (`planner.fresh`), which
+plans each step on the one just finished (a turn below waits for its step anyway,
+so that costs these runs no time). The runs train side by side, in threads that
+take turns one step each, so a slow
 spell of this shared machine slows every run alike; each run's time is the sum of
 its own turns (a turn: steering, online stage, dispatch, the last step's metrics,
 until the step has finished) from the third phase step to the last, compilation
@@ -281,6 +285,11 @@ def main(argv=None) -> int:
   p.add_argument("--max_drop", type=float, default=0.02, help="strategy.max_drop")
   p.add_argument("--profile", default=DEFAULT_PROFILE if os.path.exists(DEFAULT_PROFILE)
                  else "calibrate", help="preset, profile JSON, cost_model result, calibrate")
+  p.add_argument("--fsep_every", type=int, default=0,
+                 help="planner.fsep_every: fsep layouts' re-plan period (0: ep's, 4)")
+  p.add_argument("--window", type=int, default=2, help="planner.window")
+  p.add_argument("--fresh", action="store_true",
+                 help="planner.fresh: plan each step on the one just finished (1 step late)")
   p.add_argument("--warmup_steps", type=int, default=150)
   p.add_argument("--balance_rate", type=float, default=0.0,
                  help="bias step per unit of share error (0 = no balancing controller)")
@@ -323,7 +332,8 @@ def main(argv=None) -> int:
         cfg, strategy=dataclasses.replace(cfg.strategy, pool=tuple(members), every=args.every,
                                           horizon=args.horizon, profile=profile,
                                           max_drop=args.max_drop),
-        planner=dataclasses.replace(cfg.planner, policy="smartmoe", every=4, window=2),
+        planner=dataclasses.replace(cfg.planner, policy="smartmoe", every=4, window=args.window,
+                                    fsep_every=args.fsep_every, fresh=args.fresh),
         checkpoint=CheckpointConfig(every=10**6, keep=1),
         train=dataclasses.replace(cfg.train, run_dir=os.path.join(tmp, name),
                                   num_steps=args.warmup_steps + num_steps, eval_every=10**6,
@@ -376,6 +386,7 @@ def main(argv=None) -> int:
             "profile": profile_from, "pool": pool, "also_fixed": args.also_fixed,
             "phases": args.phases,
             "every": args.every, "horizon": args.horizon, "max_drop": args.max_drop,
+            "fsep_every": args.fsep_every, "fresh": args.fresh, "window": args.window,
             "balance_rate": args.balance_rate, "warmup_steps": args.warmup_steps,
             "warmup_dispersion": dispersion, "runs": runs,
             "best_fixed": best and best["label"],

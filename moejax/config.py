@@ -164,8 +164,14 @@ class PlannerConfig:
   """Online expert placement (dyn.X): re-plan every `every` steps from finished steps."""
   policy: str = "static"          # "static" or "smartmoe" in ep mode (replay has more)
   every: int = 50                 # re-plan period in steps; 0 = never
+  fsep_every: int = 0             # the period in fsep mode (layouts there move no weights);
+                                  # 0 = `every`
   window: int = 10                # finished steps averaged into the predicted load
   min_gain: float = 0.05          # hysteresis: min relative drop of predicted max device load
+  # Read each step's metrics before dispatching the next: the re-planner and the online stage
+  # then decide on the step just finished (1 step late, not 2), but the host's work between
+  # steps (reading, planning, the next batch) no longer overlaps the device's.
+  fresh: bool = False
 
   def validate(self, expert_mode: str = "ep") -> None:
     allowed = {"ep": ("static", "smartmoe"), "fsep": ("static", "fsep")}[expert_mode]
@@ -173,10 +179,12 @@ class PlannerConfig:
       raise ConfigError(
           f"planner.policy={self.policy!r} cannot run in training with moe.expert_mode="
           f"{expert_mode!r}; use one of {list(allowed)} (replay also has 'shadow').")
-    if self.every < 0 or self.window < 1 or self.min_gain < 0:
-      raise ConfigError(f"planner.every={self.every}, planner.window={self.window}, "
-                        f"planner.min_gain={self.min_gain}: need every >= 0, window >= 1, "
-                        "min_gain >= 0.")
+    if self.every < 0 or self.fsep_every < 0 or self.window < 1 or self.min_gain < 0:
+      raise ConfigError(f"planner.every={self.every}, planner.fsep_every={self.fsep_every}, "
+                        f"planner.window={self.window}, planner.min_gain={self.min_gain}: need "
+                        "every >= 0, fsep_every >= 0, window >= 1, min_gain >= 0.")
+    if not isinstance(self.fresh, bool):
+      raise ConfigError(f"planner.fresh={self.fresh!r} must be True or False.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,9 +53,16 @@ class OnlinePlanner:
   def active(self) -> bool:
     return self.cfg.policy != "static"
 
+  @property
+  def every(self) -> int:
+    """Re-plan period: `fsep_every` for the fsep re-planner when set, else `every`."""
+    if self.cfg.policy == "fsep" and self.cfg.fsep_every > 0:
+      return self.cfg.fsep_every
+    return self.cfg.every
+
   def due(self, step: int) -> bool:
-    return (self.active and self.cfg.every > 0 and step > 0 and
-            step % self.cfg.every == 0 and len(self.history) > 0)
+    return (self.active and self.every > 0 and step > 0 and
+            step % self.every == 0 and len(self.history) > 0)
 
   def propose(self, current: list[pl.Placement]) -> tuple[list[pl.Placement], list[Switch]]:
     """New placements per layer (the current one where no switch pays off)."""

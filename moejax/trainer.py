@@ -323,10 +323,13 @@ class Trainer:
                                      done == cfg.train.num_steps)
         save_now = not stopping and done % cfg.checkpoint.every == 0 and (
             done != cfg.train.num_steps)
-        if eval_now or save_now:   # write this step's record first: a kill then loses nothing
+        # Read this step's metrics now: with planner.fresh the next step is planned on them;
+        # before an eval or a save its record is written first, so a kill then loses nothing.
+        if cfg.planner.fresh or eval_now or save_now:
           last = self._log(writer, bar, *pending, tokens_per_step)
           first = first or last
           pending = None
+        if eval_now or save_now:
           if eval_now:   # evaluated after step `step` finished (= at checkpoint `done`)
             writer.write({"step": step, "eval_loss": self.evaluate()})
           if save_now:

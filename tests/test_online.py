@@ -8,8 +8,9 @@ import os
 
 import jax
 import numpy as np
+import pytest
 
-from moejax.config import PlannerConfig, TraceConfig
+from moejax.config import ConfigError, PlannerConfig, TraceConfig
 from moejax.online import OnlinePlanner
 from moejax.planner import placement as pl
 from moejax.trainer import Trainer
@@ -38,6 +39,27 @@ def test_due_only_every_x_steps_with_history():
   op.observe(np.ones((1, 4, 8)))
   assert [s for s in range(12) if op.due(s)] == [5, 10]
   assert not OnlinePlanner(PlannerConfig(policy="static", every=5), 4).due(5)
+
+
+def test_fsep_every_sets_the_fsep_replanners_period_only():
+  fsep = OnlinePlanner(PlannerConfig(policy="fsep", every=6, fsep_every=2), num_devices=4)
+  ep = OnlinePlanner(PlannerConfig(policy="smartmoe", every=6, fsep_every=2), num_devices=4)
+  unset = OnlinePlanner(PlannerConfig(policy="fsep", every=6), num_devices=4)
+  for op in (fsep, ep, unset):
+    op.observe(np.ones((1, 4, 8)))
+  assert [s for s in range(13) if fsep.due(s)] == [2, 4, 6, 8, 10, 12]
+  assert [s for s in range(13) if ep.due(s)] == [6, 12]
+  assert [s for s in range(13) if unset.due(s)] == [6, 12]
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(fsep_every=-1), "planner.fsep_every=-1"),
+    (dict(fresh="yes"), "planner.fresh='yes'"),
+])
+def test_planner_config_errors_name_the_value(kw, needle):
+  with pytest.raises(ConfigError) as e:
+    PlannerConfig(policy="fsep", **kw).validate("fsep")
+  assert needle in str(e.value) and "\n" not in str(e.value)
 
 
 def test_propose_balances_skewed_history_and_round_trips_state():
@@ -92,6 +114,36 @@ def test_training_switches_layouts_records_trace_and_resumes_layout(tmp_path):
       np.testing.assert_array_equal(a, b)
   finally:
     resumed.checkpointer.close()
+
+
+def test_fresh_planning_sees_the_step_just_finished(tmp_path):
+  """planner.fresh: before step s is dispatched the re-planner holds the counts of steps
+  0..s-1, so with every=1 the first re-plan comes at step 1 (without it, step s sees up to
+  s-2 and the first re-plan can come at step 2 at the earliest)."""
+  base = tiny_config(tmp_path, num_steps=4, every=100, warmup_steps=2)
+  seen = {}
+
+  def runs(fresh):
+    cfg = dataclasses.replace(
+        base, moe=dataclasses.replace(base.moe, expert_mode="fsep", slots_per_device=4),
+        planner=PlannerConfig(policy="fsep", every=1, window=10, fresh=fresh),
+        train=dataclasses.replace(base.train, run_dir=str(tmp_path / f"fresh_{fresh}")))
+    trainer = Trainer(cfg)
+    try:
+      seen[fresh] = []
+      trainer.run(before_step=lambda tr, step: seen[fresh].append(len(tr.planner.history)))
+    finally:
+      trainer.checkpointer.close()
+    with open(os.path.join(cfg.train.run_dir, "metrics.jsonl")) as f:
+      records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records if "loss" in r] == [0, 1, 2, 3]
+    return sorted({r["step"] for r in records if r.get("event") == "layout_switch"})
+
+  fresh_switches, lagged_switches = runs(True), runs(False)
+  assert seen[True] == [0, 1, 2, 3]
+  assert seen[False] == [0, 0, 1, 2]
+  assert fresh_switches and fresh_switches[0] == 1
+  assert lagged_switches and lagged_switches[0] == 2
 
 
 def test_fsep_training_relayouts_without_migration_or_recompiling(tmp_path):
