@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--gin_file", action="append", default=None)
   parser.add_argument("--gin_bindings", action="append", default=[])
   parser.add_argument("--profile", default="h100_node",
-                      help="preset name or a JSON written by `python -m moejax.calibrate`")
+                      help="preset name, a JSON written by `python -m moejax.calibrate`, or a "
+                      "benchmarks/cost_model.py result (its fitted profile)")
   parser.add_argument("--devices", type=int, default=8)
   parser.add_argument("--pool", type=int, default=4)
   parser.add_argument("--max_drop", type=float, default=0.01)

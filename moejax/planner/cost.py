@@ -89,12 +89,16 @@ class HardwareProfile:
 
 
 def load_profile(name_or_path: str) -> HardwareProfile:
-  """A preset name (see PRESETS) or a JSON file written by `python -m moejax.calibrate`."""
+  """A preset name (see PRESETS), a JSON file written by `python -m moejax.calibrate`, or a
+  `benchmarks/cost_model.py` result (its whole-step fitted `profile`)."""
   if name_or_path in PRESETS:
     return PRESETS[name_or_path]
   try:
     with open(name_or_path) as f:
-      return HardwareProfile(**json.load(f))
+      data = json.load(f)
+    if isinstance(data, dict) and isinstance(data.get("profile"), dict):
+      data = data["profile"]
+    return HardwareProfile(**data)
   except (OSError, TypeError, ValueError) as e:
     raise ConfigError(f"hardware profile {name_or_path!r} is neither a preset "
                       f"({', '.join(PRESETS)}) nor a readable profile JSON ({e}); run "
