@@ -10,8 +10,9 @@ First `--warmup_steps` of plain training (the config's own strategy, balance
 loss on) take the router past its first steps, where a byte-level model's load
 is far from even; every run below restores that checkpoint (onto its own mesh
 and expert mode) and goes on from the same data position. Without `--pool`, the
-pool is moejax.plan's pick of 2 under the profile and the count dispersion of the
-warm-up's last 10 steps (`load_dispersion`).
+pool is moejax.plan's pick of 2 under the profile, with the expert shares and the
+count dispersion of the warm-up's last 10 steps as its `observed` regime (as
+`python -m moejax.plan --trace` does).
 
 The load then drifts in phases, steered by the router bias (data in the layout,
 so nothing recompiles). `uniform`: no steering, or with `--balance_rate` > 0 an
@@ -304,7 +305,7 @@ def main(argv=None) -> int:
   profile, profile_from = resolve_profile(args.profile, tmp)
   hot_by_step = hot_schedule(phases, cfg.moe.num_experts)
 
-  warm_dir, dispersion = None, 1.0
+  warm_dir, dispersion, observed, regimes = None, 1.0, None, plan.REGIMES
   if args.warmup_steps:
     warm_dir = os.path.join(tmp, "warmup")
     tick = time.perf_counter()
@@ -317,14 +318,15 @@ def main(argv=None) -> int:
     records = [json.loads(x) for x in open(os.path.join(warm_dir, "metrics.jsonl"))]
     counts = [[m["counts_by_source"] for m in r["moe"]] for r in records if "loss" in r]
     dispersion = load_dispersion(np.asarray(counts[-10:]))
+    observed, regimes = plan.observed_load(np.asarray(counts[-10:])), plan.OBSERVED_REGIMES
     print(f"warm-up: {args.warmup_steps} steps in {time.perf_counter() - tick:.0f}s, loss "
           f"{summary['last']['loss']:.3f}, dropped "
           f"{np.mean([m['dropped_fraction'] for m in summary['last']['moe']]):.1%}, count "
           f"dispersion {dispersion:.1f}")
 
   pool = args.pool or [s.spec for s in plan.pick_pool(
-      plan.rank(cfg, plan.load_profile(profile), len(devices), dispersion=dispersion), 2,
-      args.max_drop)]
+      plan.rank(cfg, plan.load_profile(profile), len(devices), regimes=regimes,
+                dispersion=dispersion, observed_LxE=observed), 2, args.max_drop, regimes)]
   print(f"profile: {profile_from}\npool: {', '.join(pool)}\nphases: {args.phases}")
 
   def config(members, name):

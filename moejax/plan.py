@@ -1,10 +1,13 @@
 """Offline stage: enumerate strategies, rank them per load regime, pick a small pool.
 
 `python -m moejax.plan --gin_file=configs/X.gin [--profile h100_node|profile.json]
-[--devices N] [--pool K] [--max_drop F] [--json OUT]` prints one row per strategy
-(predicted step time and dropped share under each regime, memory per device,
-why rejected) and the pool: the best strategy of each load regime (uniform,
-skewed, collapsed), then runners-up across regimes, at most K <= 4. A strategy's
+[--devices N] [--pool K] [--max_drop F] [--trace T.npz] [--json OUT]` prints one row
+per strategy (predicted step time and dropped share under each regime, memory per
+device, why rejected) and the pool: the best strategy of each load regime (uniform,
+skewed, collapsed), then runners-up across regimes, at most K <= 4. With a routing
+trace of the run (`trace.path`), the even regime gives way to the `observed` one: the
+expert shares of the trace's last steps, per layer, and their count dispersion (a
+trained router is seldom even, so an even regime underrates drops). A strategy's
 score under a regime is its predicted step time if it drops at most `max_drop` of
 the (token, k) choices there; otherwise it only competes on drops.
 Pure (numpy + config); the CLI parses gin through moejax.frontend.
@@ -20,10 +23,19 @@ import sys
 import numpy as np
 
 from moejax.config import Config, ConfigError
-from moejax.planner.cost import HardwareProfile, StepCost, Workload, load_profile, predict_step
+from moejax.planner.cost import (
+  HardwareProfile,
+  StepCost,
+  Workload,
+  load_dispersion,
+  load_profile,
+  predict_step,
+)
 from moejax.strategy import Strategy, space, why_invalid
+from moejax.workloads import load_trace
 
 REGIMES = ("uniform", "skewed", "collapse")
+OBSERVED_REGIMES = ("observed", "skewed", "collapse")     # with measured expert shares
 
 
 def regime_load(name: str, num_experts: int, seed: int = 0) -> np.ndarray:
@@ -38,7 +50,20 @@ def regime_load(name: str, num_experts: int, seed: int = 0) -> np.ndarray:
     rest = 0.6 * 0.5 ** np.arange(1, num_experts) if num_experts > 1 else np.zeros(0)
     p = np.concatenate([[0.4], rest]) + 1e-3
     return p / p.sum()
-  raise ConfigError(f"load regime {name!r} is unknown; use one of {REGIMES}.")
+  if name == "observed":
+    raise ConfigError("load regime 'observed' needs measured expert shares: pass observed_LxE "
+                      "(or --trace to moejax.plan).")
+  raise ConfigError(f"load regime {name!r} is unknown; use one of {REGIMES} or 'observed'.")
+
+
+def observed_load(counts_TxLxSxE: np.ndarray) -> np.ndarray:
+  """Expert shares [L, E] (rows sum to 1) of finished steps' counts [T, L, S, E]."""
+  c = np.asarray(counts_TxLxSxE, np.float64)
+  if c.ndim != 4 or c.shape[0] < 1:
+    raise ConfigError(f"observed load needs counts[steps, layers, sources, experts] with at "
+                      f"least one step, got shape {c.shape}.")
+  per_LxE = c.sum(axis=(0, 2))
+  return per_LxE / np.maximum(per_LxE.sum(-1, keepdims=True), 1.0)
 
 
 def workload_of(cfg: Config) -> Workload:
@@ -63,18 +88,29 @@ class Row:
 
 def rank(cfg: Config, profile: HardwareProfile, num_devices: int,
          candidates: list[Strategy] | None = None, regimes=REGIMES,
-         dispersion: float = 1.0) -> list[Row]:
+         dispersion: float = 1.0, observed_LxE: np.ndarray | None = None) -> list[Row]:
   """Every candidate's predicted cost per regime (or why it is rejected); `dispersion`: how
-  much a source's count per expert varies beyond independent tokens (drops grow with it)."""
+  much a source's count per expert varies beyond independent tokens (drops grow with it);
+  `observed_LxE`: measured expert shares per MoE layer, the `observed` regime's load."""
   w = workload_of(cfg)
-  loads = {r: regime_load(r, cfg.moe.num_experts) for r in regimes}
+  loads = {}
+  for r in regimes:
+    if r == "observed" and observed_LxE is not None:
+      loads[r] = np.asarray(observed_LxE, np.float64)
+      if loads[r].shape[-1] != cfg.moe.num_experts or loads[r].ndim != 2 or (
+          len(loads[r]) not in (1, w.moe_layers)):
+        raise ConfigError(f"observed expert shares have shape {loads[r].shape}; this model "
+                          f"needs [{w.moe_layers} MoE layers (or 1), {cfg.moe.num_experts} "
+                          "experts]: record the trace with the same model.")
+    else:
+      loads[r] = regime_load(r, cfg.moe.num_experts)[None]
   rows = []
   for s in candidates if candidates is not None else space(cfg, num_devices):
     reason = why_invalid(s, cfg)
     if reason:
       rows.append(Row(s, {}, reason))
       continue
-    costs = {r: predict_step(s, w, profile, loads[r][None], dispersion) for r in regimes}
+    costs = {r: predict_step(s, w, profile, loads[r], dispersion) for r in regimes}
     mem = max(c.memory_bytes for c in costs.values())
     if mem > profile.memory_bytes:
       reason = f"needs {mem / 2**30:.2f} GiB > {profile.memory_bytes / 2**30:.2f} GiB"
@@ -134,9 +170,15 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--devices", type=int, default=8)
   parser.add_argument("--pool", type=int, default=4)
   parser.add_argument("--max_drop", type=float, default=0.01)
-  parser.add_argument("--dispersion", type=float, default=1.0,
+  parser.add_argument("--dispersion", type=float, default=None,
                       help="count variance / mean per source and expert (1 = independent "
-                      "tokens; byte-level text after warm-up: about 6-9)")
+                      "tokens; byte-level text after warm-up: about 6-9); default: the "
+                      "trace's, or 1")
+  parser.add_argument("--trace", default=None,
+                      help="routing trace .npz of a run (trace.path): plan for its observed "
+                      "expert shares instead of even ones")
+  parser.add_argument("--trace_steps", type=int, default=10,
+                      help="the trace's last steps that make the observed load")
   parser.add_argument("--json", default=None)
   args = parser.parse_args(argv)
   from moejax.frontend import DEFAULT_GIN, parse_config  # the one gin importer
@@ -144,16 +186,27 @@ def main(argv: list[str] | None = None) -> int:
   try:
     cfg = parse_config(args.gin_file or [DEFAULT_GIN], args.gin_bindings)
     profile = load_profile(args.profile)
-    if args.dispersion < 1.0:
-      raise ConfigError(f"--dispersion={args.dispersion} must be >= 1 (1 = independent "
-                        "tokens).")
-    rows = rank(cfg, profile, args.devices, dispersion=args.dispersion)
-    pool = pick_pool(rows, args.pool, args.max_drop)
+    dispersion, observed, regimes = args.dispersion, None, REGIMES
+    if args.trace:
+      if args.trace_steps < 1:
+        raise ConfigError(f"--trace_steps={args.trace_steps} must be >= 1.")
+      counts = load_trace(args.trace)["counts"][-args.trace_steps:]
+      observed, regimes = observed_load(counts), OBSERVED_REGIMES
+      if dispersion is None:
+        dispersion = load_dispersion(counts)
+    dispersion = 1.0 if dispersion is None else dispersion
+    if dispersion < 1.0:
+      raise ConfigError(f"--dispersion={dispersion} must be >= 1 (1 = independent tokens).")
+    rows = rank(cfg, profile, args.devices, regimes=regimes, dispersion=dispersion,
+                observed_LxE=observed)
+    pool = pick_pool(rows, args.pool, args.max_drop, regimes)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  print(f"profile {profile.name}; {args.devices} devices; drop limit {args.max_drop:.1%}")
-  print(table(rows))
+  print(f"profile {profile.name}; {args.devices} devices; drop limit {args.max_drop:.1%}; "
+        f"count dispersion {dispersion:.1f}" +
+        (f"; observed load: last {len(counts)} steps of {args.trace}" if args.trace else ""))
+  print(table(rows, regimes))
   print("pool: " + ", ".join(s.spec for s in pool))
   print("train with: --gin_bindings=\"strategy.pool = [" +
         ", ".join(repr(s.spec) for s in pool) + "]\"")

@@ -188,6 +188,39 @@ def test_plan_cli_prints_table_and_pool(tmp_path, capsys):
   assert plan.main(["--profile", "nope"]) == 2
 
 
+def test_observed_regime_plans_for_the_measured_expert_shares(tmp_path, capsys):
+  """A trained router is seldom even: under its measured shares ep at cf1.25 drops several
+  times more than under even ones, so the pool's first member needs more capacity."""
+  skew_E = np.array([0.17, 0.15, 0.14, 0.13, 0.12, 0.11, 0.10, 0.08])
+  even = plan.rank(CFG, PRESETS["h100_node"], 8, dispersion=3.0)
+  seen = plan.rank(CFG, PRESETS["h100_node"], 8, regimes=plan.OBSERVED_REGIMES,
+                   dispersion=3.0, observed_LxE=skew_E[None])
+  (e_drop,) = [r.costs["uniform"].drop_fraction for r in even if r.strategy.spec ==
+               "ep/1x8x1/cf1.25"]
+  (o_drop,) = [r.costs["observed"].drop_fraction for r in seen if r.strategy.spec ==
+               "ep/1x8x1/cf1.25"]
+  assert o_drop > 2 * e_drop
+  assert plan.pick_pool(even, 2, 0.03)[0].capacity_factor == 1.25
+  assert plan.pick_pool(seen, 2, 0.03, plan.OBSERVED_REGIMES)[0].capacity_factor == 1.5
+
+  counts = np.zeros((3, 2, 8, 8), np.int32)      # [steps, MoE layers, sources, experts]
+  counts[:] = np.round(skew_E * 1000).astype(np.int32)
+  np.testing.assert_allclose(plan.observed_load(counts), np.tile(skew_E, (2, 1)), atol=1e-3)
+  trace = tmp_path / "trace.npz"
+  np.savez(trace, counts=counts)
+  assert plan.main(["--profile", "h100_node", "--pool", "2", "--max_drop", "0.03",
+                    "--dispersion", "3", "--trace", str(trace)]) == 0
+  printed = capsys.readouterr().out
+  assert "observed ms" in printed and f"last 3 steps of {trace}" in printed
+  assert "pool: ep/8x1x1/cf1.5" in printed
+  np.savez(trace, counts=counts[..., :5])         # another model's trace: 5 experts
+  assert plan.main(["--profile", "h100_node", "--trace", str(trace)]) == 2
+  err = capsys.readouterr().err
+  assert "observed expert shares have shape (2, 5)" in err and "\n" not in err.strip()
+  with pytest.raises(ConfigError, match="observed_LxE"):
+    plan.regime_load("observed", 8)
+
+
 def _switcher(every=10, max_drop=0.01, pool=("ep/1x8x1/cf1.25", "fsep/1x8x1/c2/cf1.25"),
               horizon=0):
   from moejax.config import StrategyConfig
