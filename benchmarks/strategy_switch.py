@@ -55,7 +55,6 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 
 if "XLA_FLAGS" not in os.environ:
@@ -66,6 +65,7 @@ import jax
 import numpy as np
 
 from benchmarks.common import RESULTS, write_result
+from benchmarks.turns import Turns, side_by_side
 from moejax import plan
 from moejax.calibrate import calibrate, save
 from moejax.config import CheckpointConfig, ConfigError
@@ -140,35 +140,6 @@ def resolve_profile(arg: str, tmp: str) -> tuple[str, str]:
   return arg, arg
 
 
-class Turns:
-  """Runs that train side by side take turns, one step each: a slow spell of a shared machine
-  then hits every run alike instead of whichever ran during it."""
-
-  def __init__(self, order: list[int]):
-    self.order, self.done = order, set()
-    self.at = 0
-    self.cond = threading.Condition()
-
-  def wait(self, me: int) -> None:
-    with self.cond:
-      self.cond.wait_for(lambda: self.order[self.at] == me)
-
-  def pass_on(self, me: int, finished: bool = False) -> None:
-    """Ends `me`'s turn (the next run not finished takes it); `finished`: `me` leaves the
-    rotation, from its turn or, failing before it, from anywhere."""
-    with self.cond:
-      if me in self.done:
-        return
-      holding = self.order[self.at] == me
-      if finished:
-        self.done.add(me)
-      if holding and len(self.done) < len(self.order):
-        self.at = (self.at + 1) % len(self.order)
-        while self.order[self.at] in self.done:
-          self.at = (self.at + 1) % len(self.order)
-      self.cond.notify_all()
-
-
 def run_one(cfg, hot_by_step, rate: float, label: str, warm_dir: str | None,
             turns: Turns, me: int) -> dict:
   """Trains `cfg` from the warm-up checkpoint to the end under the load steering, one step
@@ -227,31 +198,6 @@ def run_one(cfg, hot_by_step, rate: float, label: str, warm_dir: str | None,
                                           "predicted_gain_s", "switch_cost_s")}
                        for r in records if r.get("event") == "strategy_switch"],
           "layout_switches": sum(r.get("event") == "layout_switch" for r in records)}
-
-
-def side_by_side(jobs: list) -> list[dict]:
-  """Runs `jobs` (callables of (turns, me)) in threads that take turns one step each, in the
-  list's order; re-raises the first failure."""
-  turns = Turns(list(range(len(jobs))))
-  out: list = [None] * len(jobs)
-
-  def go(i):
-    try:
-      out[i] = jobs[i](turns, i)
-    except BaseException as e:   # handed to the main thread below
-      out[i] = e
-    finally:
-      turns.pass_on(i, finished=True)   # a no-op for a job that already left the rotation
-
-  threads = [threading.Thread(target=go, args=(i,)) for i in range(len(jobs))]
-  for t in threads:
-    t.start()
-  for t in threads:
-    t.join()
-  for r in out:
-    if isinstance(r, BaseException):
-      raise r
-  return out
 
 
 def phase_drops(drops: list[float], phases) -> list[float]:

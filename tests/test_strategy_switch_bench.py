@@ -4,14 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.strategy_switch import (
-  Turns,
-  best_fixed,
-  hot_schedule,
-  parse_phases,
-  phase_drops,
-  side_by_side,
-)
+from benchmarks.strategy_switch import best_fixed, hot_schedule, parse_phases, phase_drops
+from benchmarks.turns import Turns, side_by_side
 from moejax.config import ConfigError
 
 
