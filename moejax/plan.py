@@ -97,7 +97,7 @@ def rank(cfg: Config, profile: HardwareProfile, num_devices: int,
   for r in regimes:
     if r == "observed" and observed_LxE is not None:
       loads[r] = np.asarray(observed_LxE, np.float64)
-      if loads[r].shape[-1] != cfg.moe.num_experts or loads[r].ndim != 2 or (
+      if loads[r].ndim != 2 or loads[r].shape[1] != cfg.moe.num_experts or (
           len(loads[r]) not in (1, w.moe_layers)):
         raise ConfigError(f"observed expert shares have shape {loads[r].shape}; this model "
                           f"needs [{w.moe_layers} MoE layers (or 1), {cfg.moe.num_experts} "
