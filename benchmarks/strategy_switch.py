@@ -263,8 +263,9 @@ def main(argv=None) -> int:
     warm.checkpointer.close()
     records = [json.loads(x) for x in open(os.path.join(warm_dir, "metrics.jsonl"))]
     counts = [[m["counts_by_source"] for m in r["moe"]] for r in records if "loss" in r]
-    dispersion = load_dispersion(np.asarray(counts[-10:]))
-    observed, regimes = plan.observed_load(np.asarray(counts[-10:])), plan.OBSERVED_REGIMES
+    last_TxLxSxE = np.asarray(counts[-10:])
+    dispersion = load_dispersion(last_TxLxSxE)
+    observed, regimes = plan.observed_load(last_TxLxSxE), plan.OBSERVED_REGIMES
     print(f"warm-up: {args.warmup_steps} steps in {time.perf_counter() - tick:.0f}s, loss "
           f"{summary['last']['loss']:.3f}, dropped "
           f"{np.mean([m['dropped_fraction'] for m in summary['last']['moe']]):.1%}, count "
