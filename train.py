@@ -15,9 +15,9 @@ import os
 import sys
 
 from moejax import config as config_lib
-from moejax.faults import NonFiniteError
 from moejax.frontend import DEFAULT_GIN, operative_config, parse_config
-from moejax.preempt import StopRequest
+from moejax.train.faults import NonFiniteError
+from moejax.train.preempt import StopRequest
 
 __all__ = ["DEFAULT_GIN", "main", "parse_config"]
 
@@ -43,13 +43,13 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
   try:
     cfg = parse_config(args.gin_file or [DEFAULT_GIN], args.gin_bindings)
     fake_host_devices(cfg.mesh.host_device_count)
-    from moejax import distributed  # imports jax only if the environment is multi-process
+    from moejax.runtime import distributed  # imports jax only if the environment is multi-process
 
     if distributed.maybe_initialize():
       stop.reinstall()   # JAX's preemption notifier took SIGTERM
     import jax
 
-    from moejax.trainer import train  # imports jax: only after XLA_FLAGS is settled
+    from moejax.train.trainer import train  # imports jax: only after XLA_FLAGS is settled
 
     main_process = jax.process_index() == 0
     os.makedirs(cfg.train.run_dir, exist_ok=True)

@@ -30,16 +30,16 @@ import jax
 import numpy as np
 
 from benchmarks.common import RESULTS, write_result
-from moejax import plan
-from moejax.calibrate import calibrate, fit_steps
-from moejax.data import BatchLoader, load_tokens
 from moejax.frontend import DEFAULT_GIN, parse_config
-from moejax.optim import optimizer, schedule
-from moejax.planner.cost import PRESETS, predict_step
-from moejax.programs import build_program
-from moejax.state import init_state
-from moejax.strategy import parse
-from moejax.switcher import expert_shares
+from moejax.strategy import offline as plan
+from moejax.strategy.calibrate import calibrate, fit_steps
+from moejax.strategy.cost import PRESETS, predict_step
+from moejax.strategy.spec import parse
+from moejax.strategy.switcher import expert_shares
+from moejax.train.data import BatchLoader, load_tokens
+from moejax.train.optim import optimizer, schedule
+from moejax.train.programs import build_program
+from moejax.train.state import init_state
 
 
 def calibration_strategies(rows, pool, k: int) -> list:

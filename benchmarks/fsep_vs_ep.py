@@ -40,17 +40,18 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax.config import MoEConfig
-from moejax.layout import (
+from moejax.layout import placement as pl
+from moejax.layout.tables import (
   from_placements,
   round_robin_placement,
   static_layout,
   to_placements,
 )
-from moejax.mesh import BATCH_AXES, logical_to_spec, mesh_of_shape
-from moejax.moe import dispatch
-from moejax.moe.fsep import FSEP_PARAM_AXES, restore_slot_weights
-from moejax.moe.layer import EXPERT_PARAM_AXES, ROUTER_AXES, moe_apply
-from moejax.planner import CostModel, get_policy, placement as pl
+from moejax.model.mesh import BATCH_AXES, logical_to_spec, mesh_of_shape
+from moejax.model.moe import dispatch
+from moejax.model.moe.fsep_experts import FSEP_PARAM_AXES, restore_slot_weights
+from moejax.model.moe.layer import EXPERT_PARAM_AXES, ROUTER_AXES, moe_apply
+from moejax.placement.policies import CostModel, get_policy
 
 
 def parse_args(argv):

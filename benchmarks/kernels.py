@@ -43,9 +43,9 @@ import numpy as np
 from benchmarks.common import write_result
 from benchmarks.moe_layer import init_params, place_sharded
 from moejax.config import MoEConfig
-from moejax.layout import static_layout
-from moejax.mesh import AXES
-from moejax.moe.layer import moe_apply
+from moejax.layout.tables import static_layout
+from moejax.model.mesh import AXES
+from moejax.model.moe.layer import moe_apply
 from pallas_kernels import grouped_matmul, permute, timing, unpermute
 
 KERNEL_COLUMNS = ["kernel", "dtype", "block_rows", "block_d", "block_m", "block_k", "block_n",

@@ -60,10 +60,10 @@ from jax.sharding import (
 
 from benchmarks.common import write_result
 from moejax.config import MoEConfig
-from moejax.layout import static_layout
-from moejax.mesh import BATCH_AXES, logical_to_spec, mesh_of_shape
-from moejax.moe.layer import EXPERT_PARAM_AXES, ROUTER_AXES, moe_apply
-from moejax.moe.reference import moe_reference
+from moejax.layout.tables import static_layout
+from moejax.model.mesh import BATCH_AXES, logical_to_spec, mesh_of_shape
+from moejax.model.moe.layer import EXPERT_PARAM_AXES, ROUTER_AXES, moe_apply
+from moejax.model.moe.reference import moe_reference
 
 DEFAULT_JSON = "benchmarks/results/moe_layer_cpu.json"
 BALANCE_W = 0.01

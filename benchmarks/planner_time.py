@@ -40,9 +40,10 @@ if str(_REPO) not in sys.path:
 import numpy as np
 
 from benchmarks.common import write_result
-from moejax.planner import ONE_COPY_POLICIES, POLICIES, CostModel, placement as pl
-from moejax.planner.flow import flow, max_over_mean
-from moejax.workloads import synthetic_trace
+from moejax.layout import placement as pl
+from moejax.layout.flow import flow, max_over_mean
+from moejax.placement.policies import ONE_COPY_POLICIES, POLICIES, CostModel
+from moejax.placement.workloads import synthetic_trace
 
 DEFAULT_JSON = "benchmarks/results/planner_time.json"
 CONFIGS = ((64, 64), (64, 256), (256, 256))     # (experts E, devices N)

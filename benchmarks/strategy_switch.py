@@ -66,13 +66,13 @@ import numpy as np
 
 from benchmarks.common import RESULTS, write_result
 from benchmarks.turns import Turns, side_by_side
-from moejax import plan
-from moejax.calibrate import calibrate, save
 from moejax.config import CheckpointConfig, ConfigError
 from moejax.frontend import DEFAULT_GIN, parse_config
-from moejax.planner.cost import PRESETS, load_dispersion
-from moejax.programs import CompileCounter
-from moejax.trainer import Trainer
+from moejax.strategy import offline as plan
+from moejax.strategy.calibrate import calibrate, save
+from moejax.strategy.cost import PRESETS, load_dispersion
+from moejax.train.programs import CompileCounter
+from moejax.train.trainer import Trainer
 
 DEFAULT_PROFILE = os.path.join(RESULTS, "cost_model_cpu.json")
 

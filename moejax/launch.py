@@ -1,108 +1,16 @@
-"""Start P processes of one command on this machine, connected over loopback.
-
-  python -m moejax.launch --processes 2 --devices_per_process 4 -- python train.py [flags]
-
-Each child gets JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>, JAX_NUM_PROCESSES=P and
-JAX_PROCESS_ID=i (read by `moejax.distributed`), JAX_PLATFORMS=cpu unless set, and with
---devices_per_process an XLA_FLAGS that fakes that many CPU devices. Output lines are prefixed
-with `[i] `. The first SIGTERM/SIGINT is forwarded to every child (they finish the step, save
-and exit 0); a second one kills them. If a child fails, the others are killed and the launcher
-exits with that child's code (128 + signal for a signal).
-"""
+"""`python -m moejax.launch -n P [-d D] -- command ...`: starts P processes of one
+multi-process job on this machine (library: `moejax.runtime.launch`)."""
 
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import socket
-import subprocess
 import sys
-import threading
-import time
 
-
-def free_port() -> int:
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def child_env(base: dict, index: int, processes: int, port: int,
-              devices_per_process: int | None) -> dict:
-  env = dict(base, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-             JAX_NUM_PROCESSES=str(processes), JAX_PROCESS_ID=str(index))
-  env.setdefault("JAX_PLATFORMS", "cpu")
-  if devices_per_process is not None:
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    env["XLA_FLAGS"] = " ".join(
-        flags + [f"--xla_force_host_platform_device_count={devices_per_process}"])
-  return env
-
-
-def _pump(stream, prefix: bytes, out) -> None:
-  for line in iter(stream.readline, b""):
-    out.write(prefix + line)
-    out.flush()
-  stream.close()
-
-
-def exit_code(returncode: int) -> int:
-  return 128 - returncode if returncode < 0 else returncode
-
-
-def launch(command: list[str], processes: int, devices_per_process: int | None = None,
-           env: dict | None = None) -> int:
-  """Runs `command` as processes 0..P-1; returns 0 iff all exit 0."""
-  port = free_port()
-  base = dict(os.environ if env is None else env)
-  procs, pumps = [], []
-  for i in range(processes):
-    # A new session each: a terminal's Ctrl-C reaches only the launcher, which forwards once.
-    p = subprocess.Popen(command, env=child_env(base, i, processes, port, devices_per_process),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    procs.append(p)
-    for stream, out in ((p.stdout, sys.stdout.buffer), (p.stderr, sys.stderr.buffer)):
-      t = threading.Thread(target=_pump, args=(stream, f"[{i}] ".encode(), out), daemon=True)
-      t.start()
-      pumps.append(t)
-  signals_seen = []
-
-  def forward(signum, frame):
-    signals_seen.append(signum)
-    for p in procs:
-      if p.poll() is None:
-        p.send_signal(signum if len(signals_seen) == 1 else signal.SIGKILL)
-
-  old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
-  try:
-    while True:
-      codes = [p.poll() for p in procs]
-      failed = [c for c in codes if c not in (None, 0)]
-      if failed or all(c == 0 for c in codes):
-        break
-      time.sleep(0.05)
-    if failed:
-      for p in procs:
-        if p.poll() is None:
-          p.kill()
-    for p in procs:
-      p.wait()
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-    for s, h in old.items():
-      signal.signal(s, h)
-    for t in pumps:
-      t.join(timeout=5)
-  return exit_code(failed[0]) if failed else 0
+from moejax.runtime.launch import launch
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0].split(': ', 1)[-1],
                                    usage="python -m moejax.launch [options] -- command ...")
   parser.add_argument("--processes", "-n", type=int, default=2)
   parser.add_argument("--devices_per_process", "-d", type=int, default=None,

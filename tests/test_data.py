@@ -7,8 +7,8 @@ import os
 import numpy as np
 import pytest
 
-from moejax import data
 from moejax.config import ConfigError, DataConfig
+from moejax.train import data
 
 MAX_BYTES = 200_000
 

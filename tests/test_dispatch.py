@@ -5,8 +5,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from moejax.moe import dispatch
-from moejax.moe.combine import combine
+from moejax.model.moe import dispatch
+from moejax.model.moe.combine import combine
 
 
 def test_capacity_rounds_up_and_is_positive():

@@ -10,13 +10,14 @@ import jax
 import numpy as np
 import pytest
 
-from moejax import convert, data as data_lib
-from moejax.checkpoint import Checkpointer
 from moejax.config import MeshConfig
-from moejax.digest import path_name
-from moejax.layout import from_slot_expert
-from moejax.migrate import migrate
-from moejax.trainer import Trainer
+from moejax.layout import convert, leaves
+from moejax.layout.migrate import migrate
+from moejax.layout.tables import from_slot_expert
+from moejax.train import data as data_lib
+from moejax.train.checkpoint import Checkpointer
+from moejax.train.digest import path_name
+from moejax.train.trainer import Trainer
 from tests.run_helpers import reference_losses  # noqa: F401  (fixture)
 from tests.test_train import tiny_config
 
@@ -96,7 +97,7 @@ def test_convert_tree_moves_expert_leaves_both_ways_on_arrays_and_shapes():
   def params(mode):
     moe = {"router": np.ones((1, 4, 8))}
     experts = {w: np.full((1, 8, 4, 6) if w != "w_down" else (1, 8, 6, 4), i, np.float32)
-               for i, w in enumerate(convert.EXPERT_WEIGHTS)}
+               for i, w in enumerate(leaves.EXPERT_WEIGHTS)}
     root = {"embed": np.zeros((16, 4)), "layers": {"moe": moe, "attn_moe": {"wq": np.ones(2)}}}
     if mode == "ep":
       moe.update(experts)

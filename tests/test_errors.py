@@ -9,7 +9,6 @@ import sys
 import numpy as np
 import pytest
 
-from moejax import data as data_lib, layout as layout_lib, mesh as mesh_lib
 from moejax.config import (
   CheckpointConfig,
   Config,
@@ -20,7 +19,10 @@ from moejax.config import (
   MoEConfig,
   TrainConfig,
 )
-from moejax.trainer import Trainer
+from moejax.layout import tables as layout_lib
+from moejax.model import mesh as mesh_lib
+from moejax.train import data as data_lib
+from moejax.train.trainer import Trainer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:

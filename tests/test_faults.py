@@ -16,9 +16,9 @@ import jax
 import numpy as np
 import pytest
 
-from moejax import data as data_lib
-from moejax.checkpoint import CheckpointError
-from moejax.trainer import Trainer
+from moejax.train import data as data_lib
+from moejax.train.checkpoint import CheckpointError
+from moejax.train.trainer import Trainer
 from tests import run_helpers
 from tests.run_helpers import reference_losses  # noqa: F401  (fixture)
 from tests.test_train import checkpoint_steps, read_jsonl, step_losses, tiny_config
@@ -193,8 +193,8 @@ def test_damaged_checkpoints_fall_back_to_the_last_intact_one(tmp_path, caplog,
 def test_digest_sees_one_changed_word_and_ignores_sharding():
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  from moejax import digest
-  from moejax.mesh import mesh_of_shape
+  from moejax.model.mesh import mesh_of_shape
+  from moejax.train import digest
 
   x = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
   mesh = mesh_of_shape((2, 4, 1))

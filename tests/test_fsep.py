@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from moejax import step as step_lib
 from moejax.config import MoEConfig
-from moejax.layout import from_placements, round_robin_layout
-from moejax.mesh import logical_to_spec, mesh_of_shape
-from moejax.moe.fsep import FSEP_PARAM_AXES, restore_slot_weights
-from moejax.moe.layer import moe_apply
-from moejax.moe.reference import moe_reference
-from moejax.moe.replicas import choose_slots
-from moejax.planner import placement as pl
+from moejax.layout import placement as pl
+from moejax.layout.tables import from_placements, round_robin_layout
+from moejax.model.mesh import logical_to_spec, mesh_of_shape
+from moejax.model.moe.fsep_experts import FSEP_PARAM_AXES, restore_slot_weights
+from moejax.model.moe.layer import moe_apply
+from moejax.model.moe.reference import moe_reference
+from moejax.model.moe.replicas import choose_slots
+from moejax.train import step as step_lib
 from tests.helpers import TINY_MOE, tiny_setup, tokens
 from tests.test_moe_equivalence import D, E, F, assert_trees_close, make_params
 
@@ -165,7 +165,7 @@ def test_fsep_param_specs_shard_ffn_over_all_group_devices():
 @pytest.mark.parametrize("seed", range(4))
 def test_in_graph_proportional_split_matches_host(seed):
   """split_slots (device) and placement.split_loads (host) agree per (source, slot)."""
-  from moejax.moe.replicas import split_slots
+  from moejax.model.moe.replicas import split_slots
   n, slots = 8, 2
 
   def pick(expert_A, expert_slots, expert_parts):

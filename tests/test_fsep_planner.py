@@ -9,13 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moejax import planner
 from moejax.config import ConfigError
-from moejax.planner import fsep, placement as pl
-from moejax.planner.cost import CostModel
-from moejax.planner.flow import flow, max_over_mean
-from moejax.replay import replay
-from moejax.workloads import load_trace, synthetic_trace
+from moejax.layout import placement as pl
+from moejax.layout.flow import flow, max_over_mean
+from moejax.placement import fsep, policies as planner
+from moejax.placement.cost import CostModel
+from moejax.placement.replay import replay
+from moejax.placement.workloads import load_trace, synthetic_trace
 
 TRACES = Path(__file__).resolve().parents[1] / "benchmarks" / "traces"
 

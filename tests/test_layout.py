@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from moejax import checkpoint, step as step_lib
 from moejax.config import ConfigError
-from moejax.layout import from_slot_expert, static_layout
+from moejax.layout.tables import from_slot_expert, static_layout
+from moejax.train import checkpoint, step as step_lib
 from tests.helpers import TINY_MOE, tiny_setup, tokens
 
 

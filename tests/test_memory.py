@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moejax.memory import FP32, expert_bytes, report
+from moejax.strategy.memory import FP32, expert_bytes, report
 
 
 def test_ep_and_fsep_bytes():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moejax.metrics import device_load, max_over_mean, moe_layer_records
+from moejax.train.metrics import device_load, max_over_mean, moe_layer_records
 
 
 def test_device_load_sums_slots_per_device_within_each_data_row():

@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax import checkpoint, migrate, step as step_lib
-from moejax.layout import from_slot_expert
+from moejax.layout import leaves, migrate
+from moejax.layout.tables import from_slot_expert
+from moejax.train import checkpoint, step as step_lib
 from tests.helpers import TINY_MOE, tiny_setup, tokens
 
 STEPS = 3
@@ -63,7 +64,7 @@ def test_migration_moves_adam_moments_with_the_expert():
   mu = state.opt_state[1][0].mu
   marked = jax.tree_util.tree_map_with_path(
       lambda p, x: (x * 0 + np.arange(8).reshape((1, 8) + (1,) * (x.ndim - 2)))
-      if migrate.is_expert_leaf(p) else x, mu)
+      if leaves.is_expert_leaf(p) else x, mu)
   state = state.replace(opt_state=(state.opt_state[0],
                                    (state.opt_state[1][0]._replace(mu=marked),)
                                    + tuple(state.opt_state[1][1:])))

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from moejax import step as step_lib
+from moejax.train import step as step_lib
 from tests.helpers import TINY_MOE, tiny_setup, tokens
 
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from moejax.config import MoEConfig
-from moejax.layout import from_slot_expert, static_layout
-from moejax.mesh import mesh_of_shape
-from moejax.moe.layer import moe_apply
-from moejax.moe.reference import moe_reference
+from moejax.layout.tables import from_slot_expert, static_layout
+from moejax.model.mesh import mesh_of_shape
+from moejax.model.moe.layer import moe_apply
+from moejax.model.moe.reference import moe_reference
 
 E, D, F = 8, 16, 32
 MESHES = [(1, 8, 1), (2, 4, 1), (2, 2, 2), (1, 4, 2)]

@@ -21,10 +21,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from moejax.config import ConfigError, MoEConfig
-from moejax.layout import static_layout
-from moejax.mesh import mesh_of_shape
-from moejax.moe import ragged
-from moejax.moe.kernels import ops_for
+from moejax.layout.tables import static_layout
+from moejax.model.mesh import mesh_of_shape
+from moejax.model.moe import ragged
+from moejax.model.moe.ops import ops_for
 from tests.helpers import TINY_MOE, tiny_setup
 from tests.test_moe_equivalence import (
   D,

@@ -57,7 +57,7 @@ def test_two_processes_match_one_stop_together_and_resume(tmp_path, reference_lo
 
 def test_distributed_plan_reads_explicit_env_and_clusters():
   from moejax.config import ConfigError
-  from moejax.distributed import plan
+  from moejax.runtime.distributed import plan
 
   assert plan({}) is None
   env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4",
@@ -81,7 +81,7 @@ def test_distributed_plan_reads_explicit_env_and_clusters():
 
 
 def test_launcher_env_exit_codes_and_usage(capsys):
-  from moejax import launch
+  from moejax.runtime import launch
 
   env = launch.child_env({"XLA_FLAGS": "--xla_foo=1 --xla_force_host_platform_device_count=8"},
                          1, 2, 4321, devices_per_process=4)
@@ -101,8 +101,8 @@ def test_launcher_env_exit_codes_and_usage(capsys):
 
 
 def test_each_process_reads_only_the_rows_its_devices_hold():
-  from moejax import data as data_lib
-  from moejax.mesh import batch_sharding, mesh_of_shape
+  from moejax.model.mesh import batch_sharding, mesh_of_shape
+  from moejax.train import data as data_lib
 
   sharding = batch_sharding(mesh_of_shape((2, 4, 1)))
   assert data_lib.process_rows(sharding, 16, 33) == (0, 16)   # one process holds all rows

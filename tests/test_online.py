@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from moejax.config import ConfigError, PlannerConfig, TraceConfig
-from moejax.online import OnlinePlanner
-from moejax.planner import placement as pl
-from moejax.trainer import Trainer
+from moejax.layout import placement as pl
+from moejax.placement.replanner import OnlinePlanner
+from moejax.train.trainer import Trainer
 from tests.test_train import tiny_config
 
 
@@ -179,7 +179,7 @@ def test_fsep_training_relayouts_without_migration_or_recompiling(tmp_path):
 def test_trace_sources_are_stored_expert_major(tmp_path):
   """The step orders sources (data, expert); the trace stores them so that source s ran on
   expert-axis device s*N // S (the replay mapping)."""
-  from moejax.trace import TraceRecorder
+  from moejax.placement.trace import TraceRecorder
   rec = TraceRecorder(str(tmp_path / "t.npz"), top_k=1)
   counts = np.arange(1 * 8 * 3).reshape(1, 8, 3)      # 2 data rows x 4 devices, 3 experts
   rec.add(0, counts, expert_devices=4)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moejax import planner
 from moejax.config import ConfigError
-from moejax.planner import placement as pl, shadow, smartmoe
-from moejax.planner.cost import CostModel
-from moejax.planner.flow import flow, max_over_mean
+from moejax.layout import placement as pl
+from moejax.layout.flow import flow, max_over_mean
+from moejax.placement import policies as planner, shadow, smartmoe
+from moejax.placement.cost import CostModel
 
 
 def _dev_loads(p: pl.Placement, load_E):

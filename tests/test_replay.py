@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from moejax.config import ConfigError
-from moejax.planner import POLICIES, placement as pl, predict
-from moejax.planner.flow import flow, max_over_mean
-from moejax.replay import replay
-from moejax.workloads import save_trace, synthetic_trace
+from moejax.layout import placement as pl
+from moejax.layout.flow import flow, max_over_mean
+from moejax.placement.policies import POLICIES, predict
+from moejax.placement.replay import replay
+from moejax.placement.workloads import save_trace, synthetic_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,11 +12,11 @@ import jax
 import pytest
 
 from moejax.config import OptimConfig
-from moejax.layout import static_layout
-from moejax.mesh import mesh_of_shape
-from moejax.model import Transformer
-from moejax.optim import optimizer
-from moejax.state import state_shardings
+from moejax.layout.tables import static_layout
+from moejax.model.mesh import mesh_of_shape
+from moejax.model.transformer import Transformer
+from moejax.train.optim import optimizer
+from moejax.train.state import state_shardings
 from tests.helpers import BATCH, SEQ, TINY_MODEL, TINY_MOE
 
 SNAPSHOT_DIR = os.path.join(os.path.dirname(__file__), "snapshots")

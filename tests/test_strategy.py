@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from moejax import plan
 from moejax.config import Config, ConfigError, DataConfig, ModelConfig, MoEConfig
-from moejax.planner.cost import PRESETS, expected_overflow, load_profile, predict_step
-from moejax.strategy import Strategy, check_pool, factorizations, parse, space, why_invalid
+from moejax.strategy import offline as plan
+from moejax.strategy.cost import PRESETS, expected_overflow, load_profile, predict_step
+from moejax.strategy.spec import Strategy, check_pool, factorizations, parse, space, why_invalid
 
 CFG = Config()   # the default model: E=8, top-2, 4 heads, batch 16
 
@@ -92,7 +92,7 @@ def test_dense_drops_grow_with_skew_and_fsep_absorbs_collapse():
 
 
 def test_load_dispersion_measures_clustered_sources_and_drops_follow_it():
-  from moejax.planner.cost import load_dispersion
+  from moejax.strategy.cost import load_dispersion
   rng = np.random.default_rng(0)
   p = plan.regime_load("skewed", 8)
   independent = rng.multinomial(512, p, size=(4, 2, 8))            # [T, L, S, E]
@@ -146,7 +146,7 @@ def test_pool_covers_each_regime_and_rejects_what_does_not_fit():
 
 
 def test_whole_step_fit_recovers_known_scales_and_leaves_absent_terms_alone():
-  from moejax.calibrate import fit_steps
+  from moejax.strategy.calibrate import fit_steps
   w, base = plan.workload_of(CFG), PRESETS["cpu"]
   specs = ["ep/8x1x1/cf1", "ep/1x8x1/cf1.25", "fsep/1x8x1/c2/cf1.5", "ep/2x2x2/cf1",
            "ep/1x4x2/cf2", "fsep/2x4x1/c2/cf1.25", "ep/4x2x1/cf3"]
@@ -224,7 +224,7 @@ def test_observed_regime_plans_for_the_measured_expert_shares(tmp_path, capsys):
 def _switcher(every=10, max_drop=0.01, pool=("ep/1x8x1/cf1.25", "fsep/1x8x1/c2/cf1.25"),
               horizon=0):
   from moejax.config import StrategyConfig
-  from moejax.switcher import StrategySwitcher
+  from moejax.strategy.switcher import StrategySwitcher
   return StrategySwitcher(StrategyConfig(pool=pool, every=every, max_drop=max_drop,
                                          horizon=horizon),
                           [parse(s) for s in pool], plan.workload_of(CFG), PRESETS["h100_node"])
@@ -358,7 +358,7 @@ def test_switcher_leaves_ep_when_the_measured_spread_predicts_its_drops():
 
 
 def test_switcher_due_and_shares():
-  from moejax.switcher import expert_shares
+  from moejax.strategy.switcher import expert_shares
   sw = _switcher(every=5)
   assert [s for s in range(12) if sw.due(s)] == [5, 10]
   assert not _switcher(every=5, pool=("ep/1x8x1/cf1.25",)).due(5)

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from moejax.config import Config, DataConfig, ModelConfig, MoEConfig, OptimConfig
-from moejax.layout import from_slot_expert
-from moejax.optim import optimizer, schedule
-from moejax.programs import CompileCounter, Transfer, build_program
-from moejax.state import init_state
-from moejax.strategy import parse
+from moejax.layout.tables import from_slot_expert
+from moejax.strategy.spec import parse
+from moejax.train.optim import optimizer, schedule
+from moejax.train.programs import CompileCounter, Transfer, build_program
+from moejax.train.state import init_state
 
 CFG = Config(model=ModelConfig(d_model=32, num_layers=2, num_heads=2, d_ff=64, max_seq_len=16),
              moe=MoEConfig(num_experts=8, top_k=2, capacity_factor=4.0, d_ff=32, moe_every=2),
@@ -118,7 +118,7 @@ def test_trainer_switches_online_under_a_drifting_load_and_resumes_on_that_membe
   import dataclasses
 
   from moejax.config import CheckpointConfig, StrategyConfig, TrainConfig
-  from moejax.trainer import Trainer
+  from moejax.train.trainer import Trainer
 
   cfg = dataclasses.replace(
       CFG, moe=dataclasses.replace(CFG.moe, capacity_factor=1.5, balance_loss_weight=0.0),

@@ -10,7 +10,6 @@ import sys
 
 import numpy as np
 
-from moejax import metrics as metrics_lib
 from moejax.config import (
   CheckpointConfig,
   Config,
@@ -21,7 +20,8 @@ from moejax.config import (
   OptimConfig,
   TrainConfig,
 )
-from moejax.trainer import Trainer, train
+from moejax.train import metrics as metrics_lib
+from moejax.train.trainer import Trainer, train
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENS = 8 * 32   # global_batch_size * seq_len

@@ -1,0 +1,173 @@
+"""The MoE layer: route -> layout -> dispatch -> experts -> combine, in shard_map.
+
+`moe_apply` is the pure function (params, tokens, layout row) -> (output, stats);
+`MoELayer` is the Flax module that owns the parameters and calls it. Tokens are
+sharded over (data, expert); expert slots over expert; the expert FFN dim over
+model. Each data row of the mesh exchanges tokens among its expert-axis devices.
+
+Chosen when the program is built (`moe.dispatch`, `moe.kernels`), never inside the step:
+  dense + xla     fixed-capacity buffers, all_to_all, per-slot batched einsum.
+  dense + pallas  the same buffers moved by the permute / unpermute-combine kernels; the
+                  received rows are packed by slot and the experts run as a grouped matmul
+                  over the real rows only (capacity padding costs no FLOPs).
+  ragged + either dropless ragged_all_to_all (moejax.moe.ragged); GPU/TPU only.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from moejax.config import ConfigError, MoEConfig
+from moejax.layout.placement import SHARE_PARTS
+from moejax.layout.tables import Layout
+from moejax.model.mesh import BATCH_AXES, logical_to_spec
+from moejax.model.moe import combine as combine_lib, dispatch as dispatch_lib, grouping, ragged
+from moejax.model.moe.experts import grouped_ffn, swiglu
+from moejax.model.moe.ops import ops_for
+from moejax.model.moe.replicas import split_slots
+from moejax.model.moe.route import route
+
+EXPERT_PARAM_AXES = {
+    "w_gate": ("expert", "embed", "expert_mlp"),
+    "w_up": ("expert", "embed", "expert_mlp"),
+    "w_down": ("expert", "expert_mlp", "embed"),
+}
+ROUTER_AXES = ("embed", None)
+
+
+class MoEStats(NamedTuple):
+  counts_SxE: jax.Array      # int32 [sources, E]: choices each source device sent to each expert
+  dropped_S: jax.Array       # int32 [sources]: choices each source dropped for lack of capacity
+  slot_counts_SxC: jax.Array  # int32 [sources, N*C]: choices each source sent to each slot
+  balance_loss: jax.Array    # scalar
+  z_loss: jax.Array          # scalar
+
+
+def _ep_slots(expert_A, counts_E, expert_slots_ExR, expert_parts_ExR, slots):
+  del counts_E, expert_parts_ExR, slots      # one copy per expert: the slot is fixed
+  return expert_slots_ExR[expert_A, 0]
+
+
+def _replica_slots(expert_A, counts_E, expert_slots_ExR, expert_parts_ExR, slots):
+  del counts_E, slots
+  n = jax.lax.axis_size("expert")
+  phase = jax.lax.axis_index("expert") * SHARE_PARTS // n
+  return split_slots(expert_A, expert_slots_ExR, expert_parts_ExR, phase)
+
+
+def _dense_einsum(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, dtype):
+  p = dispatch_lib.plan(slot_A, gate_TxK.shape[1], num_dev * slots, cap)
+  recv = dispatch_lib.exchange(dispatch_lib.pack(x_TxD, p), num_dev, "expert")
+  h = swiglu(dispatch_lib.to_slot_major(recv, num_dev, slots), *weights, dtype)
+  h = jax.lax.psum(h, "model")
+  back = dispatch_lib.exchange(dispatch_lib.from_slot_major(h, num_dev), num_dev, "expert")
+  return combine_lib.combine(back, p, gate_TxK), p.dropped, p.slot_counts
+
+
+def _dense_grouped(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, dtype):
+  p = dispatch_lib.plan(slot_A, gate_TxK.shape[1], num_dev * slots, cap)
+  row_TxK = p.buf_index_A.reshape(gate_TxK.shape)
+  recv = dispatch_lib.exchange(ops.permute(x_TxD, p.buf_token_B, row_TxK), num_dev, "expert")
+  # Rows each source kept for each of my slots: [sources, C].
+  kept_NxC = jax.lax.all_to_all(jnp.minimum(p.slot_counts, cap).reshape(num_dev, slots),
+                                "expert", 0, 0)
+  g = grouping.group_received(grouping.dense_starts(num_dev, slots, cap), kept_NxC,
+                              recv.shape[0])
+  back = dispatch_lib.exchange(grouped_ffn(recv, g, weights, ops, dtype), num_dev, "expert")
+  return ops.combine(back, row_TxK, gate_TxK), p.dropped, p.slot_counts
+
+
+def _ragged(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, dtype):
+  del cap
+  y_TxD, slot_counts = ragged.ragged_moe(x_TxD, slot_A, gate_TxK, weights, ops, num_dev,
+                                         slots, dtype)
+  return y_TxD, jnp.zeros((), jnp.int32), slot_counts
+
+
+def dispatch_combine_fn(cfg: MoEConfig):
+  """The dispatch -> experts -> combine pipeline for this config (a build-time choice)."""
+  if cfg.dispatch == "ragged":
+    return _ragged
+  return _dense_einsum if cfg.kernels == "xla" else _dense_grouped
+
+
+def moe_apply(params: dict, x_BxLxD: jax.Array, layout: Layout, cfg: MoEConfig,
+              mesh: Mesh, dtype=jnp.float32) -> tuple[jax.Array, MoEStats]:
+  """`params`: router [D, E] and slot-ordered expert weights [S, D, F] / [S, F, D] (the ep
+  params, or the fsep restore); `layout`: one layer's row of a Layout."""
+  num_dev = mesh.shape["expert"]
+  num_slots = params["w_gate"].shape[0]
+  if num_slots % num_dev:
+    raise ConfigError(f"{num_slots} expert slots do not divide over mesh.expert={num_dev}.")
+  slots = num_slots // num_dev
+  shards = mesh.shape["data"] * mesh.shape["expert"]
+  batch, length, d_model = x_BxLxD.shape
+  if batch % shards:
+    raise ConfigError(f"batch {batch} is not divisible by data*expert={shards} devices; "
+                      f"use a batch size that is a multiple of {shards}.")
+  num_tokens = batch // shards * length
+  cap = dispatch_lib.capacity(num_tokens, cfg.top_k, num_slots, cfg.capacity_factor)
+  # Chosen when the program is built: ep layouts have one replica per expert.
+  pick_slots = _ep_slots if layout.expert_slots_LxExR.shape[-1] == 1 else _replica_slots
+  platform = mesh.devices.flat[0].platform
+  if cfg.dispatch == "ragged":
+    ragged.check_platform(platform)
+  ops = ops_for(cfg.kernels, platform)
+  pipeline = dispatch_combine_fn(cfg)
+  # Pallas's interpreter (jax 0.10) fails shard_map's varying-axes check inside its kernels
+  # ("Primitive pad requires varying manual axes to match"), so interpreted kernels run with
+  # the check off; values and gradients do not depend on it (pallas == xla is tested).
+  check_vma = ops.backend != "interpret"
+
+  def local(x, w_router, w_gate, w_up, w_down, expert_slots, expert_parts, bias):
+    x_TxD = x.reshape(-1, d_model)
+    r = route(x_TxD, w_router, cfg.top_k, normalize_top_k=cfg.normalize_top_k,
+              token_axes=BATCH_AXES, bias_E=bias)
+    slot_A = pick_slots(r.expert_TxK.reshape(-1), r.counts_E, expert_slots, expert_parts, slots)
+    y_TxD, dropped, slot_counts = pipeline(x_TxD, slot_A, r.gate_TxK, (w_gate, w_up, w_down),
+                                           ops, num_dev, slots, cap, dtype)
+    return (y_TxD.reshape(x.shape).astype(x.dtype), r.counts_E[None], dropped[None],
+            slot_counts[None], r.balance_loss, r.z_loss)
+
+  spec = {k: logical_to_spec(v) for k, v in EXPERT_PARAM_AXES.items()}
+  fn = jax.shard_map(
+      local, mesh=mesh, check_vma=check_vma,
+      in_specs=(P(BATCH_AXES), logical_to_spec(ROUTER_AXES), spec["w_gate"], spec["w_up"],
+                spec["w_down"], P(), P(), P()),
+      out_specs=(P(BATCH_AXES), P(BATCH_AXES), P(BATCH_AXES), P(BATCH_AXES), P(), P()))
+  y, counts, dropped, slot_counts, bal, z = fn(
+      x_BxLxD, params["router"], params["w_gate"], params["w_up"], params["w_down"],
+      layout.expert_slots_LxExR, layout.expert_parts_LxExR, layout.router_bias_LxE)
+  return y, MoEStats(counts, dropped, slot_counts, bal, z)
+
+
+class MoELayer(nn.Module):
+  """Owns the router (and, in ep mode, the slot-ordered expert weights)."""
+  cfg: MoEConfig
+  mesh: Mesh
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x_BxLxD: jax.Array, layout: Layout, slot_weights: dict | None = None):
+    """`slot_weights`: fsep mode passes the restored [S, ...] weights; ep mode owns them."""
+    d_model = x_BxLxD.shape[-1]
+    params = {"router": self.param(
+        "router", nn.with_logical_partitioning(nn.initializers.normal(0.02), ROUTER_AXES),
+        (d_model, self.cfg.num_experts), jnp.float32)}
+    if slot_weights is None:
+      num_slots, f = self.cfg.num_experts, self.cfg.d_ff   # ep: one slot per expert
+      for name, shape, fan_in in (("w_gate", (num_slots, d_model, f), d_model),
+                                  ("w_up", (num_slots, d_model, f), d_model),
+                                  ("w_down", (num_slots, f, d_model), f)):
+        init = nn.initializers.normal(stddev=fan_in ** -0.5)
+        params[name] = self.param(
+            name, nn.with_logical_partitioning(init, EXPERT_PARAM_AXES[name]), shape,
+            jnp.float32)
+    else:
+      params.update(slot_weights)
+    return moe_apply(params, x_BxLxD, layout, self.cfg, self.mesh, self.dtype)

@@ -1,0 +1,52 @@
+"""The row-movement and grouped-matmul ops of the MoE layer, chosen when the program is built.
+
+`moe.kernels = "xla"`: XLA gathers and `jax.lax.ragged_dot`; `"pallas"`: the kernels of
+`pallas_kernels`, lowered for the mesh's platform (interpret mode on CPU, Triton on GPU; see
+pallas_kernels.backend). Both
+sets have the same contracts, so the layer calls `ops.permute` etc. without branching:
+
+  permute(x_TxD, token_R, rows_TxK) -> [R, D]   out[r] = x[token_R[r]] (0 if outside [0, T));
+      rows_TxK is the inverse map (rows each token went to, -1 padded), for the backward.
+  combine(rows_RxD, row_TxK, gate_TxK) -> f32 [T, D]   sum_k gate * rows[row] (row -1: 0).
+  gmm(x_MxK, w_GxKxN, sizes_G) -> [M, N]       row group g times w[g]; rows past the groups 0.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+
+from moejax.config import ConfigError
+from moejax.model.moe.combine import combine_rows
+from moejax.model.moe.dispatch import gather_rows
+from pallas_kernels import backend as pallas_backend
+from pallas_kernels.gmm import GmmTuning
+from pallas_kernels.grouped_matmul import gmm as pallas_gmm
+from pallas_kernels.permute import PermuteTuning, permute as pallas_permute
+from pallas_kernels.unpermute import CombineTuning, unpermute_combine as pallas_combine
+
+
+class ExpertOps(NamedTuple):
+  name: str
+  backend: str              # "xla", or the resolved Pallas backend ("interpret", "triton", ...)
+  permute: Callable
+  combine: Callable
+  gmm: Callable
+
+
+def ops_for(kernels: str, platform: str) -> ExpertOps:
+  """The op set for `moe.kernels` on the mesh's `platform` ("cpu", "gpu", ...)."""
+  if kernels == "xla":
+    return ExpertOps("xla", "xla", lambda x, token_R, rows_TxK: gather_rows(x, token_R),
+                     combine_rows, lambda x, w, sizes: jax.lax.ragged_dot(x, w, sizes))
+  if kernels == "pallas":
+    backend = pallas_backend.resolve("auto", platform)
+    return ExpertOps(
+        "pallas", backend,
+        functools.partial(pallas_permute, tuning=PermuteTuning(backend=backend)),
+        functools.partial(pallas_combine, tuning=CombineTuning(backend=backend)),
+        functools.partial(pallas_gmm, tuning=GmmTuning(backend=backend)))
+  raise ConfigError(f"moe.kernels={kernels!r} is not supported; use 'xla' or 'pallas'.")

@@ -1,0 +1,47 @@
+"""The per-layer cost model placement policies decide by.
+
+Expert compute follows the busiest device (max, not mean), token exchange follows the bytes a
+device sends, and moving or replicating an expert costs its weight bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+  d_model: int = 128
+  d_ff: int = 256                      # expert hidden size
+  bytes_per_param: int = 4
+  flops_per_s: float = 50e12           # sustained per device
+  link_bytes_per_s: float = 50e9       # per device, all-to-all
+  act_bytes: int = 2                   # activation element size in the exchange
+
+  @property
+  def expert_params(self) -> int:
+    return 3 * self.d_model * self.d_ff
+
+  def compute_s(self, tokens: float) -> float:
+    """fwd + bwd of `tokens` (token, k) rows through one SwiGLU expert (6 flops/param/row)."""
+    return 6.0 * self.expert_params * tokens / self.flops_per_s
+
+  def exchange_s(self, tokens_sent: float) -> float:
+    """Dispatch + combine, fwd + bwd: 4 transfers of a d_model row."""
+    return 4.0 * tokens_sent * self.d_model * self.act_bytes / self.link_bytes_per_s
+
+  def expert_move_s(self, experts: float) -> float:
+    """Move one expert's weights (and, for ep migration, its Adam state: x3)."""
+    return 3.0 * experts * self.expert_params * self.bytes_per_param / self.link_bytes_per_s
+
+  def replica_sync_s(self, replicas: float) -> float:
+    """Broadcast a replica's weights and reduce its gradient, every step."""
+    return 2.0 * replicas * self.expert_params * self.bytes_per_param / self.link_bytes_per_s
+
+  def step_s(self, device_load_N: np.ndarray, sent_by_device_N: np.ndarray,
+             replicas_per_device: float = 0.0) -> float:
+    return (self.compute_s(float(np.max(device_load_N))) +
+            self.exchange_s(float(np.max(sent_by_device_N))) +
+            self.replica_sync_s(replicas_per_device))

@@ -1,0 +1,386 @@
+"""FSEP placement (LAER-MoE style): replicas of hot experts, any layout every step.
+
+In FSEP mode every expert's weights are sharded 1/N over all N devices and each step restores
+the experts of the layout in use, so a layout may hold several replicas of an expert and may
+change every step at no extra cost. Every slot hosts an expert (all N*C of them when C <= E;
+with C > E every device holds all E and the rest stay empty), and an expert has at most one
+replica per device, so at most N replicas (the in-graph router relies on it).
+
+  plan(pred_SxE, current, *, slots, src_dev_S, cost, num_devices) -> Placement
+
+Sources are folded onto their devices first. Each candidate replica count (`even`: N*C // E
+each, the remainder to the hottest experts; `dhondt`: highest-averages apportionment of the
+slots by predicted load, every expert >= 1 and <= N; `blend`, optional: the same on load +
+mean load) goes through:
+  0. snap: experts whose tokens the router could only split coarsely (fewer than 16 parts of
+     pl.SHARE_PARTS per replica, or one part > 2% of a device's mean load) get a power-of-two
+     replica count and even shares, so their parts are exact; the rest are re-apportioned;
+  1. place: replicas sorted by per-replica load (load_e / r_e) descending are dealt in C rounds
+     of N, the round's largest replica to the currently least-loaded device, one per device per
+     round (devices already holding the expert that straddles two rounds go last);
+  2. split: token shares start even (1/r_e); the other experts' shares are levelled by a few
+     over-relaxed Sinkhorn steps (scale by (device target / device load) ** 1.5, renormalise
+     per expert, keep the best step);
+  3. score: cost.compute_s(max device load) + cost.exchange_s(max tokens a device sends off
+     itself) under the dense dispatch's split routing on the predicted counts (each source
+     splits its tokens for e over e's replicas by their shares; `estimate`). With
+     `capacity_factor` (the dense dispatch: fixed rows per (source, slot) pair),
+     candidates within `TIME_SLACK` of the best score are told apart by their overflow of
+     those rows on the mean counts (`overflow`).
+     Device loads alone can tie: with two experts taking every token on 4 devices x 4
+     slots, two replicas each or four each load every device alike, but per slot the first
+     overflows twice as far (measured 69% dropped against 38%). Overflow first, time
+     second was tried too; on the drifting benchmark fixed fsep then dropped 6.52% of
+     choices (time first: 6.38%; before either: 6.05%), but a changed layout changes
+     the training run itself, so those differences are not the planner's alone.
+The best candidate's shares are then rounded to whole parts of pl.SHARE_PARTS, the router's
+unit, towards level device loads (`quantise`), so what replay and the device router realise
+is what was planned. All candidates are processed together in vectorised numpy; Python loops
+run only over candidates (<= 3), the C rounds, levelling steps and rounding batches.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moejax.config import ConfigError
+from moejax.layout import placement as pl
+from moejax.placement.cost import CostModel
+
+TIME_SLACK = 0.01     # relative score within which the dense dispatch's overflow decides
+CANDIDATES = ("even", "dhondt", "blend")      # every kind `replica_counts` knows
+DEFAULT_CANDIDATES = ("even", "dhondt")
+
+
+def even_counts(load_E: np.ndarray, total: int) -> np.ndarray:
+  """`total` // E replicas each, one more for the (total % E) hottest experts."""
+  num_experts = len(load_E)
+  r = np.full(num_experts, total // num_experts, np.int64)
+  rem = total % num_experts
+  if rem:
+    r[np.argsort(-load_E, kind="stable")[:rem]] += 1
+  return r
+
+
+def _top_values(load_E: np.ndarray, first_k: np.ndarray, cap: int, take: int) -> np.ndarray:
+  """How many of each expert's next values load_e / k, k = first_k[e], first_k[e] + 1, ...
+  (k <= cap) are among the `take` largest of all of them; ties to the lower expert id."""
+  num_experts = len(load_E)
+  ks = first_k[:, None] + np.arange(min(take, cap))[None, :]            # [E, m]
+  vals = np.where(ks <= cap, load_E[:, None] / ks, -np.inf).ravel()
+  top = np.argpartition(-vals, take - 1)[:take]
+  thresh = vals[top].min()
+  chosen = vals > thresh
+  ties = np.flatnonzero(vals == thresh)[:take - int(chosen.sum())]   # expert-major order
+  chosen[ties] = True
+  return chosen.reshape(num_experts, -1).sum(1)
+
+
+def dhondt_counts(load_E: np.ndarray, total: int, cap: int) -> np.ndarray:
+  """Highest averages (D'Hondt): every expert gets 1, each further replica goes to the expert
+  with the largest load_e / r_e, at most `cap` per expert, `total` (<= E * cap) in all.
+
+  Equivalent to taking the (total - E) largest values load_e / k, k = 2..cap, without building
+  all E x cap of them: every value above total_load / total is taken (there are at most
+  total - E of those), and only the few still missing are picked from each expert's next ones."""
+  load_E = np.asarray(load_E, np.float64)
+  num_experts = len(load_E)
+  extra = total - num_experts
+  if extra <= 0 or cap <= 1:
+    return np.ones(num_experts, np.int64)
+  if extra >= num_experts * (cap - 1):
+    return np.full(num_experts, cap, np.int64)
+  mass = load_E.sum()
+  if mass <= 0:
+    return even_counts(load_E, total)
+  lam = mass / total * (1 + 1e-9)
+  # Values load_e / k > lam for k in 2..cap: k < load_e / lam.
+  above = np.clip(np.ceil(load_E / lam) - 2, 0, cap - 1).astype(np.int64)
+  if above.sum() > extra:                                   # cannot happen; stay exact anyway
+    above[:] = 0
+  r = 1 + above
+  missing = extra - int(above.sum())
+  if missing > 0:
+    r += _top_values(load_E, r + 1, cap, missing)
+  return r
+
+
+def replica_counts(kind: str, load_E: np.ndarray, total: int, cap: int) -> np.ndarray:
+  if kind == "even":
+    return even_counts(load_E, total)
+  if kind == "dhondt":
+    return dhondt_counts(load_E, total, cap)
+  if kind == "blend":
+    return dhondt_counts(load_E + load_E.mean(), total, cap)
+  raise ConfigError(f"fsep candidate {kind!r} is unknown; choose from {list(CANDIDATES)}.")
+
+
+def snap_counts(r_E: np.ndarray, load_E: np.ndarray, total: int, cap: int,
+                min_parts: int = 16, max_part: float = 0.02,
+                kind: str = "dhondt") -> tuple[np.ndarray, np.ndarray]:
+  """(replica counts, coarse mask [E]). The router splits an expert's tokens in whole parts of
+  pl.SHARE_PARTS; an expert with fewer than `min_parts` parts per replica, or one part above
+  `max_part` of the mean device load ("coarse": a hot expert on many devices), cannot have its
+  shares levelled finely, and rounding them costs balance (on N=1024 one part of the hottest
+  expert is several percent of a device's load). Coarse experts therefore get the power-of-two
+  replica count nearest theirs (at most min(cap, SHARE_PARTS); cap = N devices), so even
+  shares are whole parts, and keep even shares; if that changes their total, the other
+  experts are re-apportioned by the same rule (`kind`) over the remaining slots. Returns the
+  counts unchanged and no coarse expert when that is impossible."""
+  mean = load_E.sum() / cap
+  coarse = (r_E * min_parts > pl.SHARE_PARTS) | (load_E / pl.SHARE_PARTS > max_part * mean)
+  none = np.zeros(len(r_E), bool)
+  if not coarse.any():
+    return r_E, none
+  top = 1 << (min(cap, pl.SHARE_PARTS).bit_length() - 1)       # largest power of 2 allowed
+  rc = r_E[coarse]
+  lo = np.left_shift(1, np.floor(np.log2(rc)).astype(np.int64))
+  snapped = np.minimum(np.where(rc - lo <= 2 * lo - rc, lo, 2 * lo), top)
+  if np.array_equal(snapped, rc):
+    return r_E, coarse
+  fine = ~coarse
+  rest = total - int(snapped.sum())
+  if not int(fine.sum()) <= rest <= int(fine.sum()) * cap:
+    return r_E, none
+  out = r_E.copy()
+  out[coarse] = snapped
+  if fine.any():
+    out[fine] = replica_counts(kind, load_E[fine], rest, cap)
+  return out, coarse
+
+
+def place(r_KxE: np.ndarray, load_E: np.ndarray, n: int, rounds: int) -> np.ndarray:
+  """grid[K, N, rounds] of experts for K candidate replica counts r_KxE (each summing to
+  N * rounds, each count in [1, N]): replicas sorted by per-replica load (load_e / r_e, desc)
+  are dealt in rounds of N, the round's largest replica to the currently least-loaded device,
+  one per device per round.
+
+  Replicas of an expert are contiguous in that order and number <= N, so an expert spans at
+  most two rounds and only the first expert of a round can already sit on some devices (from
+  the round before); devices holding it go last in that round (after all others by load), so
+  its replicas land on the least-loaded devices that lack it: at most one replica of an expert
+  per device, by construction. The K candidates are dealt together (one numpy call per round
+  and step for all of them)."""
+  r_KxE = np.atleast_2d(r_KxE)
+  k, num_experts = r_KxE.shape
+  per_KxE = load_E[None, :] / r_KxE
+  reps = np.empty((k, rounds, n), np.int64)
+  for i in range(k):                                      # K <= 3
+    order = np.lexsort((np.arange(num_experts), -per_KxE[i]))   # per-replica load desc, id
+    reps[i] = np.repeat(order, r_KxE[i][order]).reshape(rounds, n)
+  per = per_KxE.ravel().take(reps + (np.arange(k) * num_experts)[:, None, None])
+  straddles = np.zeros((k, rounds), bool)
+  straddles[:, 1:] = reps[:, 1:, 0] == reps[:, :-1, -1]
+  any_straddle = straddles.any(0).tolist()
+  last = 2.0 * float(per.sum(axis=(1, 2)).max()) + 1.0  # more than any device load
+  offs = (np.arange(k) * n)[:, None]
+  dev_load = np.zeros((k, n))
+  grid = np.empty((rounds, k, n), np.int64)
+  for j in range(rounds):
+    key = dev_load
+    if any_straddle[j]:
+      held = straddles[:, j, None] & (grid[j - 1] == reps[:, j, :1])
+      key = np.where(held, dev_load + last, dev_load)
+    idx = (np.argsort(key, axis=1) + offs).ravel()
+    grid[j].put(idx, reps[:, j])
+    flat = dev_load.reshape(-1)
+    flat[idx] += per[:, j].ravel()
+  return np.ascontiguousarray(grid.transpose(1, 2, 0))
+
+
+def level(grid: np.ndarray, r_KxE: np.ndarray, load_E: np.ndarray, iters: int,
+          frozen_KxE: np.ndarray | None = None, alpha: float = 1.5,
+          tol: float = 1e-3) -> np.ndarray:
+  """Token shares [K, N, rounds] of the replicas in grid[K, N, rounds] (summing to 1 per
+  expert and candidate). They start even (1/r_e); the replicas of experts not frozen (see
+  snap_counts) are levelled towards equal device loads by up to `iters` Sinkhorn steps: each
+  share is scaled by (its device's target / its device's levelled load) ** alpha, the target
+  being the mean load less the device's frozen replicas' load (ratio clipped to [1/16, 16];
+  alpha > 1 over-relaxes, converging in a few steps where plain Sinkhorn needs tens), then
+  renormalised per expert. Each step starts from the candidate's best shares so far (lowest
+  busiest device), and a candidate whose step did not improve falls back to alpha = 1; stops
+  early once every candidate is within `tol` of the mean or none improves any more."""
+  r_KxE = np.atleast_2d(r_KxE)
+  k, n, _ = grid.shape
+  num_experts = len(load_E)
+  gflat = grid + (np.arange(k) * num_experts)[:, None, None]     # expert ids per candidate
+  share = 1.0 / r_KxE.ravel().take(gflat)
+  mean = load_E.sum() / n
+  if mean <= 0 or iters < 1:
+    return share
+  load_R = load_E.take(grid)
+  fixed = 0.0
+  if frozen_KxE is not None and frozen_KxE.any():
+    frozen = np.atleast_2d(frozen_KxE).ravel().take(gflat)
+    fixed = np.einsum("knr,knr->kn", np.where(frozen, share, 0.0), load_R)
+    live = np.where(frozen, 0.0, share)
+  else:
+    frozen, live = None, share
+  target = np.maximum(mean - fixed, mean * 1e-6)
+  flat = gflat.ravel()
+  a = np.full((k, 1, 1), float(alpha))
+  best = live
+  best_load = np.einsum("knr,knr->kn", live, load_R)
+  best_peak = (best_load + fixed).max(1)
+  for _ in range(iters):
+    if np.all(best_peak <= mean * (1 + tol)):
+      break
+    ratio = np.minimum(np.maximum(target / np.maximum(best_load, 1e-300), 1.0 / 16), 16.0)
+    live = best * ratio[:, :, None] ** a
+    den = np.bincount(flat, weights=live.ravel(), minlength=k * num_experts)
+    live /= (den if frozen is None else np.where(den > 0, den, 1.0)).take(gflat)
+    dev_load = np.einsum("knr,knr->kn", live, load_R)
+    peak = (dev_load + fixed).max(1)
+    better = peak < best_peak - mean * 1e-4
+    if not better.any() and np.all(a == 1.0):
+      break
+    if better.all():
+      best, best_load, best_peak = live, dev_load, peak
+      continue
+    best = np.where(better[:, None, None], live, best)
+    best_load = np.where(better[:, None], dev_load, best_load)
+    best_peak = np.where(better, peak, best_peak)
+    a[~better] = 1.0                     # overshot: retry from the best with plain Sinkhorn
+  return best if frozen is None else np.where(frozen, share, best)
+
+
+def quantise(grid: np.ndarray, share: np.ndarray, load_E: np.ndarray,
+             groups: int = 8) -> np.ndarray:
+  """Shares [K, N, rounds] rounded to whole parts of pl.SHARE_PARTS, the unit in which the
+  router (`placement.share_parts` / `quotas`) splits an expert's tokens, keeping device loads
+  level: floor every share, then give each expert's missing parts one each to its replicas on
+  the devices furthest below the mean load (ties: larger fractional part). Experts go in
+  `groups` batches, largest part (load_e / SHARE_PARTS tokens) first, with the devices'
+  deficits updated between batches.
+
+  With many devices one part of a hot expert is a large slice of a device's load (for E=64 on
+  N=1024 the hottest part is ~8% of the mean device load), so leaving the rounding to the
+  router's largest-remainder rule costs several percent of balance. share * SHARE_PARTS is an
+  integer here, so share_parts reproduces these parts exactly."""
+  k, n, rounds = grid.shape
+  num_experts = len(load_E)
+  parts_total = pl.SHARE_PARTS
+  gflat = (grid + (np.arange(k) * num_experts)[:, None, None]).ravel()
+  exact = share.ravel() * parts_total
+  parts = np.floor(exact + 1e-9)
+  frac = exact - parts
+  short = parts_total - np.bincount(gflat, weights=parts, minlength=k * num_experts)
+  unit = load_E / parts_total                                   # tokens per part
+  unit_R = unit.take(grid).ravel()
+  dev_R = np.repeat(np.arange(k * n), rounds)                   # candidate-major device ids
+  dev_load = np.bincount(dev_R, weights=parts * unit_R, minlength=k * n)
+  mean = load_E.sum() / n
+  rank_E = np.empty(num_experts, np.int64)
+  rank_E[np.argsort(-unit, kind="stable")] = np.arange(num_experts)
+  group_R = (rank_E * groups // num_experts).astype(np.int16).take(grid).ravel()
+  by_group = np.argsort(group_R, kind="stable")                 # radix sort on int16
+  bounds = np.searchsorted(group_R[by_group], np.arange(groups + 1)).tolist()
+  for g in range(groups):
+    sel = by_group[bounds[g]:bounds[g + 1]]
+    if len(sel) == 0:
+      continue
+    e_sel = gflat[sel]
+    gap = dev_load.take(dev_R[sel]) - mean
+    span = 2.0 * float(np.abs(gap).max()) + 1.0
+    order = np.argsort(e_sel + (gap - frac[sel] * 1e-6) / span)  # by expert, deficit first
+    sel, e_sel = sel[order], e_sel[order]
+    up = sel[np.arange(len(sel)) - np.searchsorted(e_sel, e_sel) < short.take(e_sel)]
+    parts[up] += 1
+    dev_load += np.bincount(dev_R[up], weights=unit_R[up], minlength=k * n)
+  return (parts / parts_total).reshape(share.shape)
+
+
+def estimate(grid: np.ndarray, share: np.ndarray, dev_NxE: np.ndarray,
+             load_E: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """(device load [K, N], tokens each device sends off itself [K, N]) under the "split"
+  routing of the dense dispatch (each source splits its tokens for e by the shares, so it
+  keeps share x own tokens local) on the counts dev_NxE, for replicas grid[K, N, rounds]
+  (one per (device, expert)) with token shares share[K, N, rounds]."""
+  n, num_experts = dev_NxE.shape
+  quota = share * load_E.take(grid)
+  own = dev_NxE.ravel().take(grid + (np.arange(n) * num_experts)[None, :, None])
+  local = own * share
+  return quota.sum(2), dev_NxE.sum(1)[None, :] - local.sum(2)
+
+
+def overflow(grid: np.ndarray, share: np.ndarray, dev_NxE: np.ndarray,
+             cap_N: np.ndarray) -> np.ndarray:
+  """Dropped share [K] of all choices when source device s sends dev_NxE[s, e] x share to
+  each replica of e (grid[K, N, rounds], share[K, N, rounds]) and a (source, slot) pair
+  takes at most cap_N[s] rows. An estimate for ranking candidates: mean counts (no spread),
+  no rounding of the capacity, and sources already folded onto their expert-axis device
+  (with data > 1, sources that differ overflow more than this says). Memory grows as
+  K x N^2 x rounds (about 1 GB at N=1024, C=64)."""
+  rows_KxSxNxR = dev_NxE[:, grid].transpose(1, 0, 2, 3) * share[:, None]
+  over = np.maximum(rows_KxSxNxR - cap_N[None, :, None, None], 0.0).sum((1, 2, 3))
+  return over / max(float(dev_NxE.sum()), 1e-12)
+
+
+def fold_sources(pred_SxE: np.ndarray, src_dev_S: np.ndarray, n: int) -> np.ndarray:
+  """[N, E]: counts of the sources on each device summed."""
+  src = np.asarray(src_dev_S, np.int64)
+  if len(src) == n and np.array_equal(src, np.arange(n)):
+    return pred_SxE
+  order = np.argsort(src, kind="stable")
+  src_sorted = src[order]
+  starts = np.searchsorted(src_sorted, np.arange(n))
+  has = np.searchsorted(src_sorted, np.arange(n), side="right") > starts
+  out = np.zeros((n, pred_SxE.shape[1]))
+  if has.any():
+    out[has] = np.add.reduceat(pred_SxE[order], starts[has], axis=0)
+  return out
+
+
+def plan(pred_SxE: np.ndarray, current: pl.Placement, *, slots: int, src_dev_S: np.ndarray,
+         cost: CostModel | None = None, num_devices: int | None = None,
+         candidates: tuple[str, ...] = DEFAULT_CANDIDATES, level_iters: int = 3,
+         exact_parts: bool = True, quantise_groups: int = 1, min_parts: int = 16,
+         max_part: float = 0.02, capacity_factor: float | None = None,
+         **_) -> pl.Placement:
+  """One MoE layer's FSEP layout for the predicted counts pred_SxE (see the module doc).
+  `current` is not needed (a layout change is free in FSEP); only its num_devices is used when
+  num_devices is not given. `capacity_factor`: the dense dispatch's (None: dropless, time
+  alone decides). exact_parts=False skips snapping and rounding to router parts
+  (faster, but on N >= 256 the router's own rounding then costs a few percent of balance)."""
+  pred = np.asarray(pred_SxE, np.float64)
+  num_experts = pred.shape[1]
+  n = int(num_devices or current.num_devices)
+  c = int(slots)
+  if c < 1 or n * c < num_experts:
+    raise ConfigError(f"fsep needs N*C >= E slots for E={num_experts} experts, got N={n} "
+                      f"devices x C={c} slots = {n * max(c, 0)}; set slots per device to at "
+                      f"least ceil(E/N)={-(-num_experts // n)}.")
+  cost = cost or CostModel()
+  dev_NxE = fold_sources(pred, src_dev_S, n)
+  load_E = dev_NxE.sum(0)
+  rounds = min(c, num_experts)              # more than E slots: every device holds all E
+  total = n * rounds
+  counts = {}
+  for kind in candidates:                   # identical candidates are evaluated once
+    r_E = replica_counts(kind, load_E, total, n)
+    coarse_E = np.zeros(num_experts, bool)
+    if exact_parts:
+      r_E, coarse_E = snap_counts(r_E, load_E, total, n, min_parts, max_part, kind)
+    counts.setdefault(r_E.tobytes(), (r_E, coarse_E))
+  r_KxE = np.stack([r for r, _ in counts.values()])
+  coarse_KxE = np.stack([m for _, m in counts.values()])
+  grid = place(r_KxE, load_E, n, rounds)
+  share = level(grid, r_KxE, load_E, level_iters, coarse_KxE)
+  dev_load, sent = estimate(grid, share, dev_NxE, load_E)
+  step_s = [cost.compute_s(float(a)) + cost.exchange_s(float(b))
+            for a, b in zip(dev_load.max(1), sent.max(1))]
+  if capacity_factor is not None:
+    dropped = overflow(grid, share, dev_NxE, capacity_factor * dev_NxE.sum(1) / (n * c))
+    close = np.asarray(step_s) <= min(step_s) * (1 + TIME_SLACK)
+    best = int(min(np.flatnonzero(close), key=lambda k: (dropped[k], step_s[k])))
+  else:
+    best = int(np.argmin(step_s))
+  grid = grid[best]
+  share = share[best]
+  if exact_parts:
+    share = quantise(grid[None], share[None], load_E, quantise_groups)[0]
+  slot_expert = np.full((n, c), -1, np.int32)
+  slot_share = np.zeros((n, c))
+  slot_expert[:, :rounds] = grid
+  slot_share[:, :rounds] = share
+  return pl.Placement(slot_expert.ravel(), slot_share.ravel(), n, routing="split")

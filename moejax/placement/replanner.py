@@ -1,0 +1,94 @@
+"""Online placement (dyn.X): observe finished steps' counts, re-plan every X steps.
+
+Host-side and JAX-free. The trainer feeds it each finished step's count matrix
+and asks, before dispatching step t, whether to switch layouts; the plan uses
+only steps that had finished by then. The layout is shared by all data rows, so
+sources are folded onto their expert-axis device first.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import NamedTuple
+
+import numpy as np
+
+from moejax.config import PlannerConfig
+from moejax.layout import placement as pl
+from moejax.layout.flow import flow, max_over_mean
+from moejax.placement import policies as planner
+
+
+class Switch(NamedTuple):
+  layer: int
+  predicted_before: float      # predicted max/mean device load under the current layout
+  predicted_after: float
+  experts_moved: int           # (device, expert) copies the new layout adds
+
+
+class OnlinePlanner:
+  def __init__(self, cfg: PlannerConfig, num_devices: int, cost: planner.CostModel | None = None,
+               capacity_factor: float | None = None):
+    """`capacity_factor`: the dense dispatch's, so fsep plans count per-slot drops (None for
+    the dropless ragged dispatch)."""
+    self.cfg = cfg
+    self.capacity_factor = capacity_factor
+    self.num_devices = num_devices
+    self.cost = cost or planner.CostModel()
+    self.policy = planner.get_policy(cfg.policy)
+    self.history: collections.deque = collections.deque(maxlen=cfg.window)
+
+  def observe(self, counts_LxSxE: np.ndarray) -> None:
+    """Counts of one finished step; sources ordered (data, expert) row-major."""
+    c = np.asarray(counts_LxSxE, np.float64)
+    layers, sources, experts = c.shape
+    if sources % self.num_devices:   # another pool member's mesh: keep the expert totals
+      folded_LxNxE = np.repeat(c.sum(1, keepdims=True) / self.num_devices, self.num_devices, 1)
+    else:
+      folded_LxNxE = c.reshape(layers, sources // self.num_devices, self.num_devices,
+                               experts).sum(1)
+    self.history.append(folded_LxNxE)
+
+  @property
+  def active(self) -> bool:
+    return self.cfg.policy != "static"
+
+  @property
+  def every(self) -> int:
+    """Re-plan period: `fsep_every` for the fsep re-planner when set, else `every`."""
+    if self.cfg.policy == "fsep" and self.cfg.fsep_every > 0:
+      return self.cfg.fsep_every
+    return self.cfg.every
+
+  def due(self, step: int) -> bool:
+    return (self.active and self.every > 0 and step > 0 and
+            step % self.every == 0 and len(self.history) > 0)
+
+  def propose(self, current: list[pl.Placement]) -> tuple[list[pl.Placement], list[Switch]]:
+    """New placements per layer (the current one where no switch pays off)."""
+    pred_LxNxE = planner.predict(np.stack(self.history), self.cfg.window)
+    src = np.arange(self.num_devices)
+    out, switches = list(current), []
+    for layer, pred_NxE in enumerate(pred_LxNxE):
+      cur = current[layer]
+      new = self.policy(pred_NxE, cur, slots=cur.slots_per_device, src_dev_S=src,
+                        cost=self.cost, num_devices=self.num_devices,
+                        min_gain=self.cfg.min_gain, capacity_factor=self.capacity_factor)
+      if (np.array_equal(new.slot_expert, cur.slot_expert) and
+          np.allclose(new.share, cur.share, atol=0.5 / pl.SHARE_PARTS)):
+        continue
+      experts = pred_NxE.shape[1]
+      before = max_over_mean(flow(cur, pred_NxE, src).device_load_N)
+      after = max_over_mean(flow(new, pred_NxE, src).device_load_N)
+      moved = int((pl.presence(new, experts) & ~pl.presence(cur, experts)).sum())
+      out[layer] = new
+      switches.append(Switch(layer, before, after, moved))
+    return out, switches
+
+  def state_dict(self) -> dict:
+    return {"history": [h.tolist() for h in self.history]}
+
+  def load_state_dict(self, d: dict) -> None:
+    self.history.clear()
+    for h in d.get("history", []):
+      self.history.append(np.asarray(h, np.float64))

@@ -1,0 +1,266 @@
+"""The whole-step cost model of a strategy: `HardwareProfile` + `predict_step`.
+
+The step time comes from FLOPs (matmuls), bytes touched (elementwise work), and the volume of
+every collective (token all_to_all, FSEP restore, gradient and tensor-parallel reductions),
+given the expected expert load: dense dispatch computes its fixed capacity and drops what
+overflows it; ragged dispatch computes the busiest device's rows. Presets come from public
+specs; `python -m moejax.calibrate` fits a profile to the current machine by micro-benchmarks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+
+from moejax.config import ConfigError
+from moejax.placement.fsep import dhondt_counts
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareProfile:
+  """Sustained rates per device. `concurrency` = devices that really run at once (0 = all;
+  fake CPU devices share the host's cores)."""
+  name: str
+  flops_per_s: float             # matmul FLOP/s
+  mem_bytes_per_s: float         # elementwise / memory-bound work
+  a2a_bytes_per_s: float         # all_to_all: bytes a device sends per second
+  reduce_bytes_per_s: float      # all-reduce / reduce-scatter bus bandwidth
+  latency_s: float               # per collective call
+  overhead_s: float              # fixed per step (launches, host work)
+  memory_bytes: float            # usable device memory
+  concurrency: float = 0.0
+  latency_per_device_s: float = 0.0   # extra per call and per device in the group
+  # Whole-step fit (moejax.calibrate.fit_steps): measured steps of a few calibration
+  # strategies vs the composed prediction; scales the compute and the collective terms.
+  compute_scale: float = 1.0
+  comm_scale: float = 1.0
+  tp_scale: float = 1.0          # tensor-parallel psums, fitted apart from other collectives
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+  def call_s(self, group: int) -> float:
+    """Fixed cost of one collective over `group` devices."""
+    return self.latency_s + self.latency_per_device_s * group
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+  """A preset name (see PRESETS), a JSON file written by `python -m moejax.calibrate`, or a
+  `benchmarks/cost_model.py` result (its whole-step fitted `profile`)."""
+  if name_or_path in PRESETS:
+    return PRESETS[name_or_path]
+  try:
+    with open(name_or_path) as f:
+      data = json.load(f)
+    if isinstance(data, dict) and isinstance(data.get("profile"), dict):
+      data = data["profile"]
+    return HardwareProfile(**data)
+  except (OSError, TypeError, ValueError) as e:
+    raise ConfigError(f"hardware profile {name_or_path!r} is neither a preset "
+                      f"({', '.join(PRESETS)}) nor a readable profile JSON ({e}); run "
+                      "`python -m moejax.calibrate --out profile.json`.") from None
+
+
+# Public peak specs x a sustained fraction (0.5 for bf16 dense matmul, 0.7 for HBM,
+# about half the per-direction link bandwidth for all_to_all). "node": 8 GPUs on NVLink;
+# "cluster": the expert all_to_all crosses nodes on InfiniBand (A100: 200 Gb/s per GPU,
+# H100: 400 Gb/s per GPU).
+PRESETS = {
+    "a100_node": HardwareProfile("a100_node", 156e12, 1.4e12, 120e9, 150e9, 25e-6, 2e-3,
+                                 80 * 2**30),
+    "a100_cluster": HardwareProfile("a100_cluster", 156e12, 1.4e12, 20e9, 40e9, 40e-6, 2e-3,
+                                    80 * 2**30),
+    "h100_node": HardwareProfile("h100_node", 495e12, 2.3e12, 200e9, 250e9, 20e-6, 1.5e-3,
+                                 80 * 2**30),
+    "h100_cluster": HardwareProfile("h100_cluster", 495e12, 2.3e12, 40e9, 80e9, 30e-6, 1.5e-3,
+                                    80 * 2**30),
+    # Uncalibrated guess for fake CPU devices (2 cores); run `python -m moejax.calibrate`.
+    "cpu": HardwareProfile("cpu", 30e9, 5e9, 2e9, 2e9, 50e-6, 5e-3, 8 * 2**30, 2.0),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """What the model and batch are, in the numbers the step cost needs."""
+  d_model: int
+  num_layers: int
+  num_heads: int
+  d_ff: int                      # dense MLPs
+  vocab_size: int
+  seq_len: int
+  global_batch: int
+  num_experts: int
+  top_k: int
+  expert_d_ff: int
+  moe_every: int
+  act_bytes: int = 4
+
+  @property
+  def moe_layers(self) -> int:
+    return self.num_layers // self.moe_every
+
+  @property
+  def dense_params(self) -> int:
+    """Everything but the expert FFNs (replicated over data and expert)."""
+    d = self.d_model
+    dense_mlps = self.num_layers - self.moe_layers
+    return (2 * self.vocab_size * d + self.num_layers * (4 * d * d + 2 * d) +
+            dense_mlps * 3 * d * self.d_ff + self.moe_layers * d * self.num_experts)
+
+  @property
+  def expert_params(self) -> int:
+    return self.moe_layers * self.num_experts * 3 * self.d_model * self.expert_d_ff
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+  compute_s: float               # dense matmuls (attention, MLPs, logits)
+  expert_s: float                # expert matmuls on the busiest device
+  memory_s: float                # elementwise work and the optimizer update
+  a2a_s: float                   # token dispatch + combine, forward and backward
+  restore_s: float               # fsep restore + its gradient reduce-scatter
+  reduce_s: float                # gradient all-reduce over data, router psums
+  tp_s: float                    # tensor-parallel activation psums (model axis)
+  overhead_s: float
+  drop_fraction: float           # predicted share of (token, k) choices dropped
+  memory_bytes: float            # per device
+
+  @property
+  def total_s(self) -> float:
+    return (self.compute_s + self.expert_s + self.memory_s + self.a2a_s + self.restore_s +
+            self.reduce_s + self.tp_s + self.overhead_s)
+
+  def to_dict(self) -> dict:
+    return dict(dataclasses.asdict(self), total_s=self.total_s)
+
+
+def _lpt_max_share(p_E: np.ndarray, devices: int, slots: int) -> float:
+  """Busiest device's share when one-copy experts are packed greedily (C per device)."""
+  load_N, free_N = np.zeros(devices), np.full(devices, slots)
+  for share in np.sort(p_E)[::-1]:
+    d = int(np.argmin(np.where(free_N > 0, load_N, np.inf)))
+    load_N[d] += share
+    free_N[d] -= 1
+  return float(load_N.max())
+
+
+def expected_overflow(mean: np.ndarray, cap: float, var: np.ndarray | None = None) -> np.ndarray:
+  """E[max(X - cap, 0)] for a source's count X to one slot, X ~ Normal(mean, var); var
+  defaults to the mean (independent binomial choices). Mean-field loads alone would predict
+  no drops at all below capacity."""
+  mean = np.asarray(mean, np.float64)
+  sd = np.sqrt(np.maximum(mean if var is None else np.asarray(var, np.float64), 1e-12))
+  z = (cap - mean) / sd
+  pdf = np.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+  tail = 0.5 * np.vectorize(math.erfc)(z / math.sqrt(2))
+  return np.maximum(sd * pdf + (mean - cap) * tail, 0.0)
+
+
+def _expert_rows(strategy, w: Workload, p_E: np.ndarray, tokens: float,
+                 dispersion: float = 1.0) -> tuple[float, float]:
+  """(rows the busiest device computes per MoE layer, dropped fraction) for one layer's
+  expert shares `p_E` (summing to 1); `tokens` per source device. A source's count to an
+  expert has variance `dispersion` x its mean (1: independent tokens; real batches cluster,
+  see `load_dispersion`); r replicas split it in fixed parts, so each part has 1/r^2 of it."""
+  n, e, k = strategy.expert, w.num_experts, w.top_k
+  c = strategy.slots(e)
+  choices = tokens * k                             # per source device
+  if strategy.dispatch == "ragged":                # dropless: rows follow the load
+    if strategy.expert_mode == "ep":
+      share = _lpt_max_share(p_E, n, c)
+    else:
+      r_E = dhondt_counts(p_E, n * c, n)
+      share = max(float(np.max(p_E / r_E)) * c, 1.0 / n)
+    return choices * n * share, 0.0
+  cap = np.ceil(strategy.capacity_factor * choices / (n * c))
+  if strategy.expert_mode == "ep":
+    reps = np.ones(e)                              # one slot per expert
+  else:
+    reps = dhondt_counts(p_E, n * c, n).astype(np.float64)
+  mean = choices * p_E / reps
+  dropped = float(np.sum(expected_overflow(mean, cap, dispersion * mean / reps) * reps)) / choices
+  return float(n * c * cap), dropped
+
+
+def predict_step(strategy, w: Workload, profile: HardwareProfile,
+                 load_LxE: np.ndarray | None = None, dispersion: float = 1.0) -> StepCost:
+  """Predicted step time of `strategy` (moejax.strategy.Strategy) on `profile` when the MoE
+  layers' expert shares are `load_LxE` (rows sum to 1; None = uniform) and a source's count
+  to an expert varies `dispersion` times more than independent tokens would."""
+  d, f, e = w.d_model, w.expert_d_ff, w.num_experts
+  dd, n, m = strategy.data, strategy.expert, strategy.model
+  devices = dd * n * m
+  scale = max(1.0, devices / profile.concurrency) if profile.concurrency else 1.0
+  tokens = w.global_batch * w.seq_len / (dd * n)   # per device (model axis shares them)
+  if load_LxE is None:
+    load_LxE = np.full((w.moe_layers, e), 1.0 / e)
+  load_LxE = np.asarray(load_LxE, np.float64)
+  load_LxE = load_LxE / np.maximum(load_LxE.sum(-1, keepdims=True), 1e-12)
+  load_LxE = np.broadcast_to(load_LxE, (w.moe_layers, e))
+  c = strategy.slots(e)
+
+  attn_flops = 2 * 2 * w.seq_len * d / 2           # causal QK^T and AV per token
+  dense_flops = 6 * tokens * (w.dense_params - w.vocab_size * d) / m + \
+      3 * tokens * w.num_layers * attn_flops / m
+  rows, drops = zip(*(_expert_rows(strategy, w, p, tokens, dispersion) for p in load_LxE))
+  expert_flops = 6 * sum(rows) * 3 * d * f / m
+  compute_s = dense_flops * scale / profile.flops_per_s
+  expert_s = expert_flops * scale / profile.flops_per_s
+
+  ep_local = (e // n if strategy.expert_mode == "ep" else e / n) * w.moe_layers * 3 * d * f / m
+  params_dev = w.dense_params / m + ep_local
+  act_bytes = (40 * tokens * d * w.num_layers + 12 * sum(rows) * d) * w.act_bytes / m
+  opt_bytes = 7 * 4 * params_dev                   # read p, g, mu, nu; write p, mu, nu
+  memory_s = (act_bytes + opt_bytes) * scale / profile.mem_bytes_per_s
+
+  call = profile.call_s
+  a2a_s = 0.0
+  if n > 1:        # dispatch + combine, forward and backward
+    buf = sum(rows) / w.moe_layers * d * w.act_bytes / m      # bytes per exchange and layer
+    a2a_s = w.moe_layers * 4 * (call(n) + buf * (n - 1) / n / profile.a2a_bytes_per_s) * scale
+  restore_s = 0.0
+  if strategy.expert_mode == "fsep" and n > 1:   # 3 weights, restore + gradient return
+    per_layer = c * 3 * d * f / m * 4             # fp32 slot weights restored per device
+    restore_s = w.moe_layers * 2 * (3 * call(n) + per_layer * (n - 1) / n /
+                                    profile.a2a_bytes_per_s) * scale
+  reduce_s = 0.0
+  shards = dd * n
+  if shards > 1:
+    # Router statistics: about 6 small psums per MoE layer forward, 6 backward.
+    reduce_s += 12 * w.moe_layers * call(shards) * scale
+    # Gradients: dense leaves over data*expert, expert leaves over data; one call per leaf.
+    leaves = 6 + 9 * w.moe_every
+    volume = 4 * (w.dense_params / m * 2 * (shards - 1) / shards +
+                  ep_local * 2 * (dd - 1) / dd)
+    reduce_s += (leaves * call(shards) + volume / profile.reduce_bytes_per_s) * scale
+  tp_s = 0.0
+  if m > 1:        # two activation psums per layer, forward and backward
+    volume = 4 * w.num_layers * tokens * d * w.act_bytes * 2 * (m - 1) / m
+    tp_s = (4 * w.num_layers * call(m) + volume / profile.reduce_bytes_per_s) * scale
+
+  restored = 2 * w.moe_layers * c * 3 * d * f / m * 4 if strategy.expert_mode == "fsep" else 0
+  activations = (20 * tokens * d * w.num_layers + 6 * sum(rows) * d) * w.act_bytes / m + \
+      2 * tokens * w.vocab_size / m * 4
+  memory_bytes = 4 * 4 * params_dev + restored + activations
+  cs, ms = profile.compute_scale, profile.comm_scale
+  return StepCost(compute_s * cs, expert_s * cs, memory_s * cs, a2a_s * ms, restore_s * ms,
+                  reduce_s * ms, tp_s * profile.tp_scale, profile.overhead_s,
+                  float(np.mean(drops)), float(memory_bytes))
+
+
+def load_dispersion(counts_TxLxSxE: np.ndarray) -> float:
+  """How much more a source's count to an expert varies than independent tokens would:
+  mean of (X - m)^2 / m over steps, layers, sources and experts, where m is the count the
+  source would send at the window's mean shares. Byte-level batches repeat tokens within a
+  sequence, so this is several times 1 (about 6-9 in the default run after warm-up)."""
+  x = np.asarray(counts_TxLxSxE, np.float64)
+  share_LxE = x.sum(axis=(0, 2))
+  share_LxE = share_LxE / np.maximum(share_LxE.sum(-1, keepdims=True), 1.0)
+  m = x.sum(-1, keepdims=True) * share_LxE[None, :, None, :]
+  ok = m > 0
+  if not ok.any():
+    return 1.0
+  return float(max(np.mean((x - m)[ok] ** 2 / m[ok]), 1.0))

@@ -1,0 +1,154 @@
+"""Offline stage: enumerate strategies, rank them per load regime, pick a small pool.
+
+`python -m moejax.plan --gin_file=configs/X.gin [--profile h100_node|profile.json]
+[--devices N] [--pool K] [--max_drop F] [--trace T.npz] [--json OUT]` prints one row
+per strategy (predicted step time and dropped share under each regime, memory per
+device, why rejected) and the pool: the best strategy of each load regime (uniform,
+skewed, collapsed), then runners-up across regimes, at most K <= 4. With a routing
+trace of the run (`trace.path`), the even regime gives way to the `observed` one: the
+expert shares of the trace's last steps, per layer, and their count dispersion (a
+trained router is seldom even, so an even regime underrates drops). A strategy's
+score under a regime is its predicted step time if it drops at most `max_drop` of
+the (token, k) choices there; otherwise it only competes on drops.
+Pure (numpy + config); the CLI parses gin through moejax.frontend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from moejax.config import Config, ConfigError
+from moejax.strategy.cost import (
+  HardwareProfile,
+  StepCost,
+  Workload,
+  predict_step,
+)
+from moejax.strategy.spec import Strategy, space, why_invalid
+
+REGIMES = ("uniform", "skewed", "collapse")
+OBSERVED_REGIMES = ("observed", "skewed", "collapse")     # with measured expert shares
+
+
+def regime_load(name: str, num_experts: int, seed: int = 0) -> np.ndarray:
+  """Expert shares (sum 1) of a load regime: even; log-normal (sigma 1; busiest ~2-3x the
+  mean, as in static-layout Mixtral training); a collapsed gate whose top expert takes 40%."""
+  if name == "uniform":
+    return np.full(num_experts, 1.0 / num_experts)
+  if name == "skewed":
+    p = np.random.default_rng(seed).lognormal(0.0, 1.0, num_experts)
+    return np.sort(p)[::-1] / p.sum()
+  if name == "collapse":
+    rest = 0.6 * 0.5 ** np.arange(1, num_experts) if num_experts > 1 else np.zeros(0)
+    p = np.concatenate([[0.4], rest]) + 1e-3
+    return p / p.sum()
+  if name == "observed":
+    raise ConfigError("load regime 'observed' needs measured expert shares: pass observed_LxE "
+                      "(or --trace to moejax.plan).")
+  raise ConfigError(f"load regime {name!r} is unknown; use one of {REGIMES} or 'observed'.")
+
+
+def observed_load(counts_TxLxSxE: np.ndarray) -> np.ndarray:
+  """Expert shares [L, E] (rows sum to 1) of finished steps' counts [T, L, S, E]."""
+  c = np.asarray(counts_TxLxSxE, np.float64)
+  if c.ndim != 4 or c.shape[0] < 1:
+    raise ConfigError(f"observed load needs counts[steps, layers, sources, experts] with at "
+                      f"least one step, got shape {c.shape}.")
+  per_LxE = c.sum(axis=(0, 2))
+  return per_LxE / np.maximum(per_LxE.sum(-1, keepdims=True), 1.0)
+
+
+def workload_of(cfg: Config) -> Workload:
+  m, moe = cfg.model, cfg.moe
+  return Workload(m.d_model, m.num_layers, m.num_heads, m.d_ff, m.vocab_size, cfg.data.seq_len,
+                  cfg.data.global_batch_size, moe.num_experts, moe.top_k, moe.d_ff,
+                  moe.moe_every, act_bytes=4 if m.dtype == "float32" else 2)
+
+
+@dataclasses.dataclass
+class Row:
+  strategy: Strategy
+  costs: dict[str, StepCost]          # regime -> prediction (empty when invalid)
+  rejected: str | None = None
+  in_pool: bool = False
+
+  def score(self, regime: str, max_drop: float) -> tuple[int, float]:
+    """Lower is better: (0, step time) when the drop limit holds, else (1, drops)."""
+    c = self.costs[regime]
+    return (0, c.total_s) if c.drop_fraction <= max_drop else (1, c.drop_fraction)
+
+
+def rank(cfg: Config, profile: HardwareProfile, num_devices: int,
+         candidates: list[Strategy] | None = None, regimes=REGIMES,
+         dispersion: float = 1.0, observed_LxE: np.ndarray | None = None) -> list[Row]:
+  """Every candidate's predicted cost per regime (or why it is rejected); `dispersion`: how
+  much a source's count per expert varies beyond independent tokens (drops grow with it);
+  `observed_LxE`: measured expert shares per MoE layer, the `observed` regime's load."""
+  w = workload_of(cfg)
+  loads = {}
+  for r in regimes:
+    if r == "observed" and observed_LxE is not None:
+      loads[r] = np.asarray(observed_LxE, np.float64)
+      if loads[r].ndim != 2 or loads[r].shape[1] != cfg.moe.num_experts or (
+          len(loads[r]) not in (1, w.moe_layers)):
+        raise ConfigError(f"observed expert shares have shape {loads[r].shape}; this model "
+                          f"needs [{w.moe_layers} MoE layers (or 1), {cfg.moe.num_experts} "
+                          "experts]: record the trace with the same model.")
+    else:
+      loads[r] = regime_load(r, cfg.moe.num_experts)[None]
+  rows = []
+  for s in candidates if candidates is not None else space(cfg, num_devices):
+    reason = why_invalid(s, cfg)
+    if reason:
+      rows.append(Row(s, {}, reason))
+      continue
+    costs = {r: predict_step(s, w, profile, loads[r], dispersion) for r in regimes}
+    mem = max(c.memory_bytes for c in costs.values())
+    if mem > profile.memory_bytes:
+      reason = f"needs {mem / 2**30:.2f} GiB > {profile.memory_bytes / 2**30:.2f} GiB"
+    rows.append(Row(s, costs, reason))
+  return rows
+
+
+def pick_pool(rows: list[Row], k: int, max_drop: float, regimes=REGIMES) -> list[Strategy]:
+  """Best per regime first (so the pool covers the regimes), then the next best of each
+  regime in turn, without duplicates, until K."""
+  if not 1 <= k <= 4:
+    raise ConfigError(f"--pool={k} must be in [1, 4]; every member is a compiled program.")
+  ok = [r for r in rows if r.rejected is None]
+  if not ok:
+    raise ConfigError("no strategy fits this model on these devices; see the table's reasons.")
+  ordered = {g: sorted(ok, key=lambda r, g=g: r.score(g, max_drop)) for g in regimes}
+  pool: list[Strategy] = []
+  for depth in range(len(ok)):
+    for g in regimes:
+      s = ordered[g][depth].strategy
+      if s not in pool and len(pool) < k:
+        pool.append(s)
+    if len(pool) >= k:
+      break
+  for r in rows:
+    r.in_pool = r.strategy in pool
+  return pool
+
+
+def table(rows: list[Row], regimes=REGIMES) -> str:
+  head = f"{'strategy':<24}" + "".join(f"{g + ' ms':>13}{'drop':>7}" for g in regimes)
+  head += f"{'MiB/dev':>10}  status"
+  lines = [head, "-" * len(head)]
+  for r in sorted(rows, key=lambda r: (r.rejected is not None, not r.in_pool,
+                                      r.costs[regimes[0]].total_s if r.costs else 0.0)):
+    cells = "".join(f"{r.costs[g].total_s * 1e3:13.2f}{r.costs[g].drop_fraction:7.1%}"
+                    if r.costs else f"{'-':>13}{'-':>7}" for g in regimes)
+    mem = max(c.memory_bytes for c in r.costs.values()) / 2**20 if r.costs else float("nan")
+    status = "POOL" if r.in_pool else ("ok" if r.rejected is None else f"rejected: {r.rejected}")
+    lines.append(f"{r.strategy.spec:<24}{cells}{mem:10.1f}  {status}")
+  return "\n".join(lines)
+
+
+def to_json(rows: list[Row], pool: list[Strategy], profile: HardwareProfile) -> dict:
+  return {"profile": profile.to_dict(), "pool": [s.spec for s in pool],
+          "rows": [{"strategy": r.strategy.spec, "rejected": r.rejected, "in_pool": r.in_pool,
+                    "costs": {g: c.to_dict() for g, c in r.costs.items()}} for r in rows]}

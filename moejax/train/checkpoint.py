@@ -1,0 +1,218 @@
+"""Checkpoints with orbax: canonical expert order, layout, data position, and a content digest.
+
+A checkpoint holds the state with expert weights in canonical expert-id order (`ep` slots are
+un-permuted by the layout; see `moejax.convert`), the layout beside it, and JSON meta: step,
+data position, planner state, expert mode, and a digest of every array (`moejax.digest`),
+taken before the save so that it commits atomically with the arrays.
+
+Restoring (`Checkpointer.restore`):
+- reads straight into the shardings of the *current* strategy, whatever mesh or expert mode the
+  checkpoint was saved under (elastic restore): the target is the current state converted to
+  the saved tree paths, and the result is converted back (`convert.convert_tree`);
+- keeps the saved layout if it fits the current strategy, else starts from `layout_like`;
+- treats a step that fails to read, or whose digest differs, as damaged: moves it to
+  `checkpoints_damaged/` and falls back to the previous step, with a warning. All processes
+  agree on each outcome, and nothing is handed back unless it was fully read and verified.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from moejax.config import CheckpointConfig, ConfigError
+from moejax.layout.convert import (
+  canonical_state,
+  convert_tree,
+  from_canonical,
+  from_canonical_state,
+  to_canonical,
+)
+from moejax.layout.placement import SHARE_PARTS
+from moejax.layout.tables import Layout
+from moejax.runtime import distributed
+from moejax.train import digest as digest_lib
+
+__all__ = ["Checkpointer", "CheckpointError", "Restored", "check_layout", "from_canonical",
+           "to_canonical"]
+LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(Layout))
+
+
+class CheckpointError(ConfigError):
+  """No usable checkpoint, or one saved for another model: one line with the fix."""
+
+
+class DamagedCheckpoint(Exception):
+  """A checkpoint step that cannot be read back intact."""
+
+
+@dataclasses.dataclass
+class Restored:
+  step: int
+  state: Any          # in the current strategy's tree, shardings and slot order
+  layout: Layout
+  meta: dict
+  warnings: list[str]
+
+
+def _abstract(tree: Any) -> Any:
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def _first_line(e: BaseException) -> str:
+  text = str(e).strip().split(" See full TensorStore details")[0]
+  return (text.splitlines()[0] if text else type(e).__name__)[:200]
+
+
+def check_layout(layout: Layout, directory: str, step: int) -> None:
+  """A restored layout must give every expert a slot and shares summing to SHARE_PARTS."""
+  parts = np.asarray(layout.expert_parts_LxExR)
+  slots = np.asarray(layout.expert_slots_LxExR)
+  if np.any(parts.sum(-1) != SHARE_PARTS) or np.any((slots >= 0).sum(-1) == 0):
+    raise ConfigError(f"checkpoint {directory}/{step} holds an invalid layout (an expert without "
+                      f"a slot or shares not summing to {SHARE_PARTS}); delete that step to "
+                      "fall back to the previous checkpoint.")
+
+
+def _saved_arrays(mngr: ocp.CheckpointManager, step: int) -> dict[str, dict[str, Any]]:
+  """{'state': {path: metadata}, 'layout': {...}} of a step, from orbax's metadata files."""
+  tree = mngr.item_metadata(step)["state"]
+  if tree is None:
+    raise DamagedCheckpoint("no array metadata")
+  out: dict[str, dict[str, Any]] = {"state": {}, "layout": {}}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    top, _, rest = digest_lib.path_name(path).partition("/")
+    out.setdefault(top, {})[rest] = leaf
+  return out
+
+
+def _check_compatible(saved: dict, target: Any, directory: str, step: int) -> None:
+  want = {digest_lib.path_name(p): x.shape
+          for p, x in jax.tree_util.tree_flatten_with_path(target)[0]}
+  for name in sorted(set(want) | set(saved)):
+    if name not in saved or name not in want or tuple(saved[name].shape) != tuple(want[name]):
+      have = tuple(saved[name].shape) if name in saved else "nothing"
+      need = tuple(want[name]) if name in want else "nothing"
+      raise CheckpointError(
+          f"checkpoint {directory}/{step} was saved for another model: state/{name} holds "
+          f"{have}, this config needs {need}; use the run's own config or a new train.run_dir.")
+
+
+class Checkpointer:
+  def __init__(self, run_dir: str, cfg: CheckpointConfig):
+    self.cfg = cfg
+    self.directory = os.path.abspath(os.path.join(run_dir, "checkpoints"))
+    self.damaged_directory = os.path.abspath(os.path.join(run_dir, "checkpoints_damaged"))
+    self._mngr = ocp.CheckpointManager(
+        self.directory,
+        options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, create=True,
+                                             cleanup_tmp_directories=True),
+        item_handlers={"state": ocp.StandardCheckpointHandler(),
+                       "meta": ocp.JsonCheckpointHandler()})
+
+  def latest_step(self) -> int | None:
+    return self._mngr.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return sorted(self._mngr.all_steps())
+
+  def save(self, step: int, state: Any, layout: Layout, meta: dict,
+           expert_mode: str = "ep") -> None:
+    item = {"state": canonical_state(state, layout, expert_mode), "layout": layout}
+    meta = dict(meta, step=step, expert_mode=expert_mode, digest=digest_lib.tree_digest(item))
+    self._mngr.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(item), meta=ocp.args.JsonSave(meta)))
+
+  def restore(self, state_like: Any, layout_like: Layout, expert_mode: str = "ep",
+              step: int | None = None) -> Restored | None:
+    """The latest intact checkpoint (or `step`) in the current strategy; None if there is none.
+
+    `state_like` / `layout_like`: the current strategy's state and its initial layout (their
+    shapes and shardings are the restore target; their values are not used).
+    """
+    steps = [step] if step is not None else self.all_steps()[::-1]
+    if not steps:
+      return None
+    warnings: list[str] = []
+    for s in steps:
+      try:
+        result, error = self._read(s, state_like, layout_like, expert_mode), None
+      except CheckpointError:
+        raise
+      except Exception as e:   # orbax / tensorstore / json errors: the files are damaged
+        result, error = None, e
+      if distributed.all_true(error is None) and result is not None:
+        result.warnings[:0] = warnings
+        return result
+      reason = _first_line(error) if error is not None else "unreadable on another process"
+      moved = self._quarantine(s)
+      warnings.append(f"checkpoint {self.directory}/{s} is damaged ({reason}); moved it to "
+                      f"{moved} and fell back to the previous checkpoint")
+    raise CheckpointError(
+        f"no intact checkpoint in {self.directory} (tried steps {steps}; damaged ones are in "
+        f"{self.damaged_directory}); restore a backup or use a new train.run_dir to start over.")
+
+  def _read(self, step: int, state_like: Any, layout_like: Layout, expert_mode: str) -> Restored:
+    saved = _saved_arrays(self._mngr, step)
+    src_mode = "fsep" if any(n.startswith("params/fsep_experts/") for n in saved["state"]) else "ep"
+    target_state = convert_tree(_abstract(state_like), expert_mode, src_mode)
+    _check_compatible(saved["state"], target_state, self.directory, step)
+    rep = jax.tree.leaves(layout_like)[0].sharding
+    target_layout = {n: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=rep)
+                     for n, m in saved["layout"].items()}
+    out = self._mngr.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore({"state": target_state, "layout": target_layout}),
+        meta=ocp.args.JsonRestore()))
+    item, meta = out["state"], dict(out["meta"])
+    if "digest" in meta:
+      bad = digest_lib.mismatches(item, meta["digest"])
+      if bad:
+        raise DamagedCheckpoint(f"content digest differs for {len(bad)} arrays, e.g. {bad[0]}")
+    warnings = []
+    saved_layout = item["layout"]
+    fits = (src_mode == expert_mode and set(saved_layout) == set(LAYOUT_FIELDS) and
+            all(saved_layout[n].shape == getattr(layout_like, n).shape for n in LAYOUT_FIELDS))
+    if fits:
+      layout = Layout(**saved_layout)
+      try:
+        check_layout(layout, self.directory, step)
+      except ConfigError as e:
+        raise DamagedCheckpoint(_first_line(e)) from None
+    else:
+      layout = layout_like
+      warnings.append(
+          f"checkpoint {self.directory}/{step} was saved in {src_mode} mode with a layout that "
+          f"does not fit this {expert_mode} strategy; experts keep their weights (canonical "
+          "order) and start from this strategy's initial layout")
+    state = convert_tree(item["state"], src_mode, expert_mode)
+    state = from_canonical_state(state, layout, expert_mode)
+    meta["expert_mode_saved"] = src_mode
+    return Restored(int(meta.get("step", step)), state, layout, meta, warnings)
+
+  def _quarantine(self, step: int) -> str:
+    """Moves a damaged step out of orbax's way (process 0), so it is neither read nor reused."""
+    target = os.path.join(self.damaged_directory, str(step))
+    if jax.process_index() == 0:
+      os.makedirs(self.damaged_directory, exist_ok=True)
+      n = 1
+      while os.path.exists(target):
+        target = os.path.join(self.damaged_directory, f"{step}.{n}")
+        n += 1
+      src = os.path.join(self.directory, str(step))
+      if os.path.exists(src):
+        shutil.move(src, target)
+    distributed.barrier(f"moejax_quarantine_{step}")
+    self._mngr.reload()
+    return target
+
+  def wait(self) -> None:
+    self._mngr.wait_until_finished()
+
+  def close(self) -> None:
+    self._mngr.close()

@@ -1,0 +1,82 @@
+"""Host-side expert-load statistics and the per-run JSONL metrics file (numpy only)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import IO
+
+import numpy as np
+
+from moejax.layout.flow import max_over_mean
+
+
+def device_load(slot_counts_SxC: np.ndarray, expert_devices: int) -> np.ndarray:
+  """Choices sent to each (data row, expert-axis device), flattened row-major.
+
+  Sources are ordered (data, expert) row-major, so the sources of data row r are
+  rows r*N .. r*N+N-1, and they only talk to the N devices of row r; device d of
+  a row hosts slots d*C .. d*C+C-1.
+  """
+  slot_counts_SxC = np.asarray(slot_counts_SxC)
+  sources, num_slots = slot_counts_SxC.shape
+  rows = sources // expert_devices
+  per_row_RxC = slot_counts_SxC.reshape(rows, expert_devices, num_slots).sum(axis=1)
+  return per_row_RxC.reshape(rows, expert_devices, -1).sum(axis=2).reshape(-1)
+
+
+def moe_layer_records(metrics: dict, expert_devices: int) -> list[dict]:
+  """One JSON-ready record per MoE layer from a step's metrics (numpy arrays)."""
+  records = []
+  counts_LxSxE = np.asarray(metrics["counts_LxSxE"])
+  dropped_LxS = np.asarray(metrics["dropped_LxS"])
+  for layer, counts_SxE in enumerate(counts_LxSxE):
+    load = device_load(metrics["slot_counts_LxSxC"][layer], expert_devices)
+    total = int(counts_SxE.sum())
+    records.append({
+        "layer": layer,
+        "expert_counts": counts_SxE.sum(axis=0).tolist(),
+        "counts_by_source": counts_SxE.tolist(),
+        "device_load": load.tolist(),
+        "max_over_mean_load": max_over_mean(load),
+        "dropped_fraction": float(dropped_LxS[layer].sum()) / max(total, 1),
+        "balance_loss": float(metrics["balance_loss_L"][layer]),
+        "z_loss": float(metrics["z_loss_L"][layer]),
+    })
+  return records
+
+
+def _step_of(line: str) -> float:
+  try:
+    return json.loads(line)["step"]
+  except (ValueError, KeyError, TypeError):
+    return float("inf")   # a torn last line from a killed run is dropped
+
+
+class JsonlWriter:
+  """Appends one JSON object per line; a no-op on processes other than 0.
+
+  On resume from step `start`, records of steps >= start (written after the
+  checkpoint the run resumes from) are dropped first, so no step appears twice.
+  """
+
+  def __init__(self, path: str, enabled: bool = True, start: int = 0):
+    self._file: IO[str] | None = None
+    if enabled:
+      os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+      if os.path.exists(path):
+        with open(path) as f:
+          kept = [line for line in f if _step_of(line) < start]
+        with open(path + ".tmp", "w") as f:
+          f.writelines(kept)
+        os.replace(path + ".tmp", path)
+      self._file = open(path, "a", buffering=1)
+
+  def write(self, record: dict) -> None:
+    if self._file is not None:
+      self._file.write(json.dumps(record) + "\n")
+
+  def close(self) -> None:
+    if self._file is not None:
+      self._file.close()
+      self._file = None

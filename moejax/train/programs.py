@@ -1,0 +1,201 @@
+"""Compiled programs: one per strategy, built ahead of time, and moves between them.
+
+A `Program` is everything one strategy compiles: its mesh, model, state
+shardings and the AOT-compiled train step (`jit(...).lower(...).compile()`).
+`Transfer` moves the whole train state from one program to another in one
+compiled function: expert slots to canonical (expert-id) order, ep <-> fsep
+parameter paths, reshard to the target's shardings, then the target layout's
+slot order. `warm_up_pool` compiles, times and runs them all once before
+training, so a strategy switch compiles nothing. `CompileCounter` counts XLA
+compilations (tests, and the trainer's switch log).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from moejax.config import Config, MoEConfig
+from moejax.layout.convert import convert_tree
+from moejax.layout.leaves import gather_slots, is_fsep_expert_leaf
+from moejax.layout.migrate import migrate
+from moejax.layout.tables import Layout, default_fsep_slots, round_robin_layout, static_layout
+from moejax.model.mesh import batch_sharding, build_mesh, replicated
+from moejax.model.transformer import Transformer
+from moejax.strategy.spec import Strategy
+from moejax.train import step as step_lib
+from moejax.train.state import TrainState, init_state, state_shardings
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compiles = [0]
+_listening = [False]
+
+
+def _on_event(event: str, duration: float, **_) -> None:
+  del duration
+  if event == _COMPILE_EVENT:
+    _compiles[0] += 1
+
+
+class CompileCounter:
+  """`with CompileCounter() as c: ...; c.count` = XLA compilations inside, executables loaded
+  from JAX's persistent compilation cache included (JAX times both as one compile event)."""
+
+  def __enter__(self) -> CompileCounter:
+    if not _listening[0]:
+      jax.monitoring.register_event_duration_secs_listener(_on_event)
+      _listening[0] = True
+    self._start = _compiles[0]
+    self.count = 0
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.count = _compiles[0] - self._start
+
+
+def initial_layout(moe: MoEConfig, num_layers: int, num_devices: int) -> Layout:
+  """ep: expert e on device e // (E/N); fsep: C slots per device, round-robin replicas."""
+  if moe.expert_mode == "ep":
+    return static_layout(num_layers, moe.num_experts, num_devices)
+  slots = moe.slots_per_device or default_fsep_slots(moe.num_experts, num_devices)
+  return round_robin_layout(num_layers, moe.num_experts, num_devices, slots)
+
+
+def start_layout(cfg: Config, num_devices: int) -> Layout:
+  return initial_layout(cfg.moe, cfg.model.num_layers // cfg.moe.moe_every, num_devices)
+
+
+def _abstract(tree: Any, shardings: Any) -> Any:
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      tree, shardings)
+
+
+@dataclasses.dataclass
+class Program:
+  """One strategy, compiled. `layout` is this program's current layout (data)."""
+  strategy: Strategy
+  cfg: Config
+  mesh: Mesh
+  model: Transformer
+  shardings: TrainState
+  batch_sharding: Any
+  layout_sharding: Any
+  layout: Layout
+  train_step: Any = None          # AOT-compiled (state, batch, layout) -> (state, metrics)
+  eval_step: Any = None           # jitted (params, batch, layout) -> ce
+
+  @property
+  def expert_mode(self) -> str:
+    return self.cfg.moe.expert_mode
+
+  def abstract_state(self, tx: optax.GradientTransformation) -> TrainState:
+    b, length = self.cfg.data.global_batch_size, self.cfg.data.seq_len
+    shapes = jax.eval_shape(lambda: init_state(self.model, tx, self.shardings, self.layout, b,
+                                               length, 0))
+    return _abstract(shapes, self.shardings)
+
+  def abstract_layout(self) -> Layout:
+    return _abstract(self.layout, jax.tree.map(lambda _: self.layout_sharding, self.layout))
+
+
+def build_program(cfg: Config, strategy: Strategy, tx: optax.GradientTransformation,
+                  lr_schedule, devices=None, compile_now: bool = True) -> Program:
+  """Mesh, model, shardings and (AOT) train step of `strategy` applied to `cfg`."""
+  cfg = strategy.apply(cfg)
+  mesh = build_mesh(cfg.mesh, devices)
+  model = Transformer(cfg.model, cfg.moe, mesh)
+  layout_sh = replicated(mesh)
+  layout = jax.device_put(start_layout(cfg, mesh.shape["expert"]), layout_sh)
+  b, length = cfg.data.global_batch_size, cfg.data.seq_len
+  shardings = state_shardings(model, tx, mesh, layout, b, length)
+  prog = Program(strategy, cfg, mesh, model, shardings, batch_sharding(mesh), layout_sh, layout)
+  step = jax.jit(
+      functools.partial(step_lib.train_step, model=model, tx=tx, moe_cfg=cfg.moe,
+                        lr_schedule=lr_schedule),
+      in_shardings=(shardings, prog.batch_sharding, layout_sh),
+      out_shardings=(shardings, layout_sh), donate_argnums=0)   # metrics replicated
+  prog.eval_step = jax.jit(
+      functools.partial(step_lib.eval_step, model=model, moe_cfg=cfg.moe),
+      in_shardings=(shardings.params, prog.batch_sharding, layout_sh))
+  if compile_now:
+    batch = jax.ShapeDtypeStruct((b, length + 1), "int32", sharding=prog.batch_sharding)
+    prog.train_step = step.lower(prog.abstract_state(tx), batch, prog.abstract_layout()).compile()
+  else:
+    prog.train_step = step
+  return prog
+
+
+def _move(state: TrainState, src_layout: Layout, dst_layout: Layout, *, src_mode: str,
+          dst_mode: str, dst_shardings) -> TrainState:
+  if src_mode == "ep" and dst_mode == "fsep":
+    # Reshard first (expert-sharded slots -> every expert 1/N per device: one all-to-all),
+    # then put the slots in expert-id order locally. Gathering along the sharded slot axis
+    # first makes XLA all-gather every expert leaf to every device (10-20x slower measured).
+    state = jax.lax.with_sharding_constraint(convert_tree(state, "ep", "fsep"), dst_shardings)
+    return gather_slots(state, src_layout.expert_slot_LxE, select=is_fsep_expert_leaf)
+  if src_mode == "ep":                 # slot order -> expert-id order
+    state = gather_slots(state, src_layout.expert_slot_LxE)
+  state = convert_tree(state, src_mode, dst_mode)
+  if dst_mode == "ep":                 # expert-id order -> the target layout's slot order
+    state = gather_slots(state, dst_layout.slot_expert_LxS)
+  return state
+
+
+class Transfer:
+  """The compiled state move from `src` to `dst` (weights and every optimizer leaf)."""
+
+  def __init__(self, src: Program, dst: Program, tx: optax.GradientTransformation):
+    fn = jax.jit(functools.partial(_move, src_mode=src.expert_mode, dst_mode=dst.expert_mode,
+                                   dst_shardings=dst.shardings),
+                 out_shardings=dst.shardings)
+    self.src, self.dst = src, dst
+    self.compiled = fn.lower(src.abstract_state(tx), src.abstract_layout(),
+                             dst.abstract_layout()).compile()
+
+  def __call__(self, state: TrainState) -> TrainState:
+    return self.compiled(state, self.src.layout, self.dst.layout)
+
+
+def _zero_batch(prog: Program) -> jax.Array:
+  """A global [B, L+1] batch of token 0 laid out for `prog` (warm-up executions)."""
+  shape = (prog.cfg.data.global_batch_size, prog.cfg.data.seq_len + 1)
+  return jax.make_array_from_callback(shape, prog.batch_sharding,
+                                      lambda index: np.zeros(shape, np.int32)[index])
+
+
+def warm_up_pool(programs: list[Program], state: TrainState, tx: optax.GradientTransformation,
+                 replans: list[bool]) -> tuple[dict, dict]:
+  """(transfers, switch_cost_s) of a pool whose member 0 holds `state` (left as it is).
+
+  Compiles the state move of every ordered pair and times each once; runs every other
+  member's train step once on a throwaway copy (a first execution costs XLA one-off set-up,
+  ~160 ms on the CPU mesh, that would land on the first step after a switch); and compiles
+  the `migrate` permuter of each ep member that re-plans (`replans[i]`), on a copy too (both
+  donate their input). Afterwards a switch or a re-plan compiles and sets up nothing."""
+  k = len(programs)
+  transfers = {(a, b): Transfer(programs[a], programs[b], tx)
+               for a in range(k) for b in range(k) if a != b}
+  states = {0: state}
+  for a in range(1, k):
+    states[a] = transfers[(0, a)](state)
+  switch_cost_s = {}
+  for (a, b), move in transfers.items():
+    jax.block_until_ready(states[a])
+    tick = time.perf_counter()
+    jax.block_until_ready(move(states[a]))
+    switch_cost_s[(a, b)] = time.perf_counter() - tick
+  for a, prog in enumerate(programs):
+    copy = None
+    if a:
+      copy, _ = prog.train_step(states.pop(a), _zero_batch(prog), prog.layout)
+    if prog.expert_mode == "ep" and replans[a]:
+      copy = migrate(copy if a else transfers[(1, 0)](states[1]), prog.layout, prog.layout)
+    jax.block_until_ready(copy)
+  return transfers, switch_cost_s

@@ -1,0 +1,48 @@
+"""Train state and its shardings; sharded init without allocating on one device."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from moejax.layout.tables import Layout
+from moejax.model.mesh import RULES
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+
+def _init_variables(model: nn.Module, layout: Layout, batch: int, seq_len: int, seed: int):
+  tokens = jnp.zeros((batch, seq_len), jnp.int32)
+  return model.init(jax.random.key(seed), tokens, layout)
+
+
+def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh,
+                    layout: Layout, batch: int, seq_len: int) -> TrainState:
+  """Shardings of every state leaf, from the logical axis names of the params."""
+  boxed = jax.eval_shape(lambda: _init_variables(model, layout, batch, seq_len, 0))
+  param_sh = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, RULES)["params"]
+  abstract_params = nn.meta.unbox(boxed)["params"]
+  abstract_opt = jax.eval_shape(tx.init, abstract_params)
+  rep = NamedSharding(mesh, P())
+  opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_sh,
+                                 transform_non_params=lambda _: rep)
+  return TrainState(step=rep, params=param_sh, opt_state=opt_sh)
+
+
+def init_state(model: nn.Module, tx: optax.GradientTransformation, shardings: TrainState,
+               layout: Layout, batch: int, seq_len: int, seed: int) -> TrainState:
+  def init():
+    params = nn.meta.unbox(_init_variables(model, layout, batch, seq_len, seed))["params"]
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+  return jax.jit(init, out_shardings=shardings)()
