@@ -17,7 +17,7 @@ import jax
 import pytest
 
 from moejax.train.trainer import Trainer
-from tests.test_train import REPO_ROOT, step_losses, tiny_config
+from tests.run_config import REPO_ROOT, step_losses, tiny_config
 
 STEPS, EVERY = 30, 10   # num_steps <= 31 keeps the LR schedule, so the programs, of tiny runs
 

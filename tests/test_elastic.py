@@ -18,8 +18,8 @@ from moejax.train import data as data_lib
 from moejax.train.checkpoint import Checkpointer
 from moejax.train.digest import path_name
 from moejax.train.trainer import Trainer
+from tests.run_config import tiny_config
 from tests.run_helpers import reference_losses  # noqa: F401  (fixture)
-from tests.test_train import tiny_config
 
 
 def _canonical(state, layout, mode) -> dict[str, np.ndarray]:

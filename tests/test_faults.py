@@ -20,8 +20,8 @@ from moejax.train import data as data_lib
 from moejax.train.checkpoint import CheckpointError
 from moejax.train.trainer import Trainer
 from tests import run_helpers
+from tests.run_config import checkpoint_steps, read_jsonl, step_losses, tiny_config
 from tests.run_helpers import reference_losses  # noqa: F401  (fixture)
-from tests.test_train import checkpoint_steps, read_jsonl, step_losses, tiny_config
 
 
 def test_sigkill_then_the_same_command_continues_exactly(tmp_path, reference_losses):  # noqa: F811

@@ -21,7 +21,7 @@ from moejax.model.moe.reference import moe_reference
 from moejax.model.moe.replicas import choose_slots
 from moejax.train import step as step_lib
 from tests.helpers import TINY_MOE, tiny_setup, tokens
-from tests.test_moe_equivalence import D, E, F, assert_trees_close, make_params
+from tests.moe_helpers import D, E, F, assert_trees_close, make_params
 
 LAYOUTS = 20
 

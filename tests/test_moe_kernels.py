@@ -26,7 +26,7 @@ from moejax.model.mesh import mesh_of_shape
 from moejax.model.moe import ragged
 from moejax.model.moe.ops import ops_for
 from tests.helpers import TINY_MOE, tiny_setup
-from tests.test_moe_equivalence import (
+from tests.moe_helpers import (
   D,
   E,
   F,

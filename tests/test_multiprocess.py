@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from tests import run_helpers
+from tests.run_config import checkpoint_steps, read_jsonl, step_losses, tiny_config
 from tests.run_helpers import reference_losses  # noqa: F401  (fixture)
-from tests.test_train import checkpoint_steps, read_jsonl, step_losses, tiny_config
 
 
 def test_two_processes_match_one_stop_together_and_resume(tmp_path, reference_losses):  # noqa: F811

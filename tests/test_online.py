@@ -14,7 +14,7 @@ from moejax.config import ConfigError, PlannerConfig, TraceConfig
 from moejax.layout import placement as pl
 from moejax.placement.replanner import OnlinePlanner
 from moejax.train.trainer import Trainer
-from tests.test_train import tiny_config
+from tests.run_config import tiny_config
 
 
 def test_observe_folds_data_rows_onto_expert_devices():
