@@ -8,6 +8,7 @@ the project lives here; `train.py` only binds values to these classes.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 
 class ConfigError(ValueError):
@@ -31,6 +32,15 @@ def check_field_types(name: str, obj) -> None:
           f"{field.type}; e.g. {name}.{field.name} = {field.default!r}.")
 
 
+def batch_split_error(batch: int, shards: int, name: str = "batch") -> str | None:
+  """Why `batch` rows cannot be split evenly over `shards` = data*expert devices (None: they
+  can); the one home of the rule for the trainer, the strategy space and the MoE layer."""
+  if batch % shards:
+    return (f"{name}={batch} is not divisible by data*expert={shards} devices; "
+            f"use a multiple of {shards}")
+  return None
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
   """Sizes of the named mesh axes; -1 means "all remaining devices"."""
@@ -40,6 +50,30 @@ class MeshConfig:
   # With no XLA_FLAGS set, train.py exposes this many CPU host devices before JAX starts
   # (set 1 on GPU hosts; the flag only affects the CPU platform).
   host_device_count: int = 8
+
+  def resolve(self, num_devices: int) -> tuple[int, int, int]:
+    """(data, expert, model) with a single -1 replaced by the remaining factor; the product
+    must be `num_devices`."""
+    names = ("data", "expert", "model")
+    sizes = [self.data, self.expert, self.model]
+    bad = [(n, s) for n, s in zip(names, sizes) if s == 0 or s < -1]
+    if bad:
+      raise ConfigError(f"mesh.{bad[0][0]}={bad[0][1]} is invalid; use a positive size or -1.")
+    if sizes.count(-1) > 1:
+      raise ConfigError(f"mesh sizes {dict(zip(names, sizes))} have more than one -1; "
+                        "set all but one axis explicitly.")
+    if -1 in sizes:
+      known = math.prod(s for s in sizes if s != -1)
+      if num_devices % known:
+        raise ConfigError(
+            f"mesh sizes {dict(zip(names, sizes))} cannot fill {num_devices} devices: "
+            f"{num_devices} is not divisible by {known}.")
+      sizes[sizes.index(-1)] = num_devices // known
+    if math.prod(sizes) != num_devices:
+      raise ConfigError(
+          f"mesh sizes {dict(zip(names, sizes))} multiply to {math.prod(sizes)} but there are "
+          f"{num_devices} devices; make the product {num_devices} or set one axis to -1.")
+    return tuple(sizes)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,7 +63,7 @@ def token_file(tmp_path, max_token: int = 200, n: int = 20_000):
 
 def test_mesh_product_mismatch():
   with pytest.raises(ConfigError) as e:
-    mesh_lib.resolve_axis_sizes(MeshConfig(data=3, expert=2, model=1), 8)
+    MeshConfig(data=3, expert=2, model=1).resolve(8)
   msg = assert_one_line(e, "'data': 3", "'expert': 2", "multiply to 6", "8 devices")
   assert "-1" in msg   # the fix: make the product 8 or set one axis to -1
 
@@ -76,13 +76,13 @@ def test_mesh_product_mismatch_through_build_mesh():
 
 def test_mesh_minus_one_cannot_fill():
   with pytest.raises(ConfigError) as e:
-    mesh_lib.resolve_axis_sizes(MeshConfig(data=-1, expert=3, model=1), 8)
+    MeshConfig(data=-1, expert=3, model=1).resolve(8)
   assert_one_line(e, "'expert': 3", "8 devices", "not divisible by 3")
 
 
 def test_mesh_two_minus_ones():
   with pytest.raises(ConfigError) as e:
-    mesh_lib.resolve_axis_sizes(MeshConfig(data=-1, expert=-1, model=1), 8)
+    MeshConfig(data=-1, expert=-1, model=1).resolve(8)
   assert_one_line(e, "'data': -1", "'expert': -1", "more than one -1", "set all but one")
 
 
@@ -93,7 +93,7 @@ def test_mesh_two_minus_ones():
 ])
 def test_mesh_zero_or_negative_size(kwargs, needle):
   with pytest.raises(ConfigError) as e:
-    mesh_lib.resolve_axis_sizes(MeshConfig(**kwargs), 8)
+    MeshConfig(**kwargs).resolve(8)
   assert_one_line(e, needle, "positive size or -1")
 
 

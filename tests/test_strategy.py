@@ -39,7 +39,7 @@ def test_why_invalid_names_the_reason():
   assert "divisible by expert axis" in why_invalid(parse("ep/2x4x1/cf1"), cfg3)
   assert why_invalid(parse("fsep/1x8x1/c0/cf1.25"), CFG) is None
   small_batch = dataclasses.replace(CFG, data=DataConfig(global_batch_size=4))
-  assert "batch 4" in why_invalid(parse("ep/1x8x1/cf1"), small_batch)
+  assert "global_batch_size=4 is not divisible" in why_invalid(parse("ep/1x8x1/cf1"), small_batch)
 
 
 def test_apply_sets_mesh_and_moe_and_mode_policy():

@@ -34,32 +34,9 @@ _NAMES = [name for name, _ in RULES]
 assert len(_NAMES) == len(set(_NAMES)), f"duplicate logical axis names in RULES: {_NAMES}"
 
 
-def resolve_axis_sizes(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
-  """Replaces a single -1 by the remaining factor; checks the product."""
-  sizes = [cfg.data, cfg.expert, cfg.model]
-  bad = [(n, s) for n, s in zip(AXES, sizes) if s == 0 or s < -1]
-  if bad:
-    raise ConfigError(f"mesh.{bad[0][0]}={bad[0][1]} is invalid; use a positive size or -1.")
-  if sizes.count(-1) > 1:
-    raise ConfigError(f"mesh sizes {dict(zip(AXES, sizes))} have more than one -1; "
-                      "set all but one axis explicitly.")
-  if -1 in sizes:
-    known = math.prod(s for s in sizes if s != -1)
-    if num_devices % known:
-      raise ConfigError(
-          f"mesh sizes {dict(zip(AXES, sizes))} cannot fill {num_devices} devices: "
-          f"{num_devices} is not divisible by {known}.")
-    sizes[sizes.index(-1)] = num_devices // known
-  if math.prod(sizes) != num_devices:
-    raise ConfigError(
-        f"mesh sizes {dict(zip(AXES, sizes))} multiply to {math.prod(sizes)} but there are "
-        f"{num_devices} devices; make the product {num_devices} or set one axis to -1.")
-  return tuple(sizes)
-
-
 def build_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
   devices = list(jax.devices() if devices is None else devices)
-  shape = resolve_axis_sizes(cfg, len(devices))
+  shape = cfg.resolve(len(devices))
   return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 
-from moejax.config import Config, ConfigError
+from moejax.config import Config, ConfigError, batch_split_error
 
 _MODES = ("ep", "fsep")
 _DISPATCH = ("dense", "ragged")
@@ -103,10 +102,7 @@ def parse(spec: str) -> Strategy:
 
 def from_config(cfg: Config, num_devices: int) -> Strategy:
   """The strategy a config describes (mesh -1 resolved against `num_devices`)."""
-  sizes = [cfg.mesh.data, cfg.mesh.expert, cfg.mesh.model]
-  if -1 in sizes:
-    known = math.prod(s for s in sizes if s != -1)
-    sizes[sizes.index(-1)] = num_devices // max(known, 1)
+  sizes = cfg.mesh.resolve(num_devices)
   slots = cfg.moe.slots_per_device if cfg.moe.expert_mode == "fsep" else 0
   return Strategy(*sizes, expert_mode=cfg.moe.expert_mode, slots_per_device=slots,
                   capacity_factor=cfg.moe.capacity_factor, dispatch=cfg.moe.dispatch)
@@ -134,8 +130,8 @@ def why_invalid(s: Strategy, cfg: Config) -> str | None:
                      ("model.vocab_size", m.vocab_size), ("moe.d_ff", moe.d_ff)):
     if size % mm:
       return f"{name}={size} not divisible by model axis {mm}"
-  if cfg.data.global_batch_size % (s.data * n):
-    return f"batch {cfg.data.global_batch_size} not divisible by data*expert={s.data * n}"
+  if why := batch_split_error(cfg.data.global_batch_size, s.data * n, "data.global_batch_size"):
+    return why
   if s.expert_mode == "ep" and e % n:
     return f"ep needs E={e} divisible by expert axis {n}"
   if s.expert_mode == "fsep":

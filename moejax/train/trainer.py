@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from moejax.config import Config, ConfigError
+from moejax.config import Config, ConfigError, batch_split_error
 from moejax.layout.migrate import migrate
 from moejax.layout.tables import Layout, from_placements, from_slot_expert, to_placements
 from moejax.placement.replanner import OnlinePlanner
@@ -41,9 +41,8 @@ def _dense_capacity(moe) -> float | None:
 
 def _check_batch(cfg: Config, shards: int) -> None:
   b = cfg.data.global_batch_size
-  if b % shards:
-    raise ConfigError(f"data.global_batch_size={b} is not divisible by data*expert={shards} "
-                      f"devices; use a multiple of {shards}.")
+  if why := batch_split_error(b, shards, "data.global_batch_size"):
+    raise ConfigError(why + ".")
   if b % jax.process_count():
     raise ConfigError(f"data.global_batch_size={b} is not divisible by the "
                       f"{jax.process_count()} processes.")

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from moejax.config import ConfigError, MoEConfig
+from moejax.config import ConfigError, MoEConfig, batch_split_error
 from moejax.layout.placement import SHARE_PARTS
 from moejax.layout.tables import Layout
 from moejax.model.mesh import BATCH_AXES, logical_to_spec
@@ -107,9 +107,8 @@ def moe_apply(params: dict, x_BxLxD: jax.Array, layout: Layout, cfg: MoEConfig,
   slots = num_slots // num_dev
   shards = mesh.shape["data"] * mesh.shape["expert"]
   batch, length, d_model = x_BxLxD.shape
-  if batch % shards:
-    raise ConfigError(f"batch {batch} is not divisible by data*expert={shards} devices; "
-                      f"use a batch size that is a multiple of {shards}.")
+  if why := batch_split_error(batch, shards):
+    raise ConfigError(why + ".")
   num_tokens = batch // shards * length
   cap = dispatch_lib.capacity(num_tokens, cfg.top_k, num_slots, cfg.capacity_factor)
   # Chosen when the program is built: ep layouts have one replica per expert.
