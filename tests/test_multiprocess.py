@@ -81,6 +81,7 @@ def test_distributed_plan_reads_explicit_env_and_clusters():
 
 
 def test_launcher_env_exit_codes_and_usage(capsys):
+  from moejax import launch as launch_cli
   from moejax.runtime import launch
 
   env = launch.child_env({"XLA_FLAGS": "--xla_foo=1 --xla_force_host_platform_device_count=8"},
@@ -96,7 +97,7 @@ def test_launcher_env_exit_codes_and_usage(capsys):
                         "time.sleep(60) if pid == 0 else exit(5)"], processes=2)
   assert code == 5
   with pytest.raises(SystemExit):
-    launch.main(["--processes", "2"])
+    launch_cli.main(["--processes", "2"])
   assert "give the command after --" in capsys.readouterr().err
 
 

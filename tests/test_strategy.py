@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from moejax import plan as plan_cli
 from moejax.config import Config, ConfigError, DataConfig, ModelConfig, MoEConfig
 from moejax.strategy import offline as plan
 from moejax.strategy.cost import PRESETS, expected_overflow, load_profile, predict_step
@@ -178,14 +179,14 @@ def test_profiles_load_from_presets_and_json(tmp_path):
 
 def test_plan_cli_prints_table_and_pool(tmp_path, capsys):
   out = tmp_path / "plan.json"
-  assert plan.main(["--profile", "h100_cluster", "--pool", "2", "--json", str(out)]) == 0
+  assert plan_cli.main(["--profile", "h100_cluster", "--pool", "2", "--json", str(out)]) == 0
   printed = capsys.readouterr().out
   assert "pool: " in printed and "strategy.pool = [" in printed
   data = json.loads(out.read_text())
   assert len(data["pool"]) == 2
   in_pool = {r["strategy"] for r in data["rows"] if r["in_pool"]}
   assert in_pool == set(data["pool"]) and all(isinstance(parse(s), Strategy) for s in in_pool)
-  assert plan.main(["--profile", "nope"]) == 2
+  assert plan_cli.main(["--profile", "nope"]) == 2
 
 
 def test_observed_regime_plans_for_the_measured_expert_shares(tmp_path, capsys):
@@ -208,13 +209,13 @@ def test_observed_regime_plans_for_the_measured_expert_shares(tmp_path, capsys):
   np.testing.assert_allclose(plan.observed_load(counts), np.tile(skew_E, (2, 1)), atol=1e-3)
   trace = tmp_path / "trace.npz"
   np.savez(trace, counts=counts)
-  assert plan.main(["--profile", "h100_node", "--pool", "2", "--max_drop", "0.03",
+  assert plan_cli.main(["--profile", "h100_node", "--pool", "2", "--max_drop", "0.03",
                     "--dispersion", "3", "--trace", str(trace)]) == 0
   printed = capsys.readouterr().out
   assert "observed ms" in printed and f"last 3 steps of {trace}" in printed
   assert "pool: ep/8x1x1/cf1.5" in printed
   np.savez(trace, counts=counts[..., :5])         # another model's trace: 5 experts
-  assert plan.main(["--profile", "h100_node", "--trace", str(trace)]) == 2
+  assert plan_cli.main(["--profile", "h100_node", "--trace", str(trace)]) == 2
   err = capsys.readouterr().err
   assert "observed expert shares have shape (2, 5)" in err and "\n" not in err.strip()
   with pytest.raises(ConfigError, match="observed_LxE"):
