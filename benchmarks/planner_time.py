@@ -1,14 +1,14 @@
-"""Planner wall time per decision, for every policy in moejax.planner.POLICIES.
+"""Planner wall time per decision, for every policy in moejax.placement.policies.POLICIES.
 
 What it measures: the wall time (time.perf_counter) of one policy call
 `plan(pred_SxE, current, slots=C, src_dev_S=..., cost=CostModel(), num_devices=N)` for one MoE
-layer, as replay and the online trainer make it. The predicted load is one step of a lognormal
-synthetic trace (moejax.workloads.synthetic_trace, sigma=1.0, top_k=2, 2048 tokens per source)
-with sources = N (one source per device); `current` is the static placement (fsep ignores it;
-where E < N it gets any valid layout). Each row: one warm-up call, then the median (and min,
-max) over --repeats calls (>= 5). `max/mean` is the busiest device's load over the mean when
-the planned layout routes that same predicted load (placement.route: whole SHARE_PARTS parts,
-local first).
+layer, as replay and the online trainer make it. The predicted load is one step of a
+lognormal synthetic trace (moejax.placement.workloads.synthetic_trace, sigma=1.0, top_k=2,
+2048 tokens per source) with sources = N (one source per device); `current` is the static
+placement (fsep ignores it; where E < N it gets any valid layout). Each row: one warm-up
+call, then the median (and min, max) over --repeats calls (>= 5). `max/mean` is the busiest
+device's load over the mean when the planned layout routes that same predicted load
+(placement.route: whole SHARE_PARTS parts, local first).
 
 Configurations: E=64 on N=64 and N=256, plus E=256 on N=256, for every policy. One-copy
 policies (static, smartmoe) get C = E/N slots; the others get --slots (default 2); shadow needs
@@ -18,8 +18,8 @@ default options and with exact_parts=False (no snapping/rounding of shares to ro
 
 Run (from the repository root):
 
-  python benchmarks/planner_time.py
-  python benchmarks/planner_time.py --repeats 7 --json benchmarks/results/planner_time.json
+  python -m benchmarks.planner_time
+  python -m benchmarks.planner_time --repeats 7 --json benchmarks/results/planner_time.json
 """
 
 from __future__ import annotations
@@ -31,18 +31,13 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
-
-_REPO = Path(__file__).resolve().parent.parent
-if str(_REPO) not in sys.path:
-  sys.path.insert(0, str(_REPO))
 
 import numpy as np
 
 from benchmarks.common import write_result
 from moejax.layout import placement as pl
 from moejax.layout.flow import flow, max_over_mean
-from moejax.placement.policies import ONE_COPY_POLICIES, POLICIES, CostModel
+from moejax.placement.policies import ONE_COPY_POLICIES, POLICIES, CostModel, make_options
 from moejax.placement.workloads import synthetic_trace
 
 DEFAULT_JSON = "benchmarks/results/planner_time.json"
@@ -81,7 +76,7 @@ def time_policy(name: str, experts: int, devices: int, slots: int, repeats: int,
   src = pl.source_devices(devices, devices)
   current, cost, plan = _any_layout(experts, devices, c), CostModel(), POLICIES[name]
   if options:
-    plan = functools.partial(plan, **options)
+    plan = functools.partial(plan, options=make_options(name, **options))
     row["options"] = options
   times = []
   for i in range(repeats + 1):
@@ -134,7 +129,8 @@ def main(argv=None) -> int:
     print(f"\nfsep latency (C={a.fsep_slots}); last {len(FSEP_CONFIGS)} rows: exact_parts=False "
           "(shares not snapped/rounded to SHARE_PARTS by the planner)")
     print_table(fsep_rows)
-  out = {"benchmark": "planner_time", "command": " ".join(["python"] + sys.argv),
+  out = {"benchmark": "planner_time",
+         "command": " ".join(["python -m benchmarks.planner_time", *sys.argv[1:]]),
          "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
          "python": platform.python_version(), "numpy": np.__version__,
          "machine": platform.machine(), "processor": platform.processor() or None,

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from moejax.config import ConfigError
-from moejax.layout import placement as pl
+from moejax.layout import placement as placement_lib
 from moejax.layout.flow import flow, max_over_mean
-from moejax.placement import fsep, policies as planner
+from moejax.placement import fsep, policies
 from moejax.placement.cost import CostModel
 from moejax.placement.replay import replay
 from moejax.placement.workloads import load_trace, synthetic_trace
@@ -23,12 +23,13 @@ TRACES = Path(__file__).resolve().parents[1] / "benchmarks" / "traces"
 def _plan(pred_SxE, n, c, src=None, **kw):
   pred_SxE = np.asarray(pred_SxE, np.float64)
   src = np.arange(len(pred_SxE)) * n // len(pred_SxE) if src is None else src
-  current = pl.Placement(np.zeros(n, np.int32), np.ones(n), n)   # fsep ignores the layout
-  return fsep.plan(pred_SxE, current, slots=c, src_dev_S=src, cost=CostModel(), num_devices=n,
-                   **kw)
+  # fsep ignores the current layout
+  current = placement_lib.Placement(np.zeros(n, np.int32), np.ones(n), n)
+  return fsep.place_replicas(pred_SxE, current, slots=c, src_dev_S=src, cost=CostModel(),
+                             num_devices=n, options=fsep.FsepOptions(**kw))
 
 
-def _check_layout(p: pl.Placement, num_experts: int, n: int, c: int):
+def _check_layout(p: placement_lib.Placement, num_experts: int, n: int, c: int):
   p.validate(num_experts)
   assert p.slot_expert.dtype == np.int32 and len(p.slot_expert) == n * c
   assert p.num_devices == n and p.slots_per_device == c
@@ -43,8 +44,8 @@ def _check_layout(p: pl.Placement, num_experts: int, n: int, c: int):
 
 
 def test_registered_and_not_one_copy():
-  assert planner.get_policy("fsep") is fsep.plan
-  assert "fsep" not in planner.ONE_COPY_POLICIES
+  assert policies.get_policy("fsep") is fsep.place_replicas
+  assert "fsep" not in policies.ONE_COPY_POLICIES
 
 
 def test_half_the_load_on_one_expert_gets_a_replica_per_device():
@@ -56,7 +57,8 @@ def test_half_the_load_on_one_expert_gets_a_replica_per_device():
   assert p.replicas(4)[0] == 4                            # one replica on every device
   dev_load = flow(p, pred, np.arange(4)).device_load_N
   assert max_over_mean(dev_load) <= 1.1
-  assert max_over_mean(pl.device_load(p, pl.quotas(p, pred.sum(0).astype(np.int64)))) <= 1.01
+  quotas = placement_lib.quotas(p, pred.sum(0).astype(np.int64))
+  assert max_over_mean(placement_lib.device_load(p, quotas)) <= 1.01
 
 
 def test_uniform_load_gets_even_replicas():
@@ -122,7 +124,8 @@ def test_valid_layouts_on_random_loads(seed):
     p = _plan(pred, n, c, src=src, candidates=cands, exact_parts=exact)
     _check_layout(p, e, n, c)
     if exact:                                             # whole router parts, reproduced
-      np.testing.assert_array_equal(pl.share_parts(p, e), np.rint(p.share * pl.SHARE_PARTS))
+      np.testing.assert_array_equal(placement_lib.share_parts(p, e),
+                                    np.rint(p.share * placement_lib.SHARE_PARTS))
 
 
 def test_too_few_slots_is_a_one_line_config_error():
@@ -178,9 +181,9 @@ def test_shares_are_whole_router_parts_and_stay_balanced_at_scale(n, kind):
   pred = synthetic_trace(1, 1, n, 64, kind=kind, seed=0)["counts"][0, 0]
   p = _plan(pred, n, 8)
   _check_layout(p, 64, n, 8)
-  parts = p.share * pl.SHARE_PARTS
+  parts = p.share * placement_lib.SHARE_PARTS
   np.testing.assert_array_equal(parts, np.round(parts))
-  np.testing.assert_array_equal(pl.share_parts(p, 64), np.round(parts).astype(np.int64))
+  np.testing.assert_array_equal(placement_lib.share_parts(p, 64), np.round(parts).astype(np.int64))
   # Under the "split" rule each of the N sources rounds its few tokens per expert to whole
   # tokens per replica (dithered by its phase); at N=1024 that alone costs ~3-4%.
   limit = 1.03 if n <= 256 else 1.05
@@ -195,7 +198,7 @@ def test_snap_counts_gives_coarse_experts_power_of_two_counts():
   assert coarse.any() and not coarse.all()
   assert snapped.sum() == 8192 and snapped.max() <= 1024 and snapped.min() >= 1
   for e in np.flatnonzero(coarse):
-    assert pl.SHARE_PARTS % snapped[e] == 0, (e, r[e], snapped[e])   # whole parts, even
+    assert placement_lib.SHARE_PARTS % snapped[e] == 0, (e, r[e], snapped[e])   # whole parts, even
     assert snapped[e] / 1.5 <= r[e] <= snapped[e] * 1.5               # the nearest power of 2
   few = np.full(8, 2, np.int64)                           # nothing coarse: unchanged
   same, none = fsep.snap_counts(few, np.ones(8), 16, 4)
@@ -230,7 +233,7 @@ def _random_replicated(rng, n, c, e, empty=0.2):
       w = rng.integers(0, 3, len(slots)).astype(float)   # some replicas get no tokens
       w[0] += w.sum() == 0
     share[slots] = w / w.sum()
-  return pl.Placement(se.astype(np.int32), share, n)
+  return placement_lib.Placement(se.astype(np.int32), share, n)
 
 
 def test_vectorised_route_equals_the_loop():
@@ -243,7 +246,7 @@ def test_vectorised_route_equals_the_loop():
     p.validate(e)
     mode = rng.integers(3)
     if mode == 0:
-      src = pl.source_devices(n * int(rng.integers(1, 4)), n)
+      src = placement_lib.source_devices(n * int(rng.integers(1, 4)), n)
     elif mode == 1:
       src = rng.integers(0, n, int(rng.integers(1, 10)))  # unsorted, devices without sources
     else:
@@ -252,8 +255,8 @@ def test_vectorised_route_equals_the_loop():
     if rng.random() < 0.1:
       counts[:] = 0
     vectorised += not p.is_one_copy(e)
-    want = pl.route_local_first_loop(p, counts, src)
-    got = pl.route(p, counts, src)
+    want = placement_lib.route_local_first_loop(p, counts, src)
+    got = placement_lib.route(p, counts, src)
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_array_equal(got[1], want[1])
   assert vectorised > 250
@@ -262,19 +265,21 @@ def test_vectorised_route_equals_the_loop():
 def test_vectorised_route_on_fsep_layouts_and_duplicates_fall_back():
   rng = np.random.default_rng(1)
   pred = synthetic_trace(2, 1, 16, 32, kind="collapse", seed=2)["counts"][:, 0]
-  p = dataclasses.replace(_plan(pred[0], 8, 8, src=pl.source_devices(16, 8)),
+  p = dataclasses.replace(_plan(pred[0], 8, 8, src=placement_lib.source_devices(16, 8)),
                           routing="local_first")     # the loop reference is local-first
   assert p.replicas(32).max() > 2
+  src = placement_lib.source_devices(16, 8)
   for counts in (pred[1], pred[0], rng.integers(0, 5, (16, 32))):
-    for a, b in zip(pl.route(p, counts, pl.source_devices(16, 8)),
-                    pl.route_local_first_loop(p, counts, pl.source_devices(16, 8))):
+    for a, b in zip(placement_lib.route(p, counts, src),
+                    placement_lib.route_local_first_loop(p, counts, src)):
       np.testing.assert_array_equal(a, b)
   # Two replicas of expert 0 on device 0: route falls back to the loop, same answer.
-  dup = pl.Placement(np.array([0, 0, 1, 0], np.int32), np.array([0.25, 0.25, 1.0, 0.5]), 2)
-  assert not pl.one_per_device(dup, 2)
+  dup = placement_lib.Placement(np.array([0, 0, 1, 0], np.int32),
+                                np.array([0.25, 0.25, 1.0, 0.5]), 2)
+  assert not placement_lib.one_per_device(dup, 2)
   counts = np.array([[7, 2], [3, 4]])
-  for a, b in zip(pl.route(dup, counts, np.arange(2)),
-                  pl.route_local_first_loop(dup, counts, np.arange(2))):
+  for a, b in zip(placement_lib.route(dup, counts, np.arange(2)),
+                  placement_lib.route_local_first_loop(dup, counts, np.arange(2))):
     np.testing.assert_array_equal(a, b)
 
 
@@ -285,7 +290,8 @@ def test_vectorised_quotas_equal_quotas():
     e = int(rng.integers(1, n * c + 1))
     p = _random_replicated(rng, n, c, e)
     totals = rng.integers(0, 5000, e)
-    np.testing.assert_array_equal(pl._quotas_vec(p, totals), pl.quotas(p, totals))
+    np.testing.assert_array_equal(placement_lib._quotas_vec(p, totals),
+                                  placement_lib.quotas(p, totals))
 
 
 # ---- replays of the committed traces -------------------------------------------------------

@@ -57,26 +57,27 @@ def test_two_processes_match_one_stop_together_and_resume(tmp_path, reference_lo
 
 def test_distributed_plan_reads_explicit_env_and_clusters():
   from moejax.config import ConfigError
-  from moejax.runtime.distributed import plan
+  from moejax.runtime.distributed import initialize_kwargs
 
-  assert plan({}) is None
+  assert initialize_kwargs({}) is None
   env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4",
          "JAX_PROCESS_ID": "3"}
-  assert plan(env) == {"coordinator_address": "10.0.0.1:1234", "num_processes": 4,
-                       "process_id": 3}
-  assert plan(dict(env, JAX_NUM_PROCESSES="1", JAX_PROCESS_ID="0")) is None
-  assert plan(dict(env, MOEJAX_DISTRIBUTED="0")) is None
+  assert initialize_kwargs(env) == {"coordinator_address": "10.0.0.1:1234",
+                                    "num_processes": 4, "process_id": 3}
+  assert initialize_kwargs(dict(env, JAX_NUM_PROCESSES="1", JAX_PROCESS_ID="0")) is None
+  assert initialize_kwargs(dict(env, MOEJAX_DISTRIBUTED="0")) is None
   slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[01-02]", "SLURM_NTASKS": "2",
            "SLURM_PROCID": "1", "SLURM_LOCALID": "0"}
-  assert plan(slurm) == {} and plan(dict(slurm, SLURM_NTASKS="1")) is None
-  assert plan({"MOEJAX_DISTRIBUTED": "1"}) == {}
+  assert initialize_kwargs(slurm) == {}
+  assert initialize_kwargs(dict(slurm, SLURM_NTASKS="1")) is None
+  assert initialize_kwargs({"MOEJAX_DISTRIBUTED": "1"}) == {}
   for bad, needle in (({"JAX_COORDINATOR_ADDRESS": "h:1"}, "JAX_NUM_PROCESSES, JAX_PROCESS_ID"),
                       (dict(env, JAX_PROCESS_ID="4"), "JAX_PROCESS_ID=4 must be in [0, "),
                       (dict(env, JAX_NUM_PROCESSES="two"), "JAX_NUM_PROCESSES='two'"),
                       (dict(env, JAX_COORDINATOR_ADDRESS="10.0.0.1"), "must be host:port"),
                       ({"MOEJAX_DISTRIBUTED": "yes"}, "MOEJAX_DISTRIBUTED='yes'")):
     with pytest.raises(ConfigError) as e:
-      plan(bad)
+      initialize_kwargs(bad)
     assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 

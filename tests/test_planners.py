@@ -6,25 +6,30 @@ import numpy as np
 import pytest
 
 from moejax.config import ConfigError
-from moejax.layout import placement as pl
+from moejax.layout import placement as placement_lib
 from moejax.layout.flow import flow, max_over_mean
-from moejax.placement import policies as planner, shadow, smartmoe
+from moejax.placement import policies, shadow, smartmoe
 from moejax.placement.cost import CostModel
 
 
-def _dev_loads(p: pl.Placement, load_E):
+def _dev_loads(p: placement_lib.Placement, load_E):
   return np.bincount(p.device_of_slot, weights=np.asarray(load_E, float)[p.slot_expert],
                      minlength=p.num_devices)
 
 
+def _permute(load_E, current, **options):
+  return smartmoe.place_permutation(load_E[None], current,
+                                    options=smartmoe.SmartMoEOptions(**options))
+
+
 def test_static_places_expert_e_on_device_e_div_c():
-  p = planner.get_policy("static")(np.ones((4, 8)), pl.static(8, 4))
+  p = policies.get_policy("static")(np.ones((4, 8)), placement_lib.static(8, 4))
   np.testing.assert_array_equal(p.device_of_slot[np.argsort(p.slot_expert)], np.arange(8) // 2)
 
 
 def test_smartmoe_finds_the_known_optimum():
   load_E = np.array([8, 7, 6, 5, 4, 3, 2, 1], float)    # best: pairs summing to 9
-  p = smartmoe.plan(load_E[None], pl.static(8, 4), min_gain=0.0)
+  p = _permute(load_E, placement_lib.static(8, 4), min_gain=0.0)
   assert sorted(np.bincount(p.device_of_slot[p.slot_expert >= 0], minlength=4)) == [2] * 4
   np.testing.assert_array_equal(_dev_loads(p, load_E), [9, 9, 9, 9])
   assert sorted(p.slot_expert.tolist()) == list(range(8))
@@ -32,20 +37,20 @@ def test_smartmoe_finds_the_known_optimum():
 
 def test_smartmoe_keeps_a_balanced_placement():
   load_E = np.array([8, 1, 7, 2, 6, 3, 5, 4], float)    # static is already optimal
-  cur = pl.static(8, 4)
-  assert smartmoe.plan(load_E[None], cur) is cur
+  cur = placement_lib.static(8, 4)
+  assert _permute(load_E, cur) is cur
 
 
 def test_smartmoe_hysteresis_rejects_small_gains():
   load_E = np.array([5.2, 5, 5, 5, 5, 5, 5, 4.8])        # best possible gain ~2%
-  cur = pl.static(8, 4)
-  assert smartmoe.plan(load_E[None], cur, min_gain=0.05) is cur
+  cur = placement_lib.static(8, 4)
+  assert _permute(load_E, cur, min_gain=0.05) is cur
 
 
 def test_smartmoe_keeps_slots_of_experts_that_stay():
-  cur = pl.one_copy(np.array([0, 1, 2, 3, 4, 5, 6, 7]), 4)
+  cur = placement_lib.one_copy(np.array([0, 1, 2, 3, 4, 5, 6, 7]), 4)
   load_E = np.array([10, 10, 1, 1, 1, 1, 1, 1], float)   # only experts 0/1 must split
-  new = smartmoe.plan(load_E[None], cur, min_gain=0.0)
+  new = _permute(load_E, cur, min_gain=0.0)
   dev_new = new.device_of_slot[np.argsort(new.slot_expert)]
   stayed = np.flatnonzero(dev_new == np.arange(8) // 2)
   for e in stayed:
@@ -57,14 +62,15 @@ def test_smartmoe_never_worse_than_current_on_random_loads():
   rng = np.random.default_rng(0)
   for _ in range(50):
     load_E = rng.lognormal(0, 1.5, 16)
-    cur = pl.one_copy(rng.permutation(16), 4)
-    new = smartmoe.plan(load_E[None], cur, min_gain=0.0)
+    cur = placement_lib.one_copy(rng.permutation(16), 4)
+    new = _permute(load_E, cur, min_gain=0.0)
     assert _dev_loads(new, load_E).max() <= _dev_loads(cur, load_E).max() + 1e-9
 
 
 def test_smartmoe_rejects_indivisible_experts():
   with pytest.raises(ConfigError, match="divisible"):
-    smartmoe.plan(np.ones((1, 6)), pl.Placement(np.arange(6, dtype=np.int32), np.ones(6), 4))
+    smartmoe.place_permutation(
+        np.ones((1, 6)), placement_lib.Placement(np.arange(6, dtype=np.int32), np.ones(6), 4))
 
 
 def _collapsed(devices=4, experts=8, hot_share=0.5, tokens=4000):
@@ -77,57 +83,73 @@ def test_shadow_replicates_a_collapsed_expert_when_cheap():
   pred = _collapsed()
   src = np.arange(4)
   cheap = CostModel(link_bytes_per_s=1e15)
-  p = shadow.plan(pred, pl.static(8, 4), slots=3, src_dev_S=src, cost=cheap)
+  p = shadow.place_shadows(pred, placement_lib.static(8, 4), slots=3, src_dev_S=src, cost=cheap)
   p.validate(8)
   assert p.replicas(8)[3] == 4 and p.replicas(8).sum() == 8 + 3
   assert max_over_mean(flow(p, pred, src).device_load_N) < 1.3
-  assert max_over_mean(flow(pl.static(8, 4), pred, src).device_load_N) > 1.9
+  assert max_over_mean(flow(placement_lib.static(8, 4), pred, src).device_load_N) > 1.9
 
 
 def test_shadow_stays_static_when_sync_is_expensive():
   pred = _collapsed()
   costly = CostModel(d_model=4096, d_ff=16384, link_bytes_per_s=1e6)
-  p = shadow.plan(pred, pl.static(8, 4), slots=3, src_dev_S=np.arange(4), cost=costly)
+  p = shadow.place_shadows(pred, placement_lib.static(8, 4), slots=3, src_dev_S=np.arange(4),
+                           cost=costly)
   np.testing.assert_array_equal(p.slot_expert[p.slot_expert >= 0], np.arange(8))
 
 
 def test_local_first_routing_and_quotas():
   # Expert 0 has slots on devices 0 and 1 (shares 0.5 / 0.5); expert 1 only on device 1.
-  p = pl.Placement(np.array([0, -1, 0, 1], np.int32), np.array([0.5, 0, 0.5, 1.0]), 2)
+  p = placement_lib.Placement(np.array([0, -1, 0, 1], np.int32), np.array([0.5, 0, 0.5, 1.0]), 2)
   p.validate(2)
   counts_SxE = np.array([[6, 1], [2, 3]])   # source s on device s
-  slot_load, sent_SxN = pl.route(p, counts_SxE, np.arange(2))
+  slot_load, sent_SxN = placement_lib.route(p, counts_SxE, np.arange(2))
   np.testing.assert_array_equal(slot_load, [4, 0, 4, 4])
   # Source 0: 4 of its 6 expert-0 tokens stay local (quota 4), 2 go to device 1; its expert-1
   # token goes to device 1. Source 1: its 2 expert-0 tokens stay local, 3 expert-1 local.
   np.testing.assert_array_equal(sent_SxN, [[4, 3], [0, 5]])
-  assert pl.crossing(sent_SxN, np.arange(2)) == 3
+  assert placement_lib.crossing(sent_SxN, np.arange(2)) == 3
 
 
 def test_quotas_sum_exactly_to_the_totals():
   rng = np.random.default_rng(1)
-  p = pl.Placement(np.array([0, 0, 0, 1], np.int32), np.array([0.3, 0.3, 0.4, 1.0]), 2)
+  p = placement_lib.Placement(np.array([0, 0, 0, 1], np.int32), np.array([0.3, 0.3, 0.4, 1.0]), 2)
   for _ in range(20):
     totals = rng.integers(0, 1000, 2)
-    q = pl.quotas(p, totals)
+    q = placement_lib.quotas(p, totals)
     assert q[:3].sum() == totals[0] and q[3] == totals[1]
 
 
 def test_bad_placements_and_sources_are_rejected():
   with pytest.raises(ConfigError, match="no copy"):
-    pl.one_copy(np.array([0, 0, 1, 1]), 2).validate(3)
+    placement_lib.one_copy(np.array([0, 0, 1, 1]), 2).validate(3)
   with pytest.raises(ConfigError, match="sum to"):
-    pl.Placement(np.array([0, 1], np.int32), np.array([0.5, 1.0]), 2).validate(2)
+    placement_lib.Placement(np.array([0, 1], np.int32), np.array([0.5, 1.0]), 2).validate(2)
   with pytest.raises(ConfigError, match="evenly"):
-    pl.source_devices(3, 2)
+    placement_lib.source_devices(3, 2)
   with pytest.raises(ConfigError, match="unknown"):
-    planner.get_policy("nope")
+    policies.get_policy("nope")
+
+
+def test_an_unknown_policy_option_is_a_one_line_error_naming_the_valid_ones():
+  assert policies.make_options("smartmoe", min_gain=0.1) == smartmoe.SmartMoEOptions(0.1)
+  for name, bad in (("smartmoe", "min_gian"), ("fsep", "capacity"), ("static", "min_gain"),
+                    ("shadow", "slots")):
+    with pytest.raises(ConfigError) as e:
+      policies.make_options(name, **{bad: 1})
+    msg = str(e.value)
+    assert repr(bad) in msg and name in msg and "\n" not in msg, msg
+  with pytest.raises(ConfigError, match="min_gain, max_swap_iters"):
+    policies.make_options("smartmoe", min_gian=0.1)
+  with pytest.raises(ConfigError, match="unknown"):
+    policies.make_options("nope")
 
 
 def test_smartmoe_is_never_predicted_worse_than_static():
   rng = np.random.default_rng(3)
   for _ in range(50):
     load_E = rng.lognormal(0, 1.5, 16)
-    cur = pl.one_copy(rng.permutation(16), 4)            # whatever the current layout is
-    new = smartmoe.plan(load_E[None], cur, min_gain=0.2)  # even with strong hysteresis
-    assert _dev_loads(new, load_E).max() <= _dev_loads(pl.static(16, 4), load_E).max() + 1e-9
+    cur = placement_lib.one_copy(rng.permutation(16), 4)            # whatever the current layout is
+    new = _permute(load_E, cur, min_gain=0.2)  # even with strong hysteresis
+    static_peak = _dev_loads(placement_lib.static(16, 4), load_E).max()
+    assert _dev_loads(new, load_E).max() <= static_peak + 1e-9

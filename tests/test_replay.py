@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from moejax.config import ConfigError
-from moejax.layout import placement as pl
+from moejax.layout import placement as placement_lib
 from moejax.layout.flow import flow, max_over_mean
 from moejax.placement.policies import POLICIES, predict
 from moejax.placement.replay import replay
@@ -28,8 +28,8 @@ def skewed():
 def test_static_equals_direct_flow(skewed):
   devices = 4
   r = replay(skewed, devices, 4, "static", every=5, window=3)
-  src = pl.source_devices(8, devices)
-  p = pl.static(16, devices)
+  src = placement_lib.source_devices(8, devices)
+  p = placement_lib.static(16, devices)
   series, crossing = np.zeros((40, 2)), 0
   for t in range(40):
     for layer in range(2):

@@ -6,14 +6,15 @@ change every step at no extra cost. Every slot hosts an expert (all N*C of them 
 with C > E every device holds all E and the rest stay empty), and an expert has at most one
 replica per device, so at most N replicas (the in-graph router relies on it).
 
-  plan(pred_SxE, current, *, slots, src_dev_S, cost, num_devices) -> Placement
+  place_replicas(pred_SxE, current, *, slots, src_dev_S, cost, num_devices, options)
+    -> Placement
 
 Sources are folded onto their devices first. Each candidate replica count (`even`: N*C // E
 each, the remainder to the hottest experts; `dhondt`: highest-averages apportionment of the
 slots by predicted load, every expert >= 1 and <= N; `blend`, optional: the same on load +
 mean load) goes through:
-  0. snap: experts whose tokens the router could only split coarsely (fewer than 16 parts of
-     pl.SHARE_PARTS per replica, or one part > 2% of a device's mean load) get a power-of-two
+  0. snap: experts whose tokens the router could only split coarsely (fewer than 16 parts
+     of SHARE_PARTS per replica, or one part > 2% of a device's mean load) get a power-of-two
      replica count and even shares, so their parts are exact; the rest are re-apportioned;
   1. place: replicas sorted by per-replica load (load_e / r_e) descending are dealt in C rounds
      of N, the round's largest replica to the currently least-loaded device, one per device per
@@ -26,14 +27,10 @@ mean load) goes through:
      splits its tokens for e over e's replicas by their shares; `estimate`). With
      `capacity_factor` (the dense dispatch: fixed rows per (source, slot) pair),
      candidates within `TIME_SLACK` of the best score are told apart by their overflow of
-     those rows on the mean counts (`overflow`).
-     Device loads alone can tie: with two experts taking every token on 4 devices x 4
-     slots, two replicas each or four each load every device alike, but per slot the first
-     overflows twice as far (measured 69% dropped against 38%). Overflow first, time
-     second was tried too; on the drifting benchmark fixed fsep then dropped 6.52% of
-     choices (time first: 6.38%; before either: 6.05%), but a changed layout changes
-     the training run itself, so those differences are not the planner's alone.
-The best candidate's shares are then rounded to whole parts of pl.SHARE_PARTS, the router's
+     those rows on the mean counts (`overflow`): device loads alone can tie while one
+     layout overflows its slots much further than another. Time decides first because a
+     planner that put overflow first did not drop fewer choices in training.
+The best candidate's shares are then rounded to whole parts of SHARE_PARTS, the router's
 unit, towards level device loads (`quantise`), so what replay and the device router realise
 is what was planned. All candidates are processed together in vectorised numpy; Python loops
 run only over candidates (<= 3), the C rounds, levelling steps and rounding batches.
@@ -41,10 +38,12 @@ run only over candidates (<= 3), the C rounds, levelling steps and rounding batc
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from moejax.config import ConfigError
-from moejax.layout import placement as pl
+from moejax.layout.placement import SHARE_PARTS, Placement
 from moejax.placement.cost import CostModel
 
 TIME_SLACK = 0.01     # relative score within which the dense dispatch's overflow decides
@@ -119,7 +118,7 @@ def snap_counts(r_E: np.ndarray, load_E: np.ndarray, total: int, cap: int,
                 min_parts: int = 16, max_part: float = 0.02,
                 kind: str = "dhondt") -> tuple[np.ndarray, np.ndarray]:
   """(replica counts, coarse mask [E]). The router splits an expert's tokens in whole parts of
-  pl.SHARE_PARTS; an expert with fewer than `min_parts` parts per replica, or one part above
+  SHARE_PARTS; an expert with fewer than `min_parts` parts per replica, or one part above
   `max_part` of the mean device load ("coarse": a hot expert on many devices), cannot have its
   shares levelled finely, and rounding them costs balance (on N=1024 one part of the hottest
   expert is several percent of a device's load). Coarse experts therefore get the power-of-two
@@ -128,11 +127,11 @@ def snap_counts(r_E: np.ndarray, load_E: np.ndarray, total: int, cap: int,
   experts are re-apportioned by the same rule (`kind`) over the remaining slots. Returns the
   counts unchanged and no coarse expert when that is impossible."""
   mean = load_E.sum() / cap
-  coarse = (r_E * min_parts > pl.SHARE_PARTS) | (load_E / pl.SHARE_PARTS > max_part * mean)
+  coarse = (r_E * min_parts > SHARE_PARTS) | (load_E / SHARE_PARTS > max_part * mean)
   none = np.zeros(len(r_E), bool)
   if not coarse.any():
     return r_E, none
-  top = 1 << (min(cap, pl.SHARE_PARTS).bit_length() - 1)       # largest power of 2 allowed
+  top = 1 << (min(cap, SHARE_PARTS).bit_length() - 1)       # largest power of 2 allowed
   rc = r_E[coarse]
   lo = np.left_shift(1, np.floor(np.log2(rc)).astype(np.int64))
   snapped = np.minimum(np.where(rc - lo <= 2 * lo - rc, lo, 2 * lo), top)
@@ -246,7 +245,7 @@ def level(grid: np.ndarray, r_KxE: np.ndarray, load_E: np.ndarray, iters: int,
 
 def quantise(grid: np.ndarray, share: np.ndarray, load_E: np.ndarray,
              groups: int = 8) -> np.ndarray:
-  """Shares [K, N, rounds] rounded to whole parts of pl.SHARE_PARTS, the unit in which the
+  """Shares [K, N, rounds] rounded to whole parts of SHARE_PARTS, the unit in which the
   router (`placement.share_parts` / `quotas`) splits an expert's tokens, keeping device loads
   level: floor every share, then give each expert's missing parts one each to its replicas on
   the devices furthest below the mean load (ties: larger fractional part). Experts go in
@@ -259,7 +258,7 @@ def quantise(grid: np.ndarray, share: np.ndarray, load_E: np.ndarray,
   integer here, so share_parts reproduces these parts exactly."""
   k, n, rounds = grid.shape
   num_experts = len(load_E)
-  parts_total = pl.SHARE_PARTS
+  parts_total = SHARE_PARTS
   gflat = (grid + (np.arange(k) * num_experts)[:, None, None]).ravel()
   exact = share.ravel() * parts_total
   parts = np.floor(exact + 1e-9)
@@ -331,17 +330,27 @@ def fold_sources(pred_SxE: np.ndarray, src_dev_S: np.ndarray, n: int) -> np.ndar
   return out
 
 
-def plan(pred_SxE: np.ndarray, current: pl.Placement, *, slots: int, src_dev_S: np.ndarray,
-         cost: CostModel | None = None, num_devices: int | None = None,
-         candidates: tuple[str, ...] = DEFAULT_CANDIDATES, level_iters: int = 3,
-         exact_parts: bool = True, quantise_groups: int = 1, min_parts: int = 16,
-         max_part: float = 0.02, capacity_factor: float | None = None,
-         **_) -> pl.Placement:
+@dataclasses.dataclass(frozen=True)
+class FsepOptions:
+  candidates: tuple[str, ...] = DEFAULT_CANDIDATES   # replica-count rules tried (CANDIDATES)
+  level_iters: int = 3                 # Sinkhorn steps levelling the shares
+  exact_parts: bool = True             # snap and round shares to the router's parts
+  quantise_groups: int = 1             # expert batches in `quantise`
+  min_parts: int = 16                  # `snap_counts`: parts per replica below which ...
+  max_part: float = 0.02               # ... or one part above this share of a device: coarse
+  capacity_factor: float | None = None  # the dense dispatch's (None: dropless, time decides)
+
+
+def place_replicas(pred_SxE: np.ndarray, current: Placement, *, slots: int,
+                   src_dev_S: np.ndarray, cost: CostModel | None = None,
+                   num_devices: int | None = None,
+                   options: FsepOptions = FsepOptions()) -> Placement:
   """One MoE layer's FSEP layout for the predicted counts pred_SxE (see the module doc).
   `current` is not needed (a layout change is free in FSEP); only its num_devices is used when
-  num_devices is not given. `capacity_factor`: the dense dispatch's (None: dropless, time
-  alone decides). exact_parts=False skips snapping and rounding to router parts
-  (faster, but on N >= 256 the router's own rounding then costs a few percent of balance)."""
+  num_devices is not given. options.exact_parts=False skips snapping and rounding to router
+  parts (faster, but on N >= 256 the router's own rounding then costs a few percent of
+  balance)."""
+  o = options
   pred = np.asarray(pred_SxE, np.float64)
   num_experts = pred.shape[1]
   n = int(num_devices or current.num_devices)
@@ -356,31 +365,31 @@ def plan(pred_SxE: np.ndarray, current: pl.Placement, *, slots: int, src_dev_S: 
   rounds = min(c, num_experts)              # more than E slots: every device holds all E
   total = n * rounds
   counts = {}
-  for kind in candidates:                   # identical candidates are evaluated once
+  for kind in o.candidates:                 # identical candidates are evaluated once
     r_E = replica_counts(kind, load_E, total, n)
     coarse_E = np.zeros(num_experts, bool)
-    if exact_parts:
-      r_E, coarse_E = snap_counts(r_E, load_E, total, n, min_parts, max_part, kind)
+    if o.exact_parts:
+      r_E, coarse_E = snap_counts(r_E, load_E, total, n, o.min_parts, o.max_part, kind)
     counts.setdefault(r_E.tobytes(), (r_E, coarse_E))
   r_KxE = np.stack([r for r, _ in counts.values()])
   coarse_KxE = np.stack([m for _, m in counts.values()])
   grid = place(r_KxE, load_E, n, rounds)
-  share = level(grid, r_KxE, load_E, level_iters, coarse_KxE)
+  share = level(grid, r_KxE, load_E, o.level_iters, coarse_KxE)
   dev_load, sent = estimate(grid, share, dev_NxE, load_E)
   step_s = [cost.compute_s(float(a)) + cost.exchange_s(float(b))
             for a, b in zip(dev_load.max(1), sent.max(1))]
-  if capacity_factor is not None:
-    dropped = overflow(grid, share, dev_NxE, capacity_factor * dev_NxE.sum(1) / (n * c))
+  if o.capacity_factor is not None:
+    dropped = overflow(grid, share, dev_NxE, o.capacity_factor * dev_NxE.sum(1) / (n * c))
     close = np.asarray(step_s) <= min(step_s) * (1 + TIME_SLACK)
     best = int(min(np.flatnonzero(close), key=lambda k: (dropped[k], step_s[k])))
   else:
     best = int(np.argmin(step_s))
   grid = grid[best]
   share = share[best]
-  if exact_parts:
-    share = quantise(grid[None], share[None], load_E, quantise_groups)[0]
+  if o.exact_parts:
+    share = quantise(grid[None], share[None], load_E, o.quantise_groups)[0]
   slot_expert = np.full((n, c), -1, np.int32)
   slot_share = np.zeros((n, c))
   slot_expert[:, :rounds] = grid
   slot_share[:, :rounds] = share
-  return pl.Placement(slot_expert.ravel(), slot_share.ravel(), n, routing="split")
+  return Placement(slot_expert.ravel(), slot_share.ravel(), n, routing="split")

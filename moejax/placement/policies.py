@@ -1,27 +1,42 @@
-"""Expert placement planners: pure functions of predicted load -> Placement.
+"""Expert placement policies: pure functions of predicted load -> Placement.
 
-Every policy has the signature
-  plan(pred_SxE, current, *, slots, src_dev_S, cost, **options) -> Placement
-for one MoE layer; `pred_SxE` is the predicted (token, k) count each source
-sends to each expert, built only from finished steps (see `predict`).
+Every policy is called as
+  policy(pred_SxE, current, *, slots, src_dev_S, cost, num_devices, options) -> Placement
+for one MoE layer; `pred_SxE` is the predicted (token, k) count each source sends to each
+expert, built only from finished steps (see `predict`). A policy uses what it needs of the
+shared keywords; `options` is its own frozen dataclass (`make_options` builds it by name and
+rejects an option the policy does not have).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from moejax.config import ConfigError
-from moejax.layout import placement
+from moejax.layout import placement as placement_lib
 from moejax.placement import fsep, shadow, smartmoe
 from moejax.placement.cost import CostModel
 
 
-def _static(pred_SxE, current, **_):
-  return placement.static(np.asarray(pred_SxE).shape[1], current.num_devices)
+@dataclasses.dataclass(frozen=True)
+class StaticOptions:
+  """The static layout has no options."""
 
 
-POLICIES = {"static": _static, "smartmoe": smartmoe.plan, "shadow": shadow.plan,
-            "fsep": fsep.plan}
+def place_static(pred_SxE: np.ndarray, current: placement_lib.Placement, *,
+                 slots: int | None = None, src_dev_S: np.ndarray | None = None,
+                 cost: CostModel | None = None, num_devices: int | None = None,
+                 options: StaticOptions = StaticOptions()) -> placement_lib.Placement:
+  """Expert e on device e // (E/N), whatever the load."""
+  return placement_lib.static(np.asarray(pred_SxE).shape[1], current.num_devices)
+
+
+POLICIES = {"static": place_static, "smartmoe": smartmoe.place_permutation,
+            "shadow": shadow.place_shadows, "fsep": fsep.place_replicas}
+OPTIONS = {"static": StaticOptions, "smartmoe": smartmoe.SmartMoEOptions,
+           "shadow": shadow.ShadowOptions, "fsep": fsep.FsepOptions}
 ONE_COPY_POLICIES = ("static", "smartmoe")
 
 
@@ -29,6 +44,19 @@ def get_policy(name: str):
   if name not in POLICIES:
     raise ConfigError(f"planner.policy={name!r} is unknown; choose one of {sorted(POLICIES)}.")
   return POLICIES[name]
+
+
+def make_options(name: str, **given):
+  """Policy `name`'s options dataclass from keyword values; a one-line ConfigError names an
+  option the policy does not have and the ones it has."""
+  get_policy(name)
+  cls = OPTIONS[name]
+  valid = [f.name for f in dataclasses.fields(cls)]
+  unknown = sorted(set(given) - set(valid))
+  if unknown:
+    raise ConfigError(f"policy {name!r} has no option {', '.join(map(repr, unknown))}; its "
+                      f"options are: {', '.join(valid) or 'none'}.")
+  return cls(**given)
 
 
 def predict(history_TxLxSxE: np.ndarray, window: int) -> np.ndarray:
@@ -39,4 +67,5 @@ def predict(history_TxLxSxE: np.ndarray, window: int) -> np.ndarray:
   return h[-window:].mean(0)
 
 
-__all__ = ["POLICIES", "ONE_COPY_POLICIES", "CostModel", "get_policy", "predict", "placement"]
+__all__ = ["POLICIES", "OPTIONS", "ONE_COPY_POLICIES", "CostModel", "get_policy",
+           "make_options", "predict", "place_static"]

@@ -14,9 +14,10 @@ from typing import NamedTuple
 import numpy as np
 
 from moejax.config import PlannerConfig
-from moejax.layout import placement as pl
+from moejax.layout import placement as placement_lib
 from moejax.layout.flow import flow, max_over_mean
-from moejax.placement import policies as planner
+from moejax.layout.placement import Placement
+from moejax.placement import policies
 
 
 class Switch(NamedTuple):
@@ -26,16 +27,26 @@ class Switch(NamedTuple):
   experts_moved: int           # (device, expert) copies the new layout adds
 
 
+def _config_options(cfg: PlannerConfig, capacity_factor: float | None) -> dict:
+  """The policy options the config sets: smartmoe's hysteresis, fsep's dense capacity."""
+  if cfg.policy == "smartmoe":
+    return {"min_gain": cfg.min_gain}
+  if cfg.policy == "fsep":
+    return {"capacity_factor": capacity_factor}
+  return {}
+
+
 class OnlinePlanner:
-  def __init__(self, cfg: PlannerConfig, num_devices: int, cost: planner.CostModel | None = None,
+  def __init__(self, cfg: PlannerConfig, num_devices: int, cost: policies.CostModel | None = None,
                capacity_factor: float | None = None):
     """`capacity_factor`: the dense dispatch's, so fsep plans count per-slot drops (None for
     the dropless ragged dispatch)."""
     self.cfg = cfg
     self.capacity_factor = capacity_factor
     self.num_devices = num_devices
-    self.cost = cost or planner.CostModel()
-    self.policy = planner.get_policy(cfg.policy)
+    self.cost = cost or policies.CostModel()
+    self.policy = policies.get_policy(cfg.policy)
+    self.options = policies.make_options(cfg.policy, **_config_options(cfg, capacity_factor))
     self.history: collections.deque = collections.deque(maxlen=cfg.window)
 
   def observe(self, counts_LxSxE: np.ndarray) -> None:
@@ -64,23 +75,23 @@ class OnlinePlanner:
     return (self.active and self.every > 0 and step > 0 and
             step % self.every == 0 and len(self.history) > 0)
 
-  def propose(self, current: list[pl.Placement]) -> tuple[list[pl.Placement], list[Switch]]:
+  def propose(self, current: list[Placement]) -> tuple[list[Placement], list[Switch]]:
     """New placements per layer (the current one where no switch pays off)."""
-    pred_LxNxE = planner.predict(np.stack(self.history), self.cfg.window)
+    pred_LxNxE = policies.predict(np.stack(self.history), self.cfg.window)
     src = np.arange(self.num_devices)
     out, switches = list(current), []
     for layer, pred_NxE in enumerate(pred_LxNxE):
       cur = current[layer]
       new = self.policy(pred_NxE, cur, slots=cur.slots_per_device, src_dev_S=src,
-                        cost=self.cost, num_devices=self.num_devices,
-                        min_gain=self.cfg.min_gain, capacity_factor=self.capacity_factor)
+                        cost=self.cost, num_devices=self.num_devices, options=self.options)
       if (np.array_equal(new.slot_expert, cur.slot_expert) and
-          np.allclose(new.share, cur.share, atol=0.5 / pl.SHARE_PARTS)):
+          np.allclose(new.share, cur.share, atol=0.5 / placement_lib.SHARE_PARTS)):
         continue
       experts = pred_NxE.shape[1]
       before = max_over_mean(flow(cur, pred_NxE, src).device_load_N)
       after = max_over_mean(flow(new, pred_NxE, src).device_load_N)
-      moved = int((pl.presence(new, experts) & ~pl.presence(cur, experts)).sum())
+      added_NxE = placement_lib.presence(new, experts) & ~placement_lib.presence(cur, experts)
+      moved = int(added_NxE.sum())
       out[layer] = new
       switches.append(Switch(layer, before, after, moved))
     return out, switches

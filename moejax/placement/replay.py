@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from moejax.config import ConfigError
-from moejax.layout import placement as pl
+from moejax.layout import placement as placement_lib
 from moejax.layout.flow import flow, max_over_mean
 from moejax.placement.policies import ONE_COPY_POLICIES, POLICIES, CostModel, get_policy, predict
 
@@ -49,11 +49,11 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
   if every < 1 or window < 1 or devices < 1:
     raise ConfigError(f"--every={every}, --window={window} and --devices={devices} must be >= 1.")
   steps, layers, sources, experts = counts.shape
-  plan = get_policy(policy)
-  src_dev = pl.source_devices(sources, devices)
+  place = get_policy(policy)
+  src_dev = placement_lib.source_devices(sources, devices)
   c_eff = effective_slots(policy, experts, devices, slots)
   cost = cost or CostModel()
-  current = [pl.static(experts, devices) for _ in range(layers)]
+  current = [placement_lib.static(experts, devices) for _ in range(layers)]
   series = np.zeros((steps, layers))
   predicted = []          # max/mean of each decision's layout on the load it was planned for
   crossing, moved, times = 0, 0, []
@@ -62,12 +62,13 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
       pred = predict(counts[:t], window)                      # [L, S, E], finished steps only
       for layer in range(layers):
         t0 = time.perf_counter()
-        new = plan(pred[layer], current[layer], slots=c_eff, src_dev_S=src_dev, cost=cost,
+        new = place(pred[layer], current[layer], slots=c_eff, src_dev_S=src_dev, cost=cost,
                    num_devices=devices)
         times.append(time.perf_counter() - t0)
         new.validate(experts)
         predicted.append(max_over_mean(flow(new, pred[layer], src_dev).device_load_N))
-        moved += int((pl.presence(new, experts) & ~pl.presence(current[layer], experts)).sum())
+        old_NxE = placement_lib.presence(current[layer], experts)
+        moved += int((placement_lib.presence(new, experts) & ~old_NxE).sum())
         current[layer] = new
     for layer in range(layers):
       f = flow(current[layer], counts[t, layer], src_dev)

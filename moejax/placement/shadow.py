@@ -9,15 +9,17 @@ device holds the static E/N experts plus up to (slots - E/N) shadows.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from moejax.layout import placement as pl
+from moejax.layout import placement as placement_lib
 from moejax.layout.flow import flow
 from moejax.placement.cost import CostModel
 
 
-def _with_shadows(shadowed: list[int], base: pl.Placement, dev_counts_NxE: np.ndarray,
-                  slots: int) -> pl.Placement:
+def _with_shadows(shadowed: list[int], base: placement_lib.Placement, dev_counts_NxE: np.ndarray,
+                  slots: int) -> placement_lib.Placement:
   n, c0 = base.num_devices, base.slots_per_device
   se = np.full((n, slots), -1, np.int32)
   share = np.zeros((n, slots))
@@ -33,16 +35,23 @@ def _with_shadows(shadowed: list[int], base: pl.Placement, dev_counts_NxE: np.nd
       if d != d0:
         se[d, c0 + j] = e
         share[d, c0 + j] = frac_N[d]
-  return pl.Placement(se.reshape(-1), share.reshape(-1), n)
+  return placement_lib.Placement(se.reshape(-1), share.reshape(-1), n)
 
 
-def plan(pred_SxE: np.ndarray, current: pl.Placement, *, slots: int, src_dev_S: np.ndarray,
-         cost: CostModel, **_) -> pl.Placement:
+@dataclasses.dataclass(frozen=True)
+class ShadowOptions:
+  """Shadowing has no options: the cost model decides how many experts to shadow."""
+
+
+def place_shadows(pred_SxE: np.ndarray, current: placement_lib.Placement, *, slots: int,
+                  src_dev_S: np.ndarray, cost: CostModel, num_devices: int | None = None,
+                  options: ShadowOptions = ShadowOptions()) -> placement_lib.Placement:
+  """The static layout plus the shadows that pay off (see the module doc)."""
   pred_SxE = np.asarray(pred_SxE, np.float64)
   num_experts, n = pred_SxE.shape[1], current.num_devices
-  base = pl.static(num_experts, n)
+  base = placement_lib.static(num_experts, n)
   extra = slots - base.slots_per_device
-  dev_counts = pl.device_counts(pred_SxE, src_dev_S, n)
+  dev_counts = placement_lib.device_counts(pred_SxE, src_dev_S, n)
 
   def step_time(shadowed):
     p = _with_shadows(shadowed, base, dev_counts, base.slots_per_device + max(extra, 0))

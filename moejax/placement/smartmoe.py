@@ -12,10 +12,13 @@ slot, so nothing is silently relabelled and migration moves only what moved.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from moejax.config import ConfigError
-from moejax.layout import placement as pl
+from moejax.layout import placement as placement_lib
+from moejax.placement.cost import CostModel
 
 
 def _lpt(load_E: np.ndarray, cur_dev_E: np.ndarray, n: int, c: int) -> np.ndarray:
@@ -53,7 +56,7 @@ def _improve_by_swaps(load_E: np.ndarray, dev_E: np.ndarray, n: int,
   return dev_E
 
 
-def _to_slots(dev_E: np.ndarray, current: pl.Placement, c: int) -> np.ndarray:
+def _to_slots(dev_E: np.ndarray, current: placement_lib.Placement, c: int) -> np.ndarray:
   """Experts keep their slot if they stay on their device; movers fill freed slots."""
   n = current.num_devices
   slot_expert = np.full(n * c, -1, np.int32)
@@ -68,19 +71,30 @@ def _to_slots(dev_E: np.ndarray, current: pl.Placement, c: int) -> np.ndarray:
   return slot_expert
 
 
-def plan(pred_SxE: np.ndarray, current: pl.Placement, *, min_gain: float = 0.02,
-         max_swap_iters: int | None = None, **_) -> pl.Placement:
+@dataclasses.dataclass(frozen=True)
+class SmartMoEOptions:
+  min_gain: float = 0.02                # relative drop of the predicted busiest device to move
+  max_swap_iters: int | None = None     # improving swaps per candidate (None: 4 * E)
+
+
+def place_permutation(pred_SxE: np.ndarray, current: placement_lib.Placement, *,
+                      slots: int | None = None, src_dev_S: np.ndarray | None = None,
+                      cost: CostModel | None = None, num_devices: int | None = None,
+                      options: SmartMoEOptions = SmartMoEOptions()) -> placement_lib.Placement:
+  """A permutation of the experts, E/N per device, for the summed load (see the module doc);
+  the shared keywords other than `current` are not needed."""
+  min_gain = options.min_gain
   load_E = np.asarray(pred_SxE, np.float64).sum(0)
   num_experts, n = len(load_E), current.num_devices
   if num_experts % n:
     raise ConfigError(f"smartmoe needs E={num_experts} divisible by N={n} devices.")
   c = num_experts // n
   if current.slots_per_device != c or not current.is_one_copy(num_experts):
-    current = pl.static(num_experts, n)
+    current = placement_lib.static(num_experts, n)
   cur_dev_E = np.empty(num_experts, np.int64)
   hosted = current.slot_expert >= 0
   cur_dev_E[current.slot_expert[hosted]] = current.device_of_slot[hosted]
-  iters = max_swap_iters or 4 * num_experts
+  iters = options.max_swap_iters or 4 * num_experts
   peak = lambda d: np.bincount(d, weights=load_E, minlength=n).max()
   local = _improve_by_swaps(load_E, cur_dev_E, n, iters)
   reshuffle = _improve_by_swaps(load_E, _lpt(load_E, cur_dev_E, n, c), n, iters)
@@ -94,4 +108,4 @@ def plan(pred_SxE: np.ndarray, current: pl.Placement, *, min_gain: float = 0.02,
   keep = cur_max <= 0 or (cur_max - peak(dev_E)) / cur_max <= min_gain
   if keep and cur_max <= peak(static_dev_E):
     return current
-  return pl.one_copy(_to_slots(dev_E, current, c), n)
+  return placement_lib.one_copy(_to_slots(dev_E, current, c), n)

@@ -43,7 +43,7 @@ def _cluster(env) -> str | None:
   return None
 
 
-def plan(env=None) -> dict | None:
+def initialize_kwargs(env=None) -> dict | None:
   """kwargs for `jax.distributed.initialize`, or None for a single-process run."""
   env = os.environ if env is None else env
   switch = env.get(ENV_SWITCH, "")
@@ -76,7 +76,7 @@ def plan(env=None) -> dict | None:
 
 def maybe_initialize(env=None) -> bool:
   """Starts `jax.distributed` when the environment asks for it; True if it did."""
-  kwargs = plan(env)
+  kwargs = initialize_kwargs(env)
   if kwargs is None:
     return False
   import jax

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from moejax.strategy.cost import HardwareProfile
 
 
-def _median_s(fn, *args, repeats: int) -> float:
+def _fastest_s(fn, *args, repeats: int) -> float:
   jax.block_until_ready(fn(*args))            # compile + warm
   times = []
   for _ in range(repeats):
@@ -62,7 +62,7 @@ def matmul_rate(devices, repeats: int, sizes=((256, 256, 256), (512, 256, 512),
     fn = jax.jit(jax.shard_map(lambda a, b: a @ b, mesh=mesh, in_specs=(P(("rest", "g")), P()),
                                out_specs=P(("rest", "g"))))
     work.append(2.0 * t * d * f)
-    secs.append(_median_s(fn, x, w, repeats=repeats))
+    secs.append(_fastest_s(fn, x, w, repeats=repeats))
   return _fit(work, secs)[1]
 
 
@@ -75,7 +75,7 @@ def memory_rate(devices, repeats: int, sizes=(2**16, 2**18, 2**20)) -> tuple[flo
     fn = jax.jit(jax.shard_map(lambda a: a * 1.0001 + 0.5, mesh=mesh,
                                in_specs=P(("rest", "g")), out_specs=P(("rest", "g"))))
     work.append(8.0 * n)
-    secs.append(_median_s(fn, x, repeats=repeats))
+    secs.append(_fastest_s(fn, x, repeats=repeats))
   return _fit(work, secs)
 
 
@@ -97,7 +97,7 @@ def collective(devices, kind: str, repeats: int, sizes=(2**12, 2**15, 2**18)):
       fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(("rest", "g")),
                                  out_specs=P(("rest", "g"))))
       work.append(4.0 * rows * (g - 1) / g)      # bytes a device sends (per direction)
-      secs.append(_median_s(fn, x, repeats=repeats))
+      secs.append(_fastest_s(fn, x, repeats=repeats))
     out.append((g, *_fit(work, secs)))
   return out
 
