@@ -1,6 +1,6 @@
 """Drifting load: the online strategy switch vs every pool member held fixed, same run.
 
-    python benchmarks/strategy_switch.py [--gin_file F] [--gin_bindings B ...]
+    python -m benchmarks.strategy_switch [--gin_file F] [--gin_bindings B ...]
         [--pool SPEC ...] [--also_fixed SPEC ...] [--phases uniform:12,hot:12,uniform:12]
         [--every 2] [--horizon 0] [--fsep_every 0] [--window 2] [--fresh]
         [--max_drop 0.02] [--warmup_steps 150] [--balance_rate 0] [--repeats 1]
@@ -57,10 +57,6 @@ import sys
 import tempfile
 import time
 
-if "XLA_FLAGS" not in os.environ:
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import jax
 import numpy as np
 
@@ -71,6 +67,7 @@ from moejax.frontend import DEFAULT_GIN, parse_config
 from moejax.strategy import offline as plan
 from moejax.strategy.calibrate import calibrate, save
 from moejax.strategy.cost import PRESETS, load_dispersion
+from moejax.train.controllers import Hook
 from moejax.train.programs import CompileCounter
 from moejax.train.trainer import Trainer
 
@@ -140,58 +137,68 @@ def resolve_profile(arg: str, tmp: str) -> tuple[str, str]:
   return arg, arg
 
 
+class TakeTurns(Hook):
+  """One step per turn under the load steering; times the run's own turns from the third
+  phase step to the last (`step_s`) and counts the compilations inside them (`compiles`)."""
+
+  def __init__(self, steer: LoadSteering, start: int, last: int, label: str, turns: Turns,
+               me: int):
+    self.steer, self.start, self.last, self.label = steer, start, last, label
+    self.turns, self.me = turns, me
+    self.step_s: list[float] = []
+    self.compiles: list[int] = []              # in timed turns (other runs' turns not counted)
+    self.began = 0.0
+    self.counter = CompileCounter()
+    self.counts_LxSxE = None                   # the latest finished step's routing
+
+  def after_metrics(self, trainer, step, record, counts_LxSxE, member) -> None:
+    self.counts_LxSxE = counts_LxSxE
+
+  def before_step(self, trainer, step: int) -> bool:
+    start = self.start
+    if step < start:
+      raise RuntimeError(f"{self.label}: started at step {step}, not at the warm-up's {start}")
+    if step > start:                           # a turn ends once its step has finished
+      jax.block_until_ready(trainer.state)
+      if step > start + 2:
+        self.step_s.append(time.perf_counter() - self.began)
+        self.counter.__exit__(None, None, None)
+        self.compiles.append(self.counter.count)
+    if step < self.last:                       # the last step keeps the turn it has
+      if step > start:
+        self.turns.pass_on(self.me)
+      self.turns.wait(self.me)
+      self.began = time.perf_counter()
+      if step >= start + 2:
+        self.counter.__enter__()
+    bias = self.steer.bias(step - start, self.counts_LxSxE if step > start else None)
+    for member, prog in enumerate(trainer.pool.programs):   # every member: the same steering
+      trainer.pool.set_layout(member, prog.layout.replace(router_bias_LxE=bias))
+    return False
+
+
 def run_one(cfg, hot_by_step, rate: float, label: str, warm_dir: str | None,
             turns: Turns, me: int) -> dict:
   """Trains `cfg` from the warm-up checkpoint to the end under the load steering, one step
-  per turn; times its own turns from the third phase step to the last. The last step, the
-  final checkpoint and reading the run's records keep the turn, untimed."""
-  start = cfg.train.num_steps - len(hot_by_step)
-  last = cfg.train.num_steps - 1
+  per turn (`TakeTurns`). The last step, the final checkpoint and reading the run's records
+  keep the turn, untimed."""
   steer = LoadSteering(hot_by_step, cfg.model.num_layers // cfg.moe.moe_every,
                        cfg.moe.num_experts, rate)
-  step_s: list[float] = []
-  compiles: list[int] = []                     # in timed turns (other runs' turns not counted)
-  began = 0.0
-  counter = CompileCounter()
-
-  def before_step(tr, step):
-    nonlocal began
-    if step < start:
-      raise RuntimeError(f"{label}: started at step {step}, not at the warm-up's {start}")
-    if step > start:                           # a turn ends once its step has finished
-      jax.block_until_ready(tr.state)
-      if step > start + 2:
-        step_s.append(time.perf_counter() - began)
-        counter.__exit__(None, None, None)
-        compiles.append(counter.count)
-    if step < last:                            # the last step keeps the turn it has
-      if step > start:
-        turns.pass_on(me)
-      turns.wait(me)
-      began = time.perf_counter()
-      if step >= start + 2:
-        counter.__enter__()
-    bias = steer.bias(step - start, tr.last_counts if step > start else None)
-    for prog in tr.programs:                   # every member sees the same steering
-      prog.layout = prog.layout.replace(
-          router_bias_LxE=jax.device_put(bias, prog.layout_sharding))
-
+  hook = TakeTurns(steer, cfg.train.num_steps - len(hot_by_step), cfg.train.num_steps - 1,
+                   label, turns, me)
   try:
     if warm_dir:
       shutil.copytree(os.path.join(warm_dir, "checkpoints"),
                       os.path.join(cfg.train.run_dir, "checkpoints"))
-    trainer = Trainer(cfg)
-    try:
-      trainer.run(before_step=before_step)
-    finally:
-      trainer.checkpointer.close()
+    with Trainer(cfg) as trainer:
+      trainer.run(hooks=[hook])
     records = [json.loads(x) for x in open(os.path.join(cfg.train.run_dir, "metrics.jsonl"))]
   finally:
     turns.pass_on(me, finished=True)
   steps = [r for r in records if "loss" in r]
   drops = [float(np.mean([m["dropped_fraction"] for m in r["moe"]])) for r in steps]
-  return {"label": label, "seconds": float(np.sum(step_s)), "timed_steps": len(step_s),
-          "step_seconds": step_s, "compiles_in_window": int(np.sum(compiles)),
+  return {"label": label, "seconds": float(np.sum(hook.step_s)), "timed_steps": len(hook.step_s),
+          "step_seconds": hook.step_s, "compiles_in_window": int(np.sum(hook.compiles)),
           "dropped_by_step": drops, "strategy_by_step": [r["strategy"] for r in steps],
           "final_loss": steps[-1]["loss"],
           "switches": [{k: r[k] for k in ("step", "from", "to", "reason", "seconds",
@@ -255,12 +262,11 @@ def main(argv=None) -> int:
   if args.warmup_steps:
     warm_dir = os.path.join(tmp, "warmup")
     tick = time.perf_counter()
-    warm = Trainer(dataclasses.replace(
+    with Trainer(dataclasses.replace(
         cfg, checkpoint=CheckpointConfig(every=10**6, keep=1),
         train=dataclasses.replace(cfg.train, run_dir=warm_dir, num_steps=args.warmup_steps,
-                                  eval_every=10**6, progress_bar=False)))
-    summary = warm.run()
-    warm.checkpointer.close()
+                                  eval_every=10**6, progress_bar=False))) as warm:
+      summary = warm.run()
     records = [json.loads(x) for x in open(os.path.join(warm_dir, "metrics.jsonl"))]
     counts = [[m["counts_by_source"] for m in r["moe"]] for r in records if "loss" in r]
     last_TxLxSxE = np.asarray(counts[-10:])
@@ -331,7 +337,7 @@ def main(argv=None) -> int:
   for label, ratios in by_round.items():
     print(f"switching / {label}: " + " ".join(f"{x:.3f}" for x in ratios) + " (per round)")
   result = {"device": f"{devices[0].platform} x{len(devices)} ({devices[0].device_kind})",
-            "command": "python benchmarks/strategy_switch.py " + " ".join(argv or sys.argv[1:]),
+            "command": "python -m benchmarks.strategy_switch " + " ".join(argv or sys.argv[1:]),
             "profile": profile_from, "pool": pool, "also_fixed": args.also_fixed,
             "phases": args.phases,
             "every": args.every, "horizon": args.horizon, "max_drop": args.max_drop,

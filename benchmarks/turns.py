@@ -1,5 +1,6 @@
-"""Side-by-side runs: threads that take turns, one step each (benchmarks/strategy_switch.py
-times each run over its own turns)."""
+"""Side-by-side runs: threads that take turns, one step each (`python -m
+benchmarks.strategy_switch` times each run over its own turns). A library for benchmarks, not
+a benchmark itself."""
 
 from __future__ import annotations
 

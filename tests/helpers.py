@@ -8,8 +8,8 @@ from moejax.config import ModelConfig, MoEConfig, OptimConfig
 from moejax.model.mesh import mesh_of_shape
 from moejax.model.transformer import Transformer
 from moejax.train.optim import optimizer
+from moejax.train.programs import initial_layout
 from moejax.train.state import init_state, state_shardings
-from moejax.train.trainer import initial_layout
 
 TINY_MODEL = ModelConfig(d_model=32, num_layers=4, num_heads=4, d_ff=64, max_seq_len=16)
 TINY_MOE = MoEConfig(num_experts=8, top_k=2, capacity_factor=8.0, d_ff=32, moe_every=2)

@@ -128,11 +128,8 @@ def wait_for_step(proc: subprocess.Popen, run_dir, step: int, log_path, timeout:
 
 
 def run_in_process(cfg) -> dict:
-  trainer = Trainer(cfg)
-  try:
+  with Trainer(cfg) as trainer:
     return trainer.run()
-  finally:
-    trainer.checkpointer.close()
 
 
 @pytest.fixture

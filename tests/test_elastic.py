@@ -37,24 +37,24 @@ def _assert_same(a: dict, b: dict) -> None:
 
 def _train_one_step(trainer) -> float:
   """The next step of the resumed run, through the strategy's own compiled step."""
-  batch = data_lib.make_global_batch(trainer.loader.next_local(), trainer.batch_sharding,
+  prog = trainer.pool.program
+  batch = data_lib.make_global_batch(trainer.loader.next_local(), prog.batch_sharding,
                                      trainer.cfg.data.global_batch_size)
-  trainer.state, m = trainer.train_step(trainer.state, batch, trainer.layout)
+  trainer.state, m = prog.train_step(trainer.state, batch, prog.layout)
   assert int(trainer.state.step) == 5 and not bool(m["skipped"])
   return float(m["loss"])
 
 
 def test_restore_on_4_devices_and_in_fsep_mode_then_train_on(tmp_path, reference_losses):  # noqa: F811
   cfg = tiny_config(tmp_path / "a", num_steps=4, every=4)   # the reference run's first 4 steps
-  a = Trainer(cfg)   # 8 devices, data=2 x expert=4, ep
-  try:   # experts out of id order, as after an online re-placement (weights and Adam state move)
+  with Trainer(cfg) as a:   # 8 devices, data=2 x expert=4, ep
+    # Experts out of id order, as after an online re-placement (weights and Adam state move).
     permuted = jax.device_put(from_slot_expert(np.array([[3, 7, 0, 5, 1, 6, 2, 4]]), 8),
-                              a.layout_sharding)
-    a.state, a.layout = migrate(a.state, a.layout, permuted), permuted
+                              a.pool.program.layout_sharding)
+    a.state = migrate(a.state, a.pool.layout, permuted)
+    a.pool.set_layout(0, permuted)
     a.run()
-    saved = _canonical(a.state, a.layout, "ep")
-  finally:
-    a.checkpointer.close()
+    saved = _canonical(a.state, a.pool.layout, "ep")
 
   # 8 -> 4 devices (data=1 x expert=4), same strategy: the layout fits and is kept.
   four = dict(devices=jax.devices()[4:])
@@ -63,34 +63,33 @@ def test_restore_on_4_devices_and_in_fsep_mode_then_train_on(tmp_path, reference
   # ... and ep -> fsep on those 4 devices: other tree paths and shardings, another layout.
   c = Trainer(dataclasses.replace(cfg_b, moe=dataclasses.replace(cfg.moe, expert_mode="fsep")),
               **four)
-  try:
-    assert b.mesh.devices.size == c.mesh.devices.size == 4
+  with b, c:
+    assert b.pool.program.mesh.devices.size == c.pool.program.mesh.devices.size == 4
     assert b.maybe_restore() == 4 and not b.restore_warnings
-    _assert_same(_canonical(b.state, b.layout, "ep"), saved)
-    np.testing.assert_array_equal(np.asarray(b.layout.slot_expert_LxS),
+    _assert_same(_canonical(b.state, b.pool.layout, "ep"), saved)
+    np.testing.assert_array_equal(np.asarray(b.pool.layout.slot_expert_LxS),
                                   [[3, 7, 0, 5, 1, 6, 2, 4]])
     assert b.loader.position == 4
 
-    fsep_start_layout = np.asarray(c.layout.slot_expert_LxS)
+    fsep_start_layout = np.asarray(c.pool.layout.slot_expert_LxS)
     assert c.maybe_restore() == 4 and c.loader.position == 4
     assert len(c.restore_warnings) == 1 and "does not fit" in c.restore_warnings[0]
     assert "fsep_experts" in c.state.params and "w_up" not in c.state.params["layers"]["moe"]
-    _assert_same(_canonical(c.state, c.layout, "fsep"), saved)
-    np.testing.assert_array_equal(np.asarray(c.layout.slot_expert_LxS), fsep_start_layout)
+    _assert_same(_canonical(c.state, c.pool.layout, "fsep"), saved)
+    np.testing.assert_array_equal(np.asarray(c.pool.layout.slot_expert_LxS), fsep_start_layout)
 
     # Training goes on from the restored state (the reference saw step 4 from the same state;
     # another mesh and mode add in another order and drop other tokens at capacity 1.25).
     np.testing.assert_allclose(_train_one_step(c), reference_losses[4], rtol=2e-2)
 
     # ... and back: an fsep checkpoint restores into the ep strategy on 4 devices.
-    c.checkpointer.save(5, c.state, c.layout, {"data_position": 5}, "fsep")
+    c.checkpointer.save(5, c.state, c.pool.layout, {"data_position": 5}, "fsep")
     c.checkpointer.wait()
-    back = Checkpointer(str(tmp_path / "a"), cfg.checkpoint).restore(b.state, b.layout, "ep")
+    back = Checkpointer(str(tmp_path / "a"), cfg.checkpoint).restore(b.state, b.pool.layout,
+                                                                      "ep")
     assert back.step == 5 and "does not fit" in back.warnings[0]
-    _assert_same(_canonical(back.state, back.layout, "ep"), _canonical(c.state, c.layout, "fsep"))
-  finally:
-    b.checkpointer.close()
-    c.checkpointer.close()
+    _assert_same(_canonical(back.state, back.layout, "ep"),
+                 _canonical(c.state, c.pool.layout, "fsep"))
 
 
 def test_convert_tree_moves_expert_leaves_both_ways_on_arrays_and_shapes():

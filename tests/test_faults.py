@@ -53,20 +53,17 @@ def test_sigkill_then_the_same_command_continues_exactly(tmp_path, reference_los
 
 def test_sigint_finishes_the_step_saves_and_returns(tmp_path, monkeypatch):
   cfg = tiny_config(tmp_path, num_steps=8, every=100)
-  trainer = Trainer(cfg)
-  next_local = trainer.loader.next_local
+  with Trainer(cfg) as trainer:
+    next_local = trainer.loader.next_local
 
-  def interrupt_at_3():
-    if trainer.loader.position == 3:
-      os.kill(os.getpid(), signal.SIGINT)   # delivered to the handler between bytecodes
-    return next_local()
+    def interrupt_at_3():
+      if trainer.loader.position == 3:
+        os.kill(os.getpid(), signal.SIGINT)   # delivered to the handler between bytecodes
+      return next_local()
 
-  monkeypatch.setattr(trainer.loader, "next_local", interrupt_at_3)
-  before = signal.getsignal(signal.SIGINT)
-  try:
+    monkeypatch.setattr(trainer.loader, "next_local", interrupt_at_3)
+    before = signal.getsignal(signal.SIGINT)
     summary = trainer.run()
-  finally:
-    trainer.checkpointer.close()
   assert summary["preempted"] == "SIGINT" and summary["saved_step"] == 4
   assert checkpoint_steps(tmp_path) == [4]
   assert signal.getsignal(signal.SIGINT) is before   # handlers restored
@@ -106,9 +103,8 @@ def test_nonfinite_steps_are_skipped_then_too_many_stop_the_run(tmp_path, monkey
   # The skipped steps left params and Adam state untouched: checkpoint 4 holds step 2's.
   monkeypatch.setattr(data_lib.BatchLoader, "next_local", clean_next_local)
   cfg = tiny_config(run_dir, num_steps=8, every=2)
-  trainer = Trainer(cfg)
-  try:
-    at = {s: trainer.checkpointer.restore(trainer.state, trainer.layout, step=s)
+  with Trainer(cfg) as trainer:
+    at = {s: trainer.checkpointer.restore(trainer.state, trainer.pool.layout, step=s)
           for s in (2, 4)}
     assert int(at[4].state.step) == 4 and int(at[2].state.step) == 2
     assert at[4].meta["nonfinite"] == {"consecutive": 2, "total": 2}
@@ -117,8 +113,6 @@ def test_nonfinite_steps_are_skipped_then_too_many_stop_the_run(tmp_path, monkey
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # The last good checkpoint resumes (clean data now) and the run finishes.
     summary = trainer.run()
-  finally:
-    trainer.checkpointer.close()
   assert summary["start_step"] == 4 and summary["last"]["step"] == 7
   records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
   assert [r["step"] for r in records] == list(range(8))
@@ -179,13 +173,10 @@ def test_damaged_checkpoints_fall_back_to_the_last_intact_one(tmp_path, caplog,
 
   for step in (10, 20, 30):
     _rot(all_bad / "checkpoints" / str(step))
-  trainer = Trainer(dataclasses.replace(
-      cfg, train=dataclasses.replace(cfg.train, run_dir=str(all_bad))))
-  try:
+  with Trainer(dataclasses.replace(
+      cfg, train=dataclasses.replace(cfg.train, run_dir=str(all_bad)))) as trainer:
     with pytest.raises(CheckpointError) as e:
       trainer.maybe_restore()
-  finally:
-    trainer.checkpointer.close()
   msg = str(e.value)
   assert "\n" not in msg and "no intact checkpoint in" in msg and "tried steps [30, 20, 10]" in msg
 

@@ -13,6 +13,7 @@ import pytest
 from moejax.config import ConfigError, PlannerConfig, TraceConfig
 from moejax.layout import placement as pl
 from moejax.placement.replanner import OnlinePlanner
+from moejax.train.controllers import Hook
 from moejax.train.trainer import Trainer
 from tests.run_config import tiny_config
 
@@ -85,13 +86,10 @@ def test_training_switches_layouts_records_trace_and_resumes_layout(tmp_path):
   cfg = dataclasses.replace(
       base, planner=PlannerConfig(policy="smartmoe", every=2, window=2, min_gain=0.0),
       trace=TraceConfig(path=trace_path))
-  trainer = Trainer(cfg)
-  try:
+  with Trainer(cfg) as trainer:
     trainer.run()
-    saved_layout = np.asarray(trainer.layout.slot_expert_LxS)
+    saved_layout = np.asarray(trainer.pool.layout.slot_expert_LxS)
     saved_params = jax.device_get(trainer.state.params)
-  finally:
-    trainer.checkpointer.close()
   with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
     records = [json.loads(line) for line in f]
   switches = [r for r in records if r.get("event") == "layout_switch"]
@@ -105,15 +103,13 @@ def test_training_switches_layouts_records_trace_and_resumes_layout(tmp_path):
     assert int(t["top_k"]) == 2
     assert np.all(t["counts"].sum((2, 3)) == 8 * 32 * 2)
 
-  resumed = Trainer(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, num_steps=8)))
-  try:
+  with Trainer(dataclasses.replace(
+      cfg, train=dataclasses.replace(cfg.train, num_steps=8))) as resumed:
     assert resumed.maybe_restore() == 6
-    np.testing.assert_array_equal(np.asarray(resumed.layout.slot_expert_LxS), saved_layout)
+    np.testing.assert_array_equal(np.asarray(resumed.pool.layout.slot_expert_LxS), saved_layout)
     for a, b in zip(jax.tree.leaves(jax.device_get(resumed.state.params)),
                     jax.tree.leaves(saved_params)):
       np.testing.assert_array_equal(a, b)
-  finally:
-    resumed.checkpointer.close()
 
 
 def test_fresh_planning_sees_the_step_just_finished(tmp_path):
@@ -123,17 +119,21 @@ def test_fresh_planning_sees_the_step_just_finished(tmp_path):
   base = tiny_config(tmp_path, num_steps=4, every=100, warmup_steps=2)
   seen = {}
 
+  class PlannerHistory(Hook):   # how many finished steps the re-planner holds before each step
+    def __init__(self, fresh):
+      self.fresh = fresh
+
+    def before_step(self, trainer, step):
+      seen[self.fresh].append(len(trainer.pool.planner.history))
+
   def runs(fresh):
     cfg = dataclasses.replace(
         base, moe=dataclasses.replace(base.moe, expert_mode="fsep", slots_per_device=4),
         planner=PlannerConfig(policy="fsep", every=1, window=10, fresh=fresh),
         train=dataclasses.replace(base.train, run_dir=str(tmp_path / f"fresh_{fresh}")))
-    trainer = Trainer(cfg)
-    try:
+    with Trainer(cfg) as trainer:
       seen[fresh] = []
-      trainer.run(before_step=lambda tr, step: seen[fresh].append(len(tr.planner.history)))
-    finally:
-      trainer.checkpointer.close()
+      trainer.run(hooks=[PlannerHistory(fresh)])
     with open(os.path.join(cfg.train.run_dir, "metrics.jsonl")) as f:
       records = [json.loads(line) for line in f]
     assert [r["step"] for r in records if "loss" in r] == [0, 1, 2, 3]
@@ -151,14 +151,12 @@ def test_fsep_training_relayouts_without_migration_or_recompiling(tmp_path):
   cfg = dataclasses.replace(
       base, moe=dataclasses.replace(base.moe, expert_mode="fsep", slots_per_device=4),
       planner=PlannerConfig(policy="fsep", every=2, window=2))
-  trainer = Trainer(cfg)
-  try:
-    start_layout = np.asarray(trainer.layout.slot_expert_LxS).copy()
+  with Trainer(cfg) as trainer:
+    start_layout = np.asarray(trainer.pool.layout.slot_expert_LxS).copy()
     trainer.run()
-    assert trainer.train_step._cache_size() == 1, "a re-layout recompiled the fsep step"
-    final = trainer.layout
-  finally:
-    trainer.checkpointer.close()
+    assert trainer.pool.program.train_step._cache_size() == 1, (
+        "a re-layout recompiled the fsep step")
+    final = trainer.pool.layout
   with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
     records = [json.loads(line) for line in f]
   switches = [r for r in records if r.get("event") == "layout_switch"]
@@ -167,13 +165,11 @@ def test_fsep_training_relayouts_without_migration_or_recompiling(tmp_path):
   assert final.expert_slots_LxExR.shape == (1, 8, 4)
   assert all(m["dropped_fraction"] >= 0 and len(m["device_load"]) == 8
              for r in records if "moe" in r for m in r["moe"])
-  resumed = Trainer(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, num_steps=7)))
-  try:
+  with Trainer(dataclasses.replace(
+      cfg, train=dataclasses.replace(cfg.train, num_steps=7))) as resumed:
     assert resumed.maybe_restore() == 6
-    np.testing.assert_array_equal(np.asarray(resumed.layout.expert_parts_LxExR),
+    np.testing.assert_array_equal(np.asarray(resumed.pool.layout.expert_parts_LxExR),
                                   np.asarray(final.expert_parts_LxExR))
-  finally:
-    resumed.checkpointer.close()
 
 
 def test_trace_sources_are_stored_expert_major(tmp_path):

@@ -118,6 +118,7 @@ def test_trainer_switches_online_under_a_drifting_load_and_resumes_on_that_membe
   import dataclasses
 
   from moejax.config import CheckpointConfig, StrategyConfig, TrainConfig
+  from moejax.train.controllers import Hook, StrategySwitching
   from moejax.train.trainer import Trainer
 
   cfg = dataclasses.replace(
@@ -131,24 +132,33 @@ def test_trainer_switches_online_under_a_drifting_load_and_resumes_on_that_membe
                         progress_bar=False),
       data=dataclasses.replace(CFG.data, max_corpus_bytes=100_000))
 
-  def drift(trainer, step):
-    if step == 4:
-      for prog in trainer.programs:
-        bias = np.zeros(prog.layout.router_bias_LxE.shape, np.float32)
-        bias[:, 0] = 1.0
-        prog.layout = prog.layout.replace(
-            router_bias_LxE=jax.device_put(bias, prog.layout_sharding))
+  class Drift(Hook):
+    def before_step(self, trainer, step):
+      if step == 4:
+        for member, prog in enumerate(trainer.pool.programs):
+          bias = np.zeros(prog.layout.router_bias_LxE.shape, np.float32)
+          bias[:, 0] = 1.0
+          trainer.pool.set_layout(member, prog.layout.replace(router_bias_LxE=bias))
+
+  switch_compiles = []
+
+  class Counted(Hook):   # the train steps are AOT executables: they cannot recompile
+    def __init__(self, inner):
+      self.inner = inner
+
+    def before_step(self, trainer, step):
+      with CompileCounter() as c:
+        switched = self.inner.before_step(trainer, step)
+      switch_compiles.append(c.count)
+      return switched
+
+    def after_metrics(self, *args):
+      self.inner.after_metrics(*args)
 
   trainer = Trainer(cfg)
-  switch_compiles = []
-  decide = trainer.maybe_switch_strategy
-
-  def counted(step, writer):   # the train steps are AOT executables: they cannot recompile
-    with CompileCounter() as c:
-      decide(step, writer)
-    switch_compiles.append(c.count)
-  trainer.maybe_switch_strategy = counted
-  trainer.run(before_step=drift)
+  trainer.controllers = [Counted(h) if isinstance(h, StrategySwitching) else h
+                         for h in trainer.controllers]
+  trainer.run(hooks=[Drift()])
   import json
   records = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
   switches = [r for r in records if r.get("event") == "strategy_switch"]
@@ -169,12 +179,11 @@ def test_trainer_switches_online_under_a_drifting_load_and_resumes_on_that_membe
   assert relayouts[0]["predicted_after"] < relayouts[0]["predicted_before"]
   assert [r["strategy"] for r in records if "loss" in r][-1] == "fsep/1x4x2/c4/cf1.25"
   assert len(switch_compiles) == 10 and sum(switch_compiles) == 0, switch_compiles
-  resumed = Trainer(cfg)
-  assert resumed.maybe_restore() == 10 and resumed.program.strategy.spec == "fsep/1x4x2/c4/cf1.25"
-  for a, b in zip(jax.tree.leaves(_host(resumed.state)), jax.tree.leaves(_host(trainer.state))):
-    np.testing.assert_array_equal(a, b)
-  trainer.checkpointer.close()
-  resumed.checkpointer.close()
+  with trainer, Trainer(cfg) as resumed:
+    assert resumed.maybe_restore() == 10
+    assert resumed.pool.program.strategy.spec == "fsep/1x4x2/c4/cf1.25"
+    for a, b in zip(jax.tree.leaves(_host(resumed.state)), jax.tree.leaves(_host(trainer.state))):
+      np.testing.assert_array_equal(a, b)
 
 
 def test_compile_counter_counts_compiles_and_executables_from_the_disk_cache():

@@ -64,11 +64,8 @@ def test_run_writes_metrics_checkpoints_and_learns(tmp_path):
 
 
 def _run(cfg: Config) -> tuple[int, list[dict]]:
-  trainer = Trainer(cfg)
-  try:
+  with Trainer(cfg) as trainer:
     summary = trainer.run()
-  finally:
-    trainer.checkpointer.close()
   return summary["start_step"], read_jsonl(os.path.join(cfg.train.run_dir, "metrics.jsonl"))
 
 

@@ -38,6 +38,7 @@ from moejax.layout.placement import SHARE_PARTS
 from moejax.layout.tables import Layout
 from moejax.runtime import distributed
 from moejax.train import digest as digest_lib
+from moejax.train.state import abstract
 
 __all__ = ["Checkpointer", "CheckpointError", "Restored", "check_layout", "from_canonical",
            "to_canonical"]
@@ -59,10 +60,6 @@ class Restored:
   layout: Layout
   meta: dict
   warnings: list[str]
-
-
-def _abstract(tree: Any) -> Any:
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
 def _first_line(e: BaseException) -> str:
@@ -161,7 +158,7 @@ class Checkpointer:
   def _read(self, step: int, state_like: Any, layout_like: Layout, expert_mode: str) -> Restored:
     saved = _saved_arrays(self._mngr, step)
     src_mode = "fsep" if any(n.startswith("params/fsep_experts/") for n in saved["state"]) else "ep"
-    target_state = convert_tree(_abstract(state_like), expert_mode, src_mode)
+    target_state = convert_tree(abstract(state_like), expert_mode, src_mode)
     _check_compatible(saved["state"], target_state, self.directory, step)
     rep = jax.tree.leaves(layout_like)[0].sharding
     target_layout = {n: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=rep)

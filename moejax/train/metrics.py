@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import time
 from typing import IO
 
 import numpy as np
@@ -80,3 +82,21 @@ class JsonlWriter:
     if self._file is not None:
       self._file.close()
       self._file = None
+
+
+class TokenRate:
+  """Tokens/s over the last `window` - 1 intervals between reads of step metrics. `reset()`
+  after host work that is not training (eval, a save, a switch) keeps it out of the rate."""
+
+  def __init__(self, tokens_per_step: int, window: int = 11):
+    self.tokens_per_step = tokens_per_step
+    self._reads: collections.deque = collections.deque(maxlen=window)
+
+  def tick(self) -> float | None:
+    """Marks a step's metrics read now; the rate so far (None until two reads)."""
+    self._reads.append(time.perf_counter())
+    span = self._reads[-1] - self._reads[0]
+    return self.tokens_per_step * (len(self._reads) - 1) / span if span > 0 else None
+
+  def reset(self) -> None:
+    self._reads.clear()

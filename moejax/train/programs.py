@@ -31,33 +31,31 @@ from moejax.model.mesh import batch_sharding, build_mesh, replicated
 from moejax.model.transformer import Transformer
 from moejax.strategy.spec import Strategy
 from moejax.train import step as step_lib
-from moejax.train.state import TrainState, init_state, state_shardings
+from moejax.train.state import TrainState, abstract, init_state, state_shardings
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-_compiles = [0]
-_listening = [False]
-
-
-def _on_event(event: str, duration: float, **_) -> None:
-  del duration
-  if event == _COMPILE_EVENT:
-    _compiles[0] += 1
 
 
 class CompileCounter:
-  """`with CompileCounter() as c: ...; c.count` = XLA compilations inside, executables loaded
-  from JAX's persistent compilation cache included (JAX times both as one compile event)."""
+  """`with CompileCounter() as c: ...; c.count` = XLA compilations inside (in any thread),
+  executables loaded from JAX's persistent compilation cache included (JAX times both as one
+  compile event). Each counter listens only while entered."""
+
+  def __init__(self):
+    self.count = 0
+
+  def _on_event(self, event: str, duration: float, **kwargs) -> None:
+    del duration, kwargs
+    if event == _COMPILE_EVENT:
+      self.count += 1
 
   def __enter__(self) -> CompileCounter:
-    if not _listening[0]:
-      jax.monitoring.register_event_duration_secs_listener(_on_event)
-      _listening[0] = True
-    self._start = _compiles[0]
     self.count = 0
+    jax.monitoring.register_event_duration_secs_listener(self._on_event)
     return self
 
   def __exit__(self, *exc) -> None:
-    self.count = _compiles[0] - self._start
+    jax.monitoring.unregister_event_duration_listener(self._on_event)
 
 
 def initial_layout(moe: MoEConfig, num_layers: int, num_devices: int) -> Layout:
@@ -70,11 +68,6 @@ def initial_layout(moe: MoEConfig, num_layers: int, num_devices: int) -> Layout:
 
 def start_layout(cfg: Config, num_devices: int) -> Layout:
   return initial_layout(cfg.moe, cfg.model.num_layers // cfg.moe.moe_every, num_devices)
-
-
-def _abstract(tree: Any, shardings: Any) -> Any:
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                      tree, shardings)
 
 
 @dataclasses.dataclass
@@ -99,10 +92,10 @@ class Program:
     b, length = self.cfg.data.global_batch_size, self.cfg.data.seq_len
     shapes = jax.eval_shape(lambda: init_state(self.model, tx, self.shardings, self.layout, b,
                                                length, 0))
-    return _abstract(shapes, self.shardings)
+    return abstract(shapes, self.shardings)
 
   def abstract_layout(self) -> Layout:
-    return _abstract(self.layout, jax.tree.map(lambda _: self.layout_sharding, self.layout))
+    return abstract(self.layout, jax.tree.map(lambda _: self.layout_sharding, self.layout))
 
 
 def build_program(cfg: Config, strategy: Strategy, tx: optax.GradientTransformation,
@@ -136,8 +129,8 @@ def _move(state: TrainState, src_layout: Layout, dst_layout: Layout, *, src_mode
           dst_mode: str, dst_shardings) -> TrainState:
   if src_mode == "ep" and dst_mode == "fsep":
     # Reshard first (expert-sharded slots -> every expert 1/N per device: one all-to-all),
-    # then put the slots in expert-id order locally. Gathering along the sharded slot axis
-    # first makes XLA all-gather every expert leaf to every device (10-20x slower measured).
+    # then put the slots in expert-id order locally: gathering along the sharded slot axis
+    # first would make XLA all-gather every expert leaf to every device.
     state = jax.lax.with_sharding_constraint(convert_tree(state, "ep", "fsep"), dst_shardings)
     return gather_slots(state, src_layout.expert_slot_LxE, select=is_fsep_expert_leaf)
   if src_mode == "ep":                 # slot order -> expert-id order
@@ -175,8 +168,8 @@ def warm_up_pool(programs: list[Program], state: TrainState, tx: optax.GradientT
   """(transfers, switch_cost_s) of a pool whose member 0 holds `state` (left as it is).
 
   Compiles the state move of every ordered pair and times each once; runs every other
-  member's train step once on a throwaway copy (a first execution costs XLA one-off set-up,
-  ~160 ms on the CPU mesh, that would land on the first step after a switch); and compiles
+  member's train step once on a throwaway copy (a first execution costs XLA one-off set-up
+  that would otherwise land on the first step after a switch); and compiles
   the `migrate` permuter of each ep member that re-plans (`replans[i]`), on a copy too (both
   donate their input). Afterwards a switch or a re-plan compiles and sets up nothing."""
   k = len(programs)

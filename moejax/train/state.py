@@ -40,6 +40,15 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
   return TrainState(step=rep, params=param_sh, opt_state=opt_sh)
 
 
+def abstract(tree: Any, shardings: Any = None) -> Any:
+  """`tree` as ShapeDtypeStructs with `shardings` (a matching tree; default: each leaf's own)."""
+  if shardings is None:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        tree)
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      tree, shardings)
+
+
 def init_state(model: nn.Module, tx: optax.GradientTransformation, shardings: TrainState,
                layout: Layout, batch: int, seq_len: int, seed: int) -> TrainState:
   def init():

@@ -1,0 +1,137 @@
+"""Host-side code the training loop runs around each step: the hook interface and the two
+controllers built on it, layout re-planning (dyn.X) and strategy switching.
+
+The loop calls, for every hook in order (the caller's hooks first, then the controllers):
+
+- `before_step(trainer, step)` on the host before `step` is dispatched. A hook may change
+  `trainer.state` and the pool's layouts or active member; it returns True when it spent time
+  that is not training (a migration, a switch), so that the loop restarts its tokens/s window.
+- `after_metrics(trainer, step, record, counts_LxSxE, member)` once `step`'s metrics have been
+  read (one step late unless `planner.fresh`): `record` is the step's metrics record, `counts`
+  its routed choices per (layer, source, expert), `member` the pool member that ran it (the
+  previous one, for the step in flight at a switch).
+
+Hooks write their events with `trainer.writer.write(...)`.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import jax
+import numpy as np
+
+from moejax.config import Config
+from moejax.layout.migrate import migrate
+from moejax.layout.tables import from_placements, from_slot_expert, to_placements
+from moejax.strategy.cost import load_dispersion, load_profile
+from moejax.strategy.offline import workload_of
+from moejax.strategy.switcher import StrategySwitcher, expert_shares
+
+__all__ = ["Hook", "LayoutReplanning", "StrategySwitching"]
+
+
+class Hook:
+  """The hook interface; both methods do nothing unless overridden."""
+
+  def before_step(self, trainer, step: int) -> bool:
+    del trainer, step
+    return False
+
+  def after_metrics(self, trainer, step: int, record: dict, counts_LxSxE: np.ndarray,
+                    member: int) -> None:
+    del trainer, step, record, counts_LxSxE, member
+
+
+class LayoutReplanning(Hook):
+  """dyn.X: each member's re-planner observes the steps that member ran; before a step is
+  dispatched, the active member's layout is re-planned when its planner is due."""
+
+  def before_step(self, trainer, step: int) -> bool:
+    return self.replan(trainer, step)
+
+  def after_metrics(self, trainer, step, record, counts_LxSxE, member) -> None:
+    trainer.pool.planners[member].observe(counts_LxSxE)
+
+  def replan(self, trainer, step: int, now: bool = False) -> bool:
+    """Re-plans from the finished steps' loads (`now`: even off the period, right after a
+    strategy switch); True if the layout changed."""
+    pool = trainer.pool
+    if not (now or pool.planner.due(step)):
+      return False
+    prog, layout = pool.program, pool.layout
+    n, num_experts = prog.mesh.shape["expert"], prog.cfg.moe.num_experts
+    new, switches = pool.planner.propose(to_placements(layout, n))
+    if not switches:
+      return False
+    jax.block_until_ready(trainer.state)   # time the switch alone, not the step in flight
+    tick = time.perf_counter()
+    bias = layout.router_bias_LxE
+    if prog.expert_mode == "ep":   # slots own weights: move them and their Adam state
+      new_layout = jax.device_put(
+          from_slot_expert(np.stack([p.slot_expert for p in new]), num_experts).replace(
+              router_bias_LxE=bias), prog.layout_sharding)
+      trainer.state = migrate(trainer.state, layout, new_layout)
+    else:                          # fsep: the next step restores the new slots
+      new_layout = jax.device_put(from_placements(new, num_experts, n).replace(
+          router_bias_LxE=bias), prog.layout_sharding)
+    jax.block_until_ready((trainer.state, new_layout))
+    seconds = time.perf_counter() - tick
+    pool.set_layout(pool.active, new_layout)
+    for sw in switches:
+      trainer.writer.write({"step": step, "event": "layout_switch", "layer": sw.layer,
+                            "policy": prog.cfg.planner.policy,
+                            "predicted_gain": sw.predicted_before - sw.predicted_after,
+                            "predicted_before": sw.predicted_before,
+                            "predicted_after": sw.predicted_after,
+                            "migration_s": seconds, "experts_moved": sw.experts_moved})
+    return True
+
+
+class StrategySwitching(Hook):
+  """The online stage: every `strategy.every` steps, move the state to the pool member
+  predicted best for the active member's recent loads (`StrategySwitcher`)."""
+
+  def __init__(self, cfg: Config, pool, layouts: LayoutReplanning):
+    self.switcher = StrategySwitcher(cfg.strategy, pool.strategies, workload_of(cfg),
+                                     load_profile(cfg.strategy.profile))
+    self.layouts = layouts
+    # Finished steps of the active member: (counts [L, S, E], dropped share of choices).
+    self.recent: collections.deque = collections.deque(maxlen=cfg.planner.window)
+
+  def after_metrics(self, trainer, step, record, counts_LxSxE, member) -> None:
+    if member == trainer.pool.active:   # judge the member now running
+      self.recent.append((counts_LxSxE,
+                          np.mean([r["dropped_fraction"] for r in record["moe"]])))
+
+  def before_step(self, trainer, step: int) -> bool:
+    pool = trainer.pool
+    if not self.switcher.due(step) or not self.recent:
+      return False
+    counts = np.stack([c for c, _ in self.recent])
+    dropped = float(np.mean([d for _, d in self.recent]))
+    decision = self.switcher.decide(pool.active, expert_shares(counts), pool.switch_cost_s,
+                                    dropped, load_dispersion(counts))
+    if decision is None:
+      return False
+    jax.block_until_ready(trainer.state)   # time the switch alone, not the step in flight
+    tick = time.perf_counter()
+    src = pool.active
+    trainer.state = pool.move_to(trainer.state, decision.target)
+    jax.block_until_ready(trainer.state)
+    trainer.writer.write({"step": step, "event": "strategy_switch",
+                          "from": pool.programs[src].strategy.spec,
+                          "to": pool.program.strategy.spec,
+                          "reason": decision.reason, "predicted_s": list(decision.predicted_s),
+                          "predicted_drop": list(decision.predicted_drop),
+                          "predicted_gain_s": decision.gain_s,
+                          "switch_cost_s": decision.switch_cost_s,
+                          "seconds": time.perf_counter() - tick})
+    self.recent.clear()
+    if pool.planner.active:   # the member was idle: its re-planner gets this load and re-plans
+      pool.planner.history.clear()   # now, so fsep replicas follow the load from the first step
+      for step_counts in counts:
+        pool.planner.observe(step_counts)
+      self.layouts.replan(trainer, step, now=True)
+    return True
