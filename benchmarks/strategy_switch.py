@@ -66,7 +66,7 @@ from moejax.config import CheckpointConfig, ConfigError
 from moejax.frontend import DEFAULT_GIN, parse_config
 from moejax.strategy import offline as plan
 from moejax.strategy.calibrate import calibrate, save
-from moejax.strategy.cost import PRESETS, load_dispersion
+from moejax.strategy.cost import PRESETS, expert_shares, load_dispersion
 from moejax.train.controllers import Hook
 from moejax.train.programs import CompileCounter
 from moejax.train.trainer import Trainer
@@ -271,7 +271,7 @@ def main(argv=None) -> int:
     counts = [[m["counts_by_source"] for m in r["moe"]] for r in records if "loss" in r]
     last_TxLxSxE = np.asarray(counts[-10:])
     dispersion = load_dispersion(last_TxLxSxE)
-    observed, regimes = plan.observed_load(last_TxLxSxE), plan.OBSERVED_REGIMES
+    observed, regimes = expert_shares(last_TxLxSxE), plan.OBSERVED_REGIMES
     print(f"warm-up: {args.warmup_steps} steps in {time.perf_counter() - tick:.0f}s, loss "
           f"{summary['last']['loss']:.3f}, dropped "
           f"{np.mean([m['dropped_fraction'] for m in summary['last']['moe']]):.1%}, count "

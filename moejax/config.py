@@ -76,6 +76,12 @@ class MeshConfig:
     return tuple(sizes)
 
 
+def default_fsep_slots(num_experts: int, num_devices: int) -> int:
+  """fsep C when moe.slots_per_device = 0: room for about one extra replica per expert, at
+  most E per device."""
+  return min(num_experts, 2 * -(-num_experts // num_devices))
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
   num_experts: int = 8
@@ -250,8 +256,8 @@ class StrategyConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TraceConfig:
-  """Routing trace (DESIGN.md format) written to `path` when set: counts[steps, layers,
-  sources, experts]."""
+  """Routing trace written to `path` when set: an .npz of counts[steps, layers, sources,
+  experts], top_k and step (moejax.placement.trace)."""
   path: str | None = None
 
 

@@ -10,11 +10,10 @@ import sys
 from moejax.config import ConfigError
 from moejax.frontend import DEFAULT_GIN, parse_config
 from moejax.placement.workloads import load_trace
-from moejax.strategy.cost import load_dispersion, load_profile
+from moejax.strategy.cost import expert_shares, load_dispersion, load_profile
 from moejax.strategy.offline import (
   OBSERVED_REGIMES,
   REGIMES,
-  observed_load,
   pick_pool,
   rank,
   table,
@@ -51,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
       if args.trace_steps < 1:
         raise ConfigError(f"--trace_steps={args.trace_steps} must be >= 1.")
       counts = load_trace(args.trace)["counts"][-args.trace_steps:]
-      observed, regimes = observed_load(counts), OBSERVED_REGIMES
+      observed, regimes = expert_shares(counts), OBSERVED_REGIMES
       if dispersion is None:
         dispersion = load_dispersion(counts)
     dispersion = 1.0 if dispersion is None else dispersion

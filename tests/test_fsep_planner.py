@@ -331,15 +331,8 @@ def test_fsep_on_skewed_stays_near_the_noise_floor(n):
   assert r["median"] <= 1.25 and r["p90"] <= 1.40, (n, r["median"], r["p90"])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue target (median <= 1.05, p90 <= 1.10 on synthetic_skewed) is below this trace's "
-    "noise floor for any layout planned from finished steps: measured fsep median/p90 = "
-    "1.183/1.340 (N=8) and 1.203/1.368 (N=16), predicted 1.002-1.004. Each expert's load has "
-    "iid per-step log-noise of std 0.37 (corr=0.8, sigma=1) that no lagged predictor can know, "
-    "and a device holds only C=8 experts' pieces, so its load still varies by ~0.37/sqrt(8) = "
-    "13%. Planning every step with the trace's exact slow component (the best any predictor "
-    "can do) gives 1.157/1.267 (N=8) and 1.175/1.277 (N=16); planning on the step's own counts "
-    "gives 1.001/1.002 and 1.003/1.004"))
+@pytest.mark.xfail(strict=True, reason="the target is below this trace's noise floor for any "
+                   "layout planned from finished steps")
 @pytest.mark.parametrize("n", [8, 16])
 def test_fsep_meets_the_issue_target_on_skewed(n):
   r = _replay("synthetic_skewed", n, "fsep")

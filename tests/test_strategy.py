@@ -11,7 +11,13 @@ import pytest
 from moejax import plan as plan_cli
 from moejax.config import Config, ConfigError, DataConfig, ModelConfig, MoEConfig
 from moejax.strategy import offline as plan
-from moejax.strategy.cost import PRESETS, expected_overflow, load_profile, predict_step
+from moejax.strategy.cost import (
+  PRESETS,
+  expected_overflow,
+  expert_shares,
+  load_profile,
+  predict_step,
+)
 from moejax.strategy.spec import Strategy, check_pool, factorizations, parse, space, why_invalid
 
 CFG = Config()   # the default model: E=8, top-2, 4 heads, batch 16
@@ -206,7 +212,7 @@ def test_observed_regime_plans_for_the_measured_expert_shares(tmp_path, capsys):
 
   counts = np.zeros((3, 2, 8, 8), np.int32)      # [steps, MoE layers, sources, experts]
   counts[:] = np.round(skew_E * 1000).astype(np.int32)
-  np.testing.assert_allclose(plan.observed_load(counts), np.tile(skew_E, (2, 1)), atol=1e-3)
+  np.testing.assert_allclose(expert_shares(counts), np.tile(skew_E, (2, 1)), atol=1e-3)
   trace = tmp_path / "trace.npz"
   np.savez(trace, counts=counts)
   assert plan_cli.main(["--profile", "h100_node", "--pool", "2", "--max_drop", "0.03",

@@ -121,11 +121,6 @@ def static_layout(num_layers: int, num_experts: int, num_devices: int) -> Layout
   return from_slot_expert(slot_expert, num_experts)
 
 
-def default_fsep_slots(num_experts: int, num_devices: int) -> int:
-  """fsep default C: room for about one extra replica per expert, at most E per device."""
-  return min(num_experts, 2 * -(-num_experts // num_devices))
-
-
 def fsep_slots_check(num_experts: int, num_devices: int, slots: int) -> None:
   if num_devices * slots < num_experts:
     raise ConfigError(

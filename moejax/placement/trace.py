@@ -1,4 +1,4 @@
-"""Routing-trace recording in the DESIGN.md format (`.npz` with counts, top_k, step)."""
+"""Routing-trace recording: an `.npz` with counts[steps, layers, sources, experts], top_k, step."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ class TraceRecorder:
 
   def add(self, step: int, counts_LxSxE: np.ndarray, expert_devices: int) -> None:
     """`counts_LxSxE` as the step returns it: sources in (data, expert) row-major order.
-    Stored expert-major, so that trace source s ran on expert-axis device s*N // S, the
-    mapping replay assumes (DESIGN.md)."""
+    Stored expert-major, so that trace source s ran on expert-axis device s*N // W, the
+    mapping replay assumes."""
     c = np.asarray(counts_LxSxE, np.int32)
     layers, sources, experts = c.shape
     rows = sources // expert_devices

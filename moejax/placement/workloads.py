@@ -1,4 +1,4 @@
-"""Synthetic routing traces (numpy only), in the DESIGN.md "Routing trace" format.
+"""Synthetic routing traces (numpy only), in the format moejax.placement.trace records.
 
 `counts[steps, layers, sources, experts]` = (token, k) choices each source device sent to
 each expert. Per layer, expert popularity moves in log space as a slow, persistent part plus
@@ -10,7 +10,7 @@ vectors correlate about `corr` (z's lag-k correlation is w * slow^k):
              steps is (exp(sigma^2 rho) - 1) / (exp(sigma^2) - 1), solved for rho.
   zipf       a fixed random permutation of ranks per layer, p ∝ rank^-zipf_a, times the drift
              exp(sigma/2 * z_t) (the fixed ranks make loads correlate more than `corr`).
-  collapse   a collapsed gate (DESIGN.md): one expert per layer is pinned at 40% of the
+  collapse   a collapsed gate: one expert per layer is pinned at 40% of the
              assignments; a few (E/5) share ~55% and the rest 5% (well under 1% each), and
              these drift as exp(0.3 * z_t) within the other 60%.
 Every source draws its top_k * tokens_per_source choices from its own mildly perturbed p

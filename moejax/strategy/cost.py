@@ -17,6 +17,7 @@ import numpy as np
 
 from moejax.config import ConfigError
 from moejax.placement.fsep import dhondt_counts
+from moejax.strategy.memory import activation_bytes, expert_bytes, expert_params, step_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +211,7 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
   compute_s = dense_flops * scale / profile.flops_per_s
   expert_s = expert_flops * scale / profile.flops_per_s
 
-  ep_local = (e // n if strategy.expert_mode == "ep" else e / n) * w.moe_layers * 3 * d * f / m
+  ep_local = expert_params(strategy.expert_mode, w.moe_layers, e, d, f, n, m)
   params_dev = w.dense_params / m + ep_local
   act_bytes = (40 * tokens * d * w.num_layers + 12 * sum(rows) * d) * w.act_bytes / m
   opt_bytes = 7 * 4 * params_dev                   # read p, g, mu, nu; write p, mu, nu
@@ -241,25 +242,34 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
     volume = 4 * w.num_layers * tokens * d * w.act_bytes * 2 * (m - 1) / m
     tp_s = (4 * w.num_layers * call(m) + volume / profile.reduce_bytes_per_s) * scale
 
-  restored = 2 * w.moe_layers * c * 3 * d * f / m * 4 if strategy.expert_mode == "fsep" else 0
-  activations = (20 * tokens * d * w.num_layers + 6 * sum(rows) * d) * w.act_bytes / m + \
-      2 * tokens * w.vocab_size / m * 4
-  memory_bytes = 4 * 4 * params_dev + restored + activations
+  memory_bytes = step_bytes(
+      w.dense_params / m, expert_bytes(strategy.expert_mode, w.moe_layers, e, d, f, n, m, c),
+      activation_bytes(tokens, d, w.num_layers, w.vocab_size, sum(rows), w.act_bytes, m))
   cs, ms = profile.compute_scale, profile.comm_scale
   return StepCost(compute_s * cs, expert_s * cs, memory_s * cs, a2a_s * ms, restore_s * ms,
                   reduce_s * ms, tp_s * profile.tp_scale, profile.overhead_s,
                   float(np.mean(drops)), float(memory_bytes))
 
 
-def load_dispersion(counts_TxLxSxE: np.ndarray) -> float:
+def expert_shares(counts_ZxLxWxE: np.ndarray) -> np.ndarray:
+  """Expert shares [L, E] (rows sum to 1) of finished steps' counts [Z, L, W, E]."""
+  c = np.asarray(counts_ZxLxWxE, np.float64)
+  if c.ndim != 4 or c.shape[0] < 1:
+    raise ConfigError(f"expert shares need counts[steps, layers, sources, experts] with at "
+                      f"least one step, got shape {c.shape}.")
+  counts_LxE = c.sum(axis=(0, 2))
+  return counts_LxE / np.maximum(counts_LxE.sum(-1, keepdims=True), 1.0)
+
+
+def load_dispersion(counts_ZxLxWxE: np.ndarray) -> float:
   """How much more a source's count to an expert varies than independent tokens would:
   mean of (X - m)^2 / m over steps, layers, sources and experts, where m is the count the
   source would send at the window's mean shares. Byte-level batches repeat tokens within a
   sequence, so this is several times 1 (about 6-9 in the default run after warm-up)."""
-  x = np.asarray(counts_TxLxSxE, np.float64)
-  share_LxE = x.sum(axis=(0, 2))
-  share_LxE = share_LxE / np.maximum(share_LxE.sum(-1, keepdims=True), 1.0)
-  m = x.sum(-1, keepdims=True) * share_LxE[None, :, None, :]
+  x = np.asarray(counts_ZxLxWxE, np.float64)
+  if len(x) == 0:
+    return 1.0
+  m = x.sum(-1, keepdims=True) * expert_shares(x)[None, :, None, :]
   ok = m > 0
   if not ok.any():
     return 1.0

@@ -1,42 +1,73 @@
-"""Expert memory per device for `ep` and `fsep`, in bytes (pure arithmetic).
+"""Device memory of a strategy, in bytes (pure arithmetic): the one memory model.
 
-persistent: expert parameters + the two Adam moments (all fp32), kept between steps.
-transient:  what one step adds on top: expert gradients, and in fsep the restored
-            slot weights of every MoE layer and their gradients (all layers' restores
-            are issued before the layer scan so they can overlap compute).
-The trainer writes this table into the run dir; `python -m moejax.replay ... --d_model D
---d_ff F --layers L` prints it beside the planner results.
+Experts, per device, for `ep` and `fsep`:
+  persistent: expert parameters + the two Adam moments (all fp32), kept between steps.
+  transient:  what one step adds on top: expert gradients, and in fsep the restored slot
+              weights of every MoE layer and their gradients (all layers' restores are issued
+              before the layer scan so they can overlap compute).
+`step_bytes` adds the dense parameters (with gradients and Adam moments) and the activations:
+the peak the strategy cost model reports and the offline stage checks against the device.
+The trainer writes `report` into the run dir; `python -m moejax.replay ... --d_model D --d_ff F
+--layers L` prints it beside the planner results.
 """
 
 from __future__ import annotations
 
+from moejax.config import default_fsep_slots
+
 FP32 = 4
+MODES = ("ep", "fsep")
+
+
+def expert_slots(mode: str, experts: int, devices: int, slots_per_device: int | None = None) -> int:
+  """C: expert slots a device computes (ep: its E/N experts; fsep: the restored slots)."""
+  if mode == "ep":
+    return experts // devices
+  if mode == "fsep":
+    return slots_per_device or default_fsep_slots(experts, devices)
+  raise ValueError(f"mode={mode!r}: use one of {MODES}")
+
+
+def expert_params(mode: str, layers: int, experts: int, d_model: int, d_ff: int, devices: int,
+                  model_shards: int = 1) -> float:
+  """Expert parameters a device keeps between steps: ep its E/N whole experts, fsep 1/N of
+  every expert; `devices` = N (expert axis), `model_shards` = M."""
+  if mode not in MODES:
+    raise ValueError(f"mode={mode!r}: use one of {MODES}")
+  per_device = experts // devices if mode == "ep" else experts / devices
+  return per_device * layers * 3 * d_model * d_ff / model_shards     # w_gate, w_up, w_down
 
 
 def expert_bytes(mode: str, layers: int, experts: int, d_model: int, d_ff: int, devices: int,
                  model_shards: int = 1, slots_per_device: int | None = None) -> dict:
   """Per-device expert bytes; `devices` = N (expert axis), `model_shards` = M."""
-  per_expert = 3 * d_model * d_ff                  # w_gate, w_up, w_down
-  if mode == "ep":
-    slots = experts // devices
-    params = layers * slots * per_expert // model_shards
-    restored = 0
-  elif mode == "fsep":
-    slots = slots_per_device or min(experts, 2 * -(-experts // devices))
-    params = layers * experts * per_expert // (devices * model_shards)
-    restored = layers * slots * per_expert // model_shards
-  else:
-    raise ValueError(f"mode={mode!r}: use 'ep' or 'fsep'")
+  slots = expert_slots(mode, experts, devices, slots_per_device)
+  params = expert_params(mode, layers, experts, d_model, d_ff, devices, model_shards)
+  restored = layers * slots * 3 * d_model * d_ff / model_shards if mode == "fsep" else 0
   return {"mode": mode, "slots_per_device": slots,
           "persistent": 3 * params * FP32,               # params + Adam mu, nu
           "transient": (params + 2 * restored) * FP32}   # grads (+ restored weights, grads)
+
+
+def activation_bytes(tokens: float, d_model: int, num_layers: int, vocab_size: int,
+                     expert_rows: float, act_bytes: int, model_shards: int = 1) -> float:
+  """Activations kept for the backward pass: per token and layer, plus the expert rows (summed
+  over MoE layers) and the fp32 logits with their gradient."""
+  return ((20 * tokens * d_model * num_layers + 6 * expert_rows * d_model) * act_bytes /
+          model_shards + 2 * tokens * vocab_size / model_shards * FP32)
+
+
+def step_bytes(dense_params: float, experts: dict, activations: float) -> float:
+  """Peak bytes of a step on one device: `dense_params` (per device) with their gradients and
+  two Adam moments in fp32, the `expert_bytes` of the mode, and the activations."""
+  return 4 * FP32 * dense_params + experts["persistent"] + experts["transient"] + activations
 
 
 def report(layers: int, experts: int, d_model: int, d_ff: int, devices: int,
            model_shards: int = 1, fsep_slots: int | None = None) -> str:
   rows = [f"expert memory per device (layers={layers}, E={experts}, d_model={d_model}, "
           f"d_ff={d_ff}, N={devices}, M={model_shards}):"]
-  for mode in ("ep", "fsep"):
+  for mode in MODES:
     if mode == "ep" and experts % devices:
       rows.append("  ep   n/a (E not divisible by N)")
       continue

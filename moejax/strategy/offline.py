@@ -20,12 +20,7 @@ import dataclasses
 import numpy as np
 
 from moejax.config import Config, ConfigError
-from moejax.strategy.cost import (
-  HardwareProfile,
-  StepCost,
-  Workload,
-  predict_step,
-)
+from moejax.strategy.cost import HardwareProfile, StepCost, Workload, predict_step
 from moejax.strategy.spec import Strategy, space, why_invalid
 
 REGIMES = ("uniform", "skewed", "collapse")
@@ -48,16 +43,6 @@ def regime_load(name: str, num_experts: int, seed: int = 0) -> np.ndarray:
     raise ConfigError("load regime 'observed' needs measured expert shares: pass observed_LxE "
                       "(or --trace to moejax.plan).")
   raise ConfigError(f"load regime {name!r} is unknown; use one of {REGIMES} or 'observed'.")
-
-
-def observed_load(counts_TxLxSxE: np.ndarray) -> np.ndarray:
-  """Expert shares [L, E] (rows sum to 1) of finished steps' counts [T, L, S, E]."""
-  c = np.asarray(counts_TxLxSxE, np.float64)
-  if c.ndim != 4 or c.shape[0] < 1:
-    raise ConfigError(f"observed load needs counts[steps, layers, sources, experts] with at "
-                      f"least one step, got shape {c.shape}.")
-  per_LxE = c.sum(axis=(0, 2))
-  return per_LxE / np.maximum(per_LxE.sum(-1, keepdims=True), 1.0)
 
 
 def workload_of(cfg: Config) -> Workload:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-from moejax.config import Config, ConfigError, batch_split_error
+from moejax.config import Config, ConfigError, batch_split_error, default_fsep_slots
 
 _MODES = ("ep", "fsep")
 _DISPATCH = ("dense", "ragged")
@@ -40,7 +40,7 @@ class Strategy:
     """C: slots each expert-axis device hosts."""
     if self.expert_mode == "ep":
       return max(1, num_experts // self.expert)
-    return self.slots_per_device or min(num_experts, 2 * -(-num_experts // self.expert))
+    return self.slots_per_device or default_fsep_slots(num_experts, self.expert)
 
   @property
   def spec(self) -> str:
@@ -149,7 +149,7 @@ def space(cfg: Config, num_devices: int, capacity_factors=(1.0, 1.25, 1.5, 2.0, 
           fsep_slot_options: tuple[int, ...] = (0,), dispatches=("dense",),
           modes=_MODES) -> list[Strategy]:
   """The whole candidate space (valid or not): factorizations x mode x C x factor x dispatch.
-  fsep C = 0 means the default 2*ceil(E/N); other values are tried as given."""
+  fsep C = 0 means config.default_fsep_slots; other values are tried as given."""
   out = []
   for (data, expert, model), mode, cf, dispatch in itertools.product(
       factorizations(num_devices), modes, capacity_factors, dispatches):

@@ -1,35 +1,26 @@
 """Online stage: pick the pool member to run next from the load of finished steps.
 
-Host-side and JAX-free. Every `strategy.every` steps the trainer hands over the
-expert shares of the last finished steps and the share of choices they really
-dropped; each member's step time and dropped share are predicted under that load
-(moejax.planner.cost), with the spread of a source's count per expert measured
-from the same steps (real batches cluster: a sequence repeats its tokens). Where
-a member drops more than predicted, the excess is remembered with the expert
-shares it was first seen under; the median of the last `EXCESS_SAMPLES` excesses
-seen near that load (total variation distance of the shares at most `STALE_TV`)
-is added to that member's predictions there, so once two ordinary steps have
-been seen there a one-step spike moves nothing, and an excess seen while an fsep
-member's replicas still served a gone hot expert says nothing of that member
-under the next hot expert. A member with no excess seen near this load is given
-the running member's: what the model misses there is taken as the load's doing
-(clustered batches drop on every member alike) until that member is measured
-under it. Without that, a brief drop spike on the running member made an idle
-one look better on paper alone, and the trainer went there and back (measured:
-both members of an ep/fsep pool dropped ~2.5% at even load against 0.5%
-predicted).
+Host-side and JAX-free. Every `strategy.every` steps the trainer hands over the expert shares
+of the last finished steps and the share of choices they really dropped; each member's step
+time and dropped share are predicted under that load (moejax.strategy.cost), with the spread
+of a source's count per expert measured from the same steps (real batches cluster: a sequence
+repeats its tokens).
 
-Members whose predicted drops are at most `max_drop`, or within `DROP_SLACK` of
-the least (1 point, or half again: one step's drops of one member at even load
-ranged 1.4-5.4% in the drifting benchmark), are acceptable and compete on time;
-the current member, if not acceptable, is left for the fastest acceptable one
-whatever the switch costs ("drops"). Otherwise the trainer moves to the fastest
-acceptable member only when the time it is predicted to save over the next
-`horizon` steps exceeds the measured cost of going there and back ("time": a
-time switch may be undone; without that margin two members of near time
-oscillate).
+Where a member drops more than predicted, the excess is remembered with the expert shares it
+was first seen under, and the median of the last `EXCESS_SAMPLES` excesses seen near that
+load (total variation distance of the shares at most `STALE_TV`) is added to that member's
+predictions there: a one-step spike then moves nothing, and an excess seen under one hot
+expert says nothing of the next. A member not yet measured near this load is given the
+running member's excess, since clustered batches drop on every member alike; otherwise a
+drop spike on the running member would make an idle one look better on paper alone.
+
+Members whose predicted drops are at most `max_drop`, or within `DROP_SLACK` of the least
+(one step's drops vary a lot), are acceptable and compete on time; the current member, if not
+acceptable, is left for the fastest acceptable one whatever the switch costs ("drops").
+Otherwise the trainer moves to the fastest acceptable member only when the time it is
+predicted to save over the next `horizon` steps exceeds the measured cost of going there and
+back ("time"), so two members of near time do not alternate.
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -37,13 +28,16 @@ import dataclasses
 import numpy as np
 
 from moejax.config import StrategyConfig
-from moejax.strategy.cost import HardwareProfile, StepCost, Workload, predict_step
+from moejax.strategy.cost import HardwareProfile, StepCost, Workload, expert_shares, predict_step
 from moejax.strategy.spec import Strategy
 
 STALE_TV = 0.1   # share distance past which a remembered drop excess no longer applies
 LOADS_KEPT = 8   # loads per member whose drop excess is remembered
 EXCESS_SAMPLES = 3   # excesses per (member, load) whose median is believed
 DROP_SLACK = (0.01, 0.5)   # drops within 1 point, or half again, of the least are as good
+
+# expert_shares (strategy.cost) is re-exported: the trainer reads the load it decides on here.
+__all__ = ["Decision", "StrategySwitcher", "expert_shares"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,9 +123,3 @@ class StrategySwitcher:
 def _distance(a_LxE: np.ndarray, b_LxE: np.ndarray) -> float:
   """Total variation distance of two loads' expert shares, worst layer."""
   return float(0.5 * np.abs(a_LxE - b_LxE).sum(-1).max())
-
-
-def expert_shares(history_TxLxSxE: np.ndarray) -> np.ndarray:
-  """Mean expert shares [L, E] of finished steps' count matrices (sources summed)."""
-  counts_LxE = np.asarray(history_TxLxSxE, np.float64).sum(axis=(0, 2))
-  return counts_LxE / np.maximum(counts_LxE.sum(-1, keepdims=True), 1.0)

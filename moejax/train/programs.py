@@ -22,11 +22,11 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from moejax.config import Config, MoEConfig
+from moejax.config import Config, MoEConfig, default_fsep_slots
 from moejax.layout.convert import convert_tree
 from moejax.layout.leaves import gather_slots, is_fsep_expert_leaf
 from moejax.layout.migrate import migrate
-from moejax.layout.tables import Layout, default_fsep_slots, round_robin_layout, static_layout
+from moejax.layout.tables import Layout, round_robin_layout, static_layout
 from moejax.model.mesh import batch_sharding, build_mesh, replicated
 from moejax.model.transformer import Transformer
 from moejax.strategy.spec import Strategy
