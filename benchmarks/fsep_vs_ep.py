@@ -142,7 +142,7 @@ def main(argv=None) -> int:
   start = round_robin_placement(args.experts, n, args.fsep_slots)
   t0 = time.perf_counter()
   plan = get_policy("fsep")(counts.astype(float), start, slots=args.fsep_slots,
-                            src_dev_S=np.arange(n), cost=CostModel(args.d_model, args.d_ff),
+                            src_dev_W=np.arange(n), cost=CostModel(args.d_model, args.d_ff),
                             num_devices=n)
   plan_ms = (time.perf_counter() - t0) * 1e3
   fsep_layout = from_placements([plan], args.experts, n)

@@ -1,7 +1,7 @@
 """Planner wall time per decision, for every policy in moejax.placement.policies.POLICIES.
 
 What it measures: the wall time (time.perf_counter) of one policy call
-`plan(pred_SxE, current, slots=C, src_dev_S=..., cost=CostModel(), num_devices=N)` for one MoE
+`policy(pred_WxE, current, slots=C, src_dev_W=..., cost=CostModel(), num_devices=N)` for one MoE
 layer, as replay and the online trainer make it. The predicted load is one step of a
 lognormal synthetic trace (moejax.placement.workloads.synthetic_trace, sigma=1.0, top_k=2,
 2048 tokens per source) with sources = N (one source per device); `current` is the static
@@ -81,7 +81,7 @@ def time_policy(name: str, experts: int, devices: int, slots: int, repeats: int,
   times = []
   for i in range(repeats + 1):
     t0 = time.perf_counter()
-    out = plan(pred, current, slots=c, src_dev_S=src, cost=cost, num_devices=devices)
+    out = plan(pred, current, slots=c, src_dev_W=src, cost=cost, num_devices=devices)
     dt = time.perf_counter() - t0
     if i:                                               # the first call is the warm-up
       times.append(dt)

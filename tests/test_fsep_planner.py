@@ -20,12 +20,12 @@ from moejax.placement.workloads import load_trace, synthetic_trace
 TRACES = Path(__file__).resolve().parents[1] / "benchmarks" / "traces"
 
 
-def _plan(pred_SxE, n, c, src=None, **kw):
-  pred_SxE = np.asarray(pred_SxE, np.float64)
-  src = np.arange(len(pred_SxE)) * n // len(pred_SxE) if src is None else src
+def _plan(pred_WxE, n, c, src=None, **kw):
+  pred_WxE = np.asarray(pred_WxE, np.float64)
+  src = np.arange(len(pred_WxE)) * n // len(pred_WxE) if src is None else src
   # fsep ignores the current layout
   current = placement_lib.Placement(np.zeros(n, np.int32), np.ones(n), n)
-  return fsep.place_replicas(pred_SxE, current, slots=c, src_dev_S=src, cost=CostModel(),
+  return fsep.place_replicas(pred_WxE, current, slots=c, src_dev_W=src, cost=CostModel(),
                              num_devices=n, options=fsep.FsepOptions(**kw))
 
 

@@ -83,7 +83,7 @@ def test_shadow_replicates_a_collapsed_expert_when_cheap():
   pred = _collapsed()
   src = np.arange(4)
   cheap = CostModel(link_bytes_per_s=1e15)
-  p = shadow.place_shadows(pred, placement_lib.static(8, 4), slots=3, src_dev_S=src, cost=cheap)
+  p = shadow.place_shadows(pred, placement_lib.static(8, 4), slots=3, src_dev_W=src, cost=cheap)
   p.validate(8)
   assert p.replicas(8)[3] == 4 and p.replicas(8).sum() == 8 + 3
   assert max_over_mean(flow(p, pred, src).device_load_N) < 1.3
@@ -93,7 +93,7 @@ def test_shadow_replicates_a_collapsed_expert_when_cheap():
 def test_shadow_stays_static_when_sync_is_expensive():
   pred = _collapsed()
   costly = CostModel(d_model=4096, d_ff=16384, link_bytes_per_s=1e6)
-  p = shadow.place_shadows(pred, placement_lib.static(8, 4), slots=3, src_dev_S=np.arange(4),
+  p = shadow.place_shadows(pred, placement_lib.static(8, 4), slots=3, src_dev_W=np.arange(4),
                            cost=costly)
   np.testing.assert_array_equal(p.slot_expert[p.slot_expert >= 0], np.arange(8))
 
@@ -102,13 +102,13 @@ def test_local_first_routing_and_quotas():
   # Expert 0 has slots on devices 0 and 1 (shares 0.5 / 0.5); expert 1 only on device 1.
   p = placement_lib.Placement(np.array([0, -1, 0, 1], np.int32), np.array([0.5, 0, 0.5, 1.0]), 2)
   p.validate(2)
-  counts_SxE = np.array([[6, 1], [2, 3]])   # source s on device s
-  slot_load, sent_SxN = placement_lib.route(p, counts_SxE, np.arange(2))
+  counts_WxE = np.array([[6, 1], [2, 3]])   # source s on device s
+  slot_load, sent_WxN = placement_lib.route(p, counts_WxE, np.arange(2))
   np.testing.assert_array_equal(slot_load, [4, 0, 4, 4])
   # Source 0: 4 of its 6 expert-0 tokens stay local (quota 4), 2 go to device 1; its expert-1
   # token goes to device 1. Source 1: its 2 expert-0 tokens stay local, 3 expert-1 local.
-  np.testing.assert_array_equal(sent_SxN, [[4, 3], [0, 5]])
-  assert placement_lib.crossing(sent_SxN, np.arange(2)) == 3
+  np.testing.assert_array_equal(sent_WxN, [[4, 3], [0, 5]])
+  assert placement_lib.crossing(sent_WxN, np.arange(2)) == 3
 
 
 def test_quotas_sum_exactly_to_the_totals():

@@ -88,8 +88,8 @@ def test_layout_depends_only_on_finished_steps(skewed, name):
 def test_policy_gets_the_lagged_prediction(skewed, monkeypatch):
   seen = []
 
-  def spy(pred_SxE, current, *, slots, src_dev_S, cost, num_devices, **_):
-    seen.append((np.array(pred_SxE), slots, num_devices, src_dev_S.tolist()))
+  def spy(pred_WxE, current, *, slots, src_dev_W, cost, num_devices, **_):
+    seen.append((np.array(pred_WxE), slots, num_devices, src_dev_W.tolist()))
     return current
 
   monkeypatch.setitem(POLICIES, "spy", spy)

@@ -6,7 +6,7 @@ change every step at no extra cost. Every slot hosts an expert (all N*C of them 
 with C > E every device holds all E and the rest stay empty), and an expert has at most one
 replica per device, so at most N replicas (the in-graph router relies on it).
 
-  place_replicas(pred_SxE, current, *, slots, src_dev_S, cost, num_devices, options)
+  place_replicas(pred_WxE, current, *, slots, src_dev_W, cost, num_devices, options)
     -> Placement
 
 Sources are folded onto their devices first. Each candidate replica count (`even`: N*C // E
@@ -148,8 +148,8 @@ def snap_counts(r_E: np.ndarray, load_E: np.ndarray, total: int, cap: int,
   return out, coarse
 
 
-def place(r_KxE: np.ndarray, load_E: np.ndarray, n: int, rounds: int) -> np.ndarray:
-  """grid[K, N, rounds] of experts for K candidate replica counts r_KxE (each summing to
+def place(r_YxE: np.ndarray, load_E: np.ndarray, n: int, rounds: int) -> np.ndarray:
+  """grid[Y, N, rounds] of experts for Y candidate replica counts r_YxE (each summing to
   N * rounds, each count in [1, N]): replicas sorted by per-replica load (load_e / r_e, desc)
   are dealt in rounds of N, the round's largest replica to the currently least-loaded device,
   one per device per round.
@@ -158,16 +158,16 @@ def place(r_KxE: np.ndarray, load_E: np.ndarray, n: int, rounds: int) -> np.ndar
   most two rounds and only the first expert of a round can already sit on some devices (from
   the round before); devices holding it go last in that round (after all others by load), so
   its replicas land on the least-loaded devices that lack it: at most one replica of an expert
-  per device, by construction. The K candidates are dealt together (one numpy call per round
+  per device, by construction. The Y candidates are dealt together (one numpy call per round
   and step for all of them)."""
-  r_KxE = np.atleast_2d(r_KxE)
-  k, num_experts = r_KxE.shape
-  per_KxE = load_E[None, :] / r_KxE
+  r_YxE = np.atleast_2d(r_YxE)
+  k, num_experts = r_YxE.shape
+  per_YxE = load_E[None, :] / r_YxE
   reps = np.empty((k, rounds, n), np.int64)
-  for i in range(k):                                      # K <= 3
-    order = np.lexsort((np.arange(num_experts), -per_KxE[i]))   # per-replica load desc, id
-    reps[i] = np.repeat(order, r_KxE[i][order]).reshape(rounds, n)
-  per = per_KxE.ravel().take(reps + (np.arange(k) * num_experts)[:, None, None])
+  for i in range(k):                                      # Y <= 3
+    order = np.lexsort((np.arange(num_experts), -per_YxE[i]))   # per-replica load desc, id
+    reps[i] = np.repeat(order, r_YxE[i][order]).reshape(rounds, n)
+  per = per_YxE.ravel().take(reps + (np.arange(k) * num_experts)[:, None, None])
   straddles = np.zeros((k, rounds), bool)
   straddles[:, 1:] = reps[:, 1:, 0] == reps[:, :-1, -1]
   any_straddle = straddles.any(0).tolist()
@@ -187,10 +187,10 @@ def place(r_KxE: np.ndarray, load_E: np.ndarray, n: int, rounds: int) -> np.ndar
   return np.ascontiguousarray(grid.transpose(1, 2, 0))
 
 
-def level(grid: np.ndarray, r_KxE: np.ndarray, load_E: np.ndarray, iters: int,
-          frozen_KxE: np.ndarray | None = None, alpha: float = 1.5,
+def level(grid: np.ndarray, r_YxE: np.ndarray, load_E: np.ndarray, iters: int,
+          frozen_YxE: np.ndarray | None = None, alpha: float = 1.5,
           tol: float = 1e-3) -> np.ndarray:
-  """Token shares [K, N, rounds] of the replicas in grid[K, N, rounds] (summing to 1 per
+  """Token shares [Y, N, rounds] of the replicas in grid[Y, N, rounds] (summing to 1 per
   expert and candidate). They start even (1/r_e); the replicas of experts not frozen (see
   snap_counts) are levelled towards equal device loads by up to `iters` Sinkhorn steps: each
   share is scaled by (its device's target / its device's levelled load) ** alpha, the target
@@ -199,19 +199,19 @@ def level(grid: np.ndarray, r_KxE: np.ndarray, load_E: np.ndarray, iters: int,
   renormalised per expert. Each step starts from the candidate's best shares so far (lowest
   busiest device), and a candidate whose step did not improve falls back to alpha = 1; stops
   early once every candidate is within `tol` of the mean or none improves any more."""
-  r_KxE = np.atleast_2d(r_KxE)
+  r_YxE = np.atleast_2d(r_YxE)
   k, n, _ = grid.shape
   num_experts = len(load_E)
   gflat = grid + (np.arange(k) * num_experts)[:, None, None]     # expert ids per candidate
-  share = 1.0 / r_KxE.ravel().take(gflat)
+  share = 1.0 / r_YxE.ravel().take(gflat)
   mean = load_E.sum() / n
   if mean <= 0 or iters < 1:
     return share
-  load_R = load_E.take(grid)
+  load_YxNxC = load_E.take(grid)
   fixed = 0.0
-  if frozen_KxE is not None and frozen_KxE.any():
-    frozen = np.atleast_2d(frozen_KxE).ravel().take(gflat)
-    fixed = np.einsum("knr,knr->kn", np.where(frozen, share, 0.0), load_R)
+  if frozen_YxE is not None and frozen_YxE.any():
+    frozen = np.atleast_2d(frozen_YxE).ravel().take(gflat)
+    fixed = np.einsum("knr,knr->kn", np.where(frozen, share, 0.0), load_YxNxC)
     live = np.where(frozen, 0.0, share)
   else:
     frozen, live = None, share
@@ -219,7 +219,7 @@ def level(grid: np.ndarray, r_KxE: np.ndarray, load_E: np.ndarray, iters: int,
   flat = gflat.ravel()
   a = np.full((k, 1, 1), float(alpha))
   best = live
-  best_load = np.einsum("knr,knr->kn", live, load_R)
+  best_load = np.einsum("knr,knr->kn", live, load_YxNxC)
   best_peak = (best_load + fixed).max(1)
   for _ in range(iters):
     if np.all(best_peak <= mean * (1 + tol)):
@@ -228,7 +228,7 @@ def level(grid: np.ndarray, r_KxE: np.ndarray, load_E: np.ndarray, iters: int,
     live = best * ratio[:, :, None] ** a
     den = np.bincount(flat, weights=live.ravel(), minlength=k * num_experts)
     live /= (den if frozen is None else np.where(den > 0, den, 1.0)).take(gflat)
-    dev_load = np.einsum("knr,knr->kn", live, load_R)
+    dev_load = np.einsum("knr,knr->kn", live, load_YxNxC)
     peak = (dev_load + fixed).max(1)
     better = peak < best_peak - mean * 1e-4
     if not better.any() and np.all(a == 1.0):
@@ -245,7 +245,7 @@ def level(grid: np.ndarray, r_KxE: np.ndarray, load_E: np.ndarray, iters: int,
 
 def quantise(grid: np.ndarray, share: np.ndarray, load_E: np.ndarray,
              groups: int = 8) -> np.ndarray:
-  """Shares [K, N, rounds] rounded to whole parts of SHARE_PARTS, the unit in which the
+  """Shares [Y, N, rounds] rounded to whole parts of SHARE_PARTS, the unit in which the
   router (`placement.share_parts` / `quotas`) splits an expert's tokens, keeping device loads
   level: floor every share, then give each expert's missing parts one each to its replicas on
   the devices furthest below the mean load (ties: larger fractional part). Experts go in
@@ -265,36 +265,36 @@ def quantise(grid: np.ndarray, share: np.ndarray, load_E: np.ndarray,
   frac = exact - parts
   short = parts_total - np.bincount(gflat, weights=parts, minlength=k * num_experts)
   unit = load_E / parts_total                                   # tokens per part
-  unit_R = unit.take(grid).ravel()
-  dev_R = np.repeat(np.arange(k * n), rounds)                   # candidate-major device ids
-  dev_load = np.bincount(dev_R, weights=parts * unit_R, minlength=k * n)
+  unit_flat = unit.take(grid).ravel()
+  dev_flat = np.repeat(np.arange(k * n), rounds)                   # candidate-major device ids
+  dev_load = np.bincount(dev_flat, weights=parts * unit_flat, minlength=k * n)
   mean = load_E.sum() / n
   rank_E = np.empty(num_experts, np.int64)
   rank_E[np.argsort(-unit, kind="stable")] = np.arange(num_experts)
-  group_R = (rank_E * groups // num_experts).astype(np.int16).take(grid).ravel()
-  by_group = np.argsort(group_R, kind="stable")                 # radix sort on int16
-  bounds = np.searchsorted(group_R[by_group], np.arange(groups + 1)).tolist()
+  group_flat = (rank_E * groups // num_experts).astype(np.int16).take(grid).ravel()
+  by_group = np.argsort(group_flat, kind="stable")                 # radix sort on int16
+  bounds = np.searchsorted(group_flat[by_group], np.arange(groups + 1)).tolist()
   for g in range(groups):
     sel = by_group[bounds[g]:bounds[g + 1]]
     if len(sel) == 0:
       continue
     e_sel = gflat[sel]
-    gap = dev_load.take(dev_R[sel]) - mean
+    gap = dev_load.take(dev_flat[sel]) - mean
     span = 2.0 * float(np.abs(gap).max()) + 1.0
     order = np.argsort(e_sel + (gap - frac[sel] * 1e-6) / span)  # by expert, deficit first
     sel, e_sel = sel[order], e_sel[order]
     up = sel[np.arange(len(sel)) - np.searchsorted(e_sel, e_sel) < short.take(e_sel)]
     parts[up] += 1
-    dev_load += np.bincount(dev_R[up], weights=unit_R[up], minlength=k * n)
+    dev_load += np.bincount(dev_flat[up], weights=unit_flat[up], minlength=k * n)
   return (parts / parts_total).reshape(share.shape)
 
 
 def estimate(grid: np.ndarray, share: np.ndarray, dev_NxE: np.ndarray,
              load_E: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """(device load [K, N], tokens each device sends off itself [K, N]) under the "split"
+  """(device load [Y, N], tokens each device sends off itself [Y, N]) under the "split"
   routing of the dense dispatch (each source splits its tokens for e by the shares, so it
-  keeps share x own tokens local) on the counts dev_NxE, for replicas grid[K, N, rounds]
-  (one per (device, expert)) with token shares share[K, N, rounds]."""
+  keeps share x own tokens local) on the counts dev_NxE, for replicas grid[Y, N, rounds]
+  (one per (device, expert)) with token shares share[Y, N, rounds]."""
   n, num_experts = dev_NxE.shape
   quota = share * load_E.take(grid)
   own = dev_NxE.ravel().take(grid + (np.arange(n) * num_experts)[None, :, None])
@@ -304,29 +304,29 @@ def estimate(grid: np.ndarray, share: np.ndarray, dev_NxE: np.ndarray,
 
 def overflow(grid: np.ndarray, share: np.ndarray, dev_NxE: np.ndarray,
              cap_N: np.ndarray) -> np.ndarray:
-  """Dropped share [K] of all choices when source device s sends dev_NxE[s, e] x share to
-  each replica of e (grid[K, N, rounds], share[K, N, rounds]) and a (source, slot) pair
+  """Dropped share [Y] of all choices when source device s sends dev_NxE[s, e] x share to
+  each replica of e (grid[Y, N, rounds], share[Y, N, rounds]) and a (source, slot) pair
   takes at most cap_N[s] rows. An estimate for ranking candidates: mean counts (no spread),
   no rounding of the capacity, and sources already folded onto their expert-axis device
   (with data > 1, sources that differ overflow more than this says). Memory grows as
-  K x N^2 x rounds (about 1 GB at N=1024, C=64)."""
-  rows_KxSxNxR = dev_NxE[:, grid].transpose(1, 0, 2, 3) * share[:, None]
-  over = np.maximum(rows_KxSxNxR - cap_N[None, :, None, None], 0.0).sum((1, 2, 3))
+  Y x N^2 x rounds (about 1 GB at N=1024, C=64)."""
+  rows_YxNxNxC = dev_NxE[:, grid].transpose(1, 0, 2, 3) * share[:, None]
+  over = np.maximum(rows_YxNxNxC - cap_N[None, :, None, None], 0.0).sum((1, 2, 3))
   return over / max(float(dev_NxE.sum()), 1e-12)
 
 
-def fold_sources(pred_SxE: np.ndarray, src_dev_S: np.ndarray, n: int) -> np.ndarray:
+def fold_sources(pred_WxE: np.ndarray, src_dev_W: np.ndarray, n: int) -> np.ndarray:
   """[N, E]: counts of the sources on each device summed."""
-  src = np.asarray(src_dev_S, np.int64)
+  src = np.asarray(src_dev_W, np.int64)
   if len(src) == n and np.array_equal(src, np.arange(n)):
-    return pred_SxE
+    return pred_WxE
   order = np.argsort(src, kind="stable")
   src_sorted = src[order]
   starts = np.searchsorted(src_sorted, np.arange(n))
   has = np.searchsorted(src_sorted, np.arange(n), side="right") > starts
-  out = np.zeros((n, pred_SxE.shape[1]))
+  out = np.zeros((n, pred_WxE.shape[1]))
   if has.any():
-    out[has] = np.add.reduceat(pred_SxE[order], starts[has], axis=0)
+    out[has] = np.add.reduceat(pred_WxE[order], starts[has], axis=0)
   return out
 
 
@@ -341,17 +341,17 @@ class FsepOptions:
   capacity_factor: float | None = None  # the dense dispatch's (None: dropless, time decides)
 
 
-def place_replicas(pred_SxE: np.ndarray, current: Placement, *, slots: int,
-                   src_dev_S: np.ndarray, cost: CostModel | None = None,
+def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
+                   src_dev_W: np.ndarray, cost: CostModel | None = None,
                    num_devices: int | None = None,
                    options: FsepOptions = FsepOptions()) -> Placement:
-  """One MoE layer's FSEP layout for the predicted counts pred_SxE (see the module doc).
+  """One MoE layer's FSEP layout for the predicted counts pred_WxE (see the module doc).
   `current` is not needed (a layout change is free in FSEP); only its num_devices is used when
   num_devices is not given. options.exact_parts=False skips snapping and rounding to router
   parts (faster, but on N >= 256 the router's own rounding then costs a few percent of
   balance)."""
   o = options
-  pred = np.asarray(pred_SxE, np.float64)
+  pred = np.asarray(pred_WxE, np.float64)
   num_experts = pred.shape[1]
   n = int(num_devices or current.num_devices)
   c = int(slots)
@@ -360,7 +360,7 @@ def place_replicas(pred_SxE: np.ndarray, current: Placement, *, slots: int,
                       f"devices x C={c} slots = {n * max(c, 0)}; set slots per device to at "
                       f"least ceil(E/N)={-(-num_experts // n)}.")
   cost = cost or CostModel()
-  dev_NxE = fold_sources(pred, src_dev_S, n)
+  dev_NxE = fold_sources(pred, src_dev_W, n)
   load_E = dev_NxE.sum(0)
   rounds = min(c, num_experts)              # more than E slots: every device holds all E
   total = n * rounds
@@ -371,10 +371,10 @@ def place_replicas(pred_SxE: np.ndarray, current: Placement, *, slots: int,
     if o.exact_parts:
       r_E, coarse_E = snap_counts(r_E, load_E, total, n, o.min_parts, o.max_part, kind)
     counts.setdefault(r_E.tobytes(), (r_E, coarse_E))
-  r_KxE = np.stack([r for r, _ in counts.values()])
-  coarse_KxE = np.stack([m for _, m in counts.values()])
-  grid = place(r_KxE, load_E, n, rounds)
-  share = level(grid, r_KxE, load_E, o.level_iters, coarse_KxE)
+  r_YxE = np.stack([r for r, _ in counts.values()])
+  coarse_YxE = np.stack([m for _, m in counts.values()])
+  grid = place(r_YxE, load_E, n, rounds)
+  share = level(grid, r_YxE, load_E, o.level_iters, coarse_YxE)
   dev_load, sent = estimate(grid, share, dev_NxE, load_E)
   step_s = [cost.compute_s(float(a)) + cost.exchange_s(float(b))
             for a, b in zip(dev_load.max(1), sent.max(1))]

@@ -1,8 +1,8 @@
 """Expert placement policies: pure functions of predicted load -> Placement.
 
 Every policy is called as
-  policy(pred_SxE, current, *, slots, src_dev_S, cost, num_devices, options) -> Placement
-for one MoE layer; `pred_SxE` is the predicted (token, k) count each source sends to each
+  policy(pred_WxE, current, *, slots, src_dev_W, cost, num_devices, options) -> Placement
+for one MoE layer; `pred_WxE` is the predicted (token, k) count each source sends to each
 expert, built only from finished steps (see `predict`). A policy uses what it needs of the
 shared keywords; `options` is its own frozen dataclass (`make_options` builds it by name and
 rejects an option the policy does not have).
@@ -25,12 +25,12 @@ class StaticOptions:
   """The static layout has no options."""
 
 
-def place_static(pred_SxE: np.ndarray, current: placement_lib.Placement, *,
-                 slots: int | None = None, src_dev_S: np.ndarray | None = None,
+def place_static(pred_WxE: np.ndarray, current: placement_lib.Placement, *,
+                 slots: int | None = None, src_dev_W: np.ndarray | None = None,
                  cost: CostModel | None = None, num_devices: int | None = None,
                  options: StaticOptions = StaticOptions()) -> placement_lib.Placement:
   """Expert e on device e // (E/N), whatever the load."""
-  return placement_lib.static(np.asarray(pred_SxE).shape[1], current.num_devices)
+  return placement_lib.static(np.asarray(pred_WxE).shape[1], current.num_devices)
 
 
 POLICIES = {"static": place_static, "smartmoe": smartmoe.place_permutation,
@@ -59,9 +59,9 @@ def make_options(name: str, **given):
   return cls(**given)
 
 
-def predict(history_TxLxSxE: np.ndarray, window: int) -> np.ndarray:
-  """Predicted counts [L, S, E]: mean of the last `window` finished steps."""
-  h = np.asarray(history_TxLxSxE, np.float64)
+def predict(history_ZxLxWxE: np.ndarray, window: int) -> np.ndarray:
+  """Predicted counts [L, W, E]: mean of the last `window` finished steps."""
+  h = np.asarray(history_ZxLxWxE, np.float64)
   if len(h) == 0 or window < 1:
     raise ValueError(f"predict needs >= 1 finished step and window >= 1 (got {len(h)}, {window})")
   return h[-window:].mean(0)

@@ -49,9 +49,9 @@ class OnlinePlanner:
     self.options = policies.make_options(cfg.policy, **_config_options(cfg, capacity_factor))
     self.history: collections.deque = collections.deque(maxlen=cfg.window)
 
-  def observe(self, counts_LxSxE: np.ndarray) -> None:
+  def observe(self, counts_LxWxE: np.ndarray) -> None:
     """Counts of one finished step; sources ordered (data, expert) row-major."""
-    c = np.asarray(counts_LxSxE, np.float64)
+    c = np.asarray(counts_LxWxE, np.float64)
     layers, sources, experts = c.shape
     if sources % self.num_devices:   # another pool member's mesh: keep the expert totals
       folded_LxNxE = np.repeat(c.sum(1, keepdims=True) / self.num_devices, self.num_devices, 1)
@@ -82,7 +82,7 @@ class OnlinePlanner:
     out, switches = list(current), []
     for layer, pred_NxE in enumerate(pred_LxNxE):
       cur = current[layer]
-      new = self.policy(pred_NxE, cur, slots=cur.slots_per_device, src_dev_S=src,
+      new = self.policy(pred_NxE, cur, slots=cur.slots_per_device, src_dev_W=src,
                         cost=self.cost, num_devices=self.num_devices, options=self.options)
       if (np.array_equal(new.slot_expert, cur.slot_expert) and
           np.allclose(new.share, cur.share, atol=0.5 / placement_lib.SHARE_PARTS)):

@@ -1,18 +1,18 @@
 """Replay a routing trace through expert-placement policies, using only lagged statistics.
 
-  python -m moejax.replay TRACE.npz --devices N --slots C --policy P|all [--every K]
-      [--window W] [--json OUT.json]
+  python -m moejax.replay TRACE.npz --devices N --slots C --policy P|all [--every EVERY]
+      [--window WINDOW] [--json OUT.json]
 
-Sources map to devices evenly: source s runs on device s*N // S, which needs S % N == 0 or
-N % S == 0. Every layer is replayed independently. At step 0 the layout is the static one
-(expert e on device e // (E/N)); at every step t > 0 with t % K == 0 the policy is called with
-the prediction from finished steps only, `predict(counts[:t], W)[layer]` (mean of the last W
-steps), and the layout in use; its answer is used from step t on. The layout in use at step t
-is evaluated with `flow` on the actual counts of step t: max/mean device load (median, p90 and
-mean over steps x layers), tokens whose expert runs off their source device, and, per
-decision, experts moved ((expert, device) copies in the new layout that the old one lacked)
-and the policy call's wall time. One-copy policies (static, smartmoe) get E/N slots per device
-whatever --slots says (E must divide by N); the others get --slots (>= E/N).
+Sources map to devices evenly: source s of W runs on device s*N // W, which needs W % N == 0 or
+N % W == 0. Every layer is replayed independently. At step 0 the layout is the static one
+(expert e on device e // (E/N)); at every step t > 0 with t % every == 0 the policy is called
+with the prediction from finished steps only, `predict(counts[:t], window)[layer]` (mean of the
+last `window` steps), and the layout in use; its answer is used from step t on. The layout in
+use at step t is evaluated with `flow` on the actual counts of step t: max/mean device load
+(median, p90 and mean over steps x layers), tokens whose expert runs off their source device,
+and, per decision, experts moved ((expert, device) copies in the new layout that the old one
+lacked) and the policy call's wall time. One-copy policies (static, smartmoe) get E/N slots per
+device whatever --slots says (E must divide by N); the others get --slots (>= E/N).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def effective_slots(policy: str, num_experts: int, devices: int, slots: int) -> 
 
 def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int = 10,
            window: int = 10, cost: CostModel | None = None) -> dict:
-  """Replays counts[T, L, S, E] through one policy; returns the per-policy result dict."""
+  """Replays counts[steps, L, W, E] through one policy; returns the per-policy result dict."""
   counts = np.asarray(counts)
   if counts.ndim != 4:
     raise ConfigError(f"counts must be [steps, layers, sources, experts], got {counts.shape}.")
@@ -59,10 +59,10 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
   crossing, moved, times = 0, 0, []
   for t in range(steps):
     if t > 0 and t % every == 0:
-      pred = predict(counts[:t], window)                      # [L, S, E], finished steps only
+      pred = predict(counts[:t], window)                      # [L, W, E], finished steps only
       for layer in range(layers):
         t0 = time.perf_counter()
-        new = place(pred[layer], current[layer], slots=c_eff, src_dev_S=src_dev, cost=cost,
+        new = place(pred[layer], current[layer], slots=c_eff, src_dev_W=src_dev, cost=cost,
                    num_devices=devices)
         times.append(time.perf_counter() - t0)
         new.validate(experts)

@@ -43,24 +43,24 @@ class ShadowOptions:
   """Shadowing has no options: the cost model decides how many experts to shadow."""
 
 
-def place_shadows(pred_SxE: np.ndarray, current: placement_lib.Placement, *, slots: int,
-                  src_dev_S: np.ndarray, cost: CostModel, num_devices: int | None = None,
+def place_shadows(pred_WxE: np.ndarray, current: placement_lib.Placement, *, slots: int,
+                  src_dev_W: np.ndarray, cost: CostModel, num_devices: int | None = None,
                   options: ShadowOptions = ShadowOptions()) -> placement_lib.Placement:
   """The static layout plus the shadows that pay off (see the module doc)."""
-  pred_SxE = np.asarray(pred_SxE, np.float64)
-  num_experts, n = pred_SxE.shape[1], current.num_devices
+  pred_WxE = np.asarray(pred_WxE, np.float64)
+  num_experts, n = pred_WxE.shape[1], current.num_devices
   base = placement_lib.static(num_experts, n)
   extra = slots - base.slots_per_device
-  dev_counts = placement_lib.device_counts(pred_SxE, src_dev_S, n)
+  dev_counts = placement_lib.device_counts(pred_WxE, src_dev_W, n)
 
   def step_time(shadowed):
     p = _with_shadows(shadowed, base, dev_counts, base.slots_per_device + max(extra, 0))
-    f = flow(p, pred_SxE, src_dev_S)
+    f = flow(p, pred_WxE, src_dev_W)
     return cost.step_s(f.device_load_N, f.sent_N, replicas_per_device=len(shadowed)), p
 
   best_t, best = step_time([])
   shadowed: list[int] = []
-  for e in np.argsort(-pred_SxE.sum(0), kind="stable")[:max(extra, 0)]:
+  for e in np.argsort(-pred_WxE.sum(0), kind="stable")[:max(extra, 0)]:
     t, p = step_time(shadowed + [int(e)])
     if t >= best_t:
       break

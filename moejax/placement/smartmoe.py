@@ -77,14 +77,14 @@ class SmartMoEOptions:
   max_swap_iters: int | None = None     # improving swaps per candidate (None: 4 * E)
 
 
-def place_permutation(pred_SxE: np.ndarray, current: placement_lib.Placement, *,
-                      slots: int | None = None, src_dev_S: np.ndarray | None = None,
+def place_permutation(pred_WxE: np.ndarray, current: placement_lib.Placement, *,
+                      slots: int | None = None, src_dev_W: np.ndarray | None = None,
                       cost: CostModel | None = None, num_devices: int | None = None,
                       options: SmartMoEOptions = SmartMoEOptions()) -> placement_lib.Placement:
   """A permutation of the experts, E/N per device, for the summed load (see the module doc);
   the shared keywords other than `current` are not needed."""
   min_gain = options.min_gain
-  load_E = np.asarray(pred_SxE, np.float64).sum(0)
+  load_E = np.asarray(pred_WxE, np.float64).sum(0)
   num_experts, n = len(load_E), current.num_devices
   if num_experts % n:
     raise ConfigError(f"smartmoe needs E={num_experts} divisible by N={n} devices.")

@@ -24,11 +24,11 @@ class TraceRecorder:
         self.steps = old["step"][keep].tolist()
         self.counts = list(old["counts"][keep])
 
-  def add(self, step: int, counts_LxSxE: np.ndarray, expert_devices: int) -> None:
-    """`counts_LxSxE` as the step returns it: sources in (data, expert) row-major order.
+  def add(self, step: int, counts_LxWxE: np.ndarray, expert_devices: int) -> None:
+    """`counts_LxWxE` as the step returns it: sources in (data, expert) row-major order.
     Stored expert-major, so that trace source s ran on expert-axis device s*N // W, the
     mapping replay assumes."""
-    c = np.asarray(counts_LxSxE, np.int32)
+    c = np.asarray(counts_LxWxE, np.int32)
     layers, sources, experts = c.shape
     rows = sources // expert_devices
     c = c.reshape(layers, rows, expert_devices, experts).transpose(0, 2, 1, 3)

@@ -4,7 +4,7 @@
 [--devices N] [--pool K] [--max_drop F] [--trace T.npz] [--json OUT]` prints one row
 per strategy (predicted step time and dropped share under each regime, memory per
 device, why rejected) and the pool: the best strategy of each load regime (uniform,
-skewed, collapsed), then runners-up across regimes, at most K <= 4. With a routing
+skewed, collapsed), then runners-up across regimes, at most `--pool` <= 4. With a routing
 trace of the run (`trace.path`), the even regime gives way to the `observed` one: the
 expert shares of the trace's last steps, per layer, and their count dispersion (a
 trained router is seldom even, so an even regime underrates drops). A strategy's
