@@ -9,7 +9,8 @@ from moejax.strategy.calibrate import calibrate, save
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0].split(': ', 1)[-1])
+  parser = argparse.ArgumentParser(prog="python -m moejax.calibrate",
+                                   description=__doc__.splitlines()[0].split(": ", 1)[-1])
   parser.add_argument("--out", default="profile.json")
   parser.add_argument("--repeats", type=int, default=15)
   args = parser.parse_args(argv)

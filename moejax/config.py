@@ -232,7 +232,7 @@ class StrategyConfig:
   """Two-stage strategy planning, online stage: the trainer compiles every pool member ahead
   of time and, every `every` steps, switches to the member predicted fastest under the
   current load (among those dropping at most `max_drop` of the choices, or about as little
-  as the fewest: moejax.switcher) when the predicted gain over the next `horizon` steps
+  as the fewest: moejax.strategy.switcher) when the predicted gain over the next `horizon` steps
   beats the measured switch cost. Pool specs such as
   'ep/2x4x1/cf1.25' come from `python -m moejax.plan`; the first member starts."""
   pool: tuple = ()                # empty: the single strategy given by mesh.* and moe.*

@@ -22,7 +22,8 @@ from moejax.strategy.offline import (
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0].split(': ', 1)[-1])
+  parser = argparse.ArgumentParser(prog="python -m moejax.plan",
+                                   description=__doc__.splitlines()[0].split(": ", 1)[-1])
   parser.add_argument("--gin_file", action="append", default=None)
   parser.add_argument("--gin_bindings", action="append", default=[])
   parser.add_argument("--profile", default="h100_node",

@@ -64,7 +64,8 @@ def test_smartmoe_never_worse_than_current_on_random_loads():
     load_E = rng.lognormal(0, 1.5, 16)
     cur = placement_lib.one_copy(rng.permutation(16), 4)
     new = _permute(load_E, cur, min_gain=0.0)
-    assert _dev_loads(new, load_E).max() <= _dev_loads(cur, load_E).max() + 1e-9
+    cur_peak = _dev_loads(cur, load_E).max()
+    assert _dev_loads(new, load_E).max() <= cur_peak * (1 + 1e-12)   # float sums may differ
 
 
 def test_smartmoe_rejects_indivisible_experts():
@@ -152,4 +153,4 @@ def test_smartmoe_is_never_predicted_worse_than_static():
     cur = placement_lib.one_copy(rng.permutation(16), 4)            # whatever the current layout is
     new = _permute(load_E, cur, min_gain=0.2)  # even with strong hysteresis
     static_peak = _dev_loads(placement_lib.static(16, 4), load_E).max()
-    assert _dev_loads(new, load_E).max() <= static_peak + 1e-9
+    assert _dev_loads(new, load_E).max() <= static_peak * (1 + 1e-12)

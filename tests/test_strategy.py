@@ -10,7 +10,7 @@ import pytest
 
 from moejax import plan as plan_cli
 from moejax.config import Config, ConfigError, DataConfig, ModelConfig, MoEConfig
-from moejax.strategy import offline as plan
+from moejax.strategy import offline
 from moejax.strategy.cost import (
   PRESETS,
   expected_overflow,
@@ -87,8 +87,8 @@ def test_expected_overflow_matches_monte_carlo():
 
 
 def test_dense_drops_grow_with_skew_and_fsep_absorbs_collapse():
-  w = plan.workload_of(CFG)
-  uni, col = plan.regime_load("uniform", 8), plan.regime_load("collapse", 8)
+  w = offline.workload_of(CFG)
+  uni, col = offline.regime_load("uniform", 8), offline.regime_load("collapse", 8)
   ep = predict_step(parse("ep/1x8x1/cf1.25"), w, PRESETS["h100_node"], uni[None])
   ep_col = predict_step(parse("ep/1x8x1/cf1.25"), w, PRESETS["h100_node"], col[None])
   fs_col = predict_step(parse("fsep/1x8x1/c2/cf1.25"), w, PRESETS["h100_node"], col[None])
@@ -101,7 +101,7 @@ def test_dense_drops_grow_with_skew_and_fsep_absorbs_collapse():
 def test_load_dispersion_measures_clustered_sources_and_drops_follow_it():
   from moejax.strategy.cost import load_dispersion
   rng = np.random.default_rng(0)
-  p = plan.regime_load("skewed", 8)
+  p = offline.regime_load("skewed", 8)
   independent = rng.multinomial(512, p, size=(4, 2, 8))            # [T, L, S, E]
   assert load_dispersion(independent) == pytest.approx(1.0, abs=0.15)
   # Tokens in clusters of 6 (a sequence repeating its tokens): variance ~6x the mean.
@@ -112,49 +112,49 @@ def test_load_dispersion_measures_clustered_sources_and_drops_follow_it():
   sim = np.maximum(rng.normal(mean, np.sqrt(var), 400_000) - cap, 0).mean()
   assert float(expected_overflow(np.array([mean]), cap, np.array([var]))[0]) == \
       pytest.approx(sim, rel=0.03)
-  w = plan.workload_of(CFG)
+  w = offline.workload_of(CFG)
   ep = parse("ep/1x8x1/cf1.25")
-  uni = plan.regime_load("uniform", 8)[None]
+  uni = offline.regime_load("uniform", 8)[None]
   low = predict_step(ep, w, PRESETS["cpu"], uni).drop_fraction
   high = predict_step(ep, w, PRESETS["cpu"], uni, dispersion=6.5).drop_fraction
   assert low < 0.005 < 0.02 < high
 
 
 def test_ragged_time_follows_the_busiest_device():
-  w = plan.workload_of(CFG)
+  w = offline.workload_of(CFG)
   s = parse("ep/1x8x1/cf1/ragged")
-  uni = predict_step(s, w, PRESETS["h100_node"], plan.regime_load("uniform", 8)[None])
-  col = predict_step(s, w, PRESETS["h100_node"], plan.regime_load("collapse", 8)[None])
+  uni = predict_step(s, w, PRESETS["h100_node"], offline.regime_load("uniform", 8)[None])
+  col = predict_step(s, w, PRESETS["h100_node"], offline.regime_load("collapse", 8)[None])
   assert uni.drop_fraction == col.drop_fraction == 0.0
   np.testing.assert_allclose(col.expert_s / uni.expert_s,
-                             8 * plan.regime_load("collapse", 8).max(), rtol=1e-6)
+                             8 * offline.regime_load("collapse", 8).max(), rtol=1e-6)
 
 
 def test_more_devices_per_expert_group_cut_expert_memory():
-  w = plan.workload_of(dataclasses.replace(CFG, model=ModelConfig(d_model=1024)))
+  w = offline.workload_of(dataclasses.replace(CFG, model=ModelConfig(d_model=1024)))
   a = predict_step(parse("ep/8x1x1/cf1"), w, PRESETS["h100_node"])
   b = predict_step(parse("ep/1x8x1/cf1"), w, PRESETS["h100_node"])
   assert b.memory_bytes < a.memory_bytes
 
 
 def test_pool_covers_each_regime_and_rejects_what_does_not_fit():
-  rows = plan.rank(CFG, PRESETS["h100_node"], 8)
-  pool = plan.pick_pool(rows, 3, 0.01)
+  rows = offline.rank(CFG, PRESETS["h100_node"], 8)
+  pool = offline.pick_pool(rows, 3, 0.01)
   assert len(pool) == 3 == len(set(pool))
-  for regime in plan.REGIMES:   # each regime's best (by the same score) is in the pool
+  for regime in offline.REGIMES:   # each regime's best (by the same score) is in the pool
     best = min((r for r in rows if r.rejected is None), key=lambda r: r.score(regime, 0.01))
     assert best.strategy in pool
   tiny = dataclasses.replace(PRESETS["h100_node"], memory_bytes=1.0)
-  assert all(r.rejected for r in plan.rank(CFG, tiny, 8))
+  assert all(r.rejected for r in offline.rank(CFG, tiny, 8))
   with pytest.raises(ConfigError):
-    plan.pick_pool(plan.rank(CFG, tiny, 8), 2, 0.01)
-  text = plan.table(rows)
+    offline.pick_pool(offline.rank(CFG, tiny, 8), 2, 0.01)
+  text = offline.table(rows)
   assert "POOL" in text and "rejected: model.num_heads=4" in text
 
 
 def test_whole_step_fit_recovers_known_scales_and_leaves_absent_terms_alone():
   from moejax.strategy.calibrate import fit_steps
-  w, base = plan.workload_of(CFG), PRESETS["cpu"]
+  w, base = offline.workload_of(CFG), PRESETS["cpu"]
   specs = ["ep/8x1x1/cf1", "ep/1x8x1/cf1.25", "fsep/1x8x1/c2/cf1.5", "ep/2x2x2/cf1",
            "ep/1x4x2/cf2", "fsep/2x4x1/c2/cf1.25", "ep/4x2x1/cf3"]
   costs = [predict_step(parse(s), w, base) for s in specs]
@@ -184,7 +184,7 @@ def test_profiles_load_from_presets_and_json(tmp_path):
 
 
 def test_plan_cli_prints_table_and_pool(tmp_path, capsys):
-  out = tmp_path / "plan.json"
+  out = tmp_path / "offline.json"
   assert plan_cli.main(["--profile", "h100_cluster", "--pool", "2", "--json", str(out)]) == 0
   printed = capsys.readouterr().out
   assert "pool: " in printed and "strategy.pool = [" in printed
@@ -199,16 +199,16 @@ def test_observed_regime_plans_for_the_measured_expert_shares(tmp_path, capsys):
   """A trained router is seldom even: under its measured shares ep at cf1.25 drops several
   times more than under even ones, so the pool's first member needs more capacity."""
   skew_E = np.array([0.17, 0.15, 0.14, 0.13, 0.12, 0.11, 0.10, 0.08])
-  even = plan.rank(CFG, PRESETS["h100_node"], 8, dispersion=3.0)
-  seen = plan.rank(CFG, PRESETS["h100_node"], 8, regimes=plan.OBSERVED_REGIMES,
+  even = offline.rank(CFG, PRESETS["h100_node"], 8, dispersion=3.0)
+  seen = offline.rank(CFG, PRESETS["h100_node"], 8, regimes=offline.OBSERVED_REGIMES,
                    dispersion=3.0, observed_LxE=skew_E[None])
   (e_drop,) = [r.costs["uniform"].drop_fraction for r in even if r.strategy.spec ==
                "ep/1x8x1/cf1.25"]
   (o_drop,) = [r.costs["observed"].drop_fraction for r in seen if r.strategy.spec ==
                "ep/1x8x1/cf1.25"]
   assert o_drop > 2 * e_drop
-  assert plan.pick_pool(even, 2, 0.03)[0].capacity_factor == 1.25
-  assert plan.pick_pool(seen, 2, 0.03, plan.OBSERVED_REGIMES)[0].capacity_factor == 1.5
+  assert offline.pick_pool(even, 2, 0.03)[0].capacity_factor == 1.25
+  assert offline.pick_pool(seen, 2, 0.03, offline.OBSERVED_REGIMES)[0].capacity_factor == 1.5
 
   counts = np.zeros((3, 2, 8, 8), np.int32)      # [steps, MoE layers, sources, experts]
   counts[:] = np.round(skew_E * 1000).astype(np.int32)
@@ -225,7 +225,7 @@ def test_observed_regime_plans_for_the_measured_expert_shares(tmp_path, capsys):
   err = capsys.readouterr().err
   assert "observed expert shares have shape (2, 5)" in err and "\n" not in err.strip()
   with pytest.raises(ConfigError, match="observed_LxE"):
-    plan.regime_load("observed", 8)
+    offline.regime_load("observed", 8)
 
 
 def _switcher(every=10, max_drop=0.01, pool=("ep/1x8x1/cf1.25", "fsep/1x8x1/c2/cf1.25"),
@@ -234,12 +234,12 @@ def _switcher(every=10, max_drop=0.01, pool=("ep/1x8x1/cf1.25", "fsep/1x8x1/c2/c
   from moejax.strategy.switcher import StrategySwitcher
   return StrategySwitcher(StrategyConfig(pool=pool, every=every, max_drop=max_drop,
                                          horizon=horizon),
-                          [parse(s) for s in pool], plan.workload_of(CFG), PRESETS["h100_node"])
+                          [parse(s) for s in pool], offline.workload_of(CFG), PRESETS["h100_node"])
 
 
 def test_switcher_moves_to_fsep_when_ep_drops_and_back_when_load_evens():
   sw = _switcher()
-  col, uni = plan.regime_load("collapse", 8)[None], plan.regime_load("uniform", 8)[None]
+  col, uni = offline.regime_load("collapse", 8)[None], offline.regime_load("uniform", 8)[None]
   d = sw.decide(0, col, {(0, 1): 1e9})   # the drop limit wins over any switch cost
   assert d is not None and d.target == 1 and d.reason == "drops"
   assert d.predicted_drop[0] > 0.01 and d.predicted_drop[1] < d.predicted_drop[0] / 4
@@ -251,7 +251,7 @@ def test_switcher_moves_to_fsep_when_ep_drops_and_back_when_load_evens():
 
 def test_switcher_believes_measured_drops_and_needs_the_round_trip_paid():
   sw = _switcher()
-  uni = plan.regime_load("uniform", 8)[None]
+  uni = offline.regime_load("uniform", 8)[None]
   assert sw.decide(0, uni, {}, measured_drop=0.001) is None    # ep is best at even load
   # ep drops 4% here (clustered tokens). fsep was never measured under this load, so it is
   # taken to miss the model by as much: no switch on paper alone.
@@ -273,7 +273,7 @@ def test_switcher_believes_measured_drops_and_needs_the_round_trip_paid():
 
 def test_switcher_lends_the_running_members_drop_excess_to_unmeasured_ones():
   sw = _switcher(max_drop=0.03)
-  col, uni = plan.regime_load("collapse", 8)[None], plan.regime_load("uniform", 8)[None]
+  col, uni = offline.regime_load("collapse", 8)[None], offline.regime_load("uniform", 8)[None]
   model = [c.drop_fraction for c in sw.predict(col)]
   # ep under a collapse drops 20 points over the model: fsep, unmeasured there, is given
   # them too, and still drops less.
@@ -292,7 +292,7 @@ def test_switcher_lends_the_running_members_drop_excess_to_unmeasured_ones():
 
 def test_switcher_forgets_a_drop_excess_seen_under_another_load():
   sw = _switcher()
-  col, uni = plan.regime_load("collapse", 8)[None], plan.regime_load("uniform", 8)[None]
+  col, uni = offline.regime_load("collapse", 8)[None], offline.regime_load("uniform", 8)[None]
   assert sw.decide(0, uni, {}, measured_drop=0.005) is None   # ep measured at even load
   # fsep's replicas still serve a gone hot expert: at even load it drops 30% for a while.
   d = sw.decide(1, uni, {(1, 0): 0.0}, measured_drop=0.3)
@@ -308,7 +308,7 @@ def test_switcher_forgets_a_drop_excess_seen_under_another_load():
 
 def test_switcher_believes_the_median_excess_so_one_spike_moves_nothing():
   sw = _switcher(max_drop=0.03)
-  uni = plan.regime_load("uniform", 8)[None]
+  uni = offline.regime_load("uniform", 8)[None]
   never = {(0, 1): 1e9, (1, 0): 1e9}                     # no time switch can pay
   assert sw.decide(0, uni, never, measured_drop=0.02) is None
   assert sw.decide(1, uni, never, measured_drop=0.02) is None    # fsep measured here too
@@ -320,7 +320,7 @@ def test_switcher_believes_the_median_excess_so_one_spike_moves_nothing():
 
 
 def test_switcher_counts_near_drops_as_equal_and_pays_a_switch_over_the_horizon():
-  uni = plan.regime_load("uniform", 8)[None]
+  uni = offline.regime_load("uniform", 8)[None]
   # Both over the limit by as much (fsep measured 5%, ep given that miss): neither is
   # better on drops, so the faster one wins on time.
   d = _switcher(every=1).decide(1, uni, {(1, 0): 0.0, (0, 1): 0.0}, measured_drop=0.05)
@@ -344,7 +344,7 @@ def test_switcher_counts_near_drops_as_equal_and_pays_a_switch_over_the_horizon(
 
 def test_switcher_keys_a_remembered_excess_by_the_load_first_seen():
   sw = _switcher()
-  col, uni = plan.regime_load("collapse", 8)[None], plan.regime_load("uniform", 8)[None]
+  col, uni = offline.regime_load("collapse", 8)[None], offline.regime_load("uniform", 8)[None]
 
   def toward_collapse(tv):   # a load at total variation distance `tv` from the even one
     return uni + (col - uni) * tv / (0.5 * np.abs(col - uni).sum())
@@ -356,7 +356,7 @@ def test_switcher_keys_a_remembered_excess_by_the_load_first_seen():
 
 
 def test_switcher_leaves_ep_when_the_measured_spread_predicts_its_drops():
-  uni = plan.regime_load("uniform", 8)[None]
+  uni = offline.regime_load("uniform", 8)[None]
   pool = ("ep/1x8x1/cf1.25", "ep/1x8x1/cf2")
   assert _switcher(pool=pool).decide(0, uni, {}, dispersion=1.0) is None
   d = _switcher(pool=pool).decide(0, uni, {(0, 1): 1e9}, dispersion=6.5)

@@ -3,7 +3,7 @@
   python -m moejax.launch --processes 2 --devices_per_process 4 -- python train.py [flags]
 
 Each child gets JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>, JAX_NUM_PROCESSES=P and
-JAX_PROCESS_ID=i (read by `moejax.distributed`), JAX_PLATFORMS=cpu unless set, and with
+JAX_PROCESS_ID=i (read by `moejax.runtime.distributed`), JAX_PLATFORMS=cpu unless set, and with
 --devices_per_process an XLA_FLAGS that fakes that many CPU devices. Output lines are prefixed
 with `[i] `. The first SIGTERM/SIGINT is forwarded to every child (they finish the step, save
 and exit 0); a second one kills them. If a child fails, the others are killed and the launcher
