@@ -119,7 +119,7 @@ def build(mode, cfg, mesh, layout, params):
       w = restore_slot_weights({k: p[k][None] for k in FSEP_PARAM_AXES}, slot_expert, mesh)
       slot_p = {"router": p["router"], **{k: v[0] for k, v in w.items()}}
     y, st = moe_apply(slot_p, x, row, cfg, mesh)
-    return 0.5 * jnp.mean(y * y) + 0.01 * st.balance_loss, jnp.sum(st.dropped_S)
+    return 0.5 * jnp.mean(y * y) + 0.01 * st.balance_loss, jnp.sum(st.dropped_W)
 
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)), p
 

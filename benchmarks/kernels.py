@@ -92,7 +92,7 @@ def layer_times(gpu: bool, iters: int) -> list[dict]:
 
     def loss(p, x, lay, cfg=cfg):
       y, st = moe_apply(p, x, lay, cfg, mesh, dtype)
-      return 0.5 * jnp.mean(jnp.square(y.astype(jnp.float32))), (y, jnp.sum(st.dropped_S))
+      return 0.5 * jnp.mean(jnp.square(y.astype(jnp.float32))), (y, jnp.sum(st.dropped_W))
 
     fn = jax.jit(jax.value_and_grad(loss, has_aux=True, argnums=(0, 1)))
     args = place_sharded(params_h, x_h, layout, mesh)

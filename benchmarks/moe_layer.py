@@ -14,7 +14,7 @@ Both get the same parameters and tokens (static layout: slot s hosts expert s). 
 of every configuration, the configurations are timed in interleaved rounds (one iteration
 each per round, round order rotated) so that noise on a shared machine hits all of them
 alike; each row reports the median per-iteration time. The dropped fraction is
-sum(MoEStats.dropped_S) / (tokens * top_k).
+sum(MoEStats.dropped_W) / (tokens * top_k).
 
 On a CPU host the 8 devices are faked with --xla_force_host_platform_device_count=8 and
 share the machine's cores, so the ratio to the reference measures the overhead of the
@@ -128,7 +128,7 @@ def reference_step(cfg: MoEConfig):
 def sharded_step(cfg: MoEConfig, mesh):
   def loss_fn(params, x, layout_row):
     y, stats = moe_apply(params, x, layout_row, cfg, mesh)
-    return _loss(y, stats.balance_loss, stats.z_loss), (y, jnp.sum(stats.dropped_S))
+    return _loss(y, stats.balance_loss, stats.z_loss), (y, jnp.sum(stats.dropped_W))
   return jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True))
 
 

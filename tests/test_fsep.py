@@ -12,18 +12,65 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax.config import MoEConfig
-from moejax.layout import placement as pl
+from moejax.layout import placement as placement_lib
+from moejax.layout.placement import SHARE_PARTS
 from moejax.layout.tables import from_placements, round_robin_layout
 from moejax.model.mesh import logical_to_spec, mesh_of_shape
 from moejax.model.moe.fsep_experts import FSEP_PARAM_AXES, restore_slot_weights
 from moejax.model.moe.layer import moe_apply
 from moejax.model.moe.reference import moe_reference
-from moejax.model.moe.replicas import choose_slots
+from moejax.model.moe.replicas import rank_within_expert
 from moejax.train import step as step_lib
 from tests.helpers import TINY_MOE, tiny_setup, tokens
 from tests.moe_helpers import D, E, F, assert_trees_close, make_params
 
 LAYOUTS = 20
+
+
+def _scaled_floor(cum_parts, total):
+  """floor(cum_parts * total / SHARE_PARTS) without int32 overflow."""
+  q, r = total // SHARE_PARTS, total % SHARE_PARTS
+  return cum_parts * q + (cum_parts * r) // SHARE_PARTS
+
+
+def local_first_slots(expert_A: jax.Array, counts_NxE: jax.Array, device: jax.Array,
+                      expert_slots_ExR: jax.Array, expert_parts_ExR: jax.Array,
+                      slots_per_device: int) -> jax.Array:
+  """The local-first rule on device, a reference for the host's `placement.route`.
+
+  Slot for each of this device's choices `expert_A`; `device` is its index in the group.
+  Deterministic and identical on every device, from the all-gathered [N, E] counts:
+    1. replica r of expert e serves a quota of e's tokens: with cumulative share parts P_r
+       (replicas in slot order), floor(P_r * T_e / 1024) - floor(P_{r-1} * T_e / 1024);
+    2. a source's choices of e go first to the replica of e on its own device, up to that
+       replica's quota (a device holds at most one replica of an expert);
+    3. the rest take global positions (sources in order, then token order) and fill the
+       remaining quotas in slot order.
+  Not used by the layer: it concentrates a source's choices on its local slots, which the
+  dense dispatch's fixed per-(source, slot) capacity cannot absorb."""
+  num_devices, num_experts = counts_NxE.shape
+  valid = expert_slots_ExR >= 0
+  total_E = counts_NxE.sum(0)
+  hi_ExR = _scaled_floor(jnp.cumsum(expert_parts_ExR, axis=1), total_E[:, None])
+  quota_ExR = jnp.diff(hi_ExR, axis=1, prepend=0) * valid
+  dev_ExR = jnp.where(valid, expert_slots_ExR // slots_per_device, num_devices)
+  e_ExR = jnp.broadcast_to(jnp.arange(num_experts)[:, None], dev_ExR.shape)
+  local_quota_NxE = jnp.zeros((num_devices + 1, num_experts), jnp.int32).at[
+      dev_ExR, e_ExR].add(quota_ExR)[:num_devices]
+  local_take_NxE = jnp.minimum(counts_NxE, local_quota_NxE)
+  rem_NxE = counts_NxE - local_take_NxE
+  offset_NxE = jnp.cumsum(rem_NxE, axis=0) - rem_NxE
+  taken_ExR = jnp.where(valid, local_take_NxE[jnp.minimum(dev_ExR, num_devices - 1), e_ExR], 0)
+  bounds_ExR = jnp.cumsum(quota_ExR - taken_ExR, axis=1)
+  local_slot_E = jnp.max(jnp.where(dev_ExR == device, expert_slots_ExR, -1), axis=1)
+
+  rank_A = rank_within_expert(expert_A, num_experts)
+  take_A = local_take_NxE[device, expert_A]
+  pos_A = offset_NxE[device, expert_A] + rank_A - take_A
+  r_A = jnp.sum(bounds_ExR[expert_A] <= pos_A[:, None], axis=1)
+  r_A = jnp.minimum(r_A, jnp.sum(valid, axis=1)[expert_A] - 1)
+  remote_A = jnp.take_along_axis(expert_slots_ExR[expert_A], r_A[:, None], axis=1)[:, 0]
+  return jnp.where(rank_A < take_A, local_slot_E[expert_A], remote_A).astype(jnp.int32)
 
 
 def random_placement(rng, num_devices, slots, num_experts=E):
@@ -43,7 +90,7 @@ def random_placement(rng, num_devices, slots, num_experts=E):
   for e in range(num_experts):
     mine = np.flatnonzero(slot_expert == e)
     share[mine] = rng.dirichlet(np.ones(len(mine)))
-  return pl.Placement(slot_expert, share, num_devices)
+  return placement_lib.Placement(slot_expert, share, num_devices)
 
 
 def fsep_value_and_grad_fn(cfg, mesh):
@@ -82,8 +129,8 @@ def test_fsep_layer_matches_reference_for_random_replicated_layouts(shape, slots
     layout = jax.device_put(from_placements([placement], E, n), rep)
     (loss, (y, st)), grads = fsep_value_and_grad(params, x, layout)
     (ref_loss, (ref_y, ref_counts)), ref_grads = reference_value_and_grad(params, x)
-    assert int(np.sum(st.dropped_S)) == 0
-    np.testing.assert_array_equal(np.asarray(st.counts_SxE).sum(0), np.asarray(ref_counts))
+    assert int(np.sum(st.dropped_W)) == 0
+    np.testing.assert_array_equal(np.asarray(st.counts_WxE).sum(0), np.asarray(ref_counts))
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), atol=1e-5, err_msg=f"layout {i}")
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     assert_trees_close(grads, ref_grads, atol=5e-5)
@@ -131,28 +178,28 @@ def _route_on_devices(pick, seed, n=8, slots=2, choices=40):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_in_graph_replica_routing_equals_host_routing(seed):
-  """choose_slots (device, local-first) and placement.route (host) agree slot by slot."""
+  """local_first_slots (device) and placement.route (host) agree slot by slot."""
   n, slots = 8, 2
 
   def pick(expert_A, expert_slots, expert_parts):
     counts_E = jnp.zeros((E,), jnp.int32).at[expert_A].add(1)
     counts_NxE = jax.lax.all_gather(counts_E, "expert")
-    return choose_slots(expert_A, counts_NxE, jax.lax.axis_index("expert"), expert_slots,
+    return local_first_slots(expert_A, counts_NxE, jax.lax.axis_index("expert"), expert_slots,
                         expert_parts, slots)
 
   placement, expert_NxA, slot_NxA = _route_on_devices(pick, seed, n, slots)
-  counts_SxE = np.stack([np.bincount(row, minlength=E) for row in expert_NxA])
-  slot_load, sent_SxN = pl.route(placement, counts_SxE, np.arange(n))
+  counts_WxE = np.stack([np.bincount(row, minlength=E) for row in expert_NxA])
+  slot_load, sent_WxN = placement_lib.route(placement, counts_WxE, np.arange(n))
   got_load = np.bincount(slot_NxA.reshape(-1), minlength=n * slots)
   np.testing.assert_array_equal(got_load, slot_load)
   got_sent = np.stack([np.bincount(row // slots, minlength=n) for row in slot_NxA])
-  np.testing.assert_array_equal(got_sent, sent_SxN)
+  np.testing.assert_array_equal(got_sent, sent_WxN)
 
 
 def test_round_robin_layout_and_slot_check():
   layout = round_robin_layout(2, 8, 4, 4)
   assert layout.expert_slots_LxExR.shape == (2, 8, 4)
-  np.testing.assert_array_equal(np.asarray(layout.expert_parts_LxExR).sum(-1), pl.SHARE_PARTS)
+  np.testing.assert_array_equal(np.asarray(layout.expert_parts_LxExR).sum(-1), SHARE_PARTS)
   from moejax.config import ConfigError
   with pytest.raises(ConfigError, match="N\\*C >= E"):
     round_robin_layout(1, 16, 4, 2)
@@ -169,13 +216,13 @@ def test_in_graph_proportional_split_matches_host(seed):
   n, slots = 8, 2
 
   def pick(expert_A, expert_slots, expert_parts):
-    phase = jax.lax.axis_index("expert") * pl.SHARE_PARTS // n
+    phase = jax.lax.axis_index("expert") * SHARE_PARTS // n
     return split_slots(expert_A, expert_slots, expert_parts, phase)
 
   placement, expert_NxA, slot_NxA = _route_on_devices(pick, seed, n, slots)
-  counts_SxE = np.stack([np.bincount(row, minlength=E) for row in expert_NxA])
+  counts_WxE = np.stack([np.bincount(row, minlength=E) for row in expert_NxA])
   got = np.stack([np.bincount(row, minlength=n * slots) for row in slot_NxA])
-  np.testing.assert_array_equal(got, pl.split_loads(placement, counts_SxE))
+  np.testing.assert_array_equal(got, placement_lib.split_loads(placement, counts_WxE))
 
 
 FSEP_MOE = dataclasses.replace(TINY_MOE, expert_mode="fsep", slots_per_device=4)
@@ -229,7 +276,7 @@ def test_host_split_uses_each_sources_device_phase_with_data_rows():
   placement = random_placement(np.random.default_rng(9), n, 4)
   counts = np.random.default_rng(10).integers(0, 50, (rows * n, E))
   src = np.arange(rows * n) % n
-  got = pl.split_loads(placement, counts, src)
+  got = placement_lib.split_loads(placement, counts, src)
   for s in range(rows * n):       # each source alone, on its own device
-    np.testing.assert_array_equal(got[s], pl.split_loads(
+    np.testing.assert_array_equal(got[s], placement_lib.split_loads(
         placement, np.eye(1, rows * n, s, dtype=np.int64) @ counts, np.full(1, src[s]))[0])

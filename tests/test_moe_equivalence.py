@@ -37,9 +37,9 @@ def test_sharded_layer_matches_reference(shape, top_k):
       params, x, row(layout), cfg, mesh_of_shape(shape))
   (ref_loss, (ref_y, ref_counts)), ref_grads = reference_value_and_grad(params, x, top_k)
 
-  assert int(np.sum(st.dropped_S)) == 0
-  np.testing.assert_array_equal(np.asarray(st.counts_SxE).sum(0), np.asarray(ref_counts))
-  assert st.counts_SxE.shape == (shape[0] * shape[1], E)
+  assert int(np.sum(st.dropped_W)) == 0
+  np.testing.assert_array_equal(np.asarray(st.counts_WxE).sum(0), np.asarray(ref_counts))
+  assert st.counts_WxE.shape == (shape[0] * shape[1], E)
   np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), atol=1e-5)
   np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
   assert_trees_close(grads, ref_grads, atol=5e-5)
@@ -77,11 +77,11 @@ def test_overflow_is_dropped_and_counted():
                                            mesh_of_shape(shape))
   tokens_per_source = 8     # batch 8 over 8 sources, L = 8 -> 8 tokens each
   cap = int(np.ceil(1.0 * tokens_per_source * 2 / E))    # 2 rows per (source, slot)
-  counts = np.asarray(st.counts_SxE)
+  counts = np.asarray(st.counts_WxE)
   np.testing.assert_array_equal(counts[:, 0], tokens_per_source)
   np.testing.assert_array_equal(counts[:, 1], tokens_per_source)
   # Each source keeps `cap` choices for each of the two hot slots, drops the rest.
-  np.testing.assert_array_equal(np.asarray(st.dropped_S), 2 * (tokens_per_source - cap))
+  np.testing.assert_array_equal(np.asarray(st.dropped_W), 2 * (tokens_per_source - cap))
   # Each source's first `cap` tokens keep both choices and equal the reference; the later
   # ones lose both and get no expert output at all.
   ref_y = np.asarray(moe_reference(params, x, 2)[0]).reshape(8, tokens_per_source, D)
@@ -107,7 +107,7 @@ def test_router_bias_steers_choices_and_matches_reference():
     return objective(y, bal, z), (y, counts)
   (ref_loss, (ref_y, ref_counts)), ref_grads = jax.value_and_grad(
       ref, argnums=(0, 1), has_aux=True)(params, x)
-  counts = np.asarray(st.counts_SxE).sum(0)
+  counts = np.asarray(st.counts_WxE).sum(0)
   assert counts[5] == 8 * 8                       # every token picked expert 5
   np.testing.assert_array_equal(counts, np.asarray(ref_counts))
   np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), atol=1e-5)

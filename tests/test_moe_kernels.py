@@ -64,8 +64,8 @@ def test_dense_pallas_equals_dense_xla_with_drops():
     out[kernels] = sharded_value_and_grad(params, x, layout, cfg, mesh_of_shape(shape))
   (loss, (y, st)), grads = out["pallas"]
   (ref_loss, (ref_y, ref_st)), ref_grads = out["xla"]
-  assert int(np.sum(ref_st.dropped_S)) > 0, "the test should make the dense dispatch drop"
-  for name in ("counts_SxE", "dropped_S", "slot_counts_SxC"):
+  assert int(np.sum(ref_st.dropped_W)) > 0, "the test should make the dense dispatch drop"
+  for name in ("counts_WxE", "dropped_W", "slot_counts_WxS"):
     np.testing.assert_array_equal(getattr(st, name), getattr(ref_st, name), err_msg=name)
   np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), atol=1e-5)
   np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
@@ -107,10 +107,10 @@ def test_ragged_is_dropless_and_matches_reference(kernels, emulated_collective):
   (loss, (y, st)), grads = sharded_value_and_grad(
       params, x, row(static_layout(1, E, shape[1])), cfg, mesh_of_shape(shape))
   (ref_loss, (ref_y, ref_counts)), ref_grads = reference_value_and_grad(params, x, 2)
-  assert int(np.sum(st.dropped_S)) == 0
-  np.testing.assert_array_equal(np.asarray(st.counts_SxE).sum(0), np.asarray(ref_counts))
+  assert int(np.sum(st.dropped_W)) == 0
+  np.testing.assert_array_equal(np.asarray(st.counts_WxE).sum(0), np.asarray(ref_counts))
   # 4 sources x 16 tokens, each token on slots 0 and 1: dense capacity would be 4 rows.
-  np.testing.assert_array_equal(np.asarray(st.slot_counts_SxC)[:, :2], 16)
+  np.testing.assert_array_equal(np.asarray(st.slot_counts_WxS)[:, :2], 16)
   np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), atol=1e-5)
   np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
   assert_trees_close(grads, ref_grads, atol=5e-5)
@@ -183,7 +183,7 @@ def test_ragged_on_gpu_matches_reference(kernels):
     (loss, (y, st)), grads = sharded_value_and_grad(
         params, x, row(static_layout(1, E, n)), cfg, mesh)
     (ref_loss, (ref_y, _)), ref_grads = reference_value_and_grad(params, x, 2)
-  assert int(np.sum(st.dropped_S)) == 0
+  assert int(np.sum(st.dropped_W)) == 0
   np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), atol=3e-2, rtol=3e-2)
   np.testing.assert_allclose(float(loss), float(ref_loss), rtol=3e-2)
   assert_trees_close(grads, ref_grads, atol=3e-2)

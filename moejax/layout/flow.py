@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from moejax.layout import placement as pl
+from moejax.layout import placement as placement_lib
 
 
 class Flow(NamedTuple):
@@ -15,15 +15,16 @@ class Flow(NamedTuple):
   crossing: int                # rows whose expert runs off their source device
 
 
-def flow(p: pl.Placement, counts_SxE: np.ndarray, src_dev_S: np.ndarray) -> Flow:
-  counts = np.rint(np.asarray(counts_SxE)).astype(np.int64)
-  slot_load, sent_SxN = pl.route(p, counts, src_dev_S)
+def flow(p: placement_lib.Placement, counts_WxE: np.ndarray,
+         src_dev_W: np.ndarray) -> Flow:
+  counts = np.rint(np.asarray(counts_WxE)).astype(np.int64)
+  slot_load, sent_WxN = placement_lib.route(p, counts, src_dev_W)
   n = p.num_devices
-  offdev_SxN = sent_SxN.copy()
-  offdev_SxN[np.arange(len(src_dev_S)), src_dev_S] = 0
+  offdev_WxN = sent_WxN.copy()
+  offdev_WxN[np.arange(len(src_dev_W)), src_dev_W] = 0
   sent_N = np.zeros(n, np.int64)
-  np.add.at(sent_N, src_dev_S, offdev_SxN.sum(1))
-  return Flow(pl.device_load(p, slot_load), sent_N, int(offdev_SxN.sum()))
+  np.add.at(sent_N, src_dev_W, offdev_WxN.sum(1))
+  return Flow(placement_lib.device_load(p, slot_load), sent_N, int(offdev_WxN.sum()))
 
 
 def max_over_mean(load_N: np.ndarray) -> float:

@@ -72,10 +72,11 @@ def static(num_experts: int, num_devices: int) -> Placement:
 
 
 def source_devices(num_sources: int, num_devices: int) -> np.ndarray:
-  """Source s runs on device s*N // S. Needs S % N == 0 or N % S == 0 (even spread)."""
+  """Source w runs on device w*N // W. Needs W % N == 0 or N % W == 0 (even spread)."""
   if num_sources % num_devices and num_devices % num_sources:
     raise ConfigError(f"{num_sources} trace sources cannot spread evenly over {num_devices} "
-                      "devices; choose N dividing S or a multiple of S.")
+                      f"devices; use a device count that divides {num_sources} or is a "
+                      "multiple of it.")
   return np.arange(num_sources) * num_devices // num_sources
 
 
@@ -113,74 +114,75 @@ def quotas(placement: Placement, totals_E: np.ndarray) -> np.ndarray:
   return q
 
 
-def split_loads(placement: Placement, counts_SxE: np.ndarray,
-                src_dev_S: np.ndarray | None = None) -> np.ndarray:
-  """"split" rule: (token, k) rows each source sends to each slot, int64 [S, N*C]. A source
+def split_loads(placement: Placement, counts_WxE: np.ndarray,
+                src_dev_W: np.ndarray | None = None) -> np.ndarray:
+  """"split" rule: (token, k) rows each source sends to each slot, int64 [W, S]. A source
   on device d uses phase d * 1024 // N, as on the device (default: source s on device s)."""
-  counts_SxE = np.asarray(counts_SxE, np.int64)
+  counts_WxE = np.asarray(counts_WxE, np.int64)
   se = placement.slot_expert
-  parts = share_parts(placement, counts_SxE.shape[1])
-  out = np.zeros((len(counts_SxE), len(se)), np.int64)
-  src = np.arange(len(counts_SxE)) if src_dev_S is None else np.asarray(src_dev_S)
-  phase_S1 = (src * SHARE_PARTS // placement.num_devices)[:, None]
+  parts = share_parts(placement, counts_WxE.shape[1])
+  out = np.zeros((len(counts_WxE), len(se)), np.int64)
+  src = np.arange(len(counts_WxE)) if src_dev_W is None else np.asarray(src_dev_W)
+  phase_W = src * SHARE_PARTS // placement.num_devices
   for e in np.unique(se[se >= 0]):
     slots = np.flatnonzero(se == e)
-    hi = (np.cumsum(parts[slots])[None, :] * counts_SxE[:, e:e + 1] + phase_S1) // SHARE_PARTS
+    cum_parts = np.cumsum(parts[slots])[None, :]
+    hi = (cum_parts * counts_WxE[:, e:e + 1] + phase_W[:, None]) // SHARE_PARTS
     out[:, slots] = np.diff(hi, axis=1, prepend=0)
   return out
 
 
-def route(placement: Placement, counts_SxE: np.ndarray, src_dev_S: np.ndarray):
-  """Routes by `placement.routing`. Returns (slot_load [N*C], tokens_SxN sent by source to
+def route(placement: Placement, counts_WxE: np.ndarray, src_dev_W: np.ndarray):
+  """Routes by `placement.routing`. Returns (slot_load [N*C], tokens_WxN sent by source to
   device)."""
-  counts_SxE = np.asarray(counts_SxE, np.int64)
-  num_sources, num_experts = counts_SxE.shape
+  counts_WxE = np.asarray(counts_WxE, np.int64)
+  num_sources, num_experts = counts_WxE.shape
   se, dev = placement.slot_expert, placement.device_of_slot
   n = placement.num_devices
-  sent_SxN = np.zeros((num_sources, n), np.int64)
+  sent_WxN = np.zeros((num_sources, n), np.int64)
   if placement.routing == "split":
-    loads_SxC = split_loads(placement, counts_SxE, src_dev_S)
-    np.add.at(sent_SxN.T, dev, loads_SxC.T)
-    return loads_SxC.sum(0), sent_SxN
+    loads_WxS = split_loads(placement, counts_WxE, src_dev_W)
+    np.add.at(sent_WxN.T, dev, loads_WxS.T)
+    return loads_WxS.sum(0), sent_WxN
   if placement.is_one_copy(num_experts):
     slot_of_e = np.empty(num_experts, np.int64)
     slot_of_e[se[se >= 0]] = np.flatnonzero(se >= 0)
     slot_load = np.zeros(len(se), np.int64)
-    slot_load[slot_of_e] = counts_SxE.sum(0)
-    np.add.at(sent_SxN.T, dev[slot_of_e], counts_SxE.T)
-    return slot_load, sent_SxN
+    slot_load[slot_of_e] = counts_WxE.sum(0)
+    np.add.at(sent_WxN.T, dev[slot_of_e], counts_WxE.T)
+    return slot_load, sent_WxN
   if one_per_device(placement, num_experts):
-    return _route_one_per_device(placement, counts_SxE, src_dev_S)
-  return route_local_first_loop(placement, counts_SxE, src_dev_S)
+    return _route_one_per_device(placement, counts_WxE, src_dev_W)
+  return route_local_first_loop(placement, counts_WxE, src_dev_W)
 
 
-def route_local_first_loop(placement: Placement, counts_SxE: np.ndarray,
-                           src_dev_S: np.ndarray):
+def route_local_first_loop(placement: Placement, counts_WxE: np.ndarray,
+                           src_dev_W: np.ndarray):
   """The plain-loop statement of local-first routing: the spec the vectorised paths of
   `route` are tested against, and the fallback when a device holds two replicas of one
   expert."""
-  counts_SxE = np.asarray(counts_SxE, np.int64)
-  num_sources, num_experts = counts_SxE.shape
+  counts_WxE = np.asarray(counts_WxE, np.int64)
+  num_sources, num_experts = counts_WxE.shape
   se, dev = placement.slot_expert, placement.device_of_slot
-  sent_SxN = np.zeros((num_sources, placement.num_devices), np.int64)
-  q = quotas(placement, counts_SxE.sum(0))
+  sent_WxN = np.zeros((num_sources, placement.num_devices), np.int64)
+  q = quotas(placement, counts_WxE.sum(0))
   left = q.copy()
   for e in range(num_experts):
     slots = np.flatnonzero(se == e)
-    rest = counts_SxE[:, e].copy()
+    rest = counts_WxE[:, e].copy()
     for s in np.flatnonzero(rest):                    # local replicas first
-      for r in slots[dev[slots] == src_dev_S[s]]:
+      for r in slots[dev[slots] == src_dev_W[s]]:
         take = min(rest[s], left[r])
         left[r] -= take
         rest[s] -= take
-        sent_SxN[s, dev[r]] += take
+        sent_WxN[s, dev[r]] += take
     for s in np.flatnonzero(rest):                    # then any replica, in slot order
       for r in slots:
         take = min(rest[s], left[r])
         left[r] -= take
         rest[s] -= take
-        sent_SxN[s, dev[r]] += take
-  return q - left, sent_SxN
+        sent_WxN[s, dev[r]] += take
+  return q - left, sent_WxN
 
 
 def presence(p: Placement, num_experts: int) -> np.ndarray:
@@ -226,7 +228,7 @@ def _quotas_vec(placement: Placement, totals_E: np.ndarray) -> np.ndarray:
   return q
 
 
-def _route_one_per_device(placement: Placement, counts_SxE: np.ndarray, src_dev_S: np.ndarray):
+def _route_one_per_device(placement: Placement, counts_WxE: np.ndarray, src_dev_W: np.ndarray):
   """`route` without loops for placements with at most one replica per (device, expert).
 
   Local phase, elementwise: sources on one device take from its replica of e in source order,
@@ -235,29 +237,29 @@ def _route_one_per_device(placement: Placement, counts_SxE: np.ndarray, src_dev_
   quotas (slot order) are two partitions of the same length; the greedy fill sends to replica r
   from source s exactly the overlap of their intervals. All experts are laid end to end on one
   line and the overlaps are the segments between the merged interval ends."""
-  num_sources, num_experts = counts_SxE.shape
+  num_sources, num_experts = counts_WxE.shape
   se, dev, n = placement.slot_expert, placement.device_of_slot, placement.num_devices
-  src = np.asarray(src_dev_S, np.int64)
-  q = _quotas_vec(placement, counts_SxE.sum(0))
+  src = np.asarray(src_dev_W, np.int64)
+  q = _quotas_vec(placement, counts_WxE.sum(0))
   hosted = np.flatnonzero(se >= 0)
   local_slot = np.full((n, num_experts), -1, np.int64)
   local_slot[dev[hosted], se[hosted]] = hosted
-  slot_SxE = local_slot[src]                                  # [S, E] local replica or -1
+  slot_WxE = local_slot[src]                                  # [W, E] local replica or -1
   order = np.argsort(src, kind="stable")
-  c_sorted = counts_SxE[order]
+  c_sorted = counts_WxE[order]
   before = np.cumsum(c_sorted, 0) - c_sorted                  # exclusive, over sorted sources
   first = np.searchsorted(src[order], src[order])             # first source of each device
-  prefix = np.empty_like(counts_SxE)
+  prefix = np.empty_like(counts_WxE)
   prefix[order] = before - before[first]
-  has = slot_SxE >= 0
-  q_SxE = np.where(has, q[np.maximum(slot_SxE, 0)], 0)
-  take = np.minimum(counts_SxE, np.maximum(q_SxE - prefix, 0))
-  sent_SxN = np.zeros((num_sources, n), np.int64)
-  sent_SxN[np.arange(num_sources), src] = take.sum(1)
-  used = np.bincount(slot_SxE[has], weights=take[has], minlength=len(se))
+  has = slot_WxE >= 0
+  q_WxE = np.where(has, q[np.maximum(slot_WxE, 0)], 0)
+  take = np.minimum(counts_WxE, np.maximum(q_WxE - prefix, 0))
+  sent_WxN = np.zeros((num_sources, n), np.int64)
+  sent_WxN[np.arange(num_sources), src] = take.sum(1)
+  used = np.bincount(slot_WxE[has], weights=take[has], minlength=len(se))
   used = np.rint(used).astype(np.int64)
   left = q - used
-  rest = counts_SxE - take
+  rest = counts_WxE - take
   rest[:, np.bincount(se[hosted], minlength=num_experts) == 0] = 0   # unhosted: dropped
   src_end = np.cumsum(rest.T.ravel())                         # expert-major, source order
   reps = hosted[np.argsort(se[hosted], kind="stable")]        # expert-major, slot order
@@ -271,23 +273,23 @@ def _route_one_per_device(placement: Placement, counts_SxE: np.ndarray, src_dev_
     s_of = np.searchsorted(src_end, starts, side="right") % num_sources
     r_of = reps[np.searchsorted(rep_end, starts, side="right")]
     remote = np.bincount(s_of * n + dev[r_of], weights=seg, minlength=num_sources * n)
-    sent_SxN += np.rint(remote).astype(np.int64).reshape(num_sources, n)
+    sent_WxN += np.rint(remote).astype(np.int64).reshape(num_sources, n)
     used += np.rint(np.bincount(r_of, weights=seg, minlength=len(se))).astype(np.int64)
-  return used, sent_SxN
+  return used, sent_WxN
 
 
 def device_load(placement: Placement, slot_load: np.ndarray) -> np.ndarray:
   return slot_load.reshape(placement.num_devices, -1).sum(1)
 
 
-def crossing(sent_SxN: np.ndarray, src_dev_S: np.ndarray) -> int:
+def crossing(sent_WxN: np.ndarray, src_dev_W: np.ndarray) -> int:
   """Tokens whose expert runs on a device other than their source's."""
-  local = sent_SxN[np.arange(len(src_dev_S)), src_dev_S].sum()
-  return int(sent_SxN.sum() - local)
+  local = sent_WxN[np.arange(len(src_dev_W)), src_dev_W].sum()
+  return int(sent_WxN.sum() - local)
 
 
-def device_counts(counts_SxE: np.ndarray, src_dev_S: np.ndarray, num_devices: int) -> np.ndarray:
+def device_counts(counts_WxE: np.ndarray, src_dev_W: np.ndarray, num_devices: int) -> np.ndarray:
   """Sum sources on the same device: [N, E]."""
-  out = np.zeros((num_devices, counts_SxE.shape[1]), np.float64)
-  np.add.at(out, src_dev_S, counts_SxE)
+  out = np.zeros((num_devices, counts_WxE.shape[1]), np.float64)
+  np.add.at(out, src_dev_W, counts_WxE)
   return out

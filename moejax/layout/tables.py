@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.config import ConfigError
-from moejax.layout import placement as pl
+from moejax.layout import placement as placement_lib
 
 
 @flax.struct.dataclass
@@ -54,7 +54,7 @@ def slots_per_device(num_experts: int, num_devices: int) -> int:
   return num_experts // num_devices
 
 
-def from_placements(placements: Sequence[pl.Placement], num_experts: int,
+def from_placements(placements: Sequence[placement_lib.Placement], num_experts: int,
                     max_replicas: int, router_bias_LxE: np.ndarray | None = None) -> Layout:
   """Host placements (one per MoE layer) -> a device Layout with R = max_replicas (router
   bias zeros unless given)."""
@@ -70,7 +70,7 @@ def from_placements(placements: Sequence[pl.Placement], num_experts: int,
       raise ConfigError(f"layer {layer}: expert {int(reps.argmax())} has {int(reps.max())} "
                         f"replicas but this strategy allows {max_replicas}.")
     slot_expert[layer] = p.slot_expert
-    share_parts = pl.share_parts(p, num_experts)
+    share_parts = placement_lib.share_parts(p, num_experts)
     for e in range(num_experts):
       mine = np.flatnonzero(p.slot_expert == e)
       slots[layer, e, :len(mine)] = mine
@@ -85,7 +85,7 @@ def from_placements(placements: Sequence[pl.Placement], num_experts: int,
                 jnp.asarray(bias))
 
 
-def to_placements(layout: Layout, num_devices: int) -> list[pl.Placement]:
+def to_placements(layout: Layout, num_devices: int) -> list[placement_lib.Placement]:
   """Device Layout -> host placements (shares as exact fractions of SHARE_PARTS)."""
   slot_expert = np.asarray(layout.slot_expert_LxS)
   slots, parts = np.asarray(layout.expert_slots_LxExR), np.asarray(layout.expert_parts_LxExR)
@@ -93,9 +93,9 @@ def to_placements(layout: Layout, num_devices: int) -> list[pl.Placement]:
   for layer in range(slot_expert.shape[0]):
     share = np.zeros(slot_expert.shape[1])
     ok = slots[layer] >= 0
-    share[slots[layer][ok]] = parts[layer][ok] / pl.SHARE_PARTS
+    share[slots[layer][ok]] = parts[layer][ok] / placement_lib.SHARE_PARTS
     routing = "split" if slots.shape[-1] > 1 else "local_first"   # what the device does
-    out.append(pl.Placement(slot_expert[layer].copy(), share, num_devices, routing))
+    out.append(placement_lib.Placement(slot_expert[layer].copy(), share, num_devices, routing))
   return out
 
 
@@ -111,7 +111,8 @@ def from_slot_expert(slot_expert_LxS: np.ndarray, num_experts: int) -> Layout:
     if sorted(row.tolist()) != list(range(num_experts)):
       raise ConfigError(f"layer {layer}: slot_expert {row.tolist()} is not a permutation of "
                         f"range({num_experts}).")
-  return from_placements([pl.one_copy(row, 1) for row in slot_expert_LxS], num_experts, 1)
+  placements = [placement_lib.one_copy(row, 1) for row in slot_expert_LxS]
+  return from_placements(placements, num_experts, 1)
 
 
 def static_layout(num_layers: int, num_experts: int, num_devices: int) -> Layout:
@@ -132,12 +133,13 @@ def fsep_slots_check(num_experts: int, num_devices: int, slots: int) -> None:
                       "device holds at most one replica of each expert.")
 
 
-def round_robin_placement(num_experts: int, num_devices: int, slots: int) -> pl.Placement:
+def round_robin_placement(num_experts: int, num_devices: int,
+                          slots: int) -> placement_lib.Placement:
   """fsep start layout: slot s hosts expert s mod E; replicas split tokens evenly."""
   fsep_slots_check(num_experts, num_devices, slots)
   slot_expert = np.arange(num_devices * slots, dtype=np.int32) % num_experts
   reps = np.bincount(slot_expert, minlength=num_experts)
-  return pl.Placement(slot_expert, 1.0 / reps[slot_expert], num_devices, routing="split")
+  return placement_lib.Placement(slot_expert, 1.0 / reps[slot_expert], num_devices, routing="split")
 
 
 def round_robin_layout(num_layers: int, num_experts: int, num_devices: int,

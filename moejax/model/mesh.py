@@ -6,7 +6,6 @@ import math
 from collections.abc import Sequence
 
 import jax
-import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from moejax.config import ConfigError, MeshConfig
@@ -35,14 +34,16 @@ assert len(_NAMES) == len(set(_NAMES)), f"duplicate logical axis names in RULES:
 
 
 def build_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """The mesh of `cfg` (a -1 axis takes the devices left) over `devices` (default: all)."""
   devices = list(jax.devices() if devices is None else devices)
-  shape = cfg.resolve(len(devices))
-  return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
+  return mesh_of_shape(cfg.resolve(len(devices)), devices)
 
 
-def mesh_of_shape(shape: tuple[int, int, int]) -> Mesh:
-  """A (data, expert, model) mesh on the first prod(shape) local devices (tests)."""
-  devices = jax.devices()[: math.prod(shape)]
+def mesh_of_shape(shape: tuple[int, int, int],
+                  devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A (data, expert, model) mesh of exactly `shape` on the first prod(shape) of `devices`
+  (default: jax.devices()); tests and benchmarks pick meshes smaller than the host."""
+  devices = list(jax.devices() if devices is None else devices)[: math.prod(shape)]
   return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
@@ -51,7 +52,7 @@ def logical_to_spec(names: Sequence[str | None]) -> P:
   out = []
   for name in names:
     if name is not None and name not in rules:
-      raise ConfigError(f"logical axis {name!r} has no rule in moejax.mesh.RULES; add one.")
+      raise ConfigError(f"logical axis {name!r} has no rule in moejax.model.mesh.RULES; add one.")
     out.append(None if name is None else rules[name])
   return P(*out)
 
@@ -62,7 +63,3 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
-
-
-def num_batch_shards(mesh: Mesh) -> int:
-  return int(np.prod([mesh.shape[a] for a in BATCH_AXES]))

@@ -36,49 +36,49 @@ class RMSNorm(nn.Module):
     return (y * scale).astype(x.dtype)
 
 
-def rope(x_BxLxHxK: jax.Array, base: float) -> jax.Array:
-  length, head_dim = x_BxLxHxK.shape[1], x_BxLxHxK.shape[3]
+def rope(x_BxQxHxJ: jax.Array, base: float) -> jax.Array:
+  length, head_dim = x_BxQxHxJ.shape[1], x_BxQxHxJ.shape[3]
   inv_freq = base ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-  angle_LxK2 = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]
-  sin, cos = jnp.sin(angle_LxK2)[None, :, None, :], jnp.cos(angle_LxK2)[None, :, None, :]
-  x1, x2 = jnp.split(x_BxLxHxK.astype(jnp.float32), 2, axis=-1)
+  angle = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]   # [Q, J/2]
+  sin, cos = jnp.sin(angle)[None, :, None, :], jnp.cos(angle)[None, :, None, :]
+  x1, x2 = jnp.split(x_BxQxHxJ.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BxLxHxK.dtype)
+  return out.astype(x_BxQxHxJ.dtype)
 
 
 class Attention(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BxLxD):
+  def __call__(self, x_BxQxD):
     cfg = self.cfg
     d, h = cfg.d_model, cfg.num_heads
-    k = d // h
+    head_dim = d // h
     dtype = jnp.dtype(cfg.dtype)
     qkv_axes = ("embed", "heads", "head_dim")
-    wq = _dense(qkv_axes, (d, h, k), d, self, "wq")
-    wk = _dense(qkv_axes, (d, h, k), d, self, "wk")
-    wv = _dense(qkv_axes, (d, h, k), d, self, "wv")
-    wo = _dense(("heads", "head_dim", "embed"), (h, k, d), d, self, "wo")
-    x = x_BxLxD.astype(dtype)
-    q_BxLxHxK = rope(jnp.einsum("bld,dhk->blhk", x, wq.astype(dtype)), cfg.rope_base)
-    k_BxLxHxK = rope(jnp.einsum("bld,dhk->blhk", x, wk.astype(dtype)), cfg.rope_base)
-    v_BxLxHxK = jnp.einsum("bld,dhk->blhk", x, wv.astype(dtype))
-    o_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, is_causal=True)
-    return jnp.einsum("blhk,hkd->bld", o_BxLxHxK, wo.astype(dtype))
+    wq = _dense(qkv_axes, (d, h, head_dim), d, self, "wq")
+    wk = _dense(qkv_axes, (d, h, head_dim), d, self, "wk")
+    wv = _dense(qkv_axes, (d, h, head_dim), d, self, "wv")
+    wo = _dense(("heads", "head_dim", "embed"), (h, head_dim, d), d, self, "wo")
+    x = x_BxQxD.astype(dtype)
+    q_BxQxHxJ = rope(jnp.einsum("bqd,dhj->bqhj", x, wq.astype(dtype)), cfg.rope_base)
+    k_BxQxHxJ = rope(jnp.einsum("bqd,dhj->bqhj", x, wk.astype(dtype)), cfg.rope_base)
+    v_BxQxHxJ = jnp.einsum("bqd,dhj->bqhj", x, wv.astype(dtype))
+    o_BxQxHxJ = jax.nn.dot_product_attention(q_BxQxHxJ, k_BxQxHxJ, v_BxQxHxJ, is_causal=True)
+    return jnp.einsum("bqhj,hjd->bqd", o_BxQxHxJ, wo.astype(dtype))
 
 
 class DenseMLP(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x_BxLxD):
+  def __call__(self, x_BxQxD):
     d, f = self.cfg.d_model, self.cfg.d_ff
     dtype = jnp.dtype(self.cfg.dtype)
     w_gate = _dense(("embed", "mlp"), (d, f), d, self, "w_gate")
     w_up = _dense(("embed", "mlp"), (d, f), d, self, "w_up")
     w_down = _dense(("mlp", "embed"), (f, d), f, self, "w_down")
-    x = x_BxLxD.astype(dtype)
+    x = x_BxQxD.astype(dtype)
     h = jax.nn.silu(x @ w_gate.astype(dtype)) * (x @ w_up.astype(dtype))
     return h @ w_down.astype(dtype)
 
@@ -90,22 +90,22 @@ class LayerGroup(nn.Module):
   mesh: Mesh
 
   @nn.compact
-  def __call__(self, x_BxLxD, xs):
+  def __call__(self, x_BxQxD, xs):
     layout, slot_weights = xs        # this layer's layout row (and fsep restored weights)
     cfg = self.cfg
     act = NamedSharding(self.mesh, logical_to_spec(("batch", "length", "embed")))
     for i in range(self.moe_cfg.moe_every - 1):
-      x_BxLxD = x_BxLxD + Attention(cfg, name=f"attn_{i}")(RMSNorm(cfg.norm_eps,
-                                                                    name=f"ln_attn_{i}")(x_BxLxD))
-      x_BxLxD = x_BxLxD + DenseMLP(cfg, name=f"mlp_{i}")(RMSNorm(cfg.norm_eps,
-                                                                  name=f"ln_mlp_{i}")(x_BxLxD))
-      x_BxLxD = jax.lax.with_sharding_constraint(x_BxLxD, act)
-    x_BxLxD = x_BxLxD + Attention(cfg, name="attn_moe")(RMSNorm(cfg.norm_eps,
-                                                                 name="ln_attn_moe")(x_BxLxD))
+      x_BxQxD = x_BxQxD + Attention(cfg, name=f"attn_{i}")(RMSNorm(cfg.norm_eps,
+                                                                    name=f"ln_attn_{i}")(x_BxQxD))
+      x_BxQxD = x_BxQxD + DenseMLP(cfg, name=f"mlp_{i}")(RMSNorm(cfg.norm_eps,
+                                                                  name=f"ln_mlp_{i}")(x_BxQxD))
+      x_BxQxD = jax.lax.with_sharding_constraint(x_BxQxD, act)
+    x_BxQxD = x_BxQxD + Attention(cfg, name="attn_moe")(RMSNorm(cfg.norm_eps,
+                                                                 name="ln_attn_moe")(x_BxQxD))
     y, stats = MoELayer(self.moe_cfg, self.mesh, jnp.dtype(cfg.dtype), name="moe")(
-        RMSNorm(cfg.norm_eps, name="ln_moe")(x_BxLxD), layout, slot_weights)
-    x_BxLxD = jax.lax.with_sharding_constraint(x_BxLxD + y, act)
-    return x_BxLxD, stats
+        RMSNorm(cfg.norm_eps, name="ln_moe")(x_BxQxD), layout, slot_weights)
+    x_BxQxD = jax.lax.with_sharding_constraint(x_BxQxD + y, act)
+    return x_BxQxD, stats
 
 
 class Transformer(nn.Module):
@@ -114,14 +114,14 @@ class Transformer(nn.Module):
   mesh: Mesh
 
   @nn.compact
-  def __call__(self, tokens_BxL: jax.Array, layout: Layout) -> tuple[jax.Array, MoEStats]:
+  def __call__(self, tokens_BxQ: jax.Array, layout: Layout) -> tuple[jax.Array, MoEStats]:
     cfg = self.cfg
     embed = self.param("embed", nn.with_logical_partitioning(nn.initializers.normal(1.0),
                                                              ("vocab", "embed")),
                        (cfg.vocab_size, cfg.d_model), jnp.float32)
-    x_BxLxD = embed[tokens_BxL].astype(jnp.dtype(cfg.dtype))
+    x_BxQxD = embed[tokens_BxQ].astype(jnp.dtype(cfg.dtype))
     act = NamedSharding(self.mesh, logical_to_spec(("batch", "length", "embed")))
-    x_BxLxD = jax.lax.with_sharding_constraint(x_BxLxD, act)
+    x_BxQxD = jax.lax.with_sharding_constraint(x_BxQxD, act)
     num_groups = cfg.num_layers // self.moe_cfg.moe_every
     slot_weights = None
     if self.moe_cfg.expert_mode == "fsep":   # restore every layer's slots before the scan
@@ -132,10 +132,10 @@ class Transformer(nn.Module):
     groups = nn.scan(group, variable_axes={"params": 0}, split_rngs={"params": True},
                      in_axes=0, length=num_groups,
                      metadata_params={nn.PARTITION_NAME: "layers"})
-    x_BxLxD, stats = groups(cfg, self.moe_cfg, self.mesh, name="layers")(
-        x_BxLxD, (layout, slot_weights))
-    x_BxLxD = RMSNorm(cfg.norm_eps, name="ln_final")(x_BxLxD)
+    x_BxQxD, stats = groups(cfg, self.moe_cfg, self.mesh, name="layers")(
+        x_BxQxD, (layout, slot_weights))
+    x_BxQxD = RMSNorm(cfg.norm_eps, name="ln_final")(x_BxQxD)
     w_out = _dense(("embed", "vocab"), (cfg.d_model, cfg.vocab_size), cfg.d_model, self,
                    "unembed")
-    logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD.astype(jnp.float32), w_out)
-    return logits_BxLxV, stats
+    logits_BxQxV = jnp.einsum("bqd,dv->bqv", x_BxQxD.astype(jnp.float32), w_out)
+    return logits_BxQxV, stats

@@ -26,8 +26,8 @@ def loss_fn(params, model: nn.Module, moe_cfg: MoEConfig, batch_BxL1: jax.Array,
   z = jnp.sum(stats.z_loss)
   loss = ce + moe_cfg.balance_loss_weight * balance + moe_cfg.z_loss_weight * z
   return loss, {"ce": ce, "balance_loss_L": stats.balance_loss, "z_loss_L": stats.z_loss,
-                "counts_LxSxE": stats.counts_SxE, "dropped_LxS": stats.dropped_S,
-                "slot_counts_LxSxC": stats.slot_counts_SxC}
+                "counts_LxSxE": stats.counts_WxE, "dropped_LxS": stats.dropped_W,
+                "slot_counts_LxSxC": stats.slot_counts_WxS}
 
 
 def train_step(state: TrainState, batch_BxL1: jax.Array, layout: Layout, *, model: nn.Module,

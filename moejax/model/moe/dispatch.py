@@ -15,11 +15,12 @@ import jax
 import jax.numpy as jnp
 
 
-class DispatchPlan(NamedTuple):
-  buf_index_A: jax.Array     # int32 [T*K]: row of the send buffer, or -1 if dropped
-  buf_token_B: jax.Array     # int32 [S*cap]: token that fills each buffer row, or T if empty
+class BufferIndex(NamedTuple):
+  """Where each choice goes in the send buffer [S*cap rows] and which token fills each row."""
+  buf_index_A: jax.Array     # int32 [A]: row of the send buffer, or -1 if dropped
+  buf_token_U: jax.Array     # int32 [U = S*cap]: token that fills each buffer row, or T if empty
   dropped: jax.Array         # int32 scalar: choices dropped on this device
-  slot_counts: jax.Array     # int32 [S]: choices this device sent to each slot (before drops)
+  slot_counts_S: jax.Array   # int32 [S]: choices this device sent to each slot (before drops)
 
 
 def capacity(num_tokens: int, top_k: int, num_slots: int, capacity_factor: float) -> int:
@@ -27,7 +28,8 @@ def capacity(num_tokens: int, top_k: int, num_slots: int, capacity_factor: float
   return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_slots))
 
 
-def plan(slot_A: jax.Array, top_k: int, num_slots: int, cap: int) -> DispatchPlan:
+def buffer_index(slot_A: jax.Array, top_k: int, num_slots: int, cap: int) -> BufferIndex:
+  """Orders the choices by slot (stable: earlier tokens win) into `cap` rows per slot."""
   num_choices = slot_A.shape[0]
   order_A = jnp.argsort(slot_A, stable=True)
   counts_S = jnp.zeros((num_slots,), jnp.int32).at[slot_A].add(1)
@@ -43,41 +45,42 @@ def plan(slot_A: jax.Array, top_k: int, num_slots: int, cap: int) -> DispatchPla
   num_tokens = num_choices // top_k
   buf_token_SxP = jnp.where(filled_SxP, order_A[src_SxP] // top_k, num_tokens)
   dropped = jnp.sum(~keep_A).astype(jnp.int32)
-  return DispatchPlan(buf_index_A.astype(jnp.int32), buf_token_SxP.reshape(-1), dropped,
-                      counts_S)
+  return BufferIndex(buf_index_A.astype(jnp.int32), buf_token_SxP.reshape(-1), dropped,
+                     counts_S)
 
 
-def gather_rows(x_TxD: jax.Array, token_R: jax.Array) -> jax.Array:
-  """out[r] = x[token_R[r]], zeros where token_R[r] is outside [0, T) (XLA gather)."""
+def gather_rows(x_TxD: jax.Array, token_U: jax.Array) -> jax.Array:
+  """out[u] = x[token_U[u]], zeros where token_U[u] is outside [0, T) (XLA gather)."""
   num_tokens = x_TxD.shape[0]
   x_ext = jnp.concatenate([x_TxD, jnp.zeros((1, x_TxD.shape[1]), x_TxD.dtype)], axis=0)
-  return x_ext[jnp.where((token_R >= 0) & (token_R < num_tokens), token_R, num_tokens)]
+  return x_ext[jnp.where((token_U >= 0) & (token_U < num_tokens), token_U, num_tokens)]
 
 
-def pack(x_TxD: jax.Array, p: DispatchPlan) -> jax.Array:
-  """Send buffer [S*cap, D]; empty rows are zeros."""
-  return gather_rows(x_TxD, p.buf_token_B)
+def pack(x_TxD: jax.Array, index: BufferIndex) -> jax.Array:
+  """Send buffer [U = S*cap, D]; empty rows are zeros."""
+  return gather_rows(x_TxD, index.buf_token_U)
 
 
-def exchange(buf_SxD: jax.Array, num_devices: int, axis_name: str) -> jax.Array:
+def exchange(buf_UxD: jax.Array, num_devices: int, axis_name: str) -> jax.Array:
   """all_to_all over the expert axis. Row block d of the input goes to device d;
   row block s of the output came from device s. The same call reverses itself."""
-  rows, d = buf_SxD.shape
-  x_NxRxD = buf_SxD.reshape(num_devices, rows // num_devices, d)
-  y_NxRxD = jax.lax.all_to_all(x_NxRxD, axis_name, 0, 0)
-  return y_NxRxD.reshape(rows, d)
+  rows, d = buf_UxD.shape
+  x_NxUxD = buf_UxD.reshape(num_devices, rows // num_devices, d)
+  y_NxUxD = jax.lax.all_to_all(x_NxUxD, axis_name, 0, 0)
+  return y_NxUxD.reshape(rows, d)
 
 
-def to_slot_major(recv_BxD: jax.Array, num_devices: int, slots: int) -> jax.Array:
-  """[sources*C*cap, D] (source-major) -> [C, sources*cap, D] for per-slot matmuls."""
-  rows, d = recv_BxD.shape
+def to_slot_major(recv_UxD: jax.Array, num_devices: int, slots: int) -> jax.Array:
+  """[N*C*cap, D] (source-major) -> [C, N*cap, D] for per-slot matmuls."""
+  rows, d = recv_UxD.shape
   cap = rows // (num_devices * slots)
-  x = recv_BxD.reshape(num_devices, slots, cap, d).transpose(1, 0, 2, 3)
+  x = recv_UxD.reshape(num_devices, slots, cap, d).transpose(1, 0, 2, 3)
   return x.reshape(slots, num_devices * cap, d)
 
 
-def from_slot_major(y_CxRxD: jax.Array, num_devices: int) -> jax.Array:
-  slots, rows, d = y_CxRxD.shape
+def from_slot_major(y_CxUxD: jax.Array, num_devices: int) -> jax.Array:
+  """Inverse of `to_slot_major`: [C, N*cap, D] -> [N*C*cap, D]."""
+  slots, rows, d = y_CxUxD.shape
   cap = rows // num_devices
-  y = y_CxRxD.reshape(slots, num_devices, cap, d).transpose(1, 0, 2, 3)
+  y = y_CxUxD.reshape(slots, num_devices, cap, d).transpose(1, 0, 2, 3)
   return y.reshape(num_devices * slots * cap, d)

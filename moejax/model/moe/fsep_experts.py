@@ -2,9 +2,9 @@
 
 `FsepExperts` owns the `[layers, E, D, F]` / `[layers, E, F, D]` weights of every
 MoE layer (outside the layer scan) and restores the slot-ordered weights of all
-layers in one shard_map before the scan runs, so every layer's restore is issued
-before any layer's expert compute and XLA may overlap them (at the cost of
-holding all layers' restored slots: see moejax.memory).
+layers in one shard_map before the scan runs: the restores of every layer are issued
+before the first layer computes and their results are all held through the scan (the
+memory model counts every layer's restored slots).
 """
 
 from __future__ import annotations
@@ -14,20 +14,18 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
+from moejax.layout.leaves import EXPERT_WEIGHTS
 from moejax.model.mesh import logical_to_spec
+from moejax.model.moe.layer import EXPERT_PARAM_AXES
 from moejax.model.moe.restore import restore_local
 
+# Restored (slot-ordered) weights are sharded like the ep ones, with a leading layer axis; the
+# stored weights are in expert order with the FFN axis split over (expert, model).
+SLOT_AXES = {name: ("layers",) + EXPERT_PARAM_AXES[name] for name in EXPERT_WEIGHTS}
 FSEP_PARAM_AXES = {
-    "w_gate": ("layers", None, "embed", "fsep_mlp"),
-    "w_up": ("layers", None, "embed", "fsep_mlp"),
-    "w_down": ("layers", None, "fsep_mlp", "embed"),
-}
-SLOT_AXES = {
-    "w_gate": ("layers", "expert", "embed", "expert_mlp"),
-    "w_up": ("layers", "expert", "embed", "expert_mlp"),
-    "w_down": ("layers", "expert", "expert_mlp", "embed"),
-}
-F_AXIS = {"w_gate": 3, "w_up": 3, "w_down": 2}
+    name: ("layers", None) + tuple("fsep_mlp" if a == "expert_mlp" else a for a in axes[2:])
+    for name, axes in SLOT_AXES.items()}
+F_AXIS = {name: axes.index("expert_mlp") for name, axes in SLOT_AXES.items()}
 
 
 def restore_slot_weights(weights: dict, slot_expert_LxS: jax.Array, mesh: Mesh) -> dict:
@@ -54,13 +52,12 @@ class FsepExperts(nn.Module):
 
   @nn.compact
   def __call__(self, slot_expert_LxS: jax.Array) -> dict:
-    d, f = self.d_model, self.d_ff
-    shapes = {"w_gate": ((self.num_layers, self.num_experts, d, f), d),
-              "w_up": ((self.num_layers, self.num_experts, d, f), d),
-              "w_down": ((self.num_layers, self.num_experts, f, d), f)}
-    weights = {
-        name: self.param(name, nn.with_logical_partitioning(
-            nn.initializers.normal(stddev=fan_in ** -0.5), FSEP_PARAM_AXES[name]),
-            shape, jnp.float32)
-        for name, (shape, fan_in) in shapes.items()}
+    size = {"embed": self.d_model, "expert_mlp": self.d_ff}
+    weights = {}
+    for name in EXPERT_WEIGHTS:
+      axes = EXPERT_PARAM_AXES[name]     # [E, D, F] or [E, F, D]; stored per layer
+      shape = (self.num_layers, self.num_experts) + tuple(size[a] for a in axes[1:])
+      init = nn.initializers.normal(stddev=size[axes[1]] ** -0.5)      # fan-in
+      weights[name] = self.param(
+          name, nn.with_logical_partitioning(init, FSEP_PARAM_AXES[name]), shape, jnp.float32)
     return restore_slot_weights(weights, slot_expert_LxS, self.mesh)

@@ -6,7 +6,7 @@ fixed `cap`-row blocks with empty rows between; the ragged one: packed chunks). 
 matmul wants them slot-major and packed: slot c's rows (sources in order) form group c of
 `sizes_C[c]` rows, and the buffer ends with the unused rows. Both directions are row
 permutations: `recv_row_M` (grouped row -> received row, -1 for the unused tail) and
-`group_row_R` (received row -> grouped row, -1 for empty rows), each the other's inverse, so
+`group_row_U` (received row -> grouped row, -1 for empty rows), each the other's inverse, so
 one permute op (and its transpose) moves rows either way.
 """
 
@@ -19,28 +19,28 @@ import jax.numpy as jnp
 
 
 class Grouping(NamedTuple):
-  recv_row_M: jax.Array      # int32 [rows]: received row feeding each grouped row, or -1
-  group_row_R: jax.Array     # int32 [rows]: grouped row of each received row, or -1
+  recv_row_M: jax.Array      # int32 [M]: received row feeding each grouped row, or -1
+  group_row_U: jax.Array     # int32 [U]: grouped row of each received row, or -1
   sizes_C: jax.Array         # int32 [C]: rows per local slot (group sizes of the matmul)
 
 
 def group_received(starts_NxC: jax.Array, counts_NxC: jax.Array, rows: int) -> Grouping:
   """`starts_NxC` must be non-decreasing in (source, slot) order, blocks not overlapping."""
   num_src, slots = counts_NxC.shape
-  starts_F, counts_F = starts_NxC.reshape(-1), counts_NxC.reshape(-1)
+  block_starts, block_counts = starts_NxC.reshape(-1), counts_NxC.reshape(-1)   # [N*C]
   r = jnp.arange(rows, dtype=jnp.int32)
-  f = jnp.searchsorted(starts_F, r, side="right").astype(jnp.int32) - 1   # block holding row r
+  f = jnp.searchsorted(block_starts, r, side="right").astype(jnp.int32) - 1  # block of row r
   f_safe = jnp.maximum(f, 0)
-  pos = r - starts_F[f_safe]
-  valid = (f >= 0) & (pos < counts_F[f_safe])
+  pos = r - block_starts[f_safe]
+  valid = (f >= 0) & (pos < block_counts[f_safe])
   sizes_C = jnp.sum(counts_NxC, axis=0)
   group_start_C = jnp.cumsum(sizes_C) - sizes_C
   before_NxC = jnp.cumsum(counts_NxC, axis=0) - counts_NxC      # earlier sources, same slot
   q = (group_start_C[f_safe % slots] + before_NxC.reshape(-1)[f_safe] + pos).astype(jnp.int32)
-  group_row_R = jnp.where(valid, q, -1)
+  group_row_U = jnp.where(valid, q, -1)
   recv_row_M = jnp.full((rows,), -1, jnp.int32).at[jnp.where(valid, q, rows)].set(
       r, mode="drop")
-  return Grouping(recv_row_M, group_row_R, sizes_C.astype(jnp.int32))
+  return Grouping(recv_row_M, group_row_U, sizes_C.astype(jnp.int32))
 
 
 def dense_starts(num_src: int, slots: int, cap: int) -> jax.Array:

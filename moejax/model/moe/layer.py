@@ -10,7 +10,7 @@ Chosen when the program is built (`moe.dispatch`, `moe.kernels`), never inside t
   dense + pallas  the same buffers moved by the permute / unpermute-combine kernels; the
                   received rows are packed by slot and the experts run as a grouped matmul
                   over the real rows only (capacity padding costs no FLOPs).
-  ragged + either dropless ragged_all_to_all (moejax.moe.ragged); GPU/TPU only.
+  ragged + either dropless ragged_all_to_all (moejax.model.moe.ragged); GPU/TPU only.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from moejax.config import ConfigError, MoEConfig, batch_split_error
+from moejax.layout.leaves import EXPERT_WEIGHTS
 from moejax.layout.placement import SHARE_PARTS
 from moejax.layout.tables import Layout
 from moejax.model.mesh import BATCH_AXES, logical_to_spec
@@ -37,13 +38,14 @@ EXPERT_PARAM_AXES = {
     "w_up": ("expert", "embed", "expert_mlp"),
     "w_down": ("expert", "expert_mlp", "embed"),
 }
+assert tuple(EXPERT_PARAM_AXES) == EXPERT_WEIGHTS, "expert weight names live in layout.leaves"
 ROUTER_AXES = ("embed", None)
 
 
 class MoEStats(NamedTuple):
-  counts_SxE: jax.Array      # int32 [sources, E]: choices each source device sent to each expert
-  dropped_S: jax.Array       # int32 [sources]: choices each source dropped for lack of capacity
-  slot_counts_SxC: jax.Array  # int32 [sources, N*C]: choices each source sent to each slot
+  counts_WxE: jax.Array      # int32: choices each source device sent to each expert
+  dropped_W: jax.Array       # int32: choices each source dropped for lack of capacity
+  slot_counts_WxS: jax.Array  # int32: choices each source sent to each slot (before drops)
   balance_loss: jax.Array    # scalar
   z_loss: jax.Array          # scalar
 
@@ -61,32 +63,33 @@ def _replica_slots(expert_A, counts_E, expert_slots_ExR, expert_parts_ExR, slots
 
 
 def _dense_einsum(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, dtype):
-  p = dispatch_lib.plan(slot_A, gate_TxK.shape[1], num_dev * slots, cap)
-  recv = dispatch_lib.exchange(dispatch_lib.pack(x_TxD, p), num_dev, "expert")
+  index = dispatch_lib.buffer_index(slot_A, gate_TxK.shape[1], num_dev * slots, cap)
+  recv = dispatch_lib.exchange(dispatch_lib.pack(x_TxD, index), num_dev, "expert")
   h = swiglu(dispatch_lib.to_slot_major(recv, num_dev, slots), *weights, dtype)
   h = jax.lax.psum(h, "model")
   back = dispatch_lib.exchange(dispatch_lib.from_slot_major(h, num_dev), num_dev, "expert")
-  return combine_lib.combine(back, p, gate_TxK), p.dropped, p.slot_counts
+  return combine_lib.combine(back, index, gate_TxK), index.dropped, index.slot_counts_S
 
 
 def _dense_grouped(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, dtype):
-  p = dispatch_lib.plan(slot_A, gate_TxK.shape[1], num_dev * slots, cap)
-  row_TxK = p.buf_index_A.reshape(gate_TxK.shape)
-  recv = dispatch_lib.exchange(ops.permute(x_TxD, p.buf_token_B, row_TxK), num_dev, "expert")
+  index = dispatch_lib.buffer_index(slot_A, gate_TxK.shape[1], num_dev * slots, cap)
+  row_TxK = index.buf_index_A.reshape(gate_TxK.shape)
+  recv = dispatch_lib.exchange(ops.permute(x_TxD, index.buf_token_U, row_TxK), num_dev,
+                               "expert")
   # Rows each source kept for each of my slots: [sources, C].
-  kept_NxC = jax.lax.all_to_all(jnp.minimum(p.slot_counts, cap).reshape(num_dev, slots),
+  kept_NxC = jax.lax.all_to_all(jnp.minimum(index.slot_counts_S, cap).reshape(num_dev, slots),
                                 "expert", 0, 0)
   g = grouping.group_received(grouping.dense_starts(num_dev, slots, cap), kept_NxC,
                               recv.shape[0])
   back = dispatch_lib.exchange(grouped_ffn(recv, g, weights, ops, dtype), num_dev, "expert")
-  return ops.combine(back, row_TxK, gate_TxK), p.dropped, p.slot_counts
+  return ops.combine(back, row_TxK, gate_TxK), index.dropped, index.slot_counts_S
 
 
 def _ragged(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, dtype):
   del cap
-  y_TxD, slot_counts = ragged.ragged_moe(x_TxD, slot_A, gate_TxK, weights, ops, num_dev,
-                                         slots, dtype)
-  return y_TxD, jnp.zeros((), jnp.int32), slot_counts
+  y_TxD, slot_counts_S = ragged.ragged_moe(x_TxD, slot_A, gate_TxK, weights, ops, num_dev,
+                                           slots, dtype)
+  return y_TxD, jnp.zeros((), jnp.int32), slot_counts_S
 
 
 def dispatch_combine_fn(cfg: MoEConfig):
@@ -96,7 +99,7 @@ def dispatch_combine_fn(cfg: MoEConfig):
   return _dense_einsum if cfg.kernels == "xla" else _dense_grouped
 
 
-def moe_apply(params: dict, x_BxLxD: jax.Array, layout: Layout, cfg: MoEConfig,
+def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
               mesh: Mesh, dtype=jnp.float32) -> tuple[jax.Array, MoEStats]:
   """`params`: router [D, E] and slot-ordered expert weights [S, D, F] / [S, F, D] (the ep
   params, or the fsep restore); `layout`: one layer's row of a Layout."""
@@ -106,7 +109,7 @@ def moe_apply(params: dict, x_BxLxD: jax.Array, layout: Layout, cfg: MoEConfig,
     raise ConfigError(f"{num_slots} expert slots do not divide over mesh.expert={num_dev}.")
   slots = num_slots // num_dev
   shards = mesh.shape["data"] * mesh.shape["expert"]
-  batch, length, d_model = x_BxLxD.shape
+  batch, length, d_model = x_BxQxD.shape
   if why := batch_split_error(batch, shards):
     raise ConfigError(why + ".")
   num_tokens = batch // shards * length
@@ -140,7 +143,7 @@ def moe_apply(params: dict, x_BxLxD: jax.Array, layout: Layout, cfg: MoEConfig,
                 spec["w_down"], P(), P(), P()),
       out_specs=(P(BATCH_AXES), P(BATCH_AXES), P(BATCH_AXES), P(BATCH_AXES), P(), P()))
   y, counts, dropped, slot_counts, bal, z = fn(
-      x_BxLxD, params["router"], params["w_gate"], params["w_up"], params["w_down"],
+      x_BxQxD, params["router"], params["w_gate"], params["w_up"], params["w_down"],
       layout.expert_slots_LxExR, layout.expert_parts_LxExR, layout.router_bias_LxE)
   return y, MoEStats(counts, dropped, slot_counts, bal, z)
 
@@ -152,21 +155,20 @@ class MoELayer(nn.Module):
   dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x_BxLxD: jax.Array, layout: Layout, slot_weights: dict | None = None):
+  def __call__(self, x_BxQxD: jax.Array, layout: Layout, slot_weights: dict | None = None):
     """`slot_weights`: fsep mode passes the restored [S, ...] weights; ep mode owns them."""
-    d_model = x_BxLxD.shape[-1]
+    d_model = x_BxQxD.shape[-1]
     params = {"router": self.param(
         "router", nn.with_logical_partitioning(nn.initializers.normal(0.02), ROUTER_AXES),
         (d_model, self.cfg.num_experts), jnp.float32)}
     if slot_weights is None:
-      num_slots, f = self.cfg.num_experts, self.cfg.d_ff   # ep: one slot per expert
-      for name, shape, fan_in in (("w_gate", (num_slots, d_model, f), d_model),
-                                  ("w_up", (num_slots, d_model, f), d_model),
-                                  ("w_down", (num_slots, f, d_model), f)):
-        init = nn.initializers.normal(stddev=fan_in ** -0.5)
+      size = {"embed": d_model, "expert_mlp": self.cfg.d_ff}
+      for name in EXPERT_WEIGHTS:      # ep: one slot per expert, [E, D, F] / [E, F, D]
+        axes = EXPERT_PARAM_AXES[name]
+        init = nn.initializers.normal(stddev=size[axes[1]] ** -0.5)   # fan-in
         params[name] = self.param(
-            name, nn.with_logical_partitioning(init, EXPERT_PARAM_AXES[name]), shape,
-            jnp.float32)
+            name, nn.with_logical_partitioning(init, axes),
+            (self.cfg.num_experts,) + tuple(size[a] for a in axes[1:]), jnp.float32)
     else:
       params.update(slot_weights)
-    return moe_apply(params, x_BxLxD, layout, self.cfg, self.mesh, self.dtype)
+    return moe_apply(params, x_BxQxD, layout, self.cfg, self.mesh, self.dtype)

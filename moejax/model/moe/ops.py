@@ -2,13 +2,13 @@
 
 `moe.kernels = "xla"`: XLA gathers and `jax.lax.ragged_dot`; `"pallas"`: the kernels of
 `pallas_kernels`, lowered for the mesh's platform (interpret mode on CPU, Triton on GPU; see
-pallas_kernels.backend). Both
-sets have the same contracts, so the layer calls `ops.permute` etc. without branching:
+pallas_kernels.backend). Both sets have the same contracts, so the layer calls `ops.permute`
+etc. without branching:
 
-  permute(x_TxD, token_R, rows_TxK) -> [R, D]   out[r] = x[token_R[r]] (0 if outside [0, T));
+  permute(x_TxD, token_U, rows_TxK) -> [U, D]   out[u] = x[token_U[u]] (0 if outside [0, T));
       rows_TxK is the inverse map (rows each token went to, -1 padded), for the backward.
-  combine(rows_RxD, row_TxK, gate_TxK) -> f32 [T, D]   sum_k gate * rows[row] (row -1: 0).
-  gmm(x_MxK, w_GxKxN, sizes_G) -> [M, N]       row group g times w[g]; rows past the groups 0.
+  combine(rows_UxD, row_TxK, gate_TxK) -> f32 [T, D]   sum_k gate * rows[row] (row -1: 0).
+  gmm(x_MxI, w_GxIxO, sizes_G) -> [M, O]       row group g times w[g]; rows past the groups 0.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class ExpertOps(NamedTuple):
 def ops_for(kernels: str, platform: str) -> ExpertOps:
   """The op set for `moe.kernels` on the mesh's `platform` ("cpu", "gpu", ...)."""
   if kernels == "xla":
-    return ExpertOps("xla", "xla", lambda x, token_R, rows_TxK: gather_rows(x, token_R),
+    return ExpertOps("xla", "xla", lambda x, token_U, rows_TxK: gather_rows(x, token_U),
                      combine_rows, lambda x, w, sizes: jax.lax.ragged_dot(x, w, sizes))
   if kernels == "pallas":
     backend = pallas_backend.resolve("auto", platform)

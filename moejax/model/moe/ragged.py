@@ -35,10 +35,10 @@ def check_platform(platform: str) -> None:
                       "does not implement; use moe.dispatch = 'dense' on CPU.")
 
 
-def _zeros_like_rows(x_RxD, rows):
+def _zeros_like_rows(x_UxD, rows):
   """The output buffer of ragged_all_to_all, varying over the same mesh axes as `x` (the
   result takes the buffer's type; a replicated buffer would make autodiff psum the rows)."""
-  return match_varying(x_RxD, jnp.zeros((rows, x_RxD.shape[1]), x_RxD.dtype))[1]
+  return match_varying(x_UxD, jnp.zeros((rows, x_UxD.shape[1]), x_UxD.dtype))[1]
 
 
 def exclusive_cumsum(x, axis=0):
@@ -65,16 +65,16 @@ def ragged_moe(x_TxD, slot_A, gate_TxK, weights, ops, num_dev: int, slots: int, 
   recv_sizes = sent_NxN[:, me]                              # what each source sends me
   recv_offsets = exclusive_cumsum(recv_sizes)               # where it lands here
 
-  recv_RxD = ragged_all_to_all(
+  recv_UxD = ragged_all_to_all(
       send_AxD, _zeros_like_rows(send_AxD, num_dev * num_choices),
       input_offsets, send_sizes, output_offsets, recv_sizes, axis_name="expert")
   counts_NxC = counts_NxNxC[:, me, :]
   g = grouping.group_received(grouping.packed_starts(counts_NxC), counts_NxC,
                               num_dev * num_choices)
-  out_RxD = grouped_ffn(recv_RxD, g, weights, ops, dtype)
+  out_UxD = grouped_ffn(recv_UxD, g, weights, ops, dtype)
   # Reverse: my received chunk from s (at recv_offsets[s]) goes back to where s sent it from.
   back_AxD = ragged_all_to_all(
-      out_RxD, _zeros_like_rows(out_RxD, num_choices),
+      out_UxD, _zeros_like_rows(out_UxD, num_choices),
       recv_offsets, recv_sizes, exclusive_cumsum(sent_NxN, axis=1)[:, me], send_sizes,
       axis_name="expert")
   y_TxD = ops.combine(back_AxD, sorted_pos_A.reshape(num_tokens, top_k), gate_TxK)

@@ -12,11 +12,11 @@ import jax.numpy as jnp
 from moejax.model.moe.route import route
 
 
-def moe_reference(params: dict, x_BxLxD: jax.Array, top_k: int, normalize_top_k: bool = True,
+def moe_reference(params: dict, x_BxQxD: jax.Array, top_k: int, normalize_top_k: bool = True,
                   bias_E: jax.Array | None = None):
-  """Returns (y_BxLxD, counts_E, balance_loss, z_loss); `bias_E` as in `route`."""
-  d_model = x_BxLxD.shape[-1]
-  x_TxD = x_BxLxD.reshape(-1, d_model).astype(jnp.float32)
+  """Returns (y_BxQxD, counts_E, balance_loss, z_loss); `bias_E` as in `route`."""
+  d_model = x_BxQxD.shape[-1]
+  x_TxD = x_BxQxD.reshape(-1, d_model).astype(jnp.float32)
   r = route(x_TxD, params["router"], top_k, normalize_top_k=normalize_top_k, bias_E=bias_E)
   gate_h = jnp.einsum("td,edf->etf", x_TxD, params["w_gate"])
   up_h = jnp.einsum("td,edf->etf", x_TxD, params["w_up"])
@@ -24,4 +24,4 @@ def moe_reference(params: dict, x_BxLxD: jax.Array, top_k: int, normalize_top_k:
   picked_TxKxD = jnp.take_along_axis(
       out_ExTxD.transpose(1, 0, 2), r.expert_TxK[:, :, None], axis=1)
   y_TxD = jnp.einsum("tkd,tk->td", picked_TxKxD, r.gate_TxK)
-  return y_TxD.reshape(x_BxLxD.shape), r.counts_E, r.balance_loss, r.z_loss
+  return y_TxD.reshape(x_BxQxD.shape), r.counts_E, r.balance_loss, r.z_loss
