@@ -46,7 +46,8 @@ class OnlinePlanner:
     self.num_devices = num_devices
     self.cost = cost or policies.CostModel()
     self.policy = policies.get_policy(cfg.policy)
-    self.options = policies.make_options(cfg.policy, **_config_options(cfg, capacity_factor))
+    given = _config_options(cfg, capacity_factor)
+    self.options = policies.make_options(cfg.policy, **given)
     self.history: collections.deque = collections.deque(maxlen=cfg.window)
 
   def observe(self, counts_LxWxE: np.ndarray) -> None:
