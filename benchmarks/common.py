@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import sys
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def command(name: str, argv: list[str] | None = None) -> str:
+  """The command line that reruns benchmark `name` with `argv` (default: this process's)."""
+  return shlex.join(["python", "-m", f"benchmarks.{name}",
+                     *(sys.argv[1:] if argv is None else argv)])
 
 
 def write_result(result: dict, path: str) -> None:

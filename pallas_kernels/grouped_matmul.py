@@ -13,9 +13,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from pallas_kernels import backend as backend_lib, gmm_mosaic, timing
+from pallas_kernels import backend as backend_lib, gmm_mosaic
 from pallas_kernels.gmm import GmmTuning, gmm_call, gmm_reference, tgmm_call, tgmm_reference
 
 __all__ = ["GmmTuning", "gmm", "gmm_reference", "tgmm", "tgmm_reference"]
@@ -92,60 +91,3 @@ def _gmm_bwd(tuning, res, dy_MxN):
 
 
 _gmm_vjp.defvjp(_gmm_fwd, _gmm_bwd)
-
-
-def random_sizes(rng, m: int, groups: int, fill: float = 1.0) -> np.ndarray:
-  """Uneven group sizes (some empty) summing to round(fill * m)."""
-  total = int(round(fill * m))
-  cuts = np.sort(rng.integers(0, total + 1, groups - 1))
-  return np.diff(np.concatenate([[0], cuts, [total]])).astype(np.int32)
-
-
-def sweep(m: int, k: int, n: int, groups: int, tunings, dtype=jnp.float32, iters: int = 5,
-          seed: int = 0) -> list[dict]:
-  """Time gmm fwd and fwd+bwd on uneven random groups; TFLOP/s = 2*M*K*N per matmul."""
-  rng = np.random.default_rng(seed)
-  x = jnp.asarray(rng.standard_normal((m, k)) / np.sqrt(k), dtype)
-  w = jnp.asarray(rng.standard_normal((groups, k, n)), dtype)
-  sizes_np = random_sizes(rng, m, groups)
-  sizes = jnp.asarray(sizes_np)
-  bounds = np.concatenate([[0], np.cumsum(sizes_np)])   # host-known: static per-group slices
-  ref = jnp.concatenate([jnp.dot(x[a:b], w[g], preferred_element_type=jnp.float32)
-                         for g, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
-                        + [jnp.zeros((m - bounds[-1], n), jnp.float32)])
-  flops = 2.0 * m * k * n
-  out = []
-  for tuning in tunings:
-    fwd = jax.jit(lambda x, w, t=tuning: gmm(x, w, sizes, t))
-    bwd = jax.jit(jax.grad(lambda x, w, t=tuning: jnp.sum(gmm(x, w, sizes, t).astype(
-        jnp.float32) ** 2), argnums=(0, 1)))
-    err = timing.max_abs_diff(fwd(x, w), ref)
-    s_fwd = timing.median_seconds(fwd, x, w, iters=iters)
-    s_bwd = timing.median_seconds(bwd, x, w, iters=iters)
-    out.append({"kernel": "gmm", "M": m, "K": k, "N": n, "G": groups,
-                "dtype": jnp.dtype(dtype).name, "block_m": tuning.block_m,
-                "block_k": tuning.block_k, "block_n": tuning.block_n, "max_err": err,
-                "fwd_ms": 1e3 * s_fwd, "fwd_TFLOPs": flops / s_fwd / 1e12,
-                "fwd_bwd_ms": 1e3 * s_bwd, "fwd_bwd_TFLOPs": 3 * flops / s_bwd / 1e12})
-  return out
-
-
-def main(argv=None) -> None:
-  del argv
-  gpu = jax.default_backend() != "cpu"
-  if gpu:
-    shape, dtype = (16384, 2048, 1536, 8), jnp.bfloat16
-    tunings = [GmmTuning(block_m=bm, block_k=bk, block_n=bn, num_warps=w, num_stages=s)
-               for bm in (64, 128) for bk in (32, 64) for bn in (64, 128)
-               for w, s in ((4, 2), (8, 3))]
-  else:
-    shape, dtype = (256, 64, 64, 4), jnp.float32
-    tunings = [GmmTuning(32, 32, 32), GmmTuning(64, 64, 64)]
-  print(timing.platform_note())
-  rows = sweep(*shape, tunings, dtype)
-  timing.print_table(rows, ["M", "K", "N", "G", "dtype", "block_m", "block_k", "block_n",
-                            "max_err", "fwd_ms", "fwd_TFLOPs", "fwd_bwd_ms", "fwd_bwd_TFLOPs"])
-
-
-if __name__ == "__main__":
-  main()

@@ -15,9 +15,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from pallas_kernels import backend as backend_lib, timing
+from pallas_kernels import backend as backend_lib
 from pallas_kernels.gather import gather_sum
 
 
@@ -90,46 +89,3 @@ def _permute_bwd(tuning, rows_TxK, dout_RxD):   # dout has x's dtype
 
 
 _permute.defvjp(_permute_fwd, _permute_bwd)
-
-
-def sweep(num_tokens: int, d: int, top_k: int, tunings, dtype=jnp.float32, iters: int = 5,
-          seed: int = 0) -> list[dict]:
-  """Time `permute` (fwd, and fwd+bwd) on a random dispatch: every token copied top_k times
-  in shuffled order. GB/s counts the rows read and written once each."""
-  rng = np.random.default_rng(seed)
-  rows = num_tokens * top_k
-  token_R = jnp.asarray(rng.permutation(np.repeat(np.arange(num_tokens), top_k)), jnp.int32)
-  x = jnp.asarray(rng.standard_normal((num_tokens, d)), dtype)
-  rows_TxK = invert(token_R, num_tokens, top_k)
-  ref = permute_reference(x, token_R)
-  moved = 2 * rows * d * jnp.dtype(dtype).itemsize
-  out = []
-  for tuning in tunings:
-    fwd = jax.jit(lambda x, t=tuning: permute(x, token_R, rows_TxK, t))
-    bwd = jax.jit(jax.grad(lambda x, t=tuning: jnp.sum(permute(x, token_R, rows_TxK, t) ** 2)))
-    err = timing.max_abs_diff(fwd(x), ref)
-    s_fwd, s_bwd = timing.median_seconds(fwd, x, iters=iters), timing.median_seconds(
-        bwd, x, iters=iters)
-    out.append({"kernel": "permute", "T": num_tokens, "D": d, "K": top_k,
-                "dtype": jnp.dtype(dtype).name, "block_rows": tuning.block_rows,
-                "block_d": backend_lib.pow2_tile(d, tuning.block_d), "max_err": err,
-                "fwd_ms": 1e3 * s_fwd, "fwd_GBps": moved / s_fwd / 1e9,
-                "fwd_bwd_ms": 1e3 * s_bwd})
-  return out
-
-
-def main(argv=None) -> None:
-  del argv
-  gpu = jax.default_backend() != "cpu"
-  t, d = (16384, 2048) if gpu else (256, 128)
-  tunings = [PermuteTuning(block_rows=br, block_d=bd) for br in (16, 32, 64, 128)
-             for bd in (64, 128, 256, 512)] if gpu else [PermuteTuning(32, 64),
-                                                         PermuteTuning(64, 128)]
-  print(timing.platform_note())
-  rows = sweep(t, d, 2, tunings, jnp.bfloat16 if gpu else jnp.float32)
-  timing.print_table(rows, ["T", "D", "K", "dtype", "block_rows", "block_d", "max_err",
-                            "fwd_ms", "fwd_GBps", "fwd_bwd_ms"])
-
-
-if __name__ == "__main__":
-  main()

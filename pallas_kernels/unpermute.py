@@ -15,9 +15,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from pallas_kernels import backend as backend_lib, timing
+from pallas_kernels import backend as backend_lib
 from pallas_kernels.gather import gather_dot, gather_sum
 
 
@@ -91,47 +90,3 @@ def _combine_bwd(tuning, out_dtype, res, dy_TxD):
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)
-
-
-def sweep(num_tokens: int, d: int, top_k: int, tunings, dtype=jnp.float32, iters: int = 5,
-          seed: int = 0) -> list[dict]:
-  """Time unpermute_combine (fwd, and fwd+bwd wrt rows and gates) on a random dispatch.
-  GB/s counts T*K rows read and T rows written once each."""
-  rng = np.random.default_rng(seed)
-  rows = num_tokens * top_k
-  row_TxK = jnp.asarray(rng.permutation(rows).reshape(num_tokens, top_k), jnp.int32)
-  src = jnp.asarray(rng.standard_normal((rows, d)), dtype)
-  gate = jnp.asarray(rng.random((num_tokens, top_k)), jnp.float32)
-  ref = unpermute_combine_reference(src, row_TxK, gate)
-  moved = (rows + num_tokens) * d * jnp.dtype(dtype).itemsize
-  out = []
-  for tuning in tunings:
-    fwd = jax.jit(lambda s, g, t=tuning: unpermute_combine(s, row_TxK, g, t))
-    bwd = jax.jit(jax.grad(lambda s, g, t=tuning: jnp.sum(unpermute_combine(s, row_TxK, g, t)
-                                                          ** 2), argnums=(0, 1)))
-    err = timing.max_abs_diff(fwd(src, gate), ref)
-    s_fwd = timing.median_seconds(fwd, src, gate, iters=iters)
-    s_bwd = timing.median_seconds(bwd, src, gate, iters=iters)
-    out.append({"kernel": "unpermute_combine", "T": num_tokens, "D": d, "K": top_k,
-                "dtype": jnp.dtype(dtype).name, "block_rows": tuning.block_rows,
-                "block_d": backend_lib.pow2_tile(d, tuning.block_d), "max_err": err,
-                "fwd_ms": 1e3 * s_fwd, "fwd_GBps": moved / s_fwd / 1e9,
-                "fwd_bwd_ms": 1e3 * s_bwd})
-  return out
-
-
-def main(argv=None) -> None:
-  del argv
-  gpu = jax.default_backend() != "cpu"
-  t, d = (16384, 2048) if gpu else (256, 128)
-  tunings = [CombineTuning(block_rows=br, block_d=bd) for br in (16, 32, 64, 128)
-             for bd in (64, 128, 256, 512)] if gpu else [CombineTuning(32, 64),
-                                                         CombineTuning(64, 128)]
-  print(timing.platform_note())
-  rows = sweep(t, d, 2, tunings, jnp.bfloat16 if gpu else jnp.float32)
-  timing.print_table(rows, ["T", "D", "K", "dtype", "block_rows", "block_d", "max_err",
-                            "fwd_ms", "fwd_GBps", "fwd_bwd_ms"])
-
-
-if __name__ == "__main__":
-  main()

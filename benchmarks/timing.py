@@ -1,4 +1,4 @@
-"""Timing and table helpers for the kernels' `main()` sweeps and benchmarks/kernels.py."""
+"""Timing and table helpers for the benchmarks (kernel sweeps, layer times)."""
 
 from __future__ import annotations
 
