@@ -1,13 +1,13 @@
 """Cost-model accuracy: predicted vs measured train-step time of every pool member.
 
-    python benchmarks/cost_model.py [--gin_file F] [--pool SPEC ...] [--rounds 3] [--steps 5]
+    python -m benchmarks.cost_model [--gin_file F] [--pool SPEC ...] [--rounds 3] [--steps 5]
 
 1. Calibrates a hardware profile by micro-benchmarks on this machine's devices
-   (`moejax.calibrate`: matmul, elementwise, all_to_all and psum over 2..N devices).
-2. Picks the pool with `moejax.plan` under that profile (or takes `--pool`).
+   (`moejax.strategy.calibrate`: matmul, elementwise, all_to_all and psum over 2..N devices).
+2. Picks the pool as `python -m moejax.plan` does, under that profile (or takes `--pool`).
 3. Compiles every member, then times train steps in interleaved rounds (fastest per
    member; the machine is shared, interleaving spreads its noise evenly).
-4. Fits the whole-step scales (`moejax.calibrate.fit_steps`) on `--calib` other
+4. Fits the whole-step scales (`moejax.strategy.calibrate.fit_steps`) on `--calib` other
    strategies of every kind (ep/fsep, with/without expert and model axes) timed the
    same way, then predicts each pool member (never seen by the fit) under the expert
    load its timed steps really had: error and MAPE, also for the micro-benchmarks
@@ -19,17 +19,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-
-if "XLA_FLAGS" not in os.environ:
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import numpy as np
 
-from benchmarks.common import RESULTS, write_result
+from benchmarks.common import RESULTS, command, write_result
 from moejax.frontend import DEFAULT_GIN, parse_config
 from moejax.strategy import offline as plan
 from moejax.strategy.calibrate import calibrate, fit_steps
@@ -68,10 +63,12 @@ def calibration_strategies(rows, pool, k: int) -> list:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = argparse.ArgumentParser(prog="python -m benchmarks.cost_model",
+                              description=__doc__.splitlines()[0])
   p.add_argument("--gin_file", action="append", default=None)
   p.add_argument("--gin_bindings", action="append", default=[])
-  p.add_argument("--pool", nargs="*", default=None, help="specs; default: moejax.plan's pool")
+  p.add_argument("--pool", nargs="*", default=None,
+                 help="specs; default: the pool python -m moejax.plan picks")
   p.add_argument("--calib", type=int, default=6, help="calibration strategies for the fit")
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--steps", type=int, default=5)
@@ -148,7 +145,7 @@ def main(argv=None) -> int:
   print(f"\npool MAPE: calibrated (micro-benchmarks + whole-step fit) {mape:.1%} (goal <= 10%);"
         f" micro-benchmarks only {mape_micro:.1%}; uncalibrated cpu preset {mape_preset:.1%}")
   result = {"device": f"{devices[0].platform} x{len(devices)} ({devices[0].device_kind})",
-            "command": "python benchmarks/cost_model.py " + " ".join(argv or sys.argv[1:]),
+            "command": command("cost_model", argv),
             "profile_micro": profile.to_dict(), "profile": fitted.to_dict(),
             "calibration_s": calib_s, "members": out, "mape": mape,
             "mape_micro_only": mape_micro, "mape_cpu_preset": mape_preset,

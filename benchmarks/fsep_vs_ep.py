@@ -14,31 +14,23 @@ Both are timed side by side in interleaved rounds (median ms/iter). On CPU the 8
 share the host's cores: the ratio reflects work (capacity rows computed and exchanged,
 plus fsep's restore), not network time.
 
-  python benchmarks/fsep_vs_ep.py [--json benchmarks/results/fsep_vs_ep_cpu.json]
+  python -m benchmarks.fsep_vs_ep [--json benchmarks/results/fsep_vs_ep_cpu.json]
 """
 
 from __future__ import annotations
 
-import os
-
-if "XLA_FLAGS" not in os.environ:
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-
 import argparse
 import datetime
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from benchmarks.common import command, write_result
 from moejax.config import MoEConfig
 from moejax.layout import placement as pl
 from moejax.layout.tables import (
@@ -55,7 +47,8 @@ from moejax.placement.policies import CostModel, get_policy
 
 
 def parse_args(argv):
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.fsep_vs_ep",
+                               description=__doc__.splitlines()[0])
   ap.add_argument("--experts", type=int, default=16)
   ap.add_argument("--top_k", type=int, default=2)
   ap.add_argument("--d_model", type=int, default=256)
@@ -177,13 +170,10 @@ def main(argv=None) -> int:
   print(f"fsep / ep tokens/s = {ratio:.2f}x  (fsep planner: {plan_ms:.2f} ms, replicas per "
         f"expert {np.bincount(plan.slot_expert, minlength=args.experts).tolist()})")
   if args.json:
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-      json.dump({"rows": rows, "ratio": ratio, "planner_ms": plan_ms, "args": vars(args),
-                 "devices": [str(d) for d in jax.devices()[:n]], "jax": jax.__version__,
-                 "command": " ".join(["python"] + sys.argv),
-                 "time": datetime.datetime.now(datetime.UTC).isoformat()}, f, indent=1)
-    print(f"wrote {args.json}")
+    write_result({"rows": rows, "ratio": ratio, "planner_ms": plan_ms, "args": vars(args),
+                  "devices": [str(d) for d in jax.devices()[:n]], "jax": jax.__version__,
+                  "command": command("fsep_vs_ep", argv),
+                  "time": datetime.datetime.now(datetime.UTC).isoformat()}, args.json)
   return 0
 
 

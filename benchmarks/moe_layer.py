@@ -3,9 +3,9 @@
 What it measures: the wall time of one `jax.jit(jax.value_and_grad(loss))` call, with
 gradients taken with respect to both the parameters and the input tokens, for
 
-  * `moejax.moe.reference.moe_reference` jitted on one device (jax.devices()[0]): every
+  * `moejax.model.moe.reference.moe_reference` jitted on one device (jax.devices()[0]): every
     token runs through all E experts densely and the top-k outputs are picked;
-  * `moejax.moe.layer.moe_apply` under `shard_map` on each requested (data, expert, model)
+  * `moejax.model.moe.layer.moe_apply` under `shard_map` on each requested (data, expert, model)
     mesh of 8 devices: route, fixed-capacity dispatch, all_to_all over the expert axis,
     per-slot SwiGLU, all_to_all back, combine.
 
@@ -23,42 +23,29 @@ count (capacity rows instead of all E experts per token), not a multi-device spe
 
 Run (from the repository root):
 
-  python benchmarks/moe_layer.py
-  python benchmarks/moe_layer.py --tokens 8192 --d_model 256 --d_ff 512 --experts 8 \\
+  python -m benchmarks.moe_layer
+  python -m benchmarks.moe_layer --tokens 8192 --d_model 256 --d_ff 512 --experts 8 \\
       --top_k 2 --steps 10 --meshes 1x8x1,2x4x1,2x2x2 --json benchmarks/results/moe_layer_cpu.json
 """
 
 from __future__ import annotations
 
-import os
-
-if "XLA_FLAGS" not in os.environ:
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-
 import argparse
 import datetime
 import math
+import os
 import platform
-import shlex
 import statistics
 import sys
 import time
-from pathlib import Path
-
-_REPO = Path(__file__).resolve().parent.parent
-if str(_REPO) not in sys.path:
-  sys.path.insert(0, str(_REPO))
 
 import jax
 import jax.numpy as jnp
 import jaxlib
 import numpy as np
-from jax.sharding import (
-  NamedSharding,
-  PartitionSpec as P,
-)
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from benchmarks.common import write_result
+from benchmarks.common import command, write_result
 from moejax.config import MoEConfig
 from moejax.layout.tables import static_layout
 from moejax.model.mesh import BATCH_AXES, logical_to_spec, mesh_of_shape
@@ -78,7 +65,8 @@ def parse_mesh(text: str) -> tuple[int, int, int]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.moe_layer",
+                               description=__doc__.split("\n\n")[0],
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--json", default=DEFAULT_JSON, help=f"output JSON (default {DEFAULT_JSON})")
   ap.add_argument("--tokens", type=int, default=8192, help="tokens per step = batch * seq_len")
@@ -260,7 +248,7 @@ def main(argv=None) -> int:
           "python": platform.python_version(),
           "machine": platform.machine(),
           "xla_flags": os.environ.get("XLA_FLAGS", ""),
-          "command": shlex.join([sys.executable, *sys.argv]),
+          "command": command("moe_layer", argv),
           "timestamp_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
           "note": ("CPU devices are faked and share the host cores: the ratio measures overhead, "
                    "not speed-up." if devices[0].platform == "cpu" else ""),

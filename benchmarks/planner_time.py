@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import write_result
+from benchmarks.common import command, write_result
 from moejax.layout import placement as pl
 from moejax.layout.flow import flow, max_over_mean
 from moejax.placement.policies import ONE_COPY_POLICIES, POLICIES, CostModel, make_options
@@ -109,7 +109,8 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.planner_time",
+                               description=__doc__.split("\n\n")[0],
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--json", default=DEFAULT_JSON, help=f"output JSON (default {DEFAULT_JSON})")
   ap.add_argument("--repeats", type=int, default=5, help="timed calls per row (>= 5)")
@@ -130,7 +131,7 @@ def main(argv=None) -> int:
           "(shares not snapped/rounded to SHARE_PARTS by the planner)")
     print_table(fsep_rows)
   out = {"benchmark": "planner_time",
-         "command": " ".join(["python -m benchmarks.planner_time", *sys.argv[1:]]),
+         "command": command("planner_time", argv),
          "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
          "python": platform.python_version(), "numpy": np.__version__,
          "machine": platform.machine(), "processor": platform.processor() or None,
