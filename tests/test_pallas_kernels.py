@@ -25,6 +25,8 @@ from pallas_kernels.unpermute import (
   unpermute_combine,
   unpermute_combine_reference,
 )
+from tests import numerics
+from tests.numerics import EPS_F32, EPS_TF32
 
 
 def _gpu():
@@ -47,14 +49,10 @@ def backend(request):
     yield "triton"
 
 
-def tol(backend):
-  # Triton's f32 dots use TF32 by default, as XLA's GPU matmuls do.
-  return dict(atol=1e-5, rtol=1e-5) if backend == "interpret" else dict(atol=3e-2, rtol=3e-2)
-
-
-def assert_close(got, want, backend, msg=""):
-  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                             err_msg=msg, **tol(backend))
+def assert_close(got, want, backend, n, msg=""):
+  """Scaled to max|want| and the float32 reduction length `n` (tests/numerics.py); Triton's
+  f32 dots use TF32 by default, as XLA's GPU matmuls do."""
+  numerics.assert_close(got, want, n, EPS_F32 if backend == "interpret" else EPS_TF32, msg)
 
 
 def objective(y):
@@ -69,9 +67,10 @@ def value_and_grads(fn, *args):
   return jax.jit(both)(*args)
 
 
-def assert_trees_close(got, want, backend, names):
-  for g, w, name in zip(got, want, names, strict=True):
-    assert_close(g, w, backend, name)
+def assert_trees_close(got, want, backend, names, lengths):
+  """`lengths`: each output's float32 reduction length, summed along its path from the inputs."""
+  for g, w, name, n in zip(got, want, names, lengths, strict=True):
+    assert_close(g, w, backend, n, name)
 
 
 # --- permute ------------------------------------------------------------------------------------
@@ -93,7 +92,8 @@ def test_permute_matches_reference(t, d, r, k, block, backend):
   tuning = PermuteTuning(block_rows=block, block_d=16, backend=backend)
   got = value_and_grads(lambda x: permute(x, token_R, rows_TxK, tuning), x)
   want = value_and_grads(lambda x: permute_reference(x, token_R), x)
-  assert_trees_close(got, want, backend, ["out", "dx"])
+  # out: a copy; dx: a token's k copies summed.
+  assert_trees_close(got, want, backend, ["out", "dx"], [1, k])
 
 
 def test_invert_lists_each_tokens_rows_in_order():
@@ -119,7 +119,8 @@ def test_unpermute_combine_matches_reference(t, k, r, d, block, backend):
   tuning = CombineTuning(block_rows=block, block_d=16, backend=backend)
   got = value_and_grads(lambda a, g: unpermute_combine(a, row_TxK, g, tuning), rows, gate)
   want = value_and_grads(lambda a, g: unpermute_combine_reference(a, row_TxK, g), rows, gate)
-  assert_trees_close(got, want, backend, ["out", "d rows", "d gate"])
+  # out: k gated rows summed; d rows: one product; d gate: a dot over D.
+  assert_trees_close(got, want, backend, ["out", "d rows", "d gate"], [k, k, k + d])
 
 
 # --- grouped matmul -----------------------------------------------------------------------------
@@ -144,9 +145,10 @@ def test_gmm_matches_reference(m, k, n, sizes, block, backend):
   tuning = GmmTuning(block_m=block, block_k=16, block_n=16, backend=backend)
   got = value_and_grads(lambda x, w: gmm(x, w, sizes, tuning), x, w)
   want = value_and_grads(lambda x, w: gmm_reference(x, w, sizes), x, w)
-  assert_trees_close(got, want, backend, ["out", "dx", "dw"])
+  # out: a dot over K; dx: then one over N; dw: then a sum over a group's rows (<= M).
+  assert_trees_close(got, want, backend, ["out", "dx", "dw"], [k, k + n, k + m])
   assert_close(jax.jit(lambda x, dy: tgmm(x, dy, sizes, tuning))(x, dy),
-               tgmm_reference(x, dy, sizes), backend, "tgmm")
+               tgmm_reference(x, dy, sizes), backend, m, "tgmm")
 
 
 # --- errors -------------------------------------------------------------------------------------
