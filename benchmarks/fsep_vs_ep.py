@@ -84,11 +84,11 @@ def routed_counts(x, router, top_k, n):
   return np.stack([np.bincount(t.reshape(-1), minlength=router.shape[1]) for t in top])
 
 
-def needed_capacity_factor(slot_counts_SxC, tokens, top_k):
+def needed_capacity_factor(slot_counts_WxS, tokens, top_k):
   """Smallest capacity factor with capacity(tokens, k, slots, cf) >= every pair's load."""
-  num_slots = slot_counts_SxC.shape[1]
-  cf = slot_counts_SxC.max() * num_slots / (tokens * top_k)
-  while dispatch.capacity(tokens, top_k, num_slots, cf) < slot_counts_SxC.max():
+  num_slots = slot_counts_WxS.shape[1]
+  cf = slot_counts_WxS.max() * num_slots / (tokens * top_k)
+  while dispatch.capacity(tokens, top_k, num_slots, cf) < slot_counts_WxS.max():
     cf *= 1.0001
   return float(cf)
 

@@ -2,7 +2,7 @@
 
 Part 1, kernel tile sweeps (each kernel against its plain-jnp reference; max_err = max
 |kernel - reference| of the forward): permute and unpermute-combine report GB/s (rows read +
-written once), the grouped matmul TFLOP/s (2*M*K*N per matmul; fwd+bwd counts 3 matmuls).
+written once), the grouped matmul TFLOP/s (2*M*I*O per matmul; fwd+bwd counts 3 matmuls).
 Part 2, the sharded MoE layer's jit(value_and_grad) time (wrt params and tokens) per option,
 median of interleaved iterations, and max |y - y(dense, xla)|.
 
@@ -50,16 +50,16 @@ def permute_sweep(num_tokens: int, d: int, top_k: int, tunings, dtype=jnp.float3
   in shuffled order. GB/s counts the rows read and written once each."""
   rng = np.random.default_rng(seed)
   rows = num_tokens * top_k
-  token_R = jnp.asarray(rng.permutation(np.repeat(np.arange(num_tokens), top_k)), jnp.int32)
+  token_U = jnp.asarray(rng.permutation(np.repeat(np.arange(num_tokens), top_k)), jnp.int32)
   x = jnp.asarray(rng.standard_normal((num_tokens, d)), dtype)
-  rows_TxK = permute.invert(token_R, num_tokens, top_k)
-  ref = permute.permute_reference(x, token_R)
+  rows_TxK = permute.invert(token_U, num_tokens, top_k)
+  ref = permute.permute_reference(x, token_U)
   moved = 2 * rows * d * jnp.dtype(dtype).itemsize
   out = []
   for tuning in tunings:
-    fwd = jax.jit(lambda x, t=tuning: permute.permute(x, token_R, rows_TxK, t))
+    fwd = jax.jit(lambda x, t=tuning: permute.permute(x, token_U, rows_TxK, t))
     bwd = jax.jit(jax.grad(lambda x, t=tuning: jnp.sum(
-        permute.permute(x, token_R, rows_TxK, t) ** 2)))
+        permute.permute(x, token_U, rows_TxK, t) ** 2)))
     err = timing.max_abs_diff(fwd(x), ref)
     s_fwd = timing.median_seconds(fwd, x, iters=iters)
     s_bwd = timing.median_seconds(bwd, x, iters=iters)
@@ -106,19 +106,19 @@ def random_sizes(rng, m: int, groups: int, fill: float = 1.0) -> np.ndarray:
   return np.diff(np.concatenate([[0], cuts, [total]])).astype(np.int32)
 
 
-def gmm_sweep(m: int, k: int, n: int, groups: int, tunings, dtype=jnp.float32, iters: int = 5,
+def gmm_sweep(m: int, i: int, o: int, groups: int, tunings, dtype=jnp.float32, iters: int = 5,
               seed: int = 0) -> list[dict]:
-  """Time gmm fwd and fwd+bwd on uneven random groups; TFLOP/s = 2*M*K*N per matmul."""
+  """Time gmm fwd and fwd+bwd on uneven random groups; TFLOP/s = 2*M*I*O per matmul."""
   rng = np.random.default_rng(seed)
-  x = jnp.asarray(rng.standard_normal((m, k)) / np.sqrt(k), dtype)
-  w = jnp.asarray(rng.standard_normal((groups, k, n)), dtype)
+  x = jnp.asarray(rng.standard_normal((m, i)) / np.sqrt(i), dtype)
+  w = jnp.asarray(rng.standard_normal((groups, i, o)), dtype)
   sizes_np = random_sizes(rng, m, groups)
   sizes = jnp.asarray(sizes_np)
   bounds = np.concatenate([[0], np.cumsum(sizes_np)])   # host-known: static per-group slices
   ref = jnp.concatenate([jnp.dot(x[a:b], w[g], preferred_element_type=jnp.float32)
                          for g, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
-                        + [jnp.zeros((m - bounds[-1], n), jnp.float32)])
-  flops = 2.0 * m * k * n
+                        + [jnp.zeros((m - bounds[-1], o), jnp.float32)])
+  flops = 2.0 * m * i * o
   gmm = grouped_matmul.gmm
   out = []
   for tuning in tunings:
@@ -128,7 +128,7 @@ def gmm_sweep(m: int, k: int, n: int, groups: int, tunings, dtype=jnp.float32, i
     err = timing.max_abs_diff(fwd(x, w), ref)
     s_fwd = timing.median_seconds(fwd, x, w, iters=iters)
     s_bwd = timing.median_seconds(bwd, x, w, iters=iters)
-    out.append({"kernel": "gmm", "M": m, "K": k, "N": n, "G": groups,
+    out.append({"kernel": "gmm", "M": m, "I": i, "O": o, "G": groups,
                 "dtype": jnp.dtype(dtype).name, "block_m": tuning.block_m,
                 "block_k": tuning.block_k, "block_n": tuning.block_n, "max_err": err,
                 "fwd_ms": 1e3 * s_fwd, "fwd_TFLOPs": flops / s_fwd / 1e12,

@@ -1,7 +1,10 @@
 """Row-gather kernels shared by permute and unpermute-combine (and their backward passes).
 
-`gather_sum`:  out[m] = sum_k w[m, k] * src[idx[m, k]]          (idx outside [0, N) adds 0)
-`gather_dot`:  out[m, k] = <dy[m], src[idx[m, k]]>               (idx outside [0, N) gives 0)
+`gather_sum`:  out[r] = sum_k w[r, k] * src[idx[r, k]]     (idx outside [0, len(src)) adds 0)
+`gather_dot`:  out[r, k] = <dy[r], src[idx[r, k]]>          (idx outside [0, len(src)) gives 0)
+
+src is [rows in, D]; idx, w are [rows out, K]; dy is [rows out, D]. Rows in and out are
+tokens or exchange-buffer rows depending on the caller, so they carry no shape letter.
 
 Both are per-device `pallas_call`s over a grid of row blocks (and D tiles for `gather_sum`);
 the K index columns are passed as K separate vectors so every loaded block is a power of two
@@ -43,24 +46,23 @@ def _gather_sum_kernel(*refs, top_k, weighted, num_src, num_rows, block_rows, bl
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_rows", "block_d", "backend",
                                              "num_warps"))
-def gather_sum(src_NxD, idx_MxK, w_MxK, *, out_dtype, block_rows, block_d, backend,
-               num_warps=4):
-  """`w_MxK` None: unweighted. `backend` resolved; `block_d` must divide D."""
-  (num_src, d), (m, top_k) = src_NxD.shape, idx_MxK.shape
-  if m == 0 or d == 0 or top_k == 0 or num_src == 0:
-    return jnp.zeros((m, d), out_dtype)
-  weighted = w_MxK is not None
-  cols = [idx_MxK[:, k].astype(jnp.int32) for k in range(top_k)]
+def gather_sum(src, idx, w, *, out_dtype, block_rows, block_d, backend, num_warps=4):
+  """[rows out, D]; `w` None: unweighted. `backend` resolved; `block_d` must divide D."""
+  (num_src, d), (num_out, top_k) = src.shape, idx.shape
+  if num_out == 0 or d == 0 or top_k == 0 or num_src == 0:
+    return jnp.zeros((num_out, d), out_dtype)
+  weighted = w is not None
+  cols = [idx[:, k].astype(jnp.int32) for k in range(top_k)]
   if weighted:
-    cols += [w_MxK[:, k].astype(jnp.float32) for k in range(top_k)]
+    cols += [w[:, k].astype(jnp.float32) for k in range(top_k)]
   kernel = functools.partial(_gather_sum_kernel, top_k=top_k, weighted=weighted,
-                             num_src=num_src, num_rows=m, block_rows=block_rows,
+                             num_src=num_src, num_rows=num_out, block_rows=block_rows,
                              block_d=block_d)
   return pl.pallas_call(
       kernel,
-      out_shape=backend_lib.out_struct((m, d), out_dtype, src_NxD, idx_MxK, *cols[top_k:]),
-      grid=(pl.cdiv(m, block_rows), d // block_d), name="gather_sum",
-      **backend_lib.call_kwargs(backend, num_warps))(*cols, src_NxD)
+      out_shape=backend_lib.out_struct((num_out, d), out_dtype, src, idx, *cols[top_k:]),
+      grid=(pl.cdiv(num_out, block_rows), d // block_d), name="gather_sum",
+      **backend_lib.call_kwargs(backend, num_warps))(*cols, src)
 
 
 def _gather_dot_kernel(*refs, top_k, num_src, num_rows, block_rows, block_d, d_blocks):
@@ -85,17 +87,17 @@ def _gather_dot_kernel(*refs, top_k, num_src, num_rows, block_rows, block_d, d_b
 
 
 @functools.partial(jax.jit, static_argnames=("block_rows", "block_d", "backend", "num_warps"))
-def gather_dot(dy_MxD, src_NxD, idx_MxK, *, block_rows, block_d, backend, num_warps=4):
-  """float32 [M, K]; `block_d` must divide D."""
-  (num_src, d), (m, top_k) = src_NxD.shape, idx_MxK.shape
-  if m == 0 or d == 0 or top_k == 0 or num_src == 0:
-    return jnp.zeros((m, top_k), jnp.float32)
-  kernel = functools.partial(_gather_dot_kernel, top_k=top_k, num_src=num_src, num_rows=m,
+def gather_dot(dy, src, idx, *, block_rows, block_d, backend, num_warps=4):
+  """float32 [rows out, K]; `block_d` must divide D."""
+  (num_src, d), (num_out, top_k) = src.shape, idx.shape
+  if num_out == 0 or d == 0 or top_k == 0 or num_src == 0:
+    return jnp.zeros((num_out, top_k), jnp.float32)
+  kernel = functools.partial(_gather_dot_kernel, top_k=top_k, num_src=num_src, num_rows=num_out,
                              block_rows=block_rows, block_d=block_d, d_blocks=d // block_d)
   outs = pl.pallas_call(
       kernel,
-      out_shape=[backend_lib.out_struct((m,), jnp.float32, dy_MxD, src_NxD, idx_MxK)] * top_k,
-      grid=(pl.cdiv(m, block_rows),), name="gather_dot",
+      out_shape=[backend_lib.out_struct((num_out,), jnp.float32, dy, src, idx)] * top_k,
+      grid=(pl.cdiv(num_out, block_rows),), name="gather_dot",
       **backend_lib.call_kwargs(backend, num_warps))(
-          *[idx_MxK[:, k].astype(jnp.int32) for k in range(top_k)], dy_MxD, src_NxD)
+          *[idx[:, k].astype(jnp.int32) for k in range(top_k)], dy, src)
   return jnp.stack(outs, axis=1)

@@ -1,7 +1,9 @@
 """Grouped matmul for expert FFNs, with group sizes as data.
 
-    gmm:   out[m] = x[m] @ w[g(m)]            x [M, K], w [G, K, N] -> [M, N]
-    tgmm:  dw[g]  = x[rows of g]^T @ dy[rows of g]      x [M, K], dy [M, N] -> [G, K, N]
+    gmm:   out[m] = x[m] @ w[g(m)]            x [M, I], w [G, I, O] -> [M, O]
+    tgmm:  dw[g]  = x[rows of g]^T @ dy[rows of g]      x [M, I], dy [M, O] -> [G, I, O]
+
+(M rows, G groups, I input and O output features: the letters of the `moejax` legend.)
 
 Rows are grouped contiguously: group g owns rows [sum(sizes[:g]), sum(sizes[:g+1])), clipped
 to M. Rows past the last group give zeros (and get zero gradient), so a buffer may carry
@@ -11,7 +13,7 @@ padding at its end. Empty groups cost nothing.
 long (a group boundary inside a tile adds one pair); each program masks the tile to its
 group's rows, so tiles shared by two groups are written by two programs, disjointly. The
 "tail" pairs (rows past the last group) store zeros. `tgmm` runs one program per
-(group, K tile, N tile) and loops over the group's row tiles.
+(group, I tile, O tile) and loops over the group's row tiles.
 
 Backward of gmm: dx = gmm(dy, w^T) (same kernel, w read transposed), dw = tgmm(x, dy).
 """
@@ -42,24 +44,24 @@ class GmmTuning:
   grid_block_n: int = 1
 
 
-def gmm_reference(x_MxK, w_GxKxN, group_sizes_G):
-  """Dense per-row weight gather: memory O(M*K*N); for tests."""
-  m, num_groups = x_MxK.shape[0], w_GxKxN.shape[0]
+def gmm_reference(x_MxI, w_GxIxO, group_sizes_G):
+  """Dense per-row weight gather: memory O(M*I*O); for tests."""
+  m, num_groups = x_MxI.shape[0], w_GxIxO.shape[0]
   ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes_G, 0)), m)
   group_M = jnp.searchsorted(ends, jnp.arange(m), side="right")
   ok = group_M < num_groups
-  w_MxKxN = w_GxKxN[jnp.minimum(group_M, num_groups - 1)]
-  out = jnp.einsum("mk,mkn->mn", x_MxK.astype(jnp.float32), w_MxKxN.astype(jnp.float32))
-  return jnp.where(ok[:, None], out, 0.0).astype(x_MxK.dtype)
+  w_MxIxO = w_GxIxO[jnp.minimum(group_M, num_groups - 1)]
+  out = jnp.einsum("mi,mio->mo", x_MxI.astype(jnp.float32), w_MxIxO.astype(jnp.float32))
+  return jnp.where(ok[:, None], out, 0.0).astype(x_MxI.dtype)
 
 
-def tgmm_reference(x_MxK, dy_MxN, group_sizes_G, out_dtype=None):
-  m, num_groups = x_MxK.shape[0], group_sizes_G.shape[0]
+def tgmm_reference(x_MxI, dy_MxO, group_sizes_G, out_dtype=None):
+  m, num_groups = x_MxI.shape[0], group_sizes_G.shape[0]
   ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes_G, 0)), m)
   onehot_MxG = jax.nn.one_hot(jnp.searchsorted(ends, jnp.arange(m), side="right"), num_groups)
-  out = jnp.einsum("mg,mk,mn->gkn", onehot_MxG, x_MxK.astype(jnp.float32),
-                   dy_MxN.astype(jnp.float32))
-  return out.astype(out_dtype or x_MxK.dtype)
+  out = jnp.einsum("mg,mi,mo->gio", onehot_MxG, x_MxI.astype(jnp.float32),
+                   dy_MxO.astype(jnp.float32))
+  return out.astype(out_dtype or x_MxI.dtype)
 
 
 def group_bounds(group_sizes_G, m):
@@ -96,9 +98,9 @@ def _gmm_kernel(starts_ref, ends_ref, tile_ref, group_ref, valid_ref, x_ref, w_r
     def body(kb, acc):
       ks = pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
       a = pltriton.load(x_ref.at[rows, ks], mask=mask, other=0)
-      if transpose_rhs:     # w [G, N_out, K_contract]
+      if transpose_rhs:     # w [G, out, contraction]
         b, dims = w_ref[g, cols, ks], (((1,), (1,)), ((), ()))
-      else:                 # w [G, K_contract, N_out]
+      else:                 # w [G, contraction, out]
         b, dims = w_ref[g, ks, cols], (((1,), (0,)), ((), ()))
       return acc + jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
@@ -111,14 +113,14 @@ def _gmm_kernel(starts_ref, ends_ref, tile_ref, group_ref, valid_ref, x_ref, w_r
                    mask=mask)
 
 
-def gmm_call(x_MxK, w_GxKxN, group_sizes_G, tuning: GmmTuning, backend: str,
+def gmm_call(x_MxI, w_GxIxO, group_sizes_G, tuning: GmmTuning, backend: str,
              transpose_rhs: bool = False):
   """Generic Pallas grouped matmul (no custom_vjp); `backend` resolved, not mosaic_gpu."""
-  m, k = x_MxK.shape
-  num_groups = w_GxKxN.shape[0]
-  n = w_GxKxN.shape[1] if transpose_rhs else w_GxKxN.shape[2]
+  m, k = x_MxI.shape
+  num_groups = w_GxIxO.shape[0]
+  n = w_GxIxO.shape[1] if transpose_rhs else w_GxIxO.shape[2]
   if m == 0 or n == 0 or k == 0 or num_groups == 0:
-    return jnp.zeros((m, n), x_MxK.dtype)
+    return jnp.zeros((m, n), x_MxI.dtype)
   bk, bn = backend_lib.pow2_tile(k, tuning.block_k), backend_lib.pow2_tile(n, tuning.block_n)
   backend_lib.check_dot_tile("contraction dim", k, bk, backend)
   backend_lib.check_dot_tile("output dim", n, bn, backend)
@@ -129,10 +131,10 @@ def gmm_call(x_MxK, w_GxKxN, group_sizes_G, tuning: GmmTuning, backend: str,
                              transpose_rhs=transpose_rhs)
   return pl.pallas_call(
       kernel,
-      out_shape=backend_lib.out_struct((m, n), x_MxK.dtype, x_MxK, w_GxKxN, group_sizes_G),
+      out_shape=backend_lib.out_struct((m, n), x_MxI.dtype, x_MxI, w_GxIxO, group_sizes_G),
       grid=(tile.shape[0], n // bn), name="gmm",
       **backend_lib.call_kwargs(backend, tuning.num_warps, tuning.num_stages))(
-          starts, ends, tile, group, valid, x_MxK, w_GxKxN)
+          starts, ends, tile, group, valid, x_MxI, w_GxIxO)
 
 
 def _tgmm_kernel(starts_ref, ends_ref, x_ref, dy_ref, out_ref, *, block_m, block_k, block_n):
@@ -156,9 +158,9 @@ def _tgmm_kernel(starts_ref, ends_ref, x_ref, dy_ref, out_ref, *, block_m, block
   out_ref[g, ks, ns] = acc.astype(out_ref.dtype)
 
 
-def tgmm_call(x_MxK, dy_MxN, group_sizes_G, tuning: GmmTuning, backend: str, out_dtype):
-  """Generic Pallas transposed grouped matmul: [G, K, N] in `out_dtype`."""
-  (m, k), n, num_groups = x_MxK.shape, dy_MxN.shape[1], group_sizes_G.shape[0]
+def tgmm_call(x_MxI, dy_MxO, group_sizes_G, tuning: GmmTuning, backend: str, out_dtype):
+  """Generic Pallas transposed grouped matmul: [G, I, O] in `out_dtype`."""
+  (m, k), n, num_groups = x_MxI.shape, dy_MxO.shape[1], group_sizes_G.shape[0]
   if m == 0 or n == 0 or k == 0 or num_groups == 0:
     return jnp.zeros((num_groups, k, n), out_dtype)
   bk, bn = backend_lib.pow2_tile(k, tuning.block_k), backend_lib.pow2_tile(n, tuning.block_n)
@@ -167,8 +169,8 @@ def tgmm_call(x_MxK, dy_MxN, group_sizes_G, tuning: GmmTuning, backend: str, out
   starts, ends = group_bounds(group_sizes_G, m)
   kernel = functools.partial(_tgmm_kernel, block_m=tuning.block_m, block_k=bk, block_n=bn)
   return pl.pallas_call(
-      kernel, out_shape=backend_lib.out_struct((num_groups, k, n), out_dtype, x_MxK, dy_MxN,
+      kernel, out_shape=backend_lib.out_struct((num_groups, k, n), out_dtype, x_MxI, dy_MxO,
                                                group_sizes_G),
       grid=(num_groups, k // bk, n // bn), name="tgmm",
       **backend_lib.call_kwargs(backend, tuning.num_warps, tuning.num_stages))(
-          starts, ends, x_MxK, dy_MxN)
+          starts, ends, x_MxI, dy_MxO)

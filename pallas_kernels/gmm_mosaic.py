@@ -24,25 +24,25 @@ def _check(x, w_or_dy, tuning, dims):
                        f"{tile}; pad it or use backend='triton'.")
 
 
-def ragged_dot(x_MxK, w_GxKxN, group_sizes_G, tuning, transpose_rhs=False):
+def ragged_dot(x_MxI, w_GxIxO, group_sizes_G, tuning, transpose_rhs=False):
   from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-  n = w_GxKxN.shape[1] if transpose_rhs else w_GxKxN.shape[2]
-  _check(x_MxK, w_GxKxN, tuning, [("K", x_MxK.shape[1], tuning.block_k),
-                                  ("N", n, tuning.block_n * tuning.grid_block_n)])
+  n = w_GxIxO.shape[1] if transpose_rhs else w_GxIxO.shape[2]
+  _check(x_MxI, w_GxIxO, tuning, [("I", x_MxI.shape[1], tuning.block_k),
+                                  ("O", n, tuning.block_n * tuning.grid_block_n)])
   out = ragged_dot_mgpu.ragged_dot(
-      x_MxK, w_GxKxN, group_sizes=group_sizes_G.astype(jnp.int32), block_m=tuning.block_m,
+      x_MxI, w_GxIxO, group_sizes=group_sizes_G.astype(jnp.int32), block_m=tuning.block_m,
       block_n=tuning.block_n, block_k=tuning.block_k,
       max_concurrent_steps=tuning.max_concurrent_steps, grid_block_n=tuning.grid_block_n,
       transpose_rhs=transpose_rhs)
-  total = jnp.minimum(jnp.sum(jnp.maximum(group_sizes_G, 0)), x_MxK.shape[0])
-  return jnp.where(jnp.arange(x_MxK.shape[0])[:, None] < total, out, jnp.zeros((), out.dtype))
+  total = jnp.minimum(jnp.sum(jnp.maximum(group_sizes_G, 0)), x_MxI.shape[0])
+  return jnp.where(jnp.arange(x_MxI.shape[0])[:, None] < total, out, jnp.zeros((), out.dtype))
 
 
-def transposed_ragged_dot(x_MxK, dy_MxN, group_sizes_G, tuning):
+def transposed_ragged_dot(x_MxI, dy_MxO, group_sizes_G, tuning):
   from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
-  _check(x_MxK, dy_MxN, tuning, [("K", x_MxK.shape[1], tuning.block_m),
-                                 ("N", dy_MxN.shape[1], tuning.block_n * tuning.grid_block_n)])
+  _check(x_MxI, dy_MxO, tuning, [("I", x_MxI.shape[1], tuning.block_m),
+                                 ("O", dy_MxO.shape[1], tuning.block_n * tuning.grid_block_n)])
   return transposed_ragged_dot_mgpu.transposed_ragged_dot(
-      x_MxK, dy_MxN, group_sizes=group_sizes_G.astype(jnp.int32), block_m=tuning.block_m,
+      x_MxI, dy_MxO, group_sizes=group_sizes_G.astype(jnp.int32), block_m=tuning.block_m,
       block_n=tuning.block_n, block_k=tuning.block_k,
       max_concurrent_steps=tuning.max_concurrent_steps, grid_block_n=tuning.grid_block_n)

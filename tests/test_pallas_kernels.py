@@ -83,22 +83,22 @@ PERMUTE_CASES = [(11, 16, 30, 3, 8), (40, 24, 80, 2, 16), (5, 8, 3, 1, 32)]
 @pytest.mark.parametrize("t,d,r,k,block", PERMUTE_CASES, ids=lambda v: str(v))
 def test_permute_matches_reference(t, d, r, k, block, backend):
   rng = np.random.default_rng(t)
-  token_R = np.repeat(np.arange(t), k)[:r]
-  token_R = np.concatenate([token_R, rng.integers(-2, 0, max(0, r - len(token_R)))])
-  token_R[rng.random(r) < 0.2] = t + 1                     # out of range: an empty row
-  token_R = jnp.asarray(rng.permutation(token_R), jnp.int32)
+  token_U = np.repeat(np.arange(t), k)[:r]
+  token_U = np.concatenate([token_U, rng.integers(-2, 0, max(0, r - len(token_U)))])
+  token_U[rng.random(r) < 0.2] = t + 1                     # out of range: an empty row
+  token_U = jnp.asarray(rng.permutation(token_U), jnp.int32)
   x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
-  rows_TxK = invert(token_R, t, k)
+  rows_TxK = invert(token_U, t, k)
   tuning = PermuteTuning(block_rows=block, block_d=16, backend=backend)
-  got = value_and_grads(lambda x: permute(x, token_R, rows_TxK, tuning), x)
-  want = value_and_grads(lambda x: permute_reference(x, token_R), x)
+  got = value_and_grads(lambda x: permute(x, token_U, rows_TxK, tuning), x)
+  want = value_and_grads(lambda x: permute_reference(x, token_U), x)
   # out: a copy; dx: a token's k copies summed.
   assert_trees_close(got, want, backend, ["out", "dx"], [1, k])
 
 
 def test_invert_lists_each_tokens_rows_in_order():
-  token_R = jnp.array([2, 0, 2, -1, 5, 0, 2], jnp.int32)
-  np.testing.assert_array_equal(np.asarray(invert(token_R, 4, 3)),
+  token_U = jnp.array([2, 0, 2, -1, 5, 0, 2], jnp.int32)
+  np.testing.assert_array_equal(np.asarray(invert(token_U, 4, 3)),
                                 [[1, 5, -1], [-1, -1, -1], [0, 2, 6], [-1, -1, -1]])
 
 
@@ -125,7 +125,7 @@ def test_unpermute_combine_matches_reference(t, k, r, d, block, backend):
 
 # --- grouped matmul -----------------------------------------------------------------------------
 
-# (M, K, N, group sizes, block_m): uneven and empty groups, rows past the last group, all
+# (M, I, O, group sizes, block_m): uneven and empty groups, rows past the last group, all
 # groups empty, sizes summing past M (clipped).
 GMM_CASES = [
     (37, 16, 32, [5, 0, 13, 9], 8),
@@ -135,18 +135,18 @@ GMM_CASES = [
 ]
 
 
-@pytest.mark.parametrize("m,k,n,sizes,block", GMM_CASES, ids=lambda v: str(v))
-def test_gmm_matches_reference(m, k, n, sizes, block, backend):
+@pytest.mark.parametrize("m,i,o,sizes,block", GMM_CASES, ids=lambda v: str(v))
+def test_gmm_matches_reference(m, i, o, sizes, block, backend):
   rng = np.random.default_rng(m)
-  x = jnp.asarray(rng.standard_normal((m, k)) / np.sqrt(k), jnp.float32)
-  w = jnp.asarray(rng.standard_normal((len(sizes), k, n)), jnp.float32)
-  dy = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((m, i)) / np.sqrt(i), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((len(sizes), i, o)), jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((m, o)), jnp.float32)
   sizes = jnp.asarray(sizes, jnp.int32)
   tuning = GmmTuning(block_m=block, block_k=16, block_n=16, backend=backend)
   got = value_and_grads(lambda x, w: gmm(x, w, sizes, tuning), x, w)
   want = value_and_grads(lambda x, w: gmm_reference(x, w, sizes), x, w)
-  # out: a dot over K; dx: then one over N; dw: then a sum over a group's rows (<= M).
-  assert_trees_close(got, want, backend, ["out", "dx", "dw"], [k, k + n, k + m])
+  # out: a dot over I; dx: then one over O; dw: then a sum over a group's rows (<= M).
+  assert_trees_close(got, want, backend, ["out", "dx", "dw"], [i, i + o, i + m])
   assert_close(jax.jit(lambda x, dy: tgmm(x, dy, sizes, tuning))(x, dy),
                tgmm_reference(x, dy, sizes), backend, m, "tgmm")
 
@@ -155,12 +155,12 @@ def test_gmm_matches_reference(m, k, n, sizes, block, backend):
 
 @pytest.mark.parametrize("call,needle", [
     (lambda: permute(jnp.ones((4, 8)), jnp.zeros((3,), jnp.float32), jnp.zeros((4, 1), jnp.int32)),
-     "token_R"),
+     "token_U"),
     (lambda: permute(jnp.ones((4, 8)), jnp.zeros((3,), jnp.int32), jnp.zeros((5, 1), jnp.int32)),
      "rows_TxK"),
     (lambda: unpermute_combine(jnp.ones((4, 8)), jnp.zeros((3, 2), jnp.int32), jnp.ones((3, 1))),
      "gate shape"),
-    (lambda: gmm(jnp.ones((4, 8)), jnp.ones((2, 6, 4)), jnp.ones((2,), jnp.int32)), "K=6"),
+    (lambda: gmm(jnp.ones((4, 8)), jnp.ones((2, 6, 4)), jnp.ones((2,), jnp.int32)), "I=6"),
     (lambda: gmm(jnp.ones((4, 8)), jnp.ones((2, 8, 4)), jnp.ones((3,), jnp.int32)),
      "group_sizes"),
     (lambda: gmm(jnp.ones((4, 8)), jnp.ones((2, 8, 4), jnp.bfloat16), jnp.ones((2,), jnp.int32)),
@@ -203,9 +203,9 @@ def test_kernels_fwd_and_bwd_lower_to_triton_inside_shard_map():
   pt, ct = PermuteTuning(backend="triton"), CombineTuning(backend="triton")
   gt = GmmTuning(backend="triton")
 
-  def local(x_TxD, w_GxDxF, token_R, rows_TxK, gate_TxK, sizes_G):
+  def local(x_TxD, w_GxDxF, token_U, rows_TxK, gate_TxK, sizes_G):
     def loss(x, w, gate):
-      rows = permute(x, token_R, rows_TxK, pt)
+      rows = permute(x, token_U, rows_TxK, pt)
       h = gmm(rows, w, sizes_G, gt)
       h = gmm(h, jnp.swapaxes(w, 1, 2), sizes_G, gt)
       return jnp.sum(unpermute_combine(h, rows_TxK, gate, ct) ** 2)
