@@ -2,15 +2,43 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from moejax.model.moe.layer import moe_apply
 from moejax.model.moe.reference import moe_reference
+from tests.helpers import BATCH, SEQ, TINY_MODEL, TINY_MOE
 
 E, D, F = 8, 16, 32
 MESHES = [(1, 8, 1), (2, 4, 1), (2, 2, 2), (1, 4, 2)]
+
+# Two MoE layers and no dense blocks: for properties of the MoE layers and layouts (not of the
+# dense blocks), at about half the compile and run time of the tiny model.
+SMALL_MODEL = dataclasses.replace(TINY_MODEL, num_layers=2)
+SMALL_MOE = dataclasses.replace(TINY_MOE, moe_every=1)
+
+# float32 reduction lengths along each compared value's path, for tests/numerics.py's
+# tolerances. The layer tests run 8 x 8 tokens: y = the router's dot over D, the experts' over
+# D then F; the loss sums y's TOKENS x D values; gradients go back through F and D and the
+# weights' sums over their tokens' top-2 rows.
+TOKENS = 64
+Y_LEN = 2 * D + F
+LOSS_LEN = Y_LEN + TOKENS * D
+GRAD_LEN = Y_LEN + D + F + 2 * TOKENS
+
+
+def model_lengths(model_cfg=TINY_MODEL, moe_cfg=TINY_MOE) -> tuple[int, int]:
+  """(loss, grad) reduction lengths of the whole model on tests.helpers' batch: per layer the
+  attention's dots over D (q, k, v), J (scores), Q (values) and H*J = D (output) and the MLP's
+  over D and F; then the unembedding over D, the softmax over V and the mean over the B*Q
+  tokens; gradients go back through every layer and sum over the tokens once more."""
+  d, f = model_cfg.d_model, max(model_cfg.d_ff, moe_cfg.d_ff)
+  layers = model_cfg.num_layers * (3 * d + d // model_cfg.num_heads + SEQ + f)
+  loss = layers + d + model_cfg.vocab_size + BATCH * SEQ
+  return loss, loss + layers + BATCH * SEQ
 
 
 def row(layout, layer=0):
@@ -46,8 +74,3 @@ def reference_value_and_grad(params, x, top_k):
     return objective(y, bal, z), (y, counts)
   return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(params, x)
 
-
-def assert_trees_close(a, b, atol):
-  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=1e-4,
-                               err_msg=jax.tree_util.keystr(path))

@@ -11,7 +11,8 @@ import pytest
 from moejax.config import ConfigError
 from moejax.layout.tables import from_slot_expert, static_layout
 from moejax.train import checkpoint, step as step_lib
-from tests.helpers import TINY_MOE, tiny_setup, tokens
+from tests.helpers import tiny_setup, tokens
+from tests.moe_helpers import SMALL_MODEL, SMALL_MOE
 
 
 def test_static_layout_places_expert_e_on_device_e_div_c():
@@ -27,7 +28,7 @@ def test_non_permutation_is_rejected():
 
 
 def test_canonical_roundtrip_under_permuted_layout():
-  _, _, _, _, _, state = tiny_setup((2, 4, 1))
+  _, _, _, _, _, state = tiny_setup((2, 4, 1), SMALL_MODEL, SMALL_MOE)
   rng = np.random.default_rng(0)
   layout = from_slot_expert(np.stack([rng.permutation(8) for _ in range(2)]), 8)
   canon = checkpoint.to_canonical(state, layout)
@@ -46,7 +47,7 @@ def test_canonical_roundtrip_under_permuted_layout():
 
 
 def test_layout_change_compiles_nothing_new():
-  mesh, model, tx, layout, shardings, state = tiny_setup((2, 4, 1))
+  mesh, model, tx, layout, shardings, state = tiny_setup((2, 4, 1), SMALL_MODEL, SMALL_MOE)
   traces = []
 
   def counted(*args, **kw):
@@ -54,7 +55,7 @@ def test_layout_change_compiles_nothing_new():
     return step_lib.train_step(*args, **kw)
 
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  step = jax.jit(functools.partial(counted, model=model, tx=tx, moe_cfg=TINY_MOE,
+  step = jax.jit(functools.partial(counted, model=model, tx=tx, moe_cfg=SMALL_MOE,
                                    lr_schedule=lambda s: 1e-3),
                  in_shardings=(shardings, None, rep), out_shardings=(shardings, None),
                  donate_argnums=0)

@@ -12,7 +12,9 @@ import pytest
 from moejax.layout import leaves, migrate
 from moejax.layout.tables import from_slot_expert
 from moejax.train import checkpoint, step as step_lib
-from tests.helpers import TINY_MOE, tiny_setup, tokens
+from tests.helpers import tiny_setup, tokens
+from tests.moe_helpers import SMALL_MODEL, SMALL_MOE, model_lengths
+from tests.numerics import assert_close
 
 STEPS = 3
 SEQUENCES = 20
@@ -24,14 +26,15 @@ def _random_layout(rng, layers=2, experts=8):
 
 @pytest.mark.parametrize("shape", [(2, 4, 1), (1, 8, 1)], ids=lambda s: "x".join(map(str, s)))
 def test_training_with_migrations_matches_training_without(shape):
-  mesh, model, tx, layout0, shardings, state0 = tiny_setup(shape)
+  mesh, model, tx, layout0, shardings, state0 = tiny_setup(shape, SMALL_MODEL, SMALL_MOE)
   fresh = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  step = jax.jit(functools.partial(step_lib.train_step, model=model, tx=tx, moe_cfg=TINY_MOE,
+  step = jax.jit(functools.partial(step_lib.train_step, model=model, tx=tx, moe_cfg=SMALL_MOE,
                                    lr_schedule=lambda s: 1e-2),
                  in_shardings=(shardings, None, rep), out_shardings=(shardings, rep),
                  donate_argnums=0)
   batches = [tokens(10 + t) for t in range(STEPS)]
+  loss_len, grad_len = model_lengths(SMALL_MODEL, SMALL_MOE)
 
   state = fresh(state0)
   ref_losses = []
@@ -49,17 +52,15 @@ def test_training_with_migrations_matches_training_without(shape):
       state = migrate.migrate(state, layout, new)
       layout = new
       state, m = step(state, batches[t], layout)
-      np.testing.assert_allclose(float(m["loss"]), ref_losses[t], rtol=1e-5,
-                                 err_msg=f"sequence {seq} step {t}")
+      assert_close(m["loss"], ref_losses[t], loss_len, err_msg=f"sequence {seq} step {t}")
     canon = jax.device_get(checkpoint.to_canonical(state, layout))
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(canon), jax.tree.leaves(ref)):
-      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6,
-                                 err_msg=f"sequence {seq}: {jax.tree_util.keystr(path)}")
+      assert_close(a, b, STEPS * grad_len, err_msg=f"sequence {seq}: {jax.tree_util.keystr(path)}")
   assert step._cache_size() == 1, "a layout change recompiled the train step"
 
 
 def test_migration_moves_adam_moments_with_the_expert():
-  _, _, _, layout0, _, state = tiny_setup((2, 4, 1))
+  _, _, _, layout0, _, state = tiny_setup((2, 4, 1), SMALL_MODEL, SMALL_MOE)
   # Mark every expert's first moment with its expert id so we can follow it.
   mu = state.opt_state[1][0].mu
   marked = jax.tree_util.tree_map_with_path(
@@ -78,7 +79,7 @@ def test_migration_moves_adam_moments_with_the_expert():
 
 
 def test_migration_compiles_once_for_many_layouts():
-  mesh, _, _, layout, _, state = tiny_setup((2, 4, 1))
+  mesh, _, _, layout, _, state = tiny_setup((2, 4, 1), SMALL_MODEL, SMALL_MOE)
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   # Other tests in the same process leave their own permuters behind, so count
   # what this loop adds: at most one new executable over all cached permuters.

@@ -10,9 +10,15 @@ import pytest
 
 from moejax.train import step as step_lib
 from tests.helpers import TINY_MOE, tiny_setup, tokens
+from tests.moe_helpers import model_lengths
+from tests.numerics import assert_close, assert_trees_close
+
+LOSS_LEN, GRAD_LEN = model_lengths()
 
 
+@functools.cache
 def _loss_and_grads(shape):
+  """(loss, grads, aux) of the tiny model on `shape`, computed once per process."""
   _, model, _, layout, _, state = tiny_setup(shape)
   f = jax.jit(jax.value_and_grad(
       functools.partial(step_lib.loss_fn, model=model, moe_cfg=TINY_MOE), has_aux=True))
@@ -31,10 +37,9 @@ def test_model_on_mesh_matches_one_device(single_device, shape):
   ref_loss, ref_grads, ref_aux = single_device
   loss, grads, aux = _loss_and_grads(shape)
   assert int(np.sum(aux["dropped_LxS"])) == 0
-  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  assert_close(loss, ref_loss, LOSS_LEN, err_msg="loss")
   np.testing.assert_array_equal(aux["counts_LxSxE"].sum(1), ref_aux["counts_LxSxE"].sum(1))
-  for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
-    np.testing.assert_allclose(g, r, atol=2e-5, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
+  assert_trees_close(grads, ref_grads, GRAD_LEN)
 
 
 def test_train_step_matches_one_device():
@@ -49,18 +54,20 @@ def test_train_step_matches_one_device():
                                      lr_schedule=lambda s: 0.0),
                    in_shardings=(shardings, None, None), out_shardings=(shardings, None),
                    donate_argnums=0)
+    if shape == (1, 1, 1):
+      p0 = jax.device_get(state.params)      # before the step donates them
     state, metrics = step(state, tokens(), layout)
     out[shape] = (jax.device_get(state), float(metrics["loss"]))
   (s1, l1), (s8, l8) = out[(1, 1, 1)], out[(2, 4, 1)]
-  np.testing.assert_allclose(l8, l1, rtol=1e-5)
+  assert_close(l8, l1, LOSS_LEN, err_msg="loss")
   adam1, adam8 = s1.opt_state[1][0], s8.opt_state[1][0]
-  for a, b in zip(jax.tree.leaves((adam8.mu, adam8.nu)), jax.tree.leaves((adam1.mu, adam1.nu))):
-    np.testing.assert_allclose(a, b, atol=1e-7, rtol=1e-3)
-  p0 = jax.device_get(tiny_setup((1, 1, 1))[-1].params)
+  assert_trees_close(adam8.mu, adam1.mu, GRAD_LEN)       # (1 - b1) g
+  assert_trees_close(adam8.nu, adam1.nu, 4 * GRAD_LEN)   # (1 - b2) g^2: twice g's relative error
   for a, b, init, mu in zip(jax.tree.leaves(s8.params), jax.tree.leaves(s1.params),
                             jax.tree.leaves(p0), jax.tree.leaves(adam1.mu)):
     clear = np.abs(mu) > 1e-6
-    np.testing.assert_allclose(a[clear], b[clear], atol=1e-5)
+    # The update is about lr * sign(g) where g is clear of 0: compare it to its own size.
+    np.testing.assert_allclose(a[clear], b[clear], atol=1e-3 * np.abs(b - init).max())
     assert np.abs(b - init).max() > 0, "the first optimizer step must update every parameter"
 
 
@@ -86,6 +93,5 @@ def test_remat_equals_no_remat():
   f = jax.jit(jax.value_and_grad(
       functools.partial(step_lib.loss_fn, model=model, moe_cfg=TINY_MOE), has_aux=True))
   (loss, _), grads = f(state.params, batch_BxL1=tokens(), layout=layout)
-  np.testing.assert_allclose(float(loss), base[0], rtol=1e-6)
-  for a, b in zip(jax.tree.leaves(jax.device_get(grads)), jax.tree.leaves(base[1])):
-    np.testing.assert_allclose(a, b, atol=1e-6)
+  assert_close(loss, base[0], LOSS_LEN, err_msg="loss")
+  assert_trees_close(jax.device_get(grads), base[1], GRAD_LEN)

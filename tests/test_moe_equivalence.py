@@ -12,17 +12,20 @@ from moejax.layout.tables import from_slot_expert, static_layout
 from moejax.model.mesh import mesh_of_shape
 from moejax.model.moe.reference import moe_reference
 from tests.moe_helpers import (
+  GRAD_LEN,
+  LOSS_LEN,
   MESHES,
+  Y_LEN,
   D,
   E,
   F,
-  assert_trees_close,
   make_params,
   objective,
   reference_value_and_grad,
   row,
   sharded_value_and_grad,
 )
+from tests.numerics import assert_close, assert_trees_close
 
 
 @pytest.mark.parametrize("top_k", [1, 2])
@@ -40,9 +43,9 @@ def test_sharded_layer_matches_reference(shape, top_k):
   assert int(np.sum(st.dropped_W)) == 0
   np.testing.assert_array_equal(np.asarray(st.counts_WxE).sum(0), np.asarray(ref_counts))
   assert st.counts_WxE.shape == (shape[0] * shape[1], E)
-  np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), atol=1e-5)
-  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-  assert_trees_close(grads, ref_grads, atol=5e-5)
+  assert_close(y, ref_y, Y_LEN, err_msg="y")
+  assert_close(loss, ref_loss, LOSS_LEN, err_msg="loss")
+  assert_trees_close(grads, ref_grads, GRAD_LEN)
 
 
 @pytest.mark.parametrize("shape", [(1, 8, 1), (2, 4, 1)], ids=lambda s: "x".join(map(str, s)))
@@ -57,10 +60,10 @@ def test_permuted_layout_matches_reference(shape):
   (_, (y, _)), grads = sharded_value_and_grad(
       slot_params, x, row(layout), cfg, mesh_of_shape(shape))
   (_, (ref_y, _)), ref_grads = reference_value_and_grad(params, x, 2)
-  np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), atol=1e-5)
+  assert_close(y, ref_y, Y_LEN, err_msg="y")
   inverse = np.asarray(layout.expert_slot_LxE[0])
   canon = dict(grads[0], **{k: grads[0][k][inverse] for k in ("w_gate", "w_up", "w_down")})
-  assert_trees_close(canon, ref_grads[0], atol=5e-5)
+  assert_trees_close(canon, ref_grads[0], GRAD_LEN)
 
 
 def test_overflow_is_dropped_and_counted():
@@ -86,7 +89,7 @@ def test_overflow_is_dropped_and_counted():
   # ones lose both and get no expert output at all.
   ref_y = np.asarray(moe_reference(params, x, 2)[0]).reshape(8, tokens_per_source, D)
   y_tokens = np.asarray(y).reshape(8, tokens_per_source, D)
-  np.testing.assert_allclose(y_tokens[:, :cap], ref_y[:, :cap], atol=1e-5)
+  assert_close(y_tokens[:, :cap], ref_y[:, :cap], Y_LEN, err_msg="kept tokens")
   assert np.all(y_tokens[:, cap:] == 0)
 
 
@@ -110,6 +113,6 @@ def test_router_bias_steers_choices_and_matches_reference():
   counts = np.asarray(st.counts_WxE).sum(0)
   assert counts[5] == 8 * 8                       # every token picked expert 5
   np.testing.assert_array_equal(counts, np.asarray(ref_counts))
-  np.testing.assert_allclose(np.asarray(y), np.asarray(ref_y), atol=1e-5)
-  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-  assert_trees_close(grads, ref_grads, atol=5e-5)
+  assert_close(y, ref_y, Y_LEN, err_msg="y")
+  assert_close(loss, ref_loss, LOSS_LEN, err_msg="loss")
+  assert_trees_close(grads, ref_grads, GRAD_LEN)
