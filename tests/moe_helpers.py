@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import numpy as np
 
 from moejax.model.moe.layer import moe_apply
 from moejax.model.moe.reference import moe_reference
-from tests.helpers import BATCH, SEQ, TINY_MODEL, TINY_MOE
+from tests.helpers import BATCH, SEQ, TINY_MODEL, TINY_MOE, tiny_setup
 
 E, D, F = 8, 16, 32
 MESHES = [(1, 8, 1), (2, 4, 1), (2, 2, 2), (1, 4, 2)]
@@ -19,6 +20,20 @@ MESHES = [(1, 8, 1), (2, 4, 1), (2, 2, 2), (1, 4, 2)]
 # dense blocks), at about half the compile and run time of the tiny model.
 SMALL_MODEL = dataclasses.replace(TINY_MODEL, num_layers=2)
 SMALL_MOE = dataclasses.replace(TINY_MOE, moe_every=1)
+
+
+@functools.cache
+def _small_setup(shape, moe_cfg):
+  built = tiny_setup(shape, SMALL_MODEL, moe_cfg)
+  copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=built[4])
+  return built, copy
+
+
+def small_setup(shape, moe_cfg=SMALL_MOE):
+  """tiny_setup of the small model, built once per (mesh shape, MoE config) in a process; each
+  call gets its own copy of the state (same shardings), which a step may donate."""
+  (mesh, model, tx, layout, shardings, state), copy = _small_setup(shape, moe_cfg)
+  return mesh, model, tx, layout, shardings, copy(state)
 
 # float32 reduction lengths along each compared value's path, for tests/numerics.py's
 # tolerances. The layer tests run 8 x 8 tokens: y = the router's dot over D, the experts' over

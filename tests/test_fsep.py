@@ -21,7 +21,7 @@ from moejax.model.moe.layer import moe_apply
 from moejax.model.moe.reference import moe_reference
 from moejax.model.moe.replicas import rank_within_expert
 from moejax.train import step as step_lib
-from tests.helpers import tiny_setup, tokens
+from tests.helpers import tokens
 from tests.moe_helpers import (
   GRAD_LEN,
   LOSS_LEN,
@@ -33,6 +33,7 @@ from tests.moe_helpers import (
   F,
   make_params,
   model_lengths,
+  small_setup,
 )
 from tests.numerics import assert_close, assert_trees_close
 
@@ -240,15 +241,22 @@ def test_in_graph_proportional_split_matches_host(seed):
 FSEP_MOE = dataclasses.replace(SMALL_MOE, expert_mode="fsep", slots_per_device=4)
 
 
+@functools.cache
+def _fsep_loss_and_grad(shape, slots):
+  """(jitted loss-and-grad of the small fsep model, its params, layout), built once per shape."""
+  moe = dataclasses.replace(FSEP_MOE, slots_per_device=slots)
+  _, model, _, layout, _, state = small_setup(shape, moe)
+  f = jax.jit(jax.value_and_grad(
+      functools.partial(step_lib.loss_fn, model=model, moe_cfg=moe), has_aux=True))
+  return f, state.params, layout
+
+
 def test_whole_fsep_model_on_mesh_matches_one_device():
   """fsep on (2,4,1) (4 slots per device, replicas) == fsep on one device (8 slots)."""
   out = {}
   for shape, slots in (((1, 1, 1), 8), ((2, 4, 1), 4)):
-    moe = dataclasses.replace(FSEP_MOE, slots_per_device=slots)
-    _, model, _, layout, _, state = tiny_setup(shape, SMALL_MODEL, moe)
-    f = jax.jit(jax.value_and_grad(
-        functools.partial(step_lib.loss_fn, model=model, moe_cfg=moe), has_aux=True))
-    (loss, aux), grads = f(state.params, batch_BxL1=tokens(), layout=layout)
+    f, params, layout = _fsep_loss_and_grad(shape, slots)
+    (loss, aux), grads = f(params, batch_BxL1=tokens(), layout=layout)
     assert int(np.sum(aux["dropped_LxS"])) == 0
     out[shape] = (float(loss), jax.device_get(grads))
   (l1, g1), (l8, g8) = out[(1, 1, 1)], out[(2, 4, 1)]
@@ -258,13 +266,11 @@ def test_whole_fsep_model_on_mesh_matches_one_device():
 
 
 def test_every_layers_restore_is_scheduled_before_the_layer_loop():
-  """The compiled step issues all MoE layers' restore all_to_alls before the scanned layer
-  loop, so layer l+1's restore never waits for layer l's expert matmuls."""
-  _, model, tx, layout, shardings, state = tiny_setup((2, 4, 1), SMALL_MODEL, FSEP_MOE)
-  step = jax.jit(functools.partial(step_lib.train_step, model=model, tx=tx, moe_cfg=FSEP_MOE,
-                                   lr_schedule=lambda s: 0.0),
-                 in_shardings=(shardings, None, None), out_shardings=(shardings, None))
-  hlo = step.lower(state, tokens(), layout).compile().as_text()
+  """The compiled forward and backward pass (the train step's program less the optimizer
+  update) issues all MoE layers' restore all_to_alls before the scanned layer loop, so layer
+  l+1's restore never waits for layer l's expert matmuls. Shares the whole-model test's program."""
+  f, params, layout = _fsep_loss_and_grad((2, 4, 1), 4)
+  hlo = f.lower(params, batch_BxL1=tokens(), layout=layout).compile().as_text()
   entry = hlo[hlo.index("\nENTRY"):]
   lines = entry[:entry.index("\n}\n")].splitlines()
 
