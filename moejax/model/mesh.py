@@ -24,7 +24,7 @@ RULES: tuple[tuple[str, object], ...] = (
     ("mlp", "model"),
     ("expert", "expert"),
     ("expert_mlp", "model"),
-    ("fsep_mlp", ("expert", "model")),     # fsep expert FFN dim: 1/(N*M) per device
+    ("fsep_mlp", ("expert", "model")),     # fsep expert FFN dim: split over both axes
     ("layers", None),
 )
 

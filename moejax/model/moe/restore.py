@@ -1,10 +1,10 @@
 """FSEP restore: every device rebuilds the full weights of the experts its slots host.
 
-Expert weights live as `[layers, E, ..., F]` with F sharded 1/(N*M) over the
-(expert, model) axes. A device gathers, for every slot of the group, its own
+Expert weights live as `[layers, E, ..., F]` with F sharded over the (expert, model)
+axes (1/(N * model-axis size) per device). A device gathers, for every slot of the group, its own
 F-shard of that slot's expert, and one equal-size all_to_all over the expert
 axis hands each device the N shards of its C slots. The result is slot-ordered
-weights sharded like `ep` weights ([layers, N*C, ..., F/M] per device). Its
+weights sharded like `ep` weights ([layers, N*C, ..., F / model-axis size] per device). Its
 transpose (autodiff) sends gradient shards back to their owners and sums the
 gradients of an expert's replicas. The restored F order is a fixed permutation
 of the original (source-major chunks), the same for w_gate/w_up (columns) and
@@ -17,18 +17,18 @@ import jax
 import jax.numpy as jnp
 
 
-def restore_local(w_LxExAxB: jax.Array, slot_expert_LxS: jax.Array, num_devices: int,
+def restore_local(w_LxExIxO: jax.Array, slot_expert_LxS: jax.Array, num_devices: int,
                   f_axis: int) -> jax.Array:
-  """Inside shard_map: [L, E, A, B] local shards -> [L, C, A, B*N] or [L, C, A*N, B].
+  """Inside shard_map: [L, E, I, O] local shards -> [L, C, I, O*N] or [L, C, I*N, O].
 
   `f_axis` (2 or 3) is the sharded FFN axis of the weight (3 for w_gate/w_up, 2 for w_down).
   """
   layers, num_slots = slot_expert_LxS.shape
   slots = num_slots // num_devices
   idx = jnp.maximum(slot_expert_LxS, 0)
-  send = jnp.take_along_axis(w_LxExAxB, idx[:, :, None, None], axis=1)   # [L, S, A, B]
+  send = jnp.take_along_axis(w_LxExIxO, idx[:, :, None, None], axis=1)   # [L, S, I, O]
   send = send.reshape((layers, num_devices, slots) + send.shape[2:])
-  recv = jax.lax.all_to_all(send, "expert", 1, 1)                         # [L, Nsrc, C, A, B]
+  recv = jax.lax.all_to_all(send, "expert", 1, 1)                         # [L, N src, C, I, O]
   recv = jnp.moveaxis(recv, 1, f_axis)                                     # Nsrc before F
   shape = list(recv.shape)
   shape[f_axis:f_axis + 2] = [shape[f_axis] * shape[f_axis + 1]]
