@@ -23,17 +23,18 @@ SMALL_MOE = dataclasses.replace(TINY_MOE, moe_every=1)
 
 
 @functools.cache
-def _small_setup(shape, moe_cfg):
-  built = tiny_setup(shape, SMALL_MODEL, moe_cfg)
+def _built(shape, model_cfg, moe_cfg):
+  built = tiny_setup(shape, model_cfg, moe_cfg)
   copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=built[4])
   return built, copy
 
 
-def small_setup(shape, moe_cfg=SMALL_MOE):
-  """tiny_setup of the small model, built once per (mesh shape, MoE config) in a process; each
-  call gets its own copy of the state (same shardings), which a step may donate."""
-  (mesh, model, tx, layout, shardings, state), copy = _small_setup(shape, moe_cfg)
+def cached_setup(shape, model_cfg=SMALL_MODEL, moe_cfg=SMALL_MOE):
+  """tiny_setup, built once per (mesh shape, configs) in a process; each call gets its own
+  copy of the state (same shardings), which a step may donate."""
+  (mesh, model, tx, layout, shardings, state), copy = _built(shape, model_cfg, moe_cfg)
   return mesh, model, tx, layout, shardings, copy(state)
+
 
 # float32 reduction lengths along each compared value's path, for tests/numerics.py's
 # tolerances. The layer tests run 8 x 8 tokens: y = the router's dot over D, the experts' over

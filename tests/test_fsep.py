@@ -31,9 +31,9 @@ from tests.moe_helpers import (
   D,
   E,
   F,
+  cached_setup,
   make_params,
   model_lengths,
-  small_setup,
 )
 from tests.numerics import assert_close, assert_trees_close
 
@@ -245,7 +245,7 @@ FSEP_MOE = dataclasses.replace(SMALL_MOE, expert_mode="fsep", slots_per_device=4
 def _fsep_loss_and_grad(shape, slots):
   """(jitted loss-and-grad of the small fsep model, its params, layout), built once per shape."""
   moe = dataclasses.replace(FSEP_MOE, slots_per_device=slots)
-  _, model, _, layout, _, state = small_setup(shape, moe)
+  _, model, _, layout, _, state = cached_setup(shape, SMALL_MODEL, moe)
   f = jax.jit(jax.value_and_grad(
       functools.partial(step_lib.loss_fn, model=model, moe_cfg=moe), has_aux=True))
   return f, state.params, layout

@@ -12,7 +12,7 @@ from moejax.config import ConfigError
 from moejax.layout.tables import from_slot_expert, static_layout
 from moejax.train import checkpoint, step as step_lib
 from tests.helpers import tokens
-from tests.moe_helpers import SMALL_MOE, small_setup
+from tests.moe_helpers import SMALL_MOE, cached_setup
 
 
 def test_static_layout_places_expert_e_on_device_e_div_c():
@@ -28,7 +28,7 @@ def test_non_permutation_is_rejected():
 
 
 def test_canonical_roundtrip_under_permuted_layout():
-  _, _, _, _, _, state = small_setup((2, 4, 1))
+  _, _, _, _, _, state = cached_setup((2, 4, 1))
   rng = np.random.default_rng(0)
   layout = from_slot_expert(np.stack([rng.permutation(8) for _ in range(2)]), 8)
   canon = checkpoint.to_canonical(state, layout)
@@ -47,7 +47,7 @@ def test_canonical_roundtrip_under_permuted_layout():
 
 
 def test_layout_change_compiles_nothing_new():
-  mesh, model, tx, layout, shardings, state = small_setup((2, 4, 1))
+  mesh, model, tx, layout, shardings, state = cached_setup((2, 4, 1))
   traces = []
 
   def counted(*args, **kw):

@@ -13,7 +13,7 @@ from moejax.layout import leaves, migrate
 from moejax.layout.tables import from_slot_expert
 from moejax.train import checkpoint, step as step_lib
 from tests.helpers import tokens
-from tests.moe_helpers import SMALL_MODEL, SMALL_MOE, model_lengths, small_setup
+from tests.moe_helpers import SMALL_MODEL, SMALL_MOE, cached_setup, model_lengths
 from tests.numerics import assert_close
 
 STEPS = 3
@@ -26,7 +26,7 @@ def _random_layout(rng, layers=2, experts=8):
 
 @pytest.mark.parametrize("shape", [(2, 4, 1), (1, 8, 1)], ids=lambda s: "x".join(map(str, s)))
 def test_training_with_migrations_matches_training_without(shape):
-  mesh, model, tx, layout0, shardings, state0 = small_setup(shape)
+  mesh, model, tx, layout0, shardings, state0 = cached_setup(shape)
   fresh = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=shardings)
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   step = jax.jit(functools.partial(step_lib.train_step, model=model, tx=tx, moe_cfg=SMALL_MOE,
@@ -60,7 +60,7 @@ def test_training_with_migrations_matches_training_without(shape):
 
 
 def test_migration_moves_adam_moments_with_the_expert():
-  _, _, _, layout0, _, state = small_setup((2, 4, 1))
+  _, _, _, layout0, _, state = cached_setup((2, 4, 1))
   # Mark every expert's first moment with its expert id so we can follow it.
   mu = state.opt_state[1][0].mu
   marked = jax.tree_util.tree_map_with_path(
@@ -79,7 +79,7 @@ def test_migration_moves_adam_moments_with_the_expert():
 
 
 def test_migration_compiles_once_for_many_layouts():
-  mesh, _, _, layout, _, state = small_setup((2, 4, 1))
+  mesh, _, _, layout, _, state = cached_setup((2, 4, 1))
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   # Other tests in the same process leave their own permuters behind, so count
   # what this loop adds: at most one new executable over all cached permuters.

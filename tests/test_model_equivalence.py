@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from moejax.train import step as step_lib
-from tests.helpers import TINY_MOE, tiny_setup, tokens
-from tests.moe_helpers import model_lengths
+from tests.helpers import TINY_MODEL, TINY_MOE, tokens
+from tests.moe_helpers import cached_setup, model_lengths
 from tests.numerics import assert_close, assert_trees_close
 
 LOSS_LEN, GRAD_LEN = model_lengths()
@@ -19,7 +19,7 @@ LOSS_LEN, GRAD_LEN = model_lengths()
 @functools.cache
 def _loss_and_grads(shape):
   """(loss, grads, aux) of the tiny model on `shape`, computed once per process."""
-  _, model, _, layout, _, state = tiny_setup(shape)
+  _, model, _, layout, _, state = cached_setup(shape, TINY_MODEL, TINY_MOE)
   f = jax.jit(jax.value_and_grad(
       functools.partial(step_lib.loss_fn, model=model, moe_cfg=TINY_MOE), has_aux=True))
   (loss, aux), grads = f(state.params, batch_BxL1=tokens(), layout=layout)
@@ -49,7 +49,7 @@ def test_train_step_matches_one_device():
   gradient is ~0, so parameters are compared where the gradient is clearly non-zero."""
   out = {}
   for shape in [(1, 1, 1), (2, 4, 1)]:
-    _, model, tx, layout, shardings, state = tiny_setup(shape)
+    _, model, tx, layout, shardings, state = cached_setup(shape, TINY_MODEL, TINY_MOE)
     step = jax.jit(functools.partial(step_lib.train_step, model=model, tx=tx, moe_cfg=TINY_MOE,
                                      lr_schedule=lambda s: 0.0),
                    in_shardings=(shardings, None, None), out_shardings=(shardings, None),
@@ -73,7 +73,7 @@ def test_train_step_matches_one_device():
 
 def test_model_is_causal():
   """Changing token j leaves the logits of every position before j unchanged."""
-  _, model, _, layout, _, state = tiny_setup((2, 4, 1))
+  _, model, _, layout, _, state = cached_setup((2, 4, 1), TINY_MODEL, TINY_MOE)
   apply = jax.jit(lambda p, t: model.apply({"params": p}, t, layout)[0])
   toks = tokens()[:, :-1]
   j = 9
@@ -86,10 +86,9 @@ def test_model_is_causal():
 def test_remat_equals_no_remat():
   import dataclasses
 
-  from tests.helpers import TINY_MODEL
   base = _loss_and_grads((2, 4, 1))
-  _, model, _, layout, _, state = tiny_setup((2, 4, 1),
-                                             dataclasses.replace(TINY_MODEL, remat=True))
+  _, model, _, layout, _, state = cached_setup(
+      (2, 4, 1), dataclasses.replace(TINY_MODEL, remat=True), TINY_MOE)
   f = jax.jit(jax.value_and_grad(
       functools.partial(step_lib.loss_fn, model=model, moe_cfg=TINY_MOE), has_aux=True))
   (loss, _), grads = f(state.params, batch_BxL1=tokens(), layout=layout)
