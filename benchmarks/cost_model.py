@@ -107,7 +107,7 @@ def main(argv=None) -> int:
         mem["state"], m = mem["prog"].train_step(mem["state"], b, mem["prog"].layout)
         jax.block_until_ready(m)
         times.append(time.perf_counter() - tick)
-        mem["counts"].append(np.asarray(m["counts_LxSxE"]))
+        mem["counts"].append(np.asarray(m["counts_LxWxE"]))
       mem["times"].append(times)
 
   w = plan.workload_of(cfg)

@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks.common import command, write_result
 from moejax.config import MoEConfig
-from moejax.layout import placement as pl
+from moejax.layout import placement as placement_lib
 from moejax.layout.tables import (
   from_placements,
   round_robin_placement,
@@ -140,8 +140,8 @@ def main(argv=None) -> int:
   plan_ms = (time.perf_counter() - t0) * 1e3
   fsep_layout = from_placements([plan], args.experts, n)
   # The device sees the shares rounded to parts of 1024: use the layout's own placement.
-  fsep_cf = needed_capacity_factor(pl.split_loads(to_placements(fsep_layout, n)[0], counts),
-                                   tokens, args.top_k)
+  fsep_loads = placement_lib.split_loads(to_placements(fsep_layout, n)[0], counts)
+  fsep_cf = needed_capacity_factor(fsep_loads, tokens, args.top_k)
 
   x_dev = jax.device_put(x, NamedSharding(mesh, P(BATCH_AXES)))
   runs = {}

@@ -35,7 +35,7 @@ import time
 import numpy as np
 
 from benchmarks.common import command, write_result
-from moejax.layout import placement as pl
+from moejax.layout import placement as placement_lib
 from moejax.layout.flow import flow, max_over_mean
 from moejax.placement.policies import ONE_COPY_POLICIES, POLICIES, CostModel, make_options
 from moejax.placement.workloads import synthetic_trace
@@ -50,12 +50,12 @@ def policy_order() -> list[str]:
   return ["static"] + sorted(p for p in POLICIES if p != "static")
 
 
-def _any_layout(experts: int, devices: int, slots: int) -> pl.Placement:
+def _any_layout(experts: int, devices: int, slots: int) -> placement_lib.Placement:
   """A valid placement for `current` where the static one cannot exist (fsep ignores it)."""
   if experts % devices == 0:
-    return pl.static(experts, devices)
+    return placement_lib.static(experts, devices)
   se = (np.arange(devices * slots) % experts).astype(np.int32)
-  return pl.Placement(se, 1.0 / np.bincount(se, minlength=experts)[se], devices)
+  return placement_lib.Placement(se, 1.0 / np.bincount(se, minlength=experts)[se], devices)
 
 
 def time_policy(name: str, experts: int, devices: int, slots: int, repeats: int,
@@ -73,7 +73,7 @@ def time_policy(name: str, experts: int, devices: int, slots: int, repeats: int,
     return {**row, "status": f"n/a (N*C < E={experts})"}
   counts = synthetic_trace(1, 1, devices, experts, kind="lognormal", seed=seed)["counts"]
   pred = counts[0, 0].astype(np.float64)
-  src = pl.source_devices(devices, devices)
+  src = placement_lib.source_devices(devices, devices)
   current, cost, plan = _any_layout(experts, devices, c), CostModel(), POLICIES[name]
   if options:
     plan = functools.partial(plan, options=make_options(name, **options))

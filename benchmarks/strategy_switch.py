@@ -104,10 +104,10 @@ class LoadSteering:
     self.hot_by_step, self.rate = hot_by_step, rate
     self.balance_LxE = np.zeros((num_layers, num_experts), np.float32)
 
-  def bias(self, step: int, counts_LxSxE: np.ndarray | None) -> np.ndarray:
+  def bias(self, step: int, counts_LxWxE: np.ndarray | None) -> np.ndarray:
     hot = self.hot_by_step[step]
-    if counts_LxSxE is not None:               # the last finished step's routing
-      c = np.asarray(counts_LxSxE, np.float64).sum(1)
+    if counts_LxWxE is not None:               # the last finished step's routing
+      c = np.asarray(counts_LxWxE, np.float64).sum(1)
       share = c / np.maximum(c.sum(-1, keepdims=True), 1.0)
       update = self.rate * (1.0 / share.shape[-1] - share)
       if hot is not None:
@@ -149,10 +149,10 @@ class TakeTurns(Hook):
     self.compiles: list[int] = []              # in timed turns (other runs' turns not counted)
     self.began = 0.0
     self.counter = CompileCounter()
-    self.counts_LxSxE = None                   # the latest finished step's routing
+    self.counts_LxWxE = None                   # the latest finished step's routing
 
-  def after_metrics(self, trainer, step, record, counts_LxSxE, member) -> None:
-    self.counts_LxSxE = counts_LxSxE
+  def after_metrics(self, trainer, step, record, counts_LxWxE, member) -> None:
+    self.counts_LxWxE = counts_LxWxE
 
   def before_step(self, trainer, step: int) -> bool:
     start = self.start
@@ -171,7 +171,7 @@ class TakeTurns(Hook):
       self.began = time.perf_counter()
       if step >= start + 2:
         self.counter.__enter__()
-    bias = self.steer.bias(step - start, self.counts_LxSxE if step > start else None)
+    bias = self.steer.bias(step - start, self.counts_LxWxE if step > start else None)
     for member, prog in enumerate(trainer.pool.programs):   # every member: the same steering
       trainer.pool.set_layout(member, prog.layout.replace(router_bias_LxE=bias))
     return False

@@ -30,6 +30,7 @@ thing everywhere in moejax (and in pallas_kernels, benchmarks and tests):
   Y  candidate layouts the fsep planner scores together (placement/fsep.py)
   Z  finished steps of a count history or trace, e.g. counts_ZxLxWxE
 
-A flattened axis has no letter of its own; say its shape in a comment. Scalars and host
+A flattened axis has no letter of its own; say its shape in a comment. `Q1` is Q + 1 (a
+training batch holds each sequence's inputs and its next-token targets). Scalars and host
 integers use words (`num_slots`, `cap`), not letters.
 """

@@ -256,8 +256,8 @@ def test_whole_fsep_model_on_mesh_matches_one_device():
   out = {}
   for shape, slots in (((1, 1, 1), 8), ((2, 4, 1), 4)):
     f, params, layout = _fsep_loss_and_grad(shape, slots)
-    (loss, aux), grads = f(params, batch_BxL1=tokens(), layout=layout)
-    assert int(np.sum(aux["dropped_LxS"])) == 0
+    (loss, aux), grads = f(params, batch_BxQ1=tokens(), layout=layout)
+    assert int(np.sum(aux["dropped_LxW"])) == 0
     out[shape] = (float(loss), jax.device_get(grads))
   (l1, g1), (l8, g8) = out[(1, 1, 1)], out[(2, 4, 1)]
   loss_len, grad_len = model_lengths(SMALL_MODEL, FSEP_MOE)
@@ -270,7 +270,7 @@ def test_every_layers_restore_is_scheduled_before_the_layer_loop():
   update) issues all MoE layers' restore all_to_alls before the scanned layer loop, so layer
   l+1's restore never waits for layer l's expert matmuls. Shares the whole-model test's program."""
   f, params, layout = _fsep_loss_and_grad((2, 4, 1), 4)
-  hlo = f.lower(params, batch_BxL1=tokens(), layout=layout).compile().as_text()
+  hlo = f.lower(params, batch_BxQ1=tokens(), layout=layout).compile().as_text()
   entry = hlo[hlo.index("\nENTRY"):]
   lines = entry[:entry.index("\n}\n")].splitlines()
 

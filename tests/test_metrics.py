@@ -17,8 +17,8 @@ def test_device_load_sums_slots_per_device_within_each_data_row():
 
 
 def test_layer_records():
-  m = {"counts_LxSxE": np.array([[[2, 2], [0, 4]]]), "dropped_LxS": np.array([[1, 0]]),
-       "slot_counts_LxSxC": np.array([[[2, 2], [0, 4]]]),
+  m = {"counts_LxWxE": np.array([[[2, 2], [0, 4]]]), "dropped_LxW": np.array([[1, 0]]),
+       "slot_counts_LxWxS": np.array([[[2, 2], [0, 4]]]),
        "balance_loss_L": np.array([1.5]), "z_loss_L": np.array([0.1])}
   (rec,) = moe_layer_records(m, 2)
   assert rec["expert_counts"] == [2, 6]

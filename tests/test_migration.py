@@ -40,7 +40,7 @@ def test_training_with_migrations_matches_training_without(shape):
   ref_losses = []
   for t in range(STEPS):
     state, m = step(state, batches[t], layout0)
-    assert int(np.sum(m["dropped_LxS"])) == 0
+    assert int(np.sum(m["dropped_LxW"])) == 0
     ref_losses.append(float(m["loss"]))
   ref = jax.device_get(state)          # static layout == canonical order
 

@@ -22,7 +22,7 @@ def _loss_and_grads(shape):
   _, model, _, layout, _, state = cached_setup(shape, TINY_MODEL, TINY_MOE)
   f = jax.jit(jax.value_and_grad(
       functools.partial(step_lib.loss_fn, model=model, moe_cfg=TINY_MOE), has_aux=True))
-  (loss, aux), grads = f(state.params, batch_BxL1=tokens(), layout=layout)
+  (loss, aux), grads = f(state.params, batch_BxQ1=tokens(), layout=layout)
   return float(loss), jax.device_get(grads), jax.device_get(aux)
 
 
@@ -36,9 +36,9 @@ def single_device():
 def test_model_on_mesh_matches_one_device(single_device, shape):
   ref_loss, ref_grads, ref_aux = single_device
   loss, grads, aux = _loss_and_grads(shape)
-  assert int(np.sum(aux["dropped_LxS"])) == 0
+  assert int(np.sum(aux["dropped_LxW"])) == 0
   assert_close(loss, ref_loss, LOSS_LEN, err_msg="loss")
-  np.testing.assert_array_equal(aux["counts_LxSxE"].sum(1), ref_aux["counts_LxSxE"].sum(1))
+  np.testing.assert_array_equal(aux["counts_LxWxE"].sum(1), ref_aux["counts_LxWxE"].sum(1))
   assert_trees_close(grads, ref_grads, GRAD_LEN)
 
 
@@ -91,6 +91,6 @@ def test_remat_equals_no_remat():
       (2, 4, 1), dataclasses.replace(TINY_MODEL, remat=True), TINY_MOE)
   f = jax.jit(jax.value_and_grad(
       functools.partial(step_lib.loss_fn, model=model, moe_cfg=TINY_MOE), has_aux=True))
-  (loss, _), grads = f(state.params, batch_BxL1=tokens(), layout=layout)
+  (loss, _), grads = f(state.params, batch_BxQ1=tokens(), layout=layout)
   assert_close(loss, base[0], LOSS_LEN, err_msg="loss")
   assert_trees_close(jax.device_get(grads), base[1], GRAD_LEN)

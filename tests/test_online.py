@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from moejax.config import ConfigError, PlannerConfig, TraceConfig
-from moejax.layout import placement as pl
+from moejax.layout import placement as placement_lib
 from moejax.placement.replanner import OnlinePlanner
 from moejax.train.controllers import Hook
 from moejax.train.trainer import Trainer
@@ -70,7 +70,7 @@ def test_propose_balances_skewed_history_and_round_trips_state():
   hot[0, :, 2:] = 10.0
   op.observe(hot)
   op.observe(hot)
-  static = [pl.static(8, 4)]
+  static = [placement_lib.static(8, 4)]
   new, switches = op.propose(static)
   assert len(switches) == 1 and switches[0].predicted_after < switches[0].predicted_before
   row = new[0].slot_expert.tolist()

@@ -4,7 +4,7 @@ Experts, per device, for `ep` and `fsep`:
   persistent: expert parameters + the two Adam moments (all fp32), kept between steps.
   transient:  what one step adds on top: expert gradients, and in fsep the restored slot
               weights of every MoE layer and their gradients (all layers' restores are issued
-              before the layer scan so they can overlap compute).
+              before the layer scan and all are held through the layer scan).
 `step_bytes` adds the dense parameters (with gradients and Adam moments) and the activations:
 the peak the strategy cost model reports and the offline stage checks against the device.
 The trainer writes `report` into the run dir; `python -m moejax.replay ... --d_model D --d_ff F

@@ -6,7 +6,7 @@ The loop calls, for every hook in order (the caller's hooks first, then the cont
 - `before_step(trainer, step)` on the host before `step` is dispatched. A hook may change
   `trainer.state` and the pool's layouts or active member; it returns True when it spent time
   that is not training (a migration, a switch), so that the loop restarts its tokens/s window.
-- `after_metrics(trainer, step, record, counts_LxSxE, member)` once `step`'s metrics have been
+- `after_metrics(trainer, step, record, counts_LxWxE, member)` once `step`'s metrics have been
   read (one step late unless `planner.fresh`): `record` is the step's metrics record, `counts`
   its routed choices per (layer, source, expert), `member` the pool member that ran it (the
   previous one, for the step in flight at a switch).
@@ -39,9 +39,9 @@ class Hook:
     del trainer, step
     return False
 
-  def after_metrics(self, trainer, step: int, record: dict, counts_LxSxE: np.ndarray,
+  def after_metrics(self, trainer, step: int, record: dict, counts_LxWxE: np.ndarray,
                     member: int) -> None:
-    del trainer, step, record, counts_LxSxE, member
+    del trainer, step, record, counts_LxWxE, member
 
 
 class LayoutReplanning(Hook):
@@ -51,8 +51,8 @@ class LayoutReplanning(Hook):
   def before_step(self, trainer, step: int) -> bool:
     return self.replan(trainer, step)
 
-  def after_metrics(self, trainer, step, record, counts_LxSxE, member) -> None:
-    trainer.pool.planners[member].observe(counts_LxSxE)
+  def after_metrics(self, trainer, step, record, counts_LxWxE, member) -> None:
+    trainer.pool.planners[member].observe(counts_LxWxE)
 
   def replan(self, trainer, step: int, now: bool = False) -> bool:
     """Re-plans from the finished steps' loads (`now`: even off the period, right after a
@@ -100,9 +100,9 @@ class StrategySwitching(Hook):
     # Finished steps of the active member: (counts [L, S, E], dropped share of choices).
     self.recent: collections.deque = collections.deque(maxlen=cfg.planner.window)
 
-  def after_metrics(self, trainer, step, record, counts_LxSxE, member) -> None:
+  def after_metrics(self, trainer, step, record, counts_LxWxE, member) -> None:
     if member == trainer.pool.active:   # judge the member now running
-      self.recent.append((counts_LxSxE,
+      self.recent.append((counts_LxWxE,
                           np.mean([r["dropped_fraction"] for r in record["moe"]])))
 
   def before_step(self, trainer, step: int) -> bool:

@@ -13,27 +13,27 @@ import numpy as np
 from moejax.layout.flow import max_over_mean
 
 
-def device_load(slot_counts_SxC: np.ndarray, expert_devices: int) -> np.ndarray:
+def device_load(slot_counts_WxS: np.ndarray, expert_devices: int) -> np.ndarray:
   """Choices sent to each (data row, expert-axis device), flattened row-major.
 
   Sources are ordered (data, expert) row-major, so the sources of data row r are
   rows r*N .. r*N+N-1, and they only talk to the N devices of row r; device d of
   a row hosts slots d*C .. d*C+C-1.
   """
-  slot_counts_SxC = np.asarray(slot_counts_SxC)
-  sources, num_slots = slot_counts_SxC.shape
+  slot_counts_WxS = np.asarray(slot_counts_WxS)
+  sources, num_slots = slot_counts_WxS.shape
   rows = sources // expert_devices
-  per_row_RxC = slot_counts_SxC.reshape(rows, expert_devices, num_slots).sum(axis=1)
-  return per_row_RxC.reshape(rows, expert_devices, -1).sum(axis=2).reshape(-1)
+  per_row_slot = slot_counts_WxS.reshape(rows, expert_devices, num_slots).sum(axis=1)  # [rows, S]
+  return per_row_slot.reshape(rows, expert_devices, -1).sum(axis=2).reshape(-1)
 
 
 def moe_layer_records(metrics: dict, expert_devices: int) -> list[dict]:
   """One JSON-ready record per MoE layer from a step's metrics (numpy arrays)."""
   records = []
-  counts_LxSxE = np.asarray(metrics["counts_LxSxE"])
-  dropped_LxS = np.asarray(metrics["dropped_LxS"])
-  for layer, counts_SxE in enumerate(counts_LxSxE):
-    load = device_load(metrics["slot_counts_LxSxC"][layer], expert_devices)
+  counts_LxWxE = np.asarray(metrics["counts_LxWxE"])
+  dropped_LxW = np.asarray(metrics["dropped_LxW"])
+  for layer, counts_SxE in enumerate(counts_LxWxE):
+    load = device_load(metrics["slot_counts_LxWxS"][layer], expert_devices)
     total = int(counts_SxE.sum())
     records.append({
         "layer": layer,
@@ -41,7 +41,7 @@ def moe_layer_records(metrics: dict, expert_devices: int) -> list[dict]:
         "counts_by_source": counts_SxE.tolist(),
         "device_load": load.tolist(),
         "max_over_mean_load": max_over_mean(load),
-        "dropped_fraction": float(dropped_LxS[layer].sum()) / max(total, 1),
+        "dropped_fraction": float(dropped_LxW[layer].sum()) / max(total, 1),
         "balance_loss": float(metrics["balance_loss_L"][layer]),
         "z_loss": float(metrics["z_loss_L"][layer]),
     })

@@ -17,25 +17,25 @@ def cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:
   return -jnp.mean(jnp.take_along_axis(logp, targets_BxL[..., None], axis=-1))
 
 
-def loss_fn(params, model: nn.Module, moe_cfg: MoEConfig, batch_BxL1: jax.Array,
+def loss_fn(params, model: nn.Module, moe_cfg: MoEConfig, batch_BxQ1: jax.Array,
             layout: Layout):
-  inputs, targets = batch_BxL1[:, :-1], batch_BxL1[:, 1:]
+  inputs, targets = batch_BxQ1[:, :-1], batch_BxQ1[:, 1:]
   logits, stats = model.apply({"params": params}, inputs, layout)
   ce = cross_entropy(logits, targets)
   balance = jnp.sum(stats.balance_loss)
   z = jnp.sum(stats.z_loss)
   loss = ce + moe_cfg.balance_loss_weight * balance + moe_cfg.z_loss_weight * z
   return loss, {"ce": ce, "balance_loss_L": stats.balance_loss, "z_loss_L": stats.z_loss,
-                "counts_LxSxE": stats.counts_WxE, "dropped_LxS": stats.dropped_W,
-                "slot_counts_LxSxC": stats.slot_counts_WxS}
+                "counts_LxWxE": stats.counts_WxE, "dropped_LxW": stats.dropped_W,
+                "slot_counts_LxWxS": stats.slot_counts_WxS}
 
 
-def train_step(state: TrainState, batch_BxL1: jax.Array, layout: Layout, *, model: nn.Module,
+def train_step(state: TrainState, batch_BxQ1: jax.Array, layout: Layout, *, model: nn.Module,
                tx: optax.GradientTransformation, moe_cfg: MoEConfig, lr_schedule):
   """One AdamW step. A non-finite loss or gradient norm keeps the old params and optimizer
   state (a data-dependent select, same program) and reports `skipped`; `step` advances."""
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-  (loss, aux), grads = grad_fn(state.params, model, moe_cfg, batch_BxL1, layout)
+  (loss, aux), grads = grad_fn(state.params, model, moe_cfg, batch_BxQ1, layout)
   grad_norm = optax.tree.norm(grads)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
@@ -48,7 +48,7 @@ def train_step(state: TrainState, batch_BxL1: jax.Array, layout: Layout, *, mode
   return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
-def eval_step(params, batch_BxL1: jax.Array, layout: Layout, *, model: nn.Module,
+def eval_step(params, batch_BxQ1: jax.Array, layout: Layout, *, model: nn.Module,
               moe_cfg: MoEConfig):
-  _, aux = loss_fn(params, model, moe_cfg, batch_BxL1, layout)
+  _, aux = loss_fn(params, model, moe_cfg, batch_BxQ1, layout)
   return aux["ce"]

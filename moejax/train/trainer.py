@@ -216,9 +216,9 @@ class Trainer:
     m = jax.device_get(m)   # blocks until `step` has finished
     prog = self.pool.programs[member]
     tokens_per_s = rate.tick()
-    counts_LxSxE = m["counts_LxSxE"]
+    counts_LxWxE = m["counts_LxWxE"]
     if self.trace is not None:
-      self.trace.add(step, counts_LxSxE, prog.mesh.shape["expert"])
+      self.trace.add(step, counts_LxWxE, prog.mesh.shape["expert"])
     record = {
         "step": step, "loss": float(m["loss"]), "ce": float(m["ce"]),
         "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]), "tokens_per_s": tokens_per_s,
@@ -227,7 +227,7 @@ class Trainer:
         "strategy": prog.strategy.spec,
     }
     for hook in hooks:
-      hook.after_metrics(self, step, record, counts_LxSxE, member)
+      hook.after_metrics(self, step, record, counts_LxWxE, member)
     stop = self.guard.observe(step, record["skipped"])
     if record["skipped"]:
       record.update(nonfinite_consecutive=self.guard.consecutive, nonfinite_total=self.guard.total)
