@@ -3,7 +3,7 @@
 With no flags it runs the embedded default (configs/default.gin) on 8 fake CPU
 devices. Thin on purpose: parse gin, build the frozen configs, call the library.
 On a cluster run it once per host: `jax.distributed` starts from the environment
-(moejax/distributed.py). Exit codes: 0 done or preempted (SIGTERM/SIGINT: the step
+(moejax/runtime/distributed.py). Exit codes: 0 done or preempted (SIGTERM/SIGINT: the step
 in flight finishes and is saved), 2 bad configuration or no usable checkpoint,
 3 too many non-finite steps in a row, 130 a second Ctrl-C.
 """
@@ -16,16 +16,22 @@ import sys
 
 from moejax import config as config_lib
 from moejax.frontend import DEFAULT_GIN, operative_config, parse_config
+from moejax.runtime import xla_flags
 from moejax.train.faults import NonFiniteError
 from moejax.train.preempt import StopRequest
 
 __all__ = ["DEFAULT_GIN", "main", "parse_config"]
 
 
-def fake_host_devices(count: int) -> None:
-  """Before jax is imported: with no XLA_FLAGS given, expose `count` CPU devices."""
-  if "XLA_FLAGS" not in os.environ and count > 1:
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={count}"
+def set_xla_flags(host_device_count: int) -> None:
+  """Before jax is imported: with no XLA_FLAGS given, set this platform's defaults (CPU:
+  `host_device_count` fake devices; GPU: the latency-hiding scheduler) and say so."""
+  platform = xla_flags.platform_before_init(os.environ, xla_flags.installed_jax_plugins())
+  flags = xla_flags.default_xla_flags(os.environ, platform, host_device_count)
+  if flags is not None:
+    os.environ["XLA_FLAGS"] = flags
+    print(f"XLA_FLAGS={flags} (train.py's default for {platform}; set XLA_FLAGS to replace it)",
+          flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, stop: StopRequest) -> int:
   try:
     cfg = parse_config(args.gin_file or [DEFAULT_GIN], args.gin_bindings)
-    fake_host_devices(cfg.mesh.host_device_count)
+    set_xla_flags(cfg.mesh.host_device_count)
     from moejax.runtime import distributed  # imports jax only if the environment is multi-process
 
     if distributed.maybe_initialize():

@@ -1,0 +1,67 @@
+"""The XLA_FLAGS train.py sets before JAX starts, when the user set none.
+
+XLA reads XLA_FLAGS once, when JAX creates its first backend, so the choice is made from the
+environment and the installed JAX plugins, without asking JAX which devices exist:
+
+  cpu  `--xla_force_host_platform_device_count=N` (N = mesh.host_device_count > 1): N fake
+       devices for the mesh, as the tests and benchmarks use.
+  gpu  XLA's latency-hiding scheduler, so that collectives (the MoE all-to-alls, the
+       gradient all-reduces) are scheduled to overlap independent compute.
+
+A user's XLA_FLAGS (even empty) is left as it is: they replace these defaults entirely.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import pkgutil
+from collections.abc import Iterable, Mapping
+
+__all__ = ["GPU_FLAGS", "default_xla_flags", "installed_jax_plugins", "platform_before_init"]
+
+# Names as XLA's debug_options_flags.cc registers them; XLA aborts at start-up on an unknown
+# flag, and tests/test_gpu_config.py starts JAX with these to check the installed jaxlib.
+GPU_FLAGS = (
+    # Off by default in XLA: without it collectives run where the program order puts them.
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+    # XLA's default today; pinned so that the overlap does not rest on a default: the
+    # stream the async collectives run on gets the highest priority.
+    "--xla_gpu_enable_highest_priority_async_stream=true",
+)
+GPU_PLATFORMS = ("cuda", "rocm", "gpu")
+
+
+def installed_jax_plugins() -> list[str]:
+  """Names of the installed JAX PJRT plugins (`xla_cuda12`, ...), found the way JAX finds
+  them (the `jax_plugins` namespace package and entry points), without importing them."""
+  names = {ep.name for ep in importlib.metadata.entry_points(group="jax_plugins")}
+  spec = importlib.util.find_spec("jax_plugins")
+  if spec is not None and spec.submodule_search_locations:
+    names.update(m.name for m in pkgutil.iter_modules(spec.submodule_search_locations))
+  return sorted(names)
+
+
+def platform_before_init(env: Mapping[str, str], plugins: Iterable[str]) -> str:
+  """'gpu' or 'cpu': the platform JAX will make its default. JAX_PLATFORMS decides when set
+  (its first entry is the default); otherwise a CUDA or ROCm plugin means a GPU."""
+  chosen = env.get("JAX_PLATFORMS", "").strip()
+  if chosen:
+    first = chosen.split(",")[0].strip().lower()
+    return "gpu" if first in GPU_PLATFORMS else first
+  gpu = any(tag in name.lower() for name in plugins for tag in ("cuda", "rocm"))
+  return "gpu" if gpu else "cpu"
+
+
+def default_xla_flags(env: Mapping[str, str], platform: str,
+                      host_device_count: int) -> str | None:
+  """The XLA_FLAGS to set for `platform`, or None: the user set XLA_FLAGS, or none is needed.
+  On GPU the host-device flag is kept when asked for (it only affects the CPU platform)."""
+  if "XLA_FLAGS" in env:
+    return None
+  flags = []
+  if host_device_count > 1:
+    flags.append(f"--xla_force_host_platform_device_count={host_device_count}")
+  if platform == "gpu":
+    flags.extend(GPU_FLAGS)
+  return " ".join(flags) or None
