@@ -2,7 +2,9 @@
 
 Layers are scanned in groups of `moe_every`: (moe_every - 1) dense blocks then
 one MoE block, so compile time does not grow with depth. The layout rows of the
-MoE layers are scanned alongside the parameters.
+MoE layers are scanned alongside the parameters. In fsep mode the scan carries the
+restored expert weights of the layer it computes and restores the next layer's
+(double buffering), so that exchange does not wait for this layer's compute.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from moejax.config import ModelConfig, MoEConfig
 from moejax.layout.tables import Layout
 from moejax.model.mesh import logical_to_spec
-from moejax.model.moe.fsep_experts import FsepExperts
+from moejax.model.moe.fsep_experts import FsepExperts, restore_layer
 from moejax.model.moe.layer import MoELayer, MoEStats
 
 
@@ -83,29 +85,73 @@ class DenseMLP(nn.Module):
     return h @ w_down.astype(dtype)
 
 
+def _rerestoring_moe(moe: MoELayer):
+  """`moe(x, layout, weights)` whose backward pass restores `weights` again from the stored
+  shards (one more exchange) and recomputes the layer, instead of keeping every layer's
+  restored weights from the forward pass until its backward pass."""
+  def call(mdl, x, layout, weights, stored, slot_expert_LxS, layer):
+    del stored, slot_expert_LxS, layer          # the backward pass's inputs
+    return mdl(x, layout, weights)
+
+  def fwd(mdl, x, layout, weights, stored, slot_expert_LxS, layer):
+    res = (mdl.variables["params"], x, layout, stored, slot_expert_LxS, layer)   # no `weights`
+    return mdl(x, layout, weights), res
+
+  def bwd(res, ct):
+    params, x, layout, stored, slot_expert_LxS, layer = res
+    weights = restore_layer(stored, slot_expert_LxS, layer, moe.mesh, moe.dtype)
+    apply = lambda p, x, w: MoELayer(moe.cfg, moe.mesh, moe.dtype).apply({"params": p}, x,
+                                                                          layout, w)
+    ct_params, ct_x, ct_weights = jax.vjp(apply, params, x, weights)[1](ct)
+    return {"params": ct_params}, ct_x, None, ct_weights, None, None, None
+
+  return nn.custom_vjp(call, fwd, bwd)
+
+
 class LayerGroup(nn.Module):
-  """moe_every - 1 dense blocks followed by one MoE block; one scan step."""
+  """moe_every - 1 dense blocks followed by one MoE block; one scan step.
+
+  ep: carry = x. fsep: carry = (x, this MoE layer's restored weights); `fsep` = (every layer's
+  stored expert weights, slot_expert_LxS), broadcast to every step, from which the step
+  restores the next layer's weights (the last step wraps to layer 0, a result nobody reads) so
+  that exchange has no data dependence on this layer's compute."""
   cfg: ModelConfig
   moe_cfg: MoEConfig
   mesh: Mesh
 
   @nn.compact
-  def __call__(self, x_BxQxD, xs):
-    layout, slot_weights = xs        # this layer's layout row (and fsep restored weights)
+  def __call__(self, carry, xs, fsep=None):
+    layout, layer = xs               # this layer's layout row and its index in the scan
     cfg = self.cfg
+    if fsep is None:
+      x_BxQxD, slot_weights = carry, None
+    else:
+      (x_BxQxD, slot_weights), (stored, slot_expert_LxS) = carry, fsep
+      next_layer = (layer + 1) % slot_expert_LxS.shape[0]
+      next_weights = restore_layer(stored, slot_expert_LxS, next_layer, self.mesh,
+                                   jnp.dtype(cfg.dtype))
+    # fsep under remat checkpoints the dense blocks one by one: a checkpoint of the whole
+    # group would keep its input, this layer's restored weights, for the backward pass.
+    attn, mlp = (nn.remat(Attention), nn.remat(DenseMLP)) if cfg.remat and fsep else (
+        Attention, DenseMLP)
     act = NamedSharding(self.mesh, logical_to_spec(("batch", "length", "embed")))
     for i in range(self.moe_cfg.moe_every - 1):
-      x_BxQxD = x_BxQxD + Attention(cfg, name=f"attn_{i}")(RMSNorm(cfg.norm_eps,
-                                                                    name=f"ln_attn_{i}")(x_BxQxD))
-      x_BxQxD = x_BxQxD + DenseMLP(cfg, name=f"mlp_{i}")(RMSNorm(cfg.norm_eps,
-                                                                  name=f"ln_mlp_{i}")(x_BxQxD))
+      x_BxQxD = x_BxQxD + attn(cfg, name=f"attn_{i}")(RMSNorm(cfg.norm_eps,
+                                                               name=f"ln_attn_{i}")(x_BxQxD))
+      x_BxQxD = x_BxQxD + mlp(cfg, name=f"mlp_{i}")(RMSNorm(cfg.norm_eps,
+                                                             name=f"ln_mlp_{i}")(x_BxQxD))
       x_BxQxD = jax.lax.with_sharding_constraint(x_BxQxD, act)
-    x_BxQxD = x_BxQxD + Attention(cfg, name="attn_moe")(RMSNorm(cfg.norm_eps,
-                                                                 name="ln_attn_moe")(x_BxQxD))
-    y, stats = MoELayer(self.moe_cfg, self.mesh, jnp.dtype(cfg.dtype), name="moe")(
-        RMSNorm(cfg.norm_eps, name="ln_moe")(x_BxQxD), layout, slot_weights)
+    x_BxQxD = x_BxQxD + attn(cfg, name="attn_moe")(RMSNorm(cfg.norm_eps,
+                                                            name="ln_attn_moe")(x_BxQxD))
+    moe = MoELayer(self.moe_cfg, self.mesh, jnp.dtype(cfg.dtype), name="moe")
+    h_BxQxD = RMSNorm(cfg.norm_eps, name="ln_moe")(x_BxQxD)
+    if fsep is None:
+      y, stats = moe(h_BxQxD, layout, slot_weights)
+    else:
+      y, stats = _rerestoring_moe(moe)(moe, h_BxQxD, layout, slot_weights, stored,
+                                        slot_expert_LxS, layer)
     x_BxQxD = jax.lax.with_sharding_constraint(x_BxQxD + y, act)
-    return x_BxQxD, stats
+    return (x_BxQxD if fsep is None else (x_BxQxD, next_weights)), stats
 
 
 class Transformer(nn.Module):
@@ -123,17 +169,20 @@ class Transformer(nn.Module):
     act = NamedSharding(self.mesh, logical_to_spec(("batch", "length", "embed")))
     x_BxQxD = jax.lax.with_sharding_constraint(x_BxQxD, act)
     num_groups = cfg.num_layers // self.moe_cfg.moe_every
-    slot_weights = None
-    if self.moe_cfg.expert_mode == "fsep":   # restore every layer's slots before the scan
-      slot_weights = FsepExperts(num_groups, self.moe_cfg.num_experts, cfg.d_model,
-                                 self.moe_cfg.d_ff, self.mesh, name="fsep_experts")(
-                                     layout.slot_expert_LxS)
-    group = nn.remat(LayerGroup) if cfg.remat else LayerGroup
+    carry, fsep, in_axes = x_BxQxD, (), 0
+    if self.moe_cfg.expert_mode == "fsep":   # restore the first layer; the scan the others
+      stored, first = FsepExperts(num_groups, self.moe_cfg.num_experts, cfg.d_model,
+                                  self.moe_cfg.d_ff, self.mesh, jnp.dtype(cfg.dtype),
+                                  name="fsep_experts")(layout.slot_expert_LxS)
+      carry, in_axes = (x_BxQxD, first), (0, nn.broadcast)
+      fsep = ((stored, layout.slot_expert_LxS),)
+    group = nn.remat(LayerGroup) if cfg.remat and not fsep else LayerGroup
     groups = nn.scan(group, variable_axes={"params": 0}, split_rngs={"params": True},
-                     in_axes=0, length=num_groups,
+                     in_axes=in_axes, length=num_groups,
                      metadata_params={nn.PARTITION_NAME: "layers"})
-    x_BxQxD, stats = groups(cfg, self.moe_cfg, self.mesh, name="layers")(
-        x_BxQxD, (layout, slot_weights))
+    carry, stats = groups(cfg, self.moe_cfg, self.mesh, name="layers")(
+        carry, (layout, jnp.arange(num_groups)), *fsep)
+    x_BxQxD = carry[0] if fsep else carry
     x_BxQxD = RMSNorm(cfg.norm_eps, name="ln_final")(x_BxQxD)
     w_out = _dense(("embed", "vocab"), (cfg.d_model, cfg.vocab_size), cfg.d_model, self,
                    "unembed")

@@ -2,9 +2,13 @@
 
 Experts, per device, for `ep` and `fsep`:
   persistent: expert parameters + the two Adam moments (all fp32), kept between steps.
-  transient:  what one step adds on top: expert gradients, and in fsep the restored slot
-              weights of every MoE layer and their gradients (all layers' restores are issued
-              before the layer scan and all are held through the layer scan).
+  transient:  what one step adds on top: expert gradients (fp32), and in fsep about two
+              layers of restored slot weights and two of their gradients, in the compute
+              dtype: the layer scan restores layer l+1 while it computes layer l, and the
+              backward pass restores each layer again instead of keeping the forward's
+              copies. XLA's memory analysis of the compiled fsep loss-and-grad agrees: per
+              added MoE layer its temp bytes grow by well under one layer of restored weights
+              (what grows is the stored shards' fp32 gradient; tests/test_fsep_prefetch.py).
 `step_bytes` adds the dense parameters (with gradients and Adam moments) and the activations:
 the peak the strategy cost model reports and the offline stage checks against the device.
 The trainer writes `report` into the run dir; `python -m moejax.replay ... --d_model D --d_ff F
@@ -17,6 +21,7 @@ from moejax.config import default_fsep_slots
 
 FP32 = 4
 MODES = ("ep", "fsep")
+LIVE_RESTORED_LAYERS = 2     # fsep: the layer computing and the next one's prefetch
 
 
 def expert_slots(mode: str, experts: int, devices: int, slots_per_device: int | None = None) -> int:
@@ -39,14 +44,18 @@ def expert_params(mode: str, layers: int, experts: int, d_model: int, d_ff: int,
 
 
 def expert_bytes(mode: str, layers: int, experts: int, d_model: int, d_ff: int, devices: int,
-                 model_shards: int = 1, slots_per_device: int | None = None) -> dict:
-  """Per-device expert bytes; `devices` = N (expert axis), `model_shards` = M."""
+                 model_shards: int = 1, slots_per_device: int | None = None,
+                 compute_bytes: int = FP32) -> dict:
+  """Per-device expert bytes; `devices` = N (expert axis), `model_shards` = M;
+  `compute_bytes`: bytes per element of the compute dtype (`model.dtype`)."""
   slots = expert_slots(mode, experts, devices, slots_per_device)
   params = expert_params(mode, layers, experts, d_model, d_ff, devices, model_shards)
-  restored = layers * slots * 3 * d_model * d_ff / model_shards if mode == "fsep" else 0
+  live = min(layers, LIVE_RESTORED_LAYERS)
+  restored = live * slots * 3 * d_model * d_ff / model_shards if mode == "fsep" else 0
   return {"mode": mode, "slots_per_device": slots,
           "persistent": 3 * params * FP32,               # params + Adam mu, nu
-          "transient": (params + 2 * restored) * FP32}   # grads (+ restored weights, grads)
+          # grads (+ the live restored weights and their grads)
+          "transient": params * FP32 + 2 * restored * compute_bytes}
 
 
 def activation_bytes(tokens: float, d_model: int, num_layers: int, vocab_size: int,
@@ -64,14 +73,16 @@ def step_bytes(dense_params: float, experts: dict, activations: float) -> float:
 
 
 def report(layers: int, experts: int, d_model: int, d_ff: int, devices: int,
-           model_shards: int = 1, fsep_slots: int | None = None) -> str:
+           model_shards: int = 1, fsep_slots: int | None = None,
+           compute_bytes: int = FP32) -> str:
   rows = [f"expert memory per device (layers={layers}, E={experts}, d_model={d_model}, "
           f"d_ff={d_ff}, N={devices}, M={model_shards}):"]
   for mode in MODES:
     if mode == "ep" and experts % devices:
       rows.append("  ep   n/a (E not divisible by N)")
       continue
-    b = expert_bytes(mode, layers, experts, d_model, d_ff, devices, model_shards, fsep_slots)
+    b = expert_bytes(mode, layers, experts, d_model, d_ff, devices, model_shards, fsep_slots,
+                     compute_bytes)
     rows.append(f"  {mode:<4} C={b['slots_per_device']:<3} persistent "
                 f"{b['persistent'] / 2**20:9.2f} MiB   transient {b['transient'] / 2**20:9.2f} MiB")
   return "\n".join(rows)

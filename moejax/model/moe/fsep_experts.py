@@ -1,10 +1,10 @@
 """FSEP expert parameters: stored in expert order, F sharded over all group devices.
 
-`FsepExperts` owns the `[layers, E, D, F]` / `[layers, E, F, D]` weights of every
-MoE layer (outside the layer scan) and restores the slot-ordered weights of all
-layers in one shard_map before the scan runs: the restores of every layer are issued
-before the first layer computes and their results are all held through the scan (the
-memory model counts every layer's restored slots).
+`FsepExperts` owns the `[layers, E, D, F]` / `[layers, E, F, D]` weights of every MoE layer
+(outside the layer scan, so the parameter paths are `['fsep_experts'][w]`). It restores only
+the first MoE layer's slots; the scanned layer group restores layer l+1's (`restore_layer`)
+in the iteration that computes layer l, so each restore can overlap the previous layer's
+compute. Restored weights are in the compute dtype.
 """
 
 from __future__ import annotations
@@ -28,13 +28,17 @@ FSEP_PARAM_AXES = {
 F_AXIS = {name: axes.index("expert_mlp") for name, axes in SLOT_AXES.items()}
 
 
-def restore_slot_weights(weights: dict, slot_expert_LxS: jax.Array, mesh: Mesh) -> dict:
-  """Expert-ordered sharded weights -> slot-ordered weights, sharded like ep weights."""
+def restore_slot_weights(weights: dict, slot_expert_LxS: jax.Array, mesh: Mesh,
+                         dtype=None) -> dict:
+  """Expert-ordered sharded weights -> slot-ordered weights, sharded like ep weights, in
+  `dtype` (default: the weights' own)."""
   num_dev = mesh.shape["expert"]
   names = sorted(weights)
 
   def local(slot_expert, *ws):
-    return tuple(restore_local(w, slot_expert, num_dev, F_AXIS[n]) for n, w in zip(names, ws))
+    with jax.named_scope("fsep_restore"):       # names the exchange in the compiled program
+      return tuple(restore_local(w, slot_expert, num_dev, F_AXIS[n], dtype)
+                   for n, w in zip(names, ws))
 
   fn = jax.shard_map(
       local, mesh=mesh,
@@ -43,15 +47,27 @@ def restore_slot_weights(weights: dict, slot_expert_LxS: jax.Array, mesh: Mesh) 
   return dict(zip(names, fn(slot_expert_LxS, *(weights[n] for n in names))))
 
 
+def restore_layer(weights: dict, slot_expert_LxS: jax.Array, layer: jax.Array | int, mesh: Mesh,
+                  dtype=None) -> dict:
+  """One MoE layer's slot-ordered weights ([S, D, F] / [S, F, D]) from every layer's stored
+  weights; `layer` may be traced (the layer scan's index)."""
+  take = lambda a: jax.lax.dynamic_slice_in_dim(a, layer, 1, axis=0)
+  restored = restore_slot_weights({n: take(w) for n, w in weights.items()}, take(slot_expert_LxS),
+                                  mesh, dtype)
+  return {n: w[0] for n, w in restored.items()}
+
+
 class FsepExperts(nn.Module):
   num_layers: int
   num_experts: int
   d_model: int
   d_ff: int
   mesh: Mesh
+  dtype: jnp.dtype = jnp.float32     # of the restored weights (the compute dtype)
 
   @nn.compact
-  def __call__(self, slot_expert_LxS: jax.Array) -> dict:
+  def __call__(self, slot_expert_LxS: jax.Array) -> tuple[dict, dict]:
+    """-> (every layer's stored weights [L, E, ...], the first layer's restored [S, ...])."""
     size = {"embed": self.d_model, "expert_mlp": self.d_ff}
     weights = {}
     for name in EXPERT_WEIGHTS:
@@ -60,4 +76,4 @@ class FsepExperts(nn.Module):
       init = nn.initializers.normal(stddev=size[axes[1]] ** -0.5)      # fan-in
       weights[name] = self.param(
           name, nn.with_logical_partitioning(init, FSEP_PARAM_AXES[name]), shape, jnp.float32)
-    return restore_slot_weights(weights, slot_expert_LxS, self.mesh)
+    return weights, restore_layer(weights, slot_expert_LxS, 0, self.mesh, self.dtype)

@@ -1,0 +1,232 @@
+"""FSEP restores layer by layer: the layer scan restores layer l+1 in the iteration that
+computes layer l, in the compute dtype, and the backward pass restores each layer again
+instead of keeping every layer's restored weights.
+
+The program properties are read from the compiled (optimised) HLO and XLA's memory analysis
+of a bfloat16 fsep model's loss-and-grad on the (2, 4, 1) mesh, one MoE block per scan step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from moejax.config import MoEConfig
+from moejax.layout.tables import from_placements
+from moejax.model.mesh import mesh_of_shape
+from moejax.model.moe.fsep_experts import restore_slot_weights
+from moejax.model.moe.layer import moe_apply
+from moejax.model.transformer import Transformer
+from moejax.train import step as step_lib
+from moejax.train.programs import initial_layout
+from moejax.train.state import abstract, state_shardings
+from tests.helpers import BATCH, SEQ, TINY_MODEL, TINY_MOE, tokens
+from tests.moe_helpers import GRAD_LEN, LOSS_LEN, SMALL_MODEL, Y_LEN, D, E, F, make_params
+from tests.numerics import assert_close, assert_trees_close
+from tests.test_fsep import FSEP_MOE, _fsep_loss_and_grad, random_placement
+
+SHAPE, SLOTS = (2, 4, 1), 4
+WIDE_F, NARROW_F = 512, 64        # expert FFN widths of the memory comparison
+EPS_BF16 = 2.0 ** -8
+
+
+@functools.cache
+def _compiled(layers: int, d_ff: int):
+  """(compiled loss-and-grad, its jitted function, abstract params, layout) of a bf16 fsep
+  model with `layers` MoE layers (one per scan step) of expert width `d_ff`; nothing is
+  initialised or run."""
+  model_cfg = dataclasses.replace(TINY_MODEL, num_layers=layers, dtype="bfloat16")
+  moe = dataclasses.replace(TINY_MOE, moe_every=1, d_ff=d_ff, expert_mode="fsep",
+                            slots_per_device=SLOTS)
+  mesh = mesh_of_shape(SHAPE)
+  model = Transformer(model_cfg, moe, mesh)
+  layout = jax.device_put(initial_layout(moe, layers, SHAPE[1]), NamedSharding(mesh, P()))
+  shardings = state_shardings(model, optax.sgd(1.0), mesh, layout, BATCH, SEQ)
+  shapes = jax.eval_shape(lambda: nn.meta.unbox(model.init(
+      jax.random.key(0), jnp.zeros((BATCH, SEQ), jnp.int32), layout))["params"])
+  params = abstract(shapes, shardings.params)
+  f = jax.jit(jax.value_and_grad(
+      functools.partial(step_lib.loss_fn, model=model, moe_cfg=moe), has_aux=True))
+  return f.lower(params, batch_BxQ1=tokens(), layout=layout).compile(), f, params, layout
+
+
+def _computations(hlo: str) -> dict[str, dict[str, str]]:
+  """{computation name: {instruction name: its line}} of an HLO module's text."""
+  comps, current = {}, None
+  for line in hlo.splitlines():
+    if line.endswith("{") and not line.startswith(" "):
+      current = comps.setdefault(re.search(r"%?([\w.\-]+) \(", line).group(1), {})
+    elif current is not None and (m := re.match(r"\s+(?:ROOT )?%([\w.\-]+) = ", line)):
+      current[m.group(1)] = line
+  return comps
+
+
+def _opcode(line: str) -> str:
+  rhs = line.split(" = ", 1)[1]
+  if rhs.startswith("("):                   # a tuple shape: skip its balanced parentheses
+    depth = 0
+    for i, c in enumerate(rhs):
+      depth += {"(": 1, ")": -1}.get(c, 0)
+      if depth == 0:
+        rhs = rhs[i + 1:]
+        break
+  return re.match(r"\s*(?:\S+\s+)?([\w\-]+)\(", rhs).group(1)
+
+
+def _operands(line: str) -> list[str]:
+  args = line.split(" = ", 1)[1]
+  args = args[args.index(_opcode(line) + "(") + len(_opcode(line)) + 1:]
+  depth = 1
+  for end, c in enumerate(args):
+    depth += {"(": 1, ")": -1}.get(c, 0)
+    if depth == 0:
+      return re.findall(r"%([\w.\-]+)", args[:end])
+  raise ValueError(f"unbalanced operands: {line}")
+
+
+def _has_dot(comps, name: str, seen=None) -> bool:
+  """Whether computation `name` (or one it calls) contains a dot or convolution."""
+  seen = set() if seen is None else seen
+  if name in seen or name not in comps:
+    return False
+  seen.add(name)
+  for line in comps[name].values():
+    if _opcode(line) in ("dot", "convolution"):
+      return True
+    if any(_has_dot(comps, c, seen) for c in re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", line)):
+      return True
+  return False
+
+
+def _is_compute(comps, line: str) -> bool:
+  """A matmul (direct or fused) or a token exchange: this iteration's layer compute."""
+  op = _opcode(line)
+  if op in ("dot", "convolution"):
+    return True
+  if op == "all-to-all":
+    return "fsep_restore" not in line
+  return any(_has_dot(comps, c) for c in re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", line))
+
+
+def _while_bodies(hlo: str, comps) -> tuple[str, str]:
+  """Body computations of the forward and the backward (transposed) layer loop."""
+  entry = next(c for n, c in comps.items() if f"ENTRY %{n} " in hlo or f"ENTRY {n} " in hlo)
+  loops = [line for line in entry.values() if _opcode(line) == "while"]
+  body = lambda line: re.search(r"body=%([\w.\-]+)", line).group(1)
+  forward = [body(line) for line in loops if "transpose(" not in line]
+  backward = [body(line) for line in loops if "transpose(" in line]
+  assert len(forward) == 1 and len(backward) == 1, loops
+  return forward[0], backward[0]
+
+
+def test_next_layers_restore_does_not_wait_for_this_layers_compute():
+  """In the compiled loss-and-grad of an 8-MoE-layer bf16 fsep model, the forward loop body
+  restores (all_to_all, named `fsep_restore`) the next layer's weights, and no such exchange
+  depends, through its operands, on a matmul or a token all_to_all of the same iteration:
+  XLA may run it while this layer computes. The backward loop body exchanges restored
+  weights too (the gradient going home, the re-restore). Under the old program (every
+  restore before the loop) the loop bodies held no restore at all. Every weight exchange
+  moves bf16 in the lowered program (XLA:CPU widens bf16 all_to_alls to f32 when it
+  optimises, so the dtype is read before that)."""
+  compiled, f, params, layout = _compiled(8, NARROW_F)
+  lowered = f.lower(params, batch_BxQ1=tokens(), layout=layout).as_text()
+  weight_a2a = re.findall(r'"stablehlo.all_to_all"\(%\w+\) .*?: \(tensor<1x(\w+)>\)', lowered)
+  assert len(weight_a2a) >= 9 and all(t.endswith("xbf16") for t in weight_a2a), weight_a2a
+  hlo = compiled.as_text()
+  comps = _computations(hlo)
+  forward, backward = _while_bodies(hlo, comps)
+  body = comps[forward]
+  restores = [n for n, line in body.items()
+              if _opcode(line) == "all-to-all" and "fsep_restore" in line]
+  assert restores, "no fsep restore inside the forward layer loop"
+  assert any(_is_compute(comps, line) and "all-to-all" in line for line in body.values()), \
+      "expected the token all_to_alls inside the forward layer loop"
+  assert any(_opcode(line) != "all-to-all" and _is_compute(comps, line)
+             for line in body.values()), "expected matmuls inside the forward layer loop"
+  for name in restores:
+    stack, seen = list(_operands(body[name])), set()
+    while stack:
+      op = stack.pop()
+      if op in seen or op not in body:
+        continue
+      seen.add(op)
+      assert not _is_compute(comps, body[op]), f"{name} waits for this layer: {body[op]}"
+      stack.extend(_operands(body[op]))
+  assert any(_opcode(line) == "all-to-all" and "fsep_restore" in line
+             for line in comps[backward].values()), "no restore exchange in the backward loop"
+
+
+def test_restored_weights_held_do_not_grow_with_depth():
+  """XLA's compiled memory analysis (temp bytes) of the bf16 fsep loss-and-grad, 2 and 8 MoE
+  layers, each at expert widths F = 512 and F = 64. Subtracting the F = 64 growth removes
+  every per-layer cost that does not scale with F (attention, tokens, routing), so what is
+  left, the F-proportional growth from 2 to 8 layers, is what the program keeps per layer of
+  expert weights and expert hidden activations. The old program (every restore before the
+  loop, fp32, all kept for the backward pass) grew by ~12 restored layers (bf16 bytes) per
+  extra layer here; keeping each layer's bf16 restored weights for its backward pass would
+  still add one per extra layer. Restored layer by layer, with the backward pass restoring
+  and recomputing each MoE layer, about two layers are live (the one computing and the
+  prefetch) whatever the depth; what still grows is the stored shards' fp32 gradient, part of
+  which XLA:CPU copies (~0.4 restored layer per extra layer here). Bound: half a restored
+  layer per extra layer."""
+  temp = {(n, f): _compiled(n, f)[0].memory_analysis().temp_size_in_bytes
+          for n in (2, 8) for f in (NARROW_F, WIDE_F)}
+  growth = {f: temp[8, f] - temp[2, f] for f in (NARROW_F, WIDE_F)}
+  layer_bytes = SLOTS * 3 * TINY_MODEL.d_model * (WIDE_F - NARROW_F) * 2   # bf16, per device
+  per_layer = (growth[WIDE_F] - growth[NARROW_F]) / 6 / layer_bytes
+  assert per_layer <= 0.5, (temp, per_layer)
+
+
+def test_bf16_restore_equals_fp32_restore():
+  """The restore in bf16 (cast before the exchange) gives the fp32 restore rounded to bf16,
+  and the MoE layer on it (computing in fp32) the fp32 layer's outputs and gradients within
+  bf16 tolerance, on the (2, 4, 1) mesh with replicas."""
+  mesh = mesh_of_shape(SHAPE)
+  cfg = MoEConfig(num_experts=E, top_k=2, capacity_factor=float(4 * SLOTS), d_ff=F,
+                  expert_mode="fsep")
+  layout = jax.device_put(
+      from_placements([random_placement(np.random.default_rng(1), 4, SLOTS)], E, 4),
+      NamedSharding(mesh, P()))
+
+  def run(dtype):
+    def f(p, x):
+      stored = {k: p[k][None] for k in ("w_gate", "w_up", "w_down")}
+      slot = restore_slot_weights(stored, layout.slot_expert_LxS, mesh, dtype)
+      params = {"router": p["router"], **{k: v[0] for k, v in slot.items()}}
+      y, st = moe_apply(params, x, jax.tree.map(lambda a: a[0], layout), cfg, mesh)
+      return jnp.sum(jnp.sin(y) * y) + 0.1 * st.balance_loss, (y, slot)
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(
+        make_params(3), jax.random.normal(jax.random.key(4), (8, 8, D)))
+
+  (loss16, (y16, slot16)), grads16 = run(jnp.bfloat16)
+  (loss32, (y32, slot32)), grads32 = run(jnp.float32)
+  for k in slot32:
+    assert slot16[k].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(slot16[k]),
+                                  np.asarray(slot32[k].astype(jnp.bfloat16)))
+  assert_close(y16, y32, Y_LEN, eps=EPS_BF16, err_msg="y")
+  assert_close(loss16, loss32, LOSS_LEN, eps=EPS_BF16, err_msg="loss")
+  assert_trees_close(grads16, grads32, GRAD_LEN, eps=EPS_BF16)
+
+
+def test_fsep_remat_equals_no_remat():
+  """Under remat, fsep checkpoints the dense blocks one by one (the MoE layer recomputes in
+  its own backward pass): loss and gradients equal the unrematerialised model's (the
+  whole-model fsep test's program and params, shared)."""
+  f, params, layout = _fsep_loss_and_grad(SHAPE, SLOTS)
+  model = Transformer(dataclasses.replace(SMALL_MODEL, remat=True), FSEP_MOE,
+                      mesh_of_shape(SHAPE))
+  f_remat = jax.jit(jax.value_and_grad(
+      functools.partial(step_lib.loss_fn, model=model, moe_cfg=FSEP_MOE), has_aux=True))
+  (ref_loss, _), ref_grads = f(params, batch_BxQ1=tokens(), layout=layout)
+  (loss, _), grads = f_remat(params, batch_BxQ1=tokens(), layout=layout)
+  assert_close(loss, ref_loss, LOSS_LEN, err_msg="loss")
+  assert_trees_close(jax.device_get(grads), jax.device_get(ref_grads), GRAD_LEN)
