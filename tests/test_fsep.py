@@ -265,10 +265,11 @@ def test_whole_fsep_model_on_mesh_matches_one_device():
   assert_trees_close(g8, g1, grad_len)
 
 
-def test_every_layers_restore_is_scheduled_before_the_layer_loop():
+def test_first_layers_restore_is_scheduled_before_the_layer_loop():
   """The compiled forward and backward pass (the train step's program less the optimizer
-  update) issues all MoE layers' restore all_to_alls before the scanned layer loop, so layer
-  l+1's restore never waits for layer l's expert matmuls. Shares the whole-model test's program."""
+  update) issues the first MoE layer's restore all_to_alls before the scanned layer loop; the
+  loop body restores the next layer (tests/test_fsep_prefetch.py), and the token all_to_alls
+  stay inside the loop. Shares the whole-model test's program."""
   f, params, layout = _fsep_loss_and_grad((2, 4, 1), 4)
   hlo = f.lower(params, batch_BxQ1=tokens(), layout=layout).compile().as_text()
   entry = hlo[hlo.index("\nENTRY"):]
@@ -283,7 +284,7 @@ def test_every_layers_restore_is_scheduled_before_the_layer_loop():
   layer_a2a_in_entry = [i for i, line in enumerate(lines) if " all-to-all(" in line and
                         "layers/moe" in line]
   assert loops, "expected the layer scan to compile to a while loop"
-  assert len(restores) >= 3, "expected the w_gate/w_up/w_down restores in the entry computation"
+  assert len(restores) >= 3, "expected layer 0's w_gate/w_up/w_down restores in the entry"
   assert max(restores) < loops[0], "a restore is scheduled after the layer loop starts"
   assert not layer_a2a_in_entry, "token all_to_alls belong inside the layer loop"
 
