@@ -96,6 +96,7 @@ class MoEConfig:
   slots_per_device: int = 0       # fsep: expert slots per device C (0: min(E, 2 * ceil(E/N)))
   dispatch: str = "dense"         # "dense" (fixed capacity all_to_all) or "ragged" (dropless, GPU)
   kernels: str = "xla"            # "xla" or "pallas" (permute/combine/grouped-matmul kernels)
+  capacity: str = "slot"          # dense: "slot" (cap per (source, slot)) or "device" (pooled)
 
   def validate(self) -> None:
     if self.num_experts < 1:
@@ -122,6 +123,9 @@ class MoEConfig:
                         "'ragged' (dropless, GPU/TPU only).")
     if self.kernels not in ("xla", "pallas"):
       raise ConfigError(f"moe.kernels={self.kernels!r} is not supported; use 'xla' or 'pallas'.")
+    if self.capacity not in ("slot", "device"):
+      raise ConfigError(f"moe.capacity={self.capacity!r} is not supported; use 'slot' (per "
+                        "(source, slot) buffers) or 'device' (pooled per (source, device)).")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,3 +25,17 @@ def test_layer_records():
   assert rec["device_load"] == [2, 6]
   assert rec["max_over_mean_load"] == 1.5 == max_over_mean(np.array([2, 6]))
   assert rec["dropped_fraction"] == 1 / 8
+
+
+def test_layer_records_report_realised_load_after_capacity():
+  # 2 devices; device 0 computed 3 + 1 rows, device 1 computed 2 + 2 and dropped 2.
+  m = {"counts_LxWxE": np.array([[[2, 2], [0, 6]]]), "dropped_LxW": np.array([[0, 2]]),
+       "slot_counts_LxWxS": np.array([[[2, 2], [0, 6]]]),
+       "received_LxWxN": np.array([[[3, 1], [2, 2]]]), "overflow_LxW": np.array([[0, 2]]),
+       "balance_loss_L": np.array([1.5]), "z_loss_L": np.array([0.1])}
+  (rec,) = moe_layer_records(m, 2)
+  assert rec["max_over_mean_load"] == 8 / 5           # routed: [2, 8]
+  assert rec["realised_load"] == [4, 4]
+  assert rec["realised_max_over_mean"] == 1.0
+  assert rec["received_by_source"] == [[3, 1], [2, 2]]
+  assert rec["dropped_by_device"] == [0, 2]

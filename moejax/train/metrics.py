@@ -41,11 +41,24 @@ def moe_layer_records(metrics: dict, expert_devices: int) -> list[dict]:
         "counts_by_source": counts_SxE.tolist(),
         "device_load": load.tolist(),
         "max_over_mean_load": max_over_mean(load),
+        **_realised(metrics, layer),
         "dropped_fraction": float(dropped_LxW[layer].sum()) / max(total, 1),
         "balance_loss": float(metrics["balance_loss_L"][layer]),
         "z_loss": float(metrics["z_loss_L"][layer]),
     })
   return records
+
+
+def _realised(metrics: dict, layer: int) -> dict:
+  """The work each device did after capacity (absent from metrics of older runs)."""
+  if "received_LxWxN" not in metrics:
+    return {}
+  received_WxN = np.asarray(metrics["received_LxWxN"][layer])
+  computed_W = received_WxN.sum(axis=1)
+  return {"realised_load": computed_W.tolist(),
+          "realised_max_over_mean": max_over_mean(computed_W),
+          "received_by_source": received_WxN.tolist(),
+          "dropped_by_device": np.asarray(metrics["overflow_LxW"][layer]).tolist()}
 
 
 def _step_of(line: str) -> float:

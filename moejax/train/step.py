@@ -27,7 +27,9 @@ def loss_fn(params, model: nn.Module, moe_cfg: MoEConfig, batch_BxQ1: jax.Array,
   loss = ce + moe_cfg.balance_loss_weight * balance + moe_cfg.z_loss_weight * z
   return loss, {"ce": ce, "balance_loss_L": stats.balance_loss, "z_loss_L": stats.z_loss,
                 "counts_LxWxE": stats.counts_WxE, "dropped_LxW": stats.dropped_W,
-                "slot_counts_LxWxS": stats.slot_counts_WxS}
+                "slot_counts_LxWxS": stats.slot_counts_WxS,
+                # after capacity: rows each device computed per source, and its drops
+                "received_LxWxN": stats.received_WxN, "overflow_LxW": stats.overflow_W}
 
 
 def train_step(state: TrainState, batch_BxQ1: jax.Array, layout: Layout, *, model: nn.Module,

@@ -24,8 +24,12 @@ class Grouping(NamedTuple):
   sizes_C: jax.Array         # int32 [C]: rows per local slot (group sizes of the matmul)
 
 
-def group_received(starts_NxC: jax.Array, counts_NxC: jax.Array, rows: int) -> Grouping:
-  """`starts_NxC` must be non-decreasing in (source, slot) order, blocks not overlapping."""
+def group_received(starts_NxC: jax.Array, counts_NxC: jax.Array, rows: int, align: int = 1,
+                   out_rows: int | None = None) -> Grouping:
+  """`starts_NxC` must be non-decreasing in (source, slot) order, blocks not overlapping.
+  `align`: each group starts at a multiple of it (tiled matmuls); `out_rows`: length of the
+  grouped buffer (default `rows`; with align > 1 it must hold the padded groups)."""
+  out_rows = rows if out_rows is None else out_rows
   num_src, slots = counts_NxC.shape
   block_starts, block_counts = starts_NxC.reshape(-1), counts_NxC.reshape(-1)   # [N*C]
   r = jnp.arange(rows, dtype=jnp.int32)
@@ -34,11 +38,12 @@ def group_received(starts_NxC: jax.Array, counts_NxC: jax.Array, rows: int) -> G
   pos = r - block_starts[f_safe]
   valid = (f >= 0) & (pos < block_counts[f_safe])
   sizes_C = jnp.sum(counts_NxC, axis=0)
-  group_start_C = jnp.cumsum(sizes_C) - sizes_C
+  padded_C = -(-sizes_C // align) * align
+  group_start_C = jnp.cumsum(padded_C) - padded_C
   before_NxC = jnp.cumsum(counts_NxC, axis=0) - counts_NxC      # earlier sources, same slot
   q = (group_start_C[f_safe % slots] + before_NxC.reshape(-1)[f_safe] + pos).astype(jnp.int32)
   group_row_U = jnp.where(valid, q, -1)
-  recv_row_M = jnp.full((rows,), -1, jnp.int32).at[jnp.where(valid, q, rows)].set(
+  recv_row_M = jnp.full((out_rows,), -1, jnp.int32).at[jnp.where(valid, q, out_rows)].set(
       r, mode="drop")
   return Grouping(recv_row_M, group_row_U, sizes_C.astype(jnp.int32))
 

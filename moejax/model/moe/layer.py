@@ -11,6 +11,8 @@ Chosen when the program is built (`moe.dispatch`, `moe.kernels`), never inside t
                   received rows are packed by slot and the experts run as a grouped matmul
                   over the real rows only (capacity padding costs no FLOPs).
   ragged + either dropless ragged_all_to_all (moejax.model.moe.ragged); GPU/TPU only.
+`moe.capacity = 'device'` (dense only) pools the capacity of a device's slots into one buffer
+per (source, device) and runs a grouped matmul over it (moejax.model.moe.pooled).
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ from moejax.layout.leaves import EXPERT_WEIGHTS
 from moejax.layout.placement import SHARE_PARTS
 from moejax.layout.tables import Layout
 from moejax.model.mesh import BATCH_AXES, logical_to_spec
-from moejax.model.moe import combine as combine_lib, dispatch as dispatch_lib, grouping, ragged
+from moejax.model.moe import (
+  combine as combine_lib,
+  dispatch as dispatch_lib,
+  grouping,
+  pooled,
+  ragged,
+)
 from moejax.model.moe.experts import grouped_ffn, swiglu
 from moejax.model.moe.ops import ops_for
 from moejax.model.moe.replicas import split_slots
@@ -48,6 +56,8 @@ class MoEStats(NamedTuple):
   slot_counts_WxS: jax.Array  # int32: choices each source sent to each slot (before drops)
   balance_loss: jax.Array    # scalar
   z_loss: jax.Array          # scalar
+  received_WxN: jax.Array    # int32: rows device w computed from each source of its data row
+  overflow_W: jax.Array      # int32: choices routed to device w that capacity dropped
 
 
 def _ep_slots(expert_A, counts_E, expert_slots_ExR, expert_parts_ExR, slots):
@@ -68,7 +78,8 @@ def _dense_einsum(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, dt
   h = swiglu(dispatch_lib.to_slot_major(recv, num_dev, slots), *weights, dtype)
   h = jax.lax.psum(h, "model")
   back = dispatch_lib.exchange(dispatch_lib.from_slot_major(h, num_dev), num_dev, "expert")
-  return combine_lib.combine(back, index, gate_TxK), index.dropped, index.slot_counts_S
+  return (combine_lib.combine(back, index, gate_TxK), index.dropped, index.slot_counts_S,
+          jnp.minimum(index.slot_counts_S, cap))
 
 
 def _dense_grouped(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, dtype):
@@ -82,20 +93,24 @@ def _dense_grouped(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, d
   g = grouping.group_received(grouping.dense_starts(num_dev, slots, cap), kept_NxC,
                               recv.shape[0])
   back = dispatch_lib.exchange(grouped_ffn(recv, g, weights, ops, dtype), num_dev, "expert")
-  return ops.combine(back, row_TxK, gate_TxK), index.dropped, index.slot_counts_S
+  return (ops.combine(back, row_TxK, gate_TxK), index.dropped, index.slot_counts_S,
+          jnp.minimum(index.slot_counts_S, cap))
 
 
 def _ragged(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, dtype):
   del cap
   y_TxD, slot_counts_S = ragged.ragged_moe(x_TxD, slot_A, gate_TxK, weights, ops, num_dev,
                                            slots, dtype)
-  return y_TxD, jnp.zeros((), jnp.int32), slot_counts_S
+  return y_TxD, jnp.zeros((), jnp.int32), slot_counts_S, slot_counts_S
 
 
 def dispatch_combine_fn(cfg: MoEConfig):
-  """The dispatch -> experts -> combine pipeline for this config (a build-time choice)."""
+  """The dispatch -> experts -> combine pipeline for this config (a build-time choice): it
+  returns (y_TxD, dropped, slot_counts_S, kept_S), kept_S the choices kept per slot."""
   if cfg.dispatch == "ragged":
     return _ragged
+  if cfg.capacity == "device":
+    return pooled.pooled_dispatch_combine
   return _dense_einsum if cfg.kernels == "xla" else _dense_grouped
 
 
@@ -113,7 +128,10 @@ def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
   if why := batch_split_error(batch, shards):
     raise ConfigError(why + ".")
   num_tokens = batch // shards * length
-  cap = dispatch_lib.capacity(num_tokens, cfg.top_k, num_slots, cfg.capacity_factor)
+  if cfg.capacity == "device":
+    cap = pooled.device_capacity(num_tokens, cfg.top_k, num_dev, cfg.capacity_factor)
+  else:
+    cap = dispatch_lib.capacity(num_tokens, cfg.top_k, num_slots, cfg.capacity_factor)
   # Chosen when the program is built: ep layouts have one replica per expert.
   pick_slots = _ep_slots if layout.expert_slots_LxExR.shape[-1] == 1 else _replica_slots
   platform = mesh.devices.flat[0].platform
@@ -131,21 +149,36 @@ def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
     r = route(x_TxD, w_router, cfg.top_k, normalize_top_k=cfg.normalize_top_k,
               token_axes=BATCH_AXES, bias_E=bias)
     slot_A = pick_slots(r.expert_TxK.reshape(-1), r.counts_E, expert_slots, expert_parts, slots)
-    y_TxD, dropped, slot_counts = pipeline(x_TxD, slot_A, r.gate_TxK, (w_gate, w_up, w_down),
-                                           ops, num_dev, slots, cap, dtype)
+    y_TxD, dropped, slot_counts, kept = pipeline(x_TxD, slot_A, r.gate_TxK,
+                                                 (w_gate, w_up, w_down), ops, num_dev, slots,
+                                                 cap, dtype)
     return (y_TxD.reshape(x.shape).astype(x.dtype), r.counts_E[None], dropped[None],
-            slot_counts[None], r.balance_loss, r.z_loss)
+            slot_counts[None], kept[None], r.balance_loss, r.z_loss)
 
   spec = {k: logical_to_spec(v) for k, v in EXPERT_PARAM_AXES.items()}
   fn = jax.shard_map(
       local, mesh=mesh, check_vma=check_vma,
       in_specs=(P(BATCH_AXES), logical_to_spec(ROUTER_AXES), spec["w_gate"], spec["w_up"],
                 spec["w_down"], P(), P(), P()),
-      out_specs=(P(BATCH_AXES), P(BATCH_AXES), P(BATCH_AXES), P(BATCH_AXES), P(), P()))
-  y, counts, dropped, slot_counts, bal, z = fn(
+      out_specs=(P(BATCH_AXES),) * 5 + (P(), P()))
+  y, counts, dropped, slot_counts, kept, bal, z = fn(
       x_BxQxD, params["router"], params["w_gate"], params["w_up"], params["w_down"],
       layout.expert_slots_LxExR, layout.expert_parts_LxExR, layout.router_bias_LxE)
-  return y, MoEStats(counts, dropped, slot_counts, bal, z)
+  received, overflow = realised_load(slot_counts, kept, num_dev)
+  return y, MoEStats(counts, dropped, slot_counts, bal, z, received, overflow)
+
+
+def realised_load(slot_counts_WxS: jax.Array, kept_WxS: jax.Array,
+                  num_dev: int) -> tuple[jax.Array, jax.Array]:
+  """(received_WxN, overflow_W) from what each source routed to and kept for each slot.
+  Sources are ordered (data row, expert device); a row's sources send only to its devices."""
+  sources, num_slots = kept_WxS.shape
+  rows, slots = sources // num_dev, num_slots // num_dev
+  # [row, source, destination, slot] -> rows per (row, destination, source)
+  kept = kept_WxS.reshape(rows, num_dev, num_dev, slots).sum(-1).transpose(0, 2, 1)
+  routed_W = slot_counts_WxS.reshape(rows, num_dev, num_dev, slots).sum((1, 3)).reshape(-1)
+  received_WxN = kept.reshape(sources, num_dev)
+  return received_WxN, routed_W - received_WxN.sum(-1)
 
 
 class MoELayer(nn.Module):

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moejax.model.moe.route import route
 
 
 def moe_reference(params: dict, x_BxQxD: jax.Array, top_k: int, normalize_top_k: bool = True,
-                  bias_E: jax.Array | None = None):
-  """Returns (y_BxQxD, counts_E, balance_loss, z_loss); `bias_E` as in `route`."""
+                  bias_E: jax.Array | None = None, keep_TxK: jax.Array | None = None):
+  """Returns (y_BxQxD, counts_E, balance_loss, z_loss); `bias_E` as in `route`; `keep_TxK`
+  (bool, optional) drops the choices it marks False (a capacity rule's outcome)."""
   d_model = x_BxQxD.shape[-1]
   x_TxD = x_BxQxD.reshape(-1, d_model).astype(jnp.float32)
   r = route(x_TxD, params["router"], top_k, normalize_top_k=normalize_top_k, bias_E=bias_E)
@@ -23,5 +25,19 @@ def moe_reference(params: dict, x_BxQxD: jax.Array, top_k: int, normalize_top_k:
   out_ExTxD = jnp.einsum("etf,efd->etd", jax.nn.silu(gate_h) * up_h, params["w_down"])
   picked_TxKxD = jnp.take_along_axis(
       out_ExTxD.transpose(1, 0, 2), r.expert_TxK[:, :, None], axis=1)
-  y_TxD = jnp.einsum("tkd,tk->td", picked_TxKxD, r.gate_TxK)
+  gate_TxK = r.gate_TxK if keep_TxK is None else jnp.where(keep_TxK, r.gate_TxK, 0.0)
+  y_TxD = jnp.einsum("tkd,tk->td", picked_TxKxD, gate_TxK)
   return y_TxD.reshape(x_BxQxD.shape), r.counts_E, r.balance_loss, r.z_loss
+
+
+def pooled_keep(slot_A: np.ndarray, slots: int, cap_dev: int) -> np.ndarray:
+  """The pooled-capacity drop rule for one source, in numpy: its choices ordered by device,
+  slot, then token order; the first `cap_dev` to each device are kept. Bool [A]."""
+  slot_A = np.asarray(slot_A)
+  keep_A = np.zeros(slot_A.shape, bool)
+  taken = {}
+  for a in np.argsort(slot_A, kind="stable"):
+    dev = int(slot_A[a]) // slots
+    taken[dev] = taken.get(dev, 0) + 1
+    keep_A[a] = taken[dev] <= cap_dev
+  return keep_A

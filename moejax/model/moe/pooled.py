@@ -1,0 +1,109 @@
+"""Device-pooled capacity (`moe.capacity = 'device'`): one buffer per (source, device).
+
+Per-slot capacity gives each (source, slot) pair `cap` rows, so a placement cannot move load
+between buffers. Pooled capacity gives each (source, destination device) pair
+`cap_dev = ceil(cf * T * K / N)` rows, shared by that device's C slots: a device whose slots
+are hot and cold together absorbs the hot one's overflow.
+
+Drop rule (deterministic): a source orders its choices by destination device, then by slot
+(local slot index on that device), then by token order (stable sort of the slot ids); the
+first `cap_dev` choices to each device are kept, the rest dropped. So when a device
+overflows, its higher-numbered local slots lose choices first, and within a slot the later
+tokens. `moejax.model.moe.reference.pooled_keep` is the same rule in numpy.
+
+A block from one source arrives packed slot by slot; the receiver groups the rows by slot
+and runs them through a grouped matmul over the pooled N * cap_dev rows: the Pallas gmm
+(`moe.kernels = 'pallas'`), or the static-tile scan of `moejax.model.moe.tiled` (XLA).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from moejax.model.moe import dispatch as dispatch_lib, grouping, tiled
+from moejax.model.moe.dispatch import BufferIndex
+from moejax.model.moe.experts import grouped_ffn, swiglu_grouped
+
+
+def device_capacity(num_tokens: int, top_k: int, num_devices: int,
+                    capacity_factor: float) -> int:
+  """Rows per (source, device): capacity_factor times the balanced share, at least 1."""
+  return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_devices))
+
+
+class PooledIndex(NamedTuple):
+  index: BufferIndex         # rows: [N * cap_dev], device d's block packed slot by slot
+  kept_S: jax.Array          # int32 [S]: choices to each slot that the buffer kept
+
+
+def pooled_index(slot_A: jax.Array, top_k: int, num_devices: int, slots: int,
+                 cap_dev: int) -> PooledIndex:
+  """Send-buffer rows for this source's choices under the drop rule in the module doc."""
+  num_choices = slot_A.shape[0]
+  num_slots = num_devices * slots
+  order_A = jnp.argsort(slot_A, stable=True)        # device, then slot, then token order
+  counts_S = jnp.zeros((num_slots,), jnp.int32).at[slot_A].add(1)
+  counts_NxC = counts_S.reshape(num_devices, slots)
+  counts_N = counts_NxC.sum(axis=1)
+  starts_N = jnp.cumsum(counts_N) - counts_N
+  dev_A = slot_A // slots
+  pos_sorted_A = jnp.arange(num_choices, dtype=jnp.int32) - starts_N[dev_A[order_A]]
+  pos_A = jnp.zeros((num_choices,), jnp.int32).at[order_A].set(pos_sorted_A)
+  keep_A = pos_A < cap_dev
+  buf_index_A = jnp.where(keep_A, dev_A * cap_dev + pos_A, -1).astype(jnp.int32)
+
+  pos_P = jnp.arange(cap_dev, dtype=jnp.int32)
+  filled_NxP = pos_P[None, :] < counts_N[:, None]
+  src_NxP = jnp.clip(starts_N[:, None] + pos_P[None, :], 0, num_choices - 1)
+  buf_token_NxP = jnp.where(filled_NxP, order_A[src_NxP] // top_k, num_choices // top_k)
+  within_NxC = jnp.cumsum(counts_NxC, axis=1) - counts_NxC     # earlier slots, same device
+  kept_NxC = jnp.clip(cap_dev - within_NxC, 0, counts_NxC)
+  dropped = jnp.sum(~keep_A).astype(jnp.int32)
+  index = BufferIndex(buf_index_A, buf_token_NxP.reshape(-1), dropped, counts_S)
+  return PooledIndex(index, kept_NxC.reshape(-1).astype(jnp.int32))
+
+
+def pooled_starts(kept_NxC: jax.Array, cap_dev: int) -> jax.Array:
+  """Block starts in the received buffer [sources, cap_dev]: each source's block holds its
+  slots' kept rows back to back."""
+  num_src = kept_NxC.shape[0]
+  within_NxC = jnp.cumsum(kept_NxC, axis=1) - kept_NxC
+  return (jnp.arange(num_src, dtype=jnp.int32)[:, None] * cap_dev + within_NxC).astype(
+      jnp.int32)
+
+
+def _tiled_ffn(recv_UxD, starts_NxC, kept_NxC, weights, dtype):
+  rows = recv_UxD.shape[0]
+  slots = kept_NxC.shape[1]
+  tile = tiled.tile_rows(rows, slots)
+  tiles = tiled.num_tiles(rows, slots, tile)
+  g = grouping.group_received(starts_NxC, kept_NxC, rows, align=tile, out_rows=tiles * tile)
+  group_of_tile = tiled.tile_groups(g.sizes_C, tiles, tile)
+  x_MxD = dispatch_lib.gather_rows(recv_UxD, g.recv_row_M)
+  gmm = lambda x, w, sizes: tiled.tiled_gmm(x, w, group_of_tile, tile)
+  y_MxD = jax.lax.psum(swiglu_grouped(x_MxD, g.sizes_C, *weights, gmm, dtype), "model")
+  return dispatch_lib.gather_rows(y_MxD, g.group_row_U)
+
+
+def pooled_dispatch_combine(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap_dev,
+                            dtype):
+  """Pooled dispatch -> grouped experts -> combine on one device; returns
+  (y_TxD, dropped, slot_counts_S, kept_S)."""
+  p = pooled_index(slot_A, gate_TxK.shape[1], num_dev, slots, cap_dev)
+  row_TxK = p.index.buf_index_A.reshape(gate_TxK.shape)
+  recv = dispatch_lib.exchange(ops.permute(x_TxD, p.index.buf_token_U, row_TxK), num_dev,
+                               "expert")
+  # Rows each source kept for each of my slots: [sources, C].
+  kept_NxC = jax.lax.all_to_all(p.kept_S.reshape(num_dev, slots), "expert", 0, 0)
+  starts_NxC = pooled_starts(kept_NxC, cap_dev)
+  if ops.name == "xla":
+    out = _tiled_ffn(recv, starts_NxC, kept_NxC, weights, dtype)
+  else:
+    out = grouped_ffn(recv, grouping.group_received(starts_NxC, kept_NxC, recv.shape[0]),
+                      weights, ops, dtype)
+  back = dispatch_lib.exchange(out, num_dev, "expert")
+  return ops.combine(back, row_TxK, gate_TxK), p.index.dropped, p.index.slot_counts_S, p.kept_S

@@ -1,0 +1,87 @@
+"""A grouped matmul from static tiles, for XLA backends without a real one (XLA:CPU).
+
+`jax.lax.ragged_dot` on XLA:CPU costs about one dense matmul per group over all rows. Here
+each group is padded to a multiple of `tile` rows inside a buffer of a bounded number of
+tiles, and a `lax.scan` over the tiles multiplies each by its group's weights (a dynamic
+index into w_GxIxO), so the cost follows the buffer rows, not G times them. The backward is
+a `custom_vjp`: dx is the same scan with the weights transposed, dW one batched per-tile
+product summed by group (a segment sum).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.backend import match_varying
+
+MAX_TILE = 256
+
+
+def tile_rows(rows: int, groups: int, max_tile: int = MAX_TILE) -> int:
+  """Tile height: `max_tile`, or the power of two covering one group's even share if smaller
+  (tiny buffers would otherwise be mostly padding)."""
+  share = max(1, -(-rows // groups))
+  return min(max_tile, 1 << (share - 1).bit_length())
+
+
+def num_tiles(rows: int, groups: int, tile: int) -> int:
+  """Tiles that hold `rows` rows in `groups` groups, each padded to a multiple of `tile`."""
+  return (rows + groups * (tile - 1)) // tile
+
+
+def tile_groups(sizes_G: jax.Array, tiles: int, tile: int) -> jax.Array:
+  """int32 [tiles]: the group each tile belongs to; unused tail tiles take the last group
+  (their rows are zeros, so they add nothing to any output or gradient)."""
+  end_G = jnp.cumsum(-(-sizes_G // tile))
+  t = jnp.arange(tiles, dtype=jnp.int32)
+  group = jnp.searchsorted(end_G, t, side="right").astype(jnp.int32)
+  return jnp.minimum(group, sizes_G.shape[0] - 1)
+
+
+def _scan_tiles(x_MxI: jax.Array, w_GxIxO: jax.Array, group_of_tile: jax.Array,
+                tile: int) -> jax.Array:
+  rows, width = x_MxI.shape
+  x_tiles = x_MxI.reshape(rows // tile, tile, width)   # [tiles, tile, I]
+
+  def body(carry, xs):
+    x_t, g = xs
+    return carry, jnp.dot(x_t, w_GxIxO[g])
+
+  _, y_tiles = jax.lax.scan(body, None, (x_tiles, group_of_tile))
+  return y_tiles.reshape(rows, -1)
+
+
+def tiled_gmm(x_MxI: jax.Array, w_GxIxO: jax.Array, group_of_tile: jax.Array,
+              tile: int) -> jax.Array:
+  """[M, O]: tile i of x (rows i*tile ..) times w[group_of_tile[i]]; M a multiple of tile."""
+  # Inside shard_map the cotangents must vary over the axes their inputs vary over; the cast
+  # of the weights to x's axes sums their gradient over the axes they were broadcast to.
+  x_MxI, w_GxIxO = match_varying(x_MxI, w_GxIxO)
+  return _tiled_gmm(x_MxI, w_GxIxO, group_of_tile, tile)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _tiled_gmm(x_MxI, w_GxIxO, group_of_tile, tile):
+  return _scan_tiles(x_MxI, w_GxIxO, group_of_tile, tile)
+
+
+def _fwd(x_MxI, w_GxIxO, group_of_tile, tile):
+  return _scan_tiles(x_MxI, w_GxIxO, group_of_tile, tile), (x_MxI, w_GxIxO, group_of_tile)
+
+
+def _bwd(tile, res, dy_MxO):
+  x_MxI, w_GxIxO, group_of_tile = res
+  dx_MxI = _scan_tiles(dy_MxO, w_GxIxO.transpose(0, 2, 1), group_of_tile, tile)
+  rows = x_MxI.shape[0]
+  x_tiles = x_MxI.reshape(rows // tile, tile, -1)
+  dy_tiles = dy_MxO.reshape(rows // tile, tile, -1)
+  dw_tiles = jnp.einsum("nti,nto->nio", x_tiles, dy_tiles)   # [tiles, I, O]
+  dw_GxIxO = jax.ops.segment_sum(dw_tiles, group_of_tile, num_segments=w_GxIxO.shape[0],
+                                 indices_are_sorted=True)
+  return dx_MxI, dw_GxIxO.astype(w_GxIxO.dtype), None
+
+
+_tiled_gmm.defvjp(_fwd, _bwd)

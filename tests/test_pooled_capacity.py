@@ -1,0 +1,194 @@
+"""Device-pooled capacity (moe.capacity = 'device') equals the reference under its drop rule."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from moejax.config import MoEConfig
+from moejax.layout import placement as placement_lib
+from moejax.layout.placement import SHARE_PARTS
+from moejax.layout.tables import from_placements
+from moejax.model.mesh import mesh_of_shape
+from moejax.model.moe import tiled
+from moejax.model.moe.layer import moe_apply
+from moejax.model.moe.pooled import device_capacity
+from moejax.model.moe.reference import moe_reference, pooled_keep
+from moejax.model.moe.replicas import split_slots
+from moejax.model.moe.route import route
+from tests.moe_helpers import GRAD_LEN, LOSS_LEN, Y_LEN, D, E, F, make_params, objective
+from tests.numerics import assert_close, assert_trees_close
+from tests.test_fsep import fsep_value_and_grad_fn, random_placement
+
+BATCH, SEQ = 8, 8
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
+
+
+def reference_keep(params, x, layout_row, num_sources, n, slots, cap_dev):
+  """keep_TxK over the global tokens: each source's slots as the layer picks them (split_slots
+  with the source's phase; ep's one replica gives the expert's slot), then `pooled_keep`."""
+  x_TxD = x.reshape(-1, D)
+  expert_TxK = np.asarray(route(x_TxD, params["router"], 2, normalize_top_k=True).expert_TxK)
+  t_local = expert_TxK.shape[0] // num_sources
+  keep = []
+  for w in range(num_sources):
+    expert_A = jnp.asarray(expert_TxK[w * t_local:(w + 1) * t_local].reshape(-1))
+    phase = (w % n) * SHARE_PARTS // n
+    slot_A = split_slots(expert_A, layout_row.expert_slots_LxExR,
+                         layout_row.expert_parts_LxExR, phase)
+    keep.append(pooled_keep(np.asarray(slot_A), slots, cap_dev))
+  return np.concatenate(keep).reshape(expert_TxK.shape)
+
+
+def _ref_value_and_grad(params, x, keep_TxK):
+  def f(p, x):
+    y, counts, bal, z = moe_reference(p, x, 2, keep_TxK=keep_TxK)
+    return objective(y, bal, z), (y, counts)
+  return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(params, x)
+
+
+def _ep_value_and_grad(cfg, mesh, slot_expert):
+  def f(p, x, layout):
+    slot_p = {"router": p["router"], **{k: p[k][slot_expert] for k in EXPERT_WEIGHTS}}
+    y, st = moe_apply(slot_p, x, jax.tree.map(lambda a: a[0], layout), cfg, mesh)
+    return objective(y, st.balance_loss, st.z_loss), (y, st)
+  return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
+
+
+def _check(got, want, keep, st):
+  (loss, (y, _)), grads = got
+  (ref_loss, (ref_y, _)), ref_grads = want
+  assert int(np.sum(st.dropped_W)) == int(np.sum(~keep)) > 0, "the test should drop"
+  assert_close(y, ref_y, Y_LEN, err_msg="y")
+  assert_close(loss, ref_loss, LOSS_LEN, err_msg="loss")
+  assert_trees_close(grads, ref_grads, GRAD_LEN)
+  # What each device computed is what its sources kept for it.
+  assert int(np.sum(st.received_WxN)) == int(np.sum(keep))
+  np.testing.assert_array_equal(np.asarray(st.received_WxN).sum(-1) + np.asarray(st.overflow_W),
+                                _routed_per_device(st))
+
+
+def _routed_per_device(st):
+  slot_counts = np.asarray(st.slot_counts_WxS)
+  sources, num_slots = slot_counts.shape
+  n = np.asarray(st.received_WxN).shape[1]
+  return slot_counts.reshape(sources // n, n, n, num_slots // n).sum((1, 3)).reshape(-1)
+
+
+@pytest.mark.parametrize("kernels", ["xla", "pallas"])
+@pytest.mark.parametrize("shape", [(1, 8, 1), (2, 4, 1)], ids=["1x8x1", "2x4x1"])
+def test_pooled_ep_matches_reference_under_its_drop_rule(shape, kernels):
+  mesh = mesh_of_shape(shape)
+  n = shape[1]
+  slots = E // n
+  cfg = MoEConfig(num_experts=E, top_k=2, capacity_factor=0.75, d_ff=F, capacity="device",
+                  kernels=kernels)
+  slot_expert = np.random.default_rng(1).permutation(E).astype(np.int32)
+  placement = placement_lib.Placement(slot_expert, np.ones(E), n)
+  layout = jax.device_put(from_placements([placement], E, 1), NamedSharding(mesh, P()))
+  params = make_params(3)
+  x = jax.random.normal(jax.random.key(7), (BATCH, SEQ, D))
+  cap_dev = device_capacity(BATCH * SEQ // (shape[0] * n), 2, n, 0.75)
+  keep = reference_keep(params, x, jax.tree.map(lambda a: a[0], layout), shape[0] * n, n,
+                        slots, cap_dev)
+  got = _ep_value_and_grad(cfg, mesh, slot_expert)(params, x, layout)
+  _check(got, _ref_value_and_grad(params, x, jnp.asarray(keep)), keep, got[0][1][1])
+
+
+@pytest.mark.parametrize("shape,slots", [((1, 8, 1), 2), ((2, 4, 1), 4)],
+                         ids=["1x8x1", "2x4x1"])
+def test_pooled_fsep_with_replicas_matches_reference(shape, slots):
+  mesh = mesh_of_shape(shape)
+  n = shape[1]
+  cfg = MoEConfig(num_experts=E, top_k=2, capacity_factor=0.6, d_ff=F, expert_mode="fsep",
+                  capacity="device")
+  placement = random_placement(np.random.default_rng(2), n, slots)
+  layout = jax.device_put(from_placements([placement], E, n), NamedSharding(mesh, P()))
+  params = make_params(4)
+  x = jax.random.normal(jax.random.key(8), (BATCH, SEQ, D))
+  cap_dev = device_capacity(BATCH * SEQ // (shape[0] * n), 2, n, 0.6)
+  keep = reference_keep(params, x, jax.tree.map(lambda a: a[0], layout), shape[0] * n, n,
+                        slots, cap_dev)
+  got = fsep_value_and_grad_fn(cfg, mesh)(params, x, layout)
+  _check(got, _ref_value_and_grad(params, x, jnp.asarray(keep)), keep, got[0][1][1])
+
+
+def test_no_drops_pooled_equals_per_slot():
+  mesh = mesh_of_shape((2, 4, 1))
+  slot_expert = np.arange(E, dtype=np.int32)
+  layout = jax.device_put(from_placements([placement_lib.Placement(slot_expert, np.ones(E), 4)],
+                                          E, 1), NamedSharding(mesh, P()))
+  params = make_params(5)
+  x = jax.random.normal(jax.random.key(9), (BATCH, SEQ, D))
+  out = {}
+  for capacity in ("slot", "device"):
+    cfg = MoEConfig(num_experts=E, top_k=2, capacity_factor=8.0, d_ff=F, capacity=capacity)
+    out[capacity] = _ep_value_and_grad(cfg, mesh, slot_expert)(params, x, layout)
+    assert int(np.sum(out[capacity][0][1][1].dropped_W)) == 0
+  (loss, (y, _)), grads = out["device"]
+  (ref_loss, (ref_y, _)), ref_grads = out["slot"]
+  assert_close(y, ref_y, Y_LEN)
+  assert_close(loss, ref_loss, LOSS_LEN)
+  assert_trees_close(grads, ref_grads, GRAD_LEN)
+
+
+@functools.cache
+def _layer_fn(cfg, mesh):
+  return jax.jit(lambda p, x, layout: moe_apply(p, x, jax.tree.map(lambda a: a[0], layout), cfg,
+                                                mesh))
+
+
+def test_pairing_hot_with_cold_drops_fewer_only_under_pooled_capacity():
+  """Experts 0 and 1 are hot (router bias). Placing them on one device overflows it under
+  pooled capacity; pairing each with a cold expert does not. Per-slot capacity cannot tell
+  the two placements apart: each expert keeps its own buffer wherever it sits."""
+  n = 4
+  mesh = mesh_of_shape((1, n, 1))
+  params = make_params(6)
+  x = jax.random.normal(jax.random.key(10), (BATCH, SEQ, D))
+  bias = np.zeros((1, E), np.float32)
+  bias[0, :2] = 0.3
+  hot_together = np.array([0, 1, 2, 3, 4, 5, 6, 7], np.int32)
+  hot_apart = np.array([0, 2, 1, 3, 4, 5, 6, 7], np.int32)
+  drops = {}
+  for capacity in ("slot", "device"):
+    cfg = MoEConfig(num_experts=E, top_k=2, capacity_factor=1.5, d_ff=F, capacity=capacity)
+    for name, slot_expert in (("together", hot_together), ("apart", hot_apart)):
+      placement = placement_lib.Placement(slot_expert, np.ones(E), n)
+      layout = jax.device_put(from_placements([placement], E, 1, bias),
+                              NamedSharding(mesh, P()))
+      slot_p = {"router": params["router"],
+                **{k: params[k][slot_expert] for k in EXPERT_WEIGHTS}}
+      _, st = _layer_fn(cfg, mesh)(slot_p, x, layout)
+      drops[capacity, name] = int(np.sum(st.dropped_W))
+  assert drops["slot", "together"] == drops["slot", "apart"] > 0, drops
+  assert drops["device", "apart"] < drops["device", "together"], drops
+
+
+def test_tiled_gmm_matches_per_group_matmul_with_gradients():
+  tile, sizes = 8, np.array([5, 0, 13], np.int32)
+  groups, width, out_w = len(sizes), 4, 3
+  tiles = tiled.num_tiles(int(sizes.sum()), groups, tile)
+  rows = tiles * tile
+  x = jax.random.normal(jax.random.key(0), (rows, width))
+  w = jax.random.normal(jax.random.key(1), (groups, width, out_w))
+  group_of_tile = tiled.tile_groups(jnp.asarray(sizes), tiles, tile)
+  padded = -(-sizes // tile) * tile
+  group_of_row = np.minimum(np.repeat(np.arange(groups), padded), groups - 1)
+  group_of_row = np.concatenate([group_of_row, np.full(rows - len(group_of_row), groups - 1)])
+  want_fn = lambda x, w: jnp.sum(jnp.sin(jnp.einsum("mi,mio->mo", x, w[group_of_row])))
+  got_fn = lambda x, w: jnp.sum(jnp.sin(tiled.tiled_gmm(x, w, group_of_tile, tile)))
+  want = jax.value_and_grad(want_fn, argnums=(0, 1))(x, w)
+  got = jax.jit(jax.value_and_grad(got_fn, argnums=(0, 1)))(x, w)
+  assert_trees_close(got, want, rows)
+
+
+def test_pooled_capacity_rejects_unknown_names():
+  with pytest.raises(Exception, match="moe.capacity='pool'"):
+    dataclasses.replace(MoEConfig(), capacity="pool").validate()
