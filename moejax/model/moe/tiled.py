@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.backend import match_varying
 
-MAX_TILE = 256
+MAX_TILE = 512
 
 
 def tile_rows(rows: int, groups: int, max_tile: int = MAX_TILE) -> int:
@@ -33,12 +33,12 @@ def num_tiles(rows: int, groups: int, tile: int) -> int:
 
 
 def tile_groups(sizes_G: jax.Array, tiles: int, tile: int) -> jax.Array:
-  """int32 [tiles]: the group each tile belongs to; unused tail tiles take the last group
-  (their rows are zeros, so they add nothing to any output or gradient)."""
+  """int32 [tiles]: the group each tile belongs to, -1 for the unused tail tiles (zero rows:
+  the matmul skips them and gives zeros)."""
   end_G = jnp.cumsum(-(-sizes_G // tile))
   t = jnp.arange(tiles, dtype=jnp.int32)
   group = jnp.searchsorted(end_G, t, side="right").astype(jnp.int32)
-  return jnp.minimum(group, sizes_G.shape[0] - 1)
+  return jnp.where(group < sizes_G.shape[0], group, -1)
 
 
 def _scan_tiles(x_MxI: jax.Array, w_GxIxO: jax.Array, group_of_tile: jax.Array,
@@ -48,7 +48,10 @@ def _scan_tiles(x_MxI: jax.Array, w_GxIxO: jax.Array, group_of_tile: jax.Array,
 
   def body(carry, xs):
     x_t, g = xs
-    return carry, jnp.dot(x_t, w_GxIxO[g])
+    y_t = jax.lax.cond(g >= 0, lambda: jnp.dot(x_t, w_GxIxO[jnp.maximum(g, 0)]),
+                       lambda: match_varying(jnp.zeros((tile, w_GxIxO.shape[-1]), x_t.dtype),
+                                             x_t)[0])
+    return carry, y_t
 
   _, y_tiles = jax.lax.scan(body, None, (x_tiles, group_of_tile))
   return y_tiles.reshape(rows, -1)
@@ -56,7 +59,8 @@ def _scan_tiles(x_MxI: jax.Array, w_GxIxO: jax.Array, group_of_tile: jax.Array,
 
 def tiled_gmm(x_MxI: jax.Array, w_GxIxO: jax.Array, group_of_tile: jax.Array,
               tile: int) -> jax.Array:
-  """[M, O]: tile i of x (rows i*tile ..) times w[group_of_tile[i]]; M a multiple of tile."""
+  """[M, O]: tile i of x (rows i*tile ..) times w[group_of_tile[i]], zeros where that is -1;
+  M a multiple of tile."""
   # Inside shard_map the cotangents must vary over the axes their inputs vary over; the cast
   # of the weights to x's axes sums their gradient over the axes they were broadcast to.
   x_MxI, w_GxIxO = match_varying(x_MxI, w_GxIxO)
@@ -79,8 +83,10 @@ def _bwd(tile, res, dy_MxO):
   x_tiles = x_MxI.reshape(rows // tile, tile, -1)
   dy_tiles = dy_MxO.reshape(rows // tile, tile, -1)
   dw_tiles = jnp.einsum("nti,nto->nio", x_tiles, dy_tiles)   # [tiles, I, O]
-  dw_GxIxO = jax.ops.segment_sum(dw_tiles, group_of_tile, num_segments=w_GxIxO.shape[0],
-                                 indices_are_sorted=True)
+  groups = w_GxIxO.shape[0]
+  # Unused tiles (-1) go to segment `groups`, which is dropped; the ids stay sorted.
+  segment = jnp.where(group_of_tile < 0, groups, group_of_tile)
+  dw_GxIxO = jax.ops.segment_sum(dw_tiles, segment, num_segments=groups, indices_are_sorted=True)
   return dx_MxI, dw_GxIxO.astype(w_GxIxO.dtype), None
 
 
