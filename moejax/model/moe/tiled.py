@@ -3,9 +3,9 @@
 `jax.lax.ragged_dot` on XLA:CPU costs about one dense matmul per group over all rows. Here
 each group is padded to a multiple of `tile` rows inside a buffer of a bounded number of
 tiles, and a `lax.scan` over the tiles multiplies each by its group's weights (a dynamic
-index into w_GxIxO), so the cost follows the buffer rows, not G times them. The backward is
-a `custom_vjp`: dx is the same scan with the weights transposed, dW one batched per-tile
-product summed by group (a segment sum).
+index into w_GxIxO), so the cost follows the buffer rows, not G times them; tiles past the
+groups are skipped. The backward is a `custom_vjp`: dx is the same scan with the weights
+transposed, dW the per-tile products summed by group (a segment sum, accumulated in a scan).
 """
 
 from __future__ import annotations
@@ -82,11 +82,17 @@ def _bwd(tile, res, dy_MxO):
   rows = x_MxI.shape[0]
   x_tiles = x_MxI.reshape(rows // tile, tile, -1)
   dy_tiles = dy_MxO.reshape(rows // tile, tile, -1)
-  dw_tiles = jnp.einsum("nti,nto->nio", x_tiles, dy_tiles)   # [tiles, I, O]
-  groups = w_GxIxO.shape[0]
-  # Unused tiles (-1) go to segment `groups`, which is dropped; the ids stay sorted.
-  segment = jnp.where(group_of_tile < 0, groups, group_of_tile)
-  dw_GxIxO = jax.ops.segment_sum(dw_tiles, segment, num_segments=groups, indices_are_sorted=True)
+
+  # dW: each used tile's product added to its group's sum as the scan goes; a [tiles, I, O]
+  # stack of per-tile products summed afterwards would hold tiles x the weights' bytes.
+  def body(dw_GxIxO, xs):
+    x_t, dy_t, g = xs
+    add = lambda: dw_GxIxO.at[jnp.maximum(g, 0)].add(
+        jnp.dot(x_t.T, dy_t, preferred_element_type=jnp.float32))
+    return jax.lax.cond(g >= 0, add, lambda: dw_GxIxO), None
+
+  dw0 = match_varying(jnp.zeros(w_GxIxO.shape, jnp.float32), x_MxI, dy_MxO)[0]   # f32 sums
+  dw_GxIxO, _ = jax.lax.scan(body, dw0, (x_tiles, dy_tiles, group_of_tile))
   return dx_MxI, dw_GxIxO.astype(w_GxIxO.dtype), None
 
 
