@@ -9,8 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.layout import placement as placement_lib
+from moejax.model.moe.fsep_experts import restore_slot_weights
 from moejax.model.moe.layer import moe_apply
 from moejax.model.moe.reference import moe_reference
+from moejax.train import step as step_lib
 from tests.helpers import BATCH, SEQ, TINY_MODEL, TINY_MOE, tiny_setup
 
 E, D, F = 8, 16, 32
@@ -90,3 +93,45 @@ def reference_value_and_grad(params, x, top_k):
     return objective(y, bal, z), (y, counts)
   return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(params, x)
 
+
+def random_placement(rng, num_devices, slots, num_experts=E):
+  """All slots filled, >= 1 replica per expert, <= 1 replica of an expert per device,
+  some experts with 3+ replicas, random token shares."""
+  while True:
+    extra = rng.multinomial(num_devices * slots - num_experts,
+                            rng.dirichlet(np.full(num_experts, 0.3)))
+    reps = 1 + np.minimum(extra, num_devices - 1)
+    if reps.sum() != num_devices * slots or reps.max() < 3:
+      continue
+    slot_expert = rng.permutation(np.repeat(np.arange(num_experts), reps)).astype(np.int32)
+    per_dev = slot_expert.reshape(num_devices, slots)
+    if all(len(set(row)) == slots for row in per_dev):
+      break
+  share = np.zeros(len(slot_expert))
+  for e in range(num_experts):
+    mine = np.flatnonzero(slot_expert == e)
+    share[mine] = rng.dirichlet(np.ones(len(mine)))
+  return placement_lib.Placement(slot_expert, share, num_devices)
+
+
+def fsep_value_and_grad_fn(cfg, mesh):
+  def f(p, x, layout):
+    fsep = {k: p[k][None] for k in ("w_gate", "w_up", "w_down")}
+    slot = restore_slot_weights(fsep, layout.slot_expert_LxS, mesh)
+    slot_params = {"router": p["router"], **{k: v[0] for k, v in slot.items()}}
+    y, st = moe_apply(slot_params, x, jax.tree.map(lambda a: a[0], layout), cfg, mesh)
+    return jnp.sum(jnp.sin(y) * y) + 0.1 * st.balance_loss + 0.01 * st.z_loss, (y, st)
+  return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
+
+
+FSEP_MOE = dataclasses.replace(SMALL_MOE, expert_mode="fsep", slots_per_device=4)
+
+
+@functools.cache
+def fsep_loss_and_grad(shape, slots):
+  """(jitted loss-and-grad of the small fsep model, its params, layout), built once per shape."""
+  moe = dataclasses.replace(FSEP_MOE, slots_per_device=slots)
+  _, model, _, layout, _, state = cached_setup(shape, SMALL_MODEL, moe)
+  f = jax.jit(jax.value_and_grad(
+      functools.partial(step_lib.loss_fn, model=model, moe_cfg=moe), has_aux=True))
+  return f, state.params, layout

@@ -90,3 +90,14 @@ def test_files_stay_small_and_the_package_shallow():
   assert not long, f"files over {MAX_LINES} lines: {long}"
   top = sorted(p.name for p in (ROOT / "moejax").glob("*.py") if p.name != "__init__.py")
   assert len(top) <= 8, f"moejax/ has {len(top)} top-level modules: {top}"
+
+
+def test_tests_share_code_through_helper_modules():
+  """A test module imports helpers (tests/helpers.py, moe_helpers.py, ...), never another test
+  module: importing one runs its module-level set-up and couples the two files."""
+  offenders = [f"{p.name} -> {dep}" for p in (ROOT / "tests").glob("*.py")
+               for node in ast.walk(ast.parse(p.read_text()))
+               if isinstance(node, ast.ImportFrom) and node.module
+               for dep in [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+               if dep.startswith("tests.test_")]
+  assert not offenders, f"test modules importing test modules: {offenders}"

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,20 +17,21 @@ from moejax.model.moe.fsep_experts import FSEP_PARAM_AXES, restore_slot_weights
 from moejax.model.moe.layer import moe_apply
 from moejax.model.moe.reference import moe_reference
 from moejax.model.moe.replicas import rank_within_expert
-from moejax.train import step as step_lib
 from tests.helpers import tokens
 from tests.moe_helpers import (
+  FSEP_MOE,
   GRAD_LEN,
   LOSS_LEN,
   SMALL_MODEL,
-  SMALL_MOE,
   Y_LEN,
   D,
   E,
   F,
-  cached_setup,
+  fsep_loss_and_grad,
+  fsep_value_and_grad_fn,
   make_params,
   model_lengths,
+  random_placement,
 )
 from tests.numerics import assert_close, assert_trees_close
 
@@ -84,36 +82,6 @@ def local_first_slots(expert_A: jax.Array, counts_NxE: jax.Array, device: jax.Ar
   r_A = jnp.minimum(r_A, jnp.sum(valid, axis=1)[expert_A] - 1)
   remote_A = jnp.take_along_axis(expert_slots_ExR[expert_A], r_A[:, None], axis=1)[:, 0]
   return jnp.where(rank_A < take_A, local_slot_E[expert_A], remote_A).astype(jnp.int32)
-
-
-def random_placement(rng, num_devices, slots, num_experts=E):
-  """All slots filled, >= 1 replica per expert, <= 1 replica of an expert per device,
-  some experts with 3+ replicas, random token shares."""
-  while True:
-    extra = rng.multinomial(num_devices * slots - num_experts,
-                            rng.dirichlet(np.full(num_experts, 0.3)))
-    reps = 1 + np.minimum(extra, num_devices - 1)
-    if reps.sum() != num_devices * slots or reps.max() < 3:
-      continue
-    slot_expert = rng.permutation(np.repeat(np.arange(num_experts), reps)).astype(np.int32)
-    per_dev = slot_expert.reshape(num_devices, slots)
-    if all(len(set(row)) == slots for row in per_dev):
-      break
-  share = np.zeros(len(slot_expert))
-  for e in range(num_experts):
-    mine = np.flatnonzero(slot_expert == e)
-    share[mine] = rng.dirichlet(np.ones(len(mine)))
-  return placement_lib.Placement(slot_expert, share, num_devices)
-
-
-def fsep_value_and_grad_fn(cfg, mesh):
-  def f(p, x, layout):
-    fsep = {k: p[k][None] for k in ("w_gate", "w_up", "w_down")}
-    slot = restore_slot_weights(fsep, layout.slot_expert_LxS, mesh)
-    slot_params = {"router": p["router"], **{k: v[0] for k, v in slot.items()}}
-    y, st = moe_apply(slot_params, x, jax.tree.map(lambda a: a[0], layout), cfg, mesh)
-    return jnp.sum(jnp.sin(y) * y) + 0.1 * st.balance_loss + 0.01 * st.z_loss, (y, st)
-  return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
 
 
 def _reference_objective(p, x):
@@ -238,24 +206,11 @@ def test_in_graph_proportional_split_matches_host(seed):
   np.testing.assert_array_equal(got, placement_lib.split_loads(placement, counts_WxE))
 
 
-FSEP_MOE = dataclasses.replace(SMALL_MOE, expert_mode="fsep", slots_per_device=4)
-
-
-@functools.cache
-def _fsep_loss_and_grad(shape, slots):
-  """(jitted loss-and-grad of the small fsep model, its params, layout), built once per shape."""
-  moe = dataclasses.replace(FSEP_MOE, slots_per_device=slots)
-  _, model, _, layout, _, state = cached_setup(shape, SMALL_MODEL, moe)
-  f = jax.jit(jax.value_and_grad(
-      functools.partial(step_lib.loss_fn, model=model, moe_cfg=moe), has_aux=True))
-  return f, state.params, layout
-
-
 def test_whole_fsep_model_on_mesh_matches_one_device():
   """fsep on (2,4,1) (4 slots per device, replicas) == fsep on one device (8 slots)."""
   out = {}
   for shape, slots in (((1, 1, 1), 8), ((2, 4, 1), 4)):
-    f, params, layout = _fsep_loss_and_grad(shape, slots)
+    f, params, layout = fsep_loss_and_grad(shape, slots)
     (loss, aux), grads = f(params, batch_BxQ1=tokens(), layout=layout)
     assert int(np.sum(aux["dropped_LxW"])) == 0
     out[shape] = (float(loss), jax.device_get(grads))
@@ -270,7 +225,7 @@ def test_first_layers_restore_is_scheduled_before_the_layer_loop():
   update) issues the first MoE layer's restore all_to_alls before the scanned layer loop; the
   loop body restores the next layer (tests/test_fsep_prefetch.py), and the token all_to_alls
   stay inside the loop. Shares the whole-model test's program."""
-  f, params, layout = _fsep_loss_and_grad((2, 4, 1), 4)
+  f, params, layout = fsep_loss_and_grad((2, 4, 1), 4)
   hlo = f.lower(params, batch_BxQ1=tokens(), layout=layout).compile().as_text()
   entry = hlo[hlo.index("\nENTRY"):]
   lines = entry[:entry.index("\n}\n")].splitlines()

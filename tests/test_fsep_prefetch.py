@@ -29,9 +29,20 @@ from moejax.train import step as step_lib
 from moejax.train.programs import initial_layout
 from moejax.train.state import abstract, state_shardings
 from tests.helpers import BATCH, SEQ, TINY_MODEL, TINY_MOE, tokens
-from tests.moe_helpers import GRAD_LEN, LOSS_LEN, SMALL_MODEL, Y_LEN, D, E, F, make_params
+from tests.moe_helpers import (
+  FSEP_MOE,
+  GRAD_LEN,
+  LOSS_LEN,
+  SMALL_MODEL,
+  Y_LEN,
+  D,
+  E,
+  F,
+  fsep_loss_and_grad,
+  make_params,
+  random_placement,
+)
 from tests.numerics import assert_close, assert_trees_close
-from tests.test_fsep import FSEP_MOE, _fsep_loss_and_grad, random_placement
 
 SHAPE, SLOTS = (2, 4, 1), 4
 WIDE_F, NARROW_F = 512, 64        # expert FFN widths of the memory comparison
@@ -219,7 +230,7 @@ def test_fsep_remat_equals_no_remat():
   """Under remat, fsep checkpoints the dense blocks one by one (the MoE layer recomputes in
   its own backward pass): loss and gradients equal the unrematerialised model's (the
   whole-model fsep test's program and params, shared)."""
-  f, params, layout = _fsep_loss_and_grad(SHAPE, SLOTS)
+  f, params, layout = fsep_loss_and_grad(SHAPE, SLOTS)
   model = Transformer(dataclasses.replace(SMALL_MODEL, remat=True), FSEP_MOE,
                       mesh_of_shape(SHAPE))
   f_remat = jax.jit(jax.value_and_grad(

@@ -22,9 +22,19 @@ from moejax.model.moe.pooled import device_capacity
 from moejax.model.moe.reference import moe_reference, pooled_keep
 from moejax.model.moe.replicas import split_slots
 from moejax.model.moe.route import route
-from tests.moe_helpers import GRAD_LEN, LOSS_LEN, Y_LEN, D, E, F, make_params, objective
+from tests.moe_helpers import (
+  GRAD_LEN,
+  LOSS_LEN,
+  Y_LEN,
+  D,
+  E,
+  F,
+  fsep_value_and_grad_fn,
+  make_params,
+  objective,
+  random_placement,
+)
 from tests.numerics import assert_close, assert_trees_close
-from tests.test_fsep import fsep_value_and_grad_fn, random_placement
 
 BATCH, SEQ = 8, 8
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
