@@ -44,6 +44,18 @@ KERNEL_COLUMNS = ["kernel", "dtype", "block_rows", "block_d", "block_m", "block_
                   "max_err", "fwd_ms", "fwd_GBps", "fwd_TFLOPs", "fwd_bwd_ms", "fwd_bwd_TFLOPs"]
 
 
+def _row_record(kernel: str, fwd, bwd, args: tuple, ref, moved: int, tuning, iters: int,
+                **shape) -> dict:
+  """One tuning of a row-moving kernel: its error against `ref`, fwd and fwd+bwd times, and
+  the GB/s of the `moved` bytes."""
+  err = timing.max_abs_diff(fwd(*args), ref)
+  s_fwd = timing.median_seconds(fwd, *args, iters=iters)
+  s_bwd = timing.median_seconds(bwd, *args, iters=iters)
+  return {"kernel": kernel, **shape, "block_rows": tuning.block_rows,
+          "block_d": backend_lib.pow2_tile(shape["D"], tuning.block_d), "max_err": err,
+          "fwd_ms": 1e3 * s_fwd, "fwd_GBps": moved / s_fwd / 1e9, "fwd_bwd_ms": 1e3 * s_bwd}
+
+
 def permute_sweep(num_tokens: int, d: int, top_k: int, tunings, dtype=jnp.float32,
                   iters: int = 5, seed: int = 0) -> list[dict]:
   """Time `permute` (fwd, and fwd+bwd) on a random dispatch: every token copied top_k times
@@ -60,14 +72,8 @@ def permute_sweep(num_tokens: int, d: int, top_k: int, tunings, dtype=jnp.float3
     fwd = jax.jit(lambda x, t=tuning: permute.permute(x, token_U, rows_TxK, t))
     bwd = jax.jit(jax.grad(lambda x, t=tuning: jnp.sum(
         permute.permute(x, token_U, rows_TxK, t) ** 2)))
-    err = timing.max_abs_diff(fwd(x), ref)
-    s_fwd = timing.median_seconds(fwd, x, iters=iters)
-    s_bwd = timing.median_seconds(bwd, x, iters=iters)
-    out.append({"kernel": "permute", "T": num_tokens, "D": d, "K": top_k,
-                "dtype": jnp.dtype(dtype).name, "block_rows": tuning.block_rows,
-                "block_d": backend_lib.pow2_tile(d, tuning.block_d), "max_err": err,
-                "fwd_ms": 1e3 * s_fwd, "fwd_GBps": moved / s_fwd / 1e9,
-                "fwd_bwd_ms": 1e3 * s_bwd})
+    out.append(_row_record("permute", fwd, bwd, (x,), ref, moved, tuning, iters,
+                           T=num_tokens, D=d, K=top_k, dtype=jnp.dtype(dtype).name))
   return out
 
 
@@ -88,14 +94,8 @@ def combine_sweep(num_tokens: int, d: int, top_k: int, tunings, dtype=jnp.float3
     fwd = jax.jit(lambda s, g, t=tuning: combine(s, row_TxK, g, t))
     bwd = jax.jit(jax.grad(lambda s, g, t=tuning: jnp.sum(combine(s, row_TxK, g, t) ** 2),
                            argnums=(0, 1)))
-    err = timing.max_abs_diff(fwd(src, gate), ref)
-    s_fwd = timing.median_seconds(fwd, src, gate, iters=iters)
-    s_bwd = timing.median_seconds(bwd, src, gate, iters=iters)
-    out.append({"kernel": "unpermute_combine", "T": num_tokens, "D": d, "K": top_k,
-                "dtype": jnp.dtype(dtype).name, "block_rows": tuning.block_rows,
-                "block_d": backend_lib.pow2_tile(d, tuning.block_d), "max_err": err,
-                "fwd_ms": 1e3 * s_fwd, "fwd_GBps": moved / s_fwd / 1e9,
-                "fwd_bwd_ms": 1e3 * s_bwd})
+    out.append(_row_record("unpermute_combine", fwd, bwd, (src, gate), ref, moved, tuning,
+                           iters, T=num_tokens, D=d, K=top_k, dtype=jnp.dtype(dtype).name))
   return out
 
 
