@@ -135,3 +135,16 @@ def fsep_loss_and_grad(shape, slots):
   f = jax.jit(jax.value_and_grad(
       functools.partial(step_lib.loss_fn, model=model, moe_cfg=moe), has_aux=True))
   return f, state.params, layout
+
+
+def pooled_keep(slot_A: np.ndarray, slots: int, cap_dev: int) -> np.ndarray:
+  """The pooled-capacity drop rule for one source, in numpy: its choices ordered by device,
+  slot, then token order; the first `cap_dev` to each device are kept. Bool [A]."""
+  slot_A = np.asarray(slot_A)
+  keep_A = np.zeros(slot_A.shape, bool)
+  taken = {}
+  for a in np.argsort(slot_A, kind="stable"):
+    dev = int(slot_A[a]) // slots
+    taken[dev] = taken.get(dev, 0) + 1
+    keep_A[a] = taken[dev] <= cap_dev
+  return keep_A

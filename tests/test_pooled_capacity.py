@@ -13,13 +13,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax.config import MoEConfig
 from moejax.layout import placement as placement_lib
+from moejax.layout.leaves import EXPERT_WEIGHTS
 from moejax.layout.placement import SHARE_PARTS
 from moejax.layout.tables import from_placements
 from moejax.model.mesh import mesh_of_shape
 from moejax.model.moe import tiled
 from moejax.model.moe.layer import moe_apply
 from moejax.model.moe.pooled import device_capacity
-from moejax.model.moe.reference import moe_reference, pooled_keep
+from moejax.model.moe.reference import moe_reference
 from moejax.model.moe.replicas import split_slots
 from moejax.model.moe.route import route
 from tests.moe_helpers import (
@@ -32,12 +33,12 @@ from tests.moe_helpers import (
   fsep_value_and_grad_fn,
   make_params,
   objective,
+  pooled_keep,
   random_placement,
 )
 from tests.numerics import assert_close, assert_trees_close
 
 BATCH, SEQ = 8, 8
-EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
 
 
 def reference_keep(params, x, layout_row, num_sources, n, slots, cap_dev):

@@ -88,13 +88,12 @@ def _dense_grouped(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, d
   recv = dispatch_lib.exchange(ops.permute(x_TxD, index.buf_token_U, row_TxK), num_dev,
                                "expert")
   # Rows each source kept for each of my slots: [sources, C].
-  kept_NxC = jax.lax.all_to_all(jnp.minimum(index.slot_counts_S, cap).reshape(num_dev, slots),
-                                "expert", 0, 0)
+  kept_S = jnp.minimum(index.slot_counts_S, cap)
+  kept_NxC = jax.lax.all_to_all(kept_S.reshape(num_dev, slots), "expert", 0, 0)
   g = grouping.group_received(grouping.dense_starts(num_dev, slots, cap), kept_NxC,
                               recv.shape[0])
   back = dispatch_lib.exchange(grouped_ffn(recv, g, weights, ops, dtype), num_dev, "expert")
-  return (ops.combine(back, row_TxK, gate_TxK), index.dropped, index.slot_counts_S,
-          jnp.minimum(index.slot_counts_S, cap))
+  return ops.combine(back, row_TxK, gate_TxK), index.dropped, index.slot_counts_S, kept_S
 
 
 def _ragged(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, dtype):

@@ -9,7 +9,7 @@ Drop rule (deterministic): a source orders its choices by destination device, th
 (local slot index on that device), then by token order (stable sort of the slot ids); the
 first `cap_dev` choices to each device are kept, the rest dropped. So when a device
 overflows, its higher-numbered local slots lose choices first, and within a slot the later
-tokens. `moejax.model.moe.reference.pooled_keep` is the same rule in numpy.
+tokens. `pooled_keep` in tests/moe_helpers.py is the same rule in numpy, the tests' oracle.
 
 A block from one source arrives packed slot by slot; the receiver groups the rows by slot
 and runs them through a grouped matmul over the pooled N * cap_dev rows: the Pallas gmm
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from moejax.model.moe import dispatch as dispatch_lib, grouping, tiled
 from moejax.model.moe.dispatch import BufferIndex
-from moejax.model.moe.experts import grouped_ffn, swiglu_grouped
+from moejax.model.moe.experts import grouped_ffn
 
 
 def device_capacity(num_tokens: int, top_k: int, num_devices: int,
@@ -76,17 +76,16 @@ def pooled_starts(kept_NxC: jax.Array, cap_dev: int) -> jax.Array:
       jnp.int32)
 
 
-def _tiled_ffn(recv_UxD, starts_NxC, kept_NxC, weights, dtype):
+def _tiled_ffn(recv_UxD, starts_NxC, kept_NxC, weights, ops, dtype):
+  """`grouped_ffn` with slot groups padded to whole tiles and the static-tile matmul."""
   rows = recv_UxD.shape[0]
   slots = kept_NxC.shape[1]
   tile = tiled.tile_rows(rows, slots)
   tiles = tiled.num_tiles(rows, slots, tile)
   g = grouping.group_received(starts_NxC, kept_NxC, rows, align=tile, out_rows=tiles * tile)
   group_of_tile = tiled.tile_groups(g.sizes_C, tiles, tile)
-  x_MxD = dispatch_lib.gather_rows(recv_UxD, g.recv_row_M)
   gmm = lambda x, w, sizes: tiled.tiled_gmm(x, w, group_of_tile, tile)
-  y_MxD = jax.lax.psum(swiglu_grouped(x_MxD, g.sizes_C, *weights, gmm, dtype), "model")
-  return dispatch_lib.gather_rows(y_MxD, g.group_row_U)
+  return grouped_ffn(recv_UxD, g, weights, ops._replace(gmm=gmm), dtype)
 
 
 def pooled_dispatch_combine(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap_dev,
@@ -101,7 +100,7 @@ def pooled_dispatch_combine(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slot
   kept_NxC = jax.lax.all_to_all(p.kept_S.reshape(num_dev, slots), "expert", 0, 0)
   starts_NxC = pooled_starts(kept_NxC, cap_dev)
   if ops.name == "xla":
-    out = _tiled_ffn(recv, starts_NxC, kept_NxC, weights, dtype)
+    out = _tiled_ffn(recv, starts_NxC, kept_NxC, weights, ops, dtype)
   else:
     out = grouped_ffn(recv, grouping.group_received(starts_NxC, kept_NxC, recv.shape[0]),
                       weights, ops, dtype)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from moejax.model.moe.route import route
 
@@ -28,16 +27,3 @@ def moe_reference(params: dict, x_BxQxD: jax.Array, top_k: int, normalize_top_k:
   gate_TxK = r.gate_TxK if keep_TxK is None else jnp.where(keep_TxK, r.gate_TxK, 0.0)
   y_TxD = jnp.einsum("tkd,tk->td", picked_TxKxD, gate_TxK)
   return y_TxD.reshape(x_BxQxD.shape), r.counts_E, r.balance_loss, r.z_loss
-
-
-def pooled_keep(slot_A: np.ndarray, slots: int, cap_dev: int) -> np.ndarray:
-  """The pooled-capacity drop rule for one source, in numpy: its choices ordered by device,
-  slot, then token order; the first `cap_dev` to each device are kept. Bool [A]."""
-  slot_A = np.asarray(slot_A)
-  keep_A = np.zeros(slot_A.shape, bool)
-  taken = {}
-  for a in np.argsort(slot_A, kind="stable"):
-    dev = int(slot_A[a]) // slots
-    taken[dev] = taken.get(dev, 0) + 1
-    keep_A[a] = taken[dev] <= cap_dev
-  return keep_A
