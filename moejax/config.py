@@ -97,6 +97,9 @@ class MoEConfig:
   dispatch: str = "dense"         # "dense" (fixed capacity all_to_all) or "ragged" (dropless, GPU)
   kernels: str = "xla"            # "xla" or "pallas" (permute/combine/grouped-matmul kernels)
   capacity: str = "slot"          # dense: "slot" (cap per (source, slot)) or "device" (pooled)
+  exchange_chunks: int = 1        # dense: split each layer's dispatch into K independent pieces
+  ragged_buffer_factor: float = 2.0   # ragged: receive rows = factor * T * K per device
+                                      # (0: N * T * K, the never-dropping worst case)
 
   def validate(self) -> None:
     if self.num_experts < 1:
@@ -126,6 +129,12 @@ class MoEConfig:
     if self.capacity not in ("slot", "device"):
       raise ConfigError(f"moe.capacity={self.capacity!r} is not supported; use 'slot' (per "
                         "(source, slot) buffers) or 'device' (pooled per (source, device)).")
+    if self.exchange_chunks < 1:
+      raise ConfigError(f"moe.exchange_chunks={self.exchange_chunks} must be >= 1 (1: one "
+                        "exchange per layer).")
+    if self.ragged_buffer_factor < 0:
+      raise ConfigError(f"moe.ragged_buffer_factor={self.ragged_buffer_factor} must be >= 0; "
+                        "use e.g. 2.0 (0: size the buffer for the worst case, N x the send rows).")
 
 
 @dataclasses.dataclass(frozen=True)
