@@ -8,11 +8,12 @@ carries no gradient; only the row gathers of activations are differentiated.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from moejax.layout import capacity as capacity_lib
 
 
 class BufferIndex(NamedTuple):
@@ -25,7 +26,7 @@ class BufferIndex(NamedTuple):
 
 def capacity(num_tokens: int, top_k: int, num_slots: int, capacity_factor: float) -> int:
   """Rows per (source, slot): capacity_factor times the balanced share, at least 1."""
-  return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_slots))
+  return capacity_lib.rows("slot", num_tokens, top_k, num_slots, 1, capacity_factor)
 
 
 def buffer_index(slot_A: jax.Array, top_k: int, num_slots: int, cap: int) -> BufferIndex:

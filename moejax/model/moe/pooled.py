@@ -18,12 +18,12 @@ and runs them through a grouped matmul over the pooled N * cap_dev rows: the Pal
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from moejax.layout import capacity as capacity_lib
 from moejax.model.moe import dispatch as dispatch_lib, grouping, tiled
 from moejax.model.moe.dispatch import BufferIndex
 from moejax.model.moe.experts import grouped_ffn
@@ -32,7 +32,7 @@ from moejax.model.moe.experts import grouped_ffn
 def device_capacity(num_tokens: int, top_k: int, num_devices: int,
                     capacity_factor: float) -> int:
   """Rows per (source, device): capacity_factor times the balanced share, at least 1."""
-  return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_devices))
+  return capacity_lib.rows("device", num_tokens, top_k, num_devices, 1, capacity_factor)
 
 
 class PooledIndex(NamedTuple):
