@@ -55,6 +55,7 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
       stop.reinstall()   # JAX's preemption notifier took SIGTERM
     import jax
 
+    from moejax.train.balance import describe as describe_balance
     from moejax.train.trainer import train  # imports jax: only after XLA_FLAGS is settled
 
     main_process = jax.process_index() == 0
@@ -82,6 +83,8 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
   elif first and last:
     print(f"steps {summary['start_step']}..{last['step']}: loss {first['loss']:.3f} -> "
           f"{last['loss']:.3f}; run dir {cfg.train.run_dir}")
+    if summary["balance"] is not None:
+      print(describe_balance(summary["balance"], cfg.planner.policy, cfg.moe.capacity))
   else:
     print(f"nothing to do: the latest checkpoint in {cfg.train.run_dir} is at or past "
           f"train.num_steps={cfg.train.num_steps}; raise it to train further")

@@ -61,6 +61,12 @@ def test_run_writes_metrics_checkpoints_and_learns(tmp_path):
   with open(tmp_path / "config.json") as f:
     assert json.load(f) == json.loads(json.dumps(cfg.to_dict()))
   assert steps[-1]["loss"] < steps[0]["loss"]
+  # The run's layout is static, so the static layout's drops and realised work predicted from
+  # the counts must be what the compiled program reported.
+  balance = summary["balance"]
+  assert balance["from_step"] == 4
+  assert balance["dropped_fraction"] == balance["static_dropped_fraction"]
+  assert np.isclose(balance["realised_max_over_mean"], balance["static_realised_max_over_mean"])
 
 
 def _run(cfg: Config) -> tuple[int, list[dict]]:
@@ -106,7 +112,7 @@ def test_cli_smoke(tmp_path):
       "moe.moe_every = 2", "data.seq_len = 32", "data.global_batch_size = 8",
       "data.max_corpus_bytes = 200000", "mesh.data = 2", "mesh.expert = 4", "mesh.model = 1",
       "train.num_steps = 4", f"train.run_dir = '{run_dir}'", "train.progress_bar = False",
-      "train.eval_batches = 2",
+      "train.eval_batches = 2", "moe.capacity = 'device'",
   ]
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)   # train.py must fake the 8 host devices itself
@@ -116,6 +122,11 @@ def test_cli_smoke(tmp_path):
       cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-4000:]
   assert "steps 0..3" in proc.stdout
+  # Static layout: the comparison's two sides are the same numbers.
+  line = proc.stdout.strip().splitlines()[-1]
+  assert line.startswith("balance from step 2 (static placement, capacity per device)"), line
+  dropped, static = [w for w in line.split() if w.endswith("%")]
+  assert dropped == static, line
   assert (run_dir / "operative_config.gin").is_file()
   assert "train.num_steps = 4" in (run_dir / "operative_config.gin").read_text()
   records = read_jsonl(run_dir / "metrics.jsonl")

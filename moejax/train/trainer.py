@@ -15,6 +15,7 @@ from moejax.config import Config, ConfigError
 from moejax.placement.trace import TraceRecorder
 from moejax.strategy import memory
 from moejax.train import data as data_lib, faults, metrics as metrics_lib, preempt
+from moejax.train.balance import BalanceTally
 from moejax.train.checkpoint import Checkpointer
 from moejax.train.controllers import Hook, LayoutReplanning, StrategySwitching
 from moejax.train.optim import optimizer, schedule
@@ -137,7 +138,8 @@ class Trainer:
     bar = tqdm(total=cfg.train.num_steps, initial=start,
                disable=not (self.is_main and cfg.train.progress_bar), dynamic_ncols=True)
     rate = metrics_lib.TokenRate(cfg.data.global_batch_size * cfg.data.seq_len)
-    hooks = [*hooks, *self.controllers]
+    balance = BalanceTally(from_step=start + (cfg.train.num_steps - start) // 2)
+    hooks = [*hooks, *self.controllers, balance]
     first = last = pending = None
     done = start
 
@@ -184,7 +186,7 @@ class Trainer:
       if self.trace is not None:
         self.trace.write()
       self.checkpointer.wait()
-    return self._finish(start, first, last, done, stop, bar)
+    return {**self._finish(start, first, last, done, stop, bar), "balance": balance.summary()}
 
   def _write_run_files(self) -> None:
     """config.json and memory.txt (the active member's memory model) in the run dir."""
