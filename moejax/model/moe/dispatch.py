@@ -29,24 +29,29 @@ def capacity(num_tokens: int, top_k: int, num_slots: int, capacity_factor: float
   return capacity_lib.rows("slot", num_tokens, top_k, num_slots, 1, capacity_factor)
 
 
-def buffer_index(slot_A: jax.Array, top_k: int, num_slots: int, cap: int) -> BufferIndex:
-  """Orders the choices by slot (stable: earlier tokens win) into `cap` rows per slot."""
+def buffer_index(slot_A: jax.Array, top_k: int, num_slots: int, cap: int,
+                 slots_per_buffer: int = 1) -> BufferIndex:
+  """Orders the choices by slot (stable: earlier tokens win) into `cap` rows per buffer; a
+  buffer holds `slots_per_buffer` consecutive slots (1: per-slot capacity; C: pooled per
+  device, where a device's lower slots fill first)."""
   num_choices = slot_A.shape[0]
   order_A = jnp.argsort(slot_A, stable=True)
   counts_S = jnp.zeros((num_slots,), jnp.int32).at[slot_A].add(1)
-  starts_S = jnp.cumsum(counts_S) - counts_S
-  pos_sorted_A = jnp.arange(num_choices, dtype=jnp.int32) - starts_S[slot_A[order_A]]
+  counts_B = counts_S.reshape(-1, slots_per_buffer).sum(axis=1)
+  starts_B = jnp.cumsum(counts_B) - counts_B
+  buffer_A = slot_A // slots_per_buffer
+  pos_sorted_A = jnp.arange(num_choices, dtype=jnp.int32) - starts_B[buffer_A[order_A]]
   pos_A = jnp.zeros((num_choices,), jnp.int32).at[order_A].set(pos_sorted_A)
   keep_A = pos_A < cap
-  buf_index_A = jnp.where(keep_A, slot_A * cap + pos_A, -1)
+  buf_index_A = jnp.where(keep_A, buffer_A * cap + pos_A, -1)
 
   pos_P = jnp.arange(cap, dtype=jnp.int32)
-  filled_SxP = pos_P[None, :] < counts_S[:, None]
-  src_SxP = jnp.clip(starts_S[:, None] + pos_P[None, :], 0, num_choices - 1)
+  filled_BxP = pos_P[None, :] < counts_B[:, None]
+  src_BxP = jnp.clip(starts_B[:, None] + pos_P[None, :], 0, num_choices - 1)
   num_tokens = num_choices // top_k
-  buf_token_SxP = jnp.where(filled_SxP, order_A[src_SxP] // top_k, num_tokens)
+  buf_token_BxP = jnp.where(filled_BxP, order_A[src_BxP] // top_k, num_tokens)
   dropped = jnp.sum(~keep_A).astype(jnp.int32)
-  return BufferIndex(buf_index_A.astype(jnp.int32), buf_token_SxP.reshape(-1), dropped,
+  return BufferIndex(buf_index_A.astype(jnp.int32), buf_token_BxP.reshape(-1), dropped,
                      counts_S)
 
 

@@ -43,27 +43,10 @@ class PooledIndex(NamedTuple):
 def pooled_index(slot_A: jax.Array, top_k: int, num_devices: int, slots: int,
                  cap_dev: int) -> PooledIndex:
   """Send-buffer rows for this source's choices under the drop rule in the module doc."""
-  num_choices = slot_A.shape[0]
-  num_slots = num_devices * slots
-  order_A = jnp.argsort(slot_A, stable=True)        # device, then slot, then token order
-  counts_S = jnp.zeros((num_slots,), jnp.int32).at[slot_A].add(1)
-  counts_NxC = counts_S.reshape(num_devices, slots)
-  counts_N = counts_NxC.sum(axis=1)
-  starts_N = jnp.cumsum(counts_N) - counts_N
-  dev_A = slot_A // slots
-  pos_sorted_A = jnp.arange(num_choices, dtype=jnp.int32) - starts_N[dev_A[order_A]]
-  pos_A = jnp.zeros((num_choices,), jnp.int32).at[order_A].set(pos_sorted_A)
-  keep_A = pos_A < cap_dev
-  buf_index_A = jnp.where(keep_A, dev_A * cap_dev + pos_A, -1).astype(jnp.int32)
-
-  pos_P = jnp.arange(cap_dev, dtype=jnp.int32)
-  filled_NxP = pos_P[None, :] < counts_N[:, None]
-  src_NxP = jnp.clip(starts_N[:, None] + pos_P[None, :], 0, num_choices - 1)
-  buf_token_NxP = jnp.where(filled_NxP, order_A[src_NxP] // top_k, num_choices // top_k)
+  index = dispatch_lib.buffer_index(slot_A, top_k, num_devices * slots, cap_dev, slots)
+  counts_NxC = index.slot_counts_S.reshape(num_devices, slots)
   within_NxC = jnp.cumsum(counts_NxC, axis=1) - counts_NxC     # earlier slots, same device
   kept_NxC = jnp.clip(cap_dev - within_NxC, 0, counts_NxC)
-  dropped = jnp.sum(~keep_A).astype(jnp.int32)
-  index = BufferIndex(buf_index_A, buf_token_NxP.reshape(-1), dropped, counts_S)
   return PooledIndex(index, kept_NxC.reshape(-1).astype(jnp.int32))
 
 
