@@ -344,12 +344,14 @@ class FsepOptions:
 def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
                    src_dev_W: np.ndarray, cost: CostModel | None = None,
                    num_devices: int | None = None,
-                   options: FsepOptions = FsepOptions()) -> Placement:
+                   options: FsepOptions = FsepOptions(),
+                   samples_ZxWxE: np.ndarray | None = None) -> Placement:
   """One MoE layer's FSEP layout for the predicted counts pred_WxE (see the module doc).
   `current` is not needed (a layout change is free in FSEP); only its num_devices is used when
   num_devices is not given. options.exact_parts=False skips snapping and rounding to router
   parts (faster, but on N >= 256 the router's own rounding then costs a few percent of
   balance)."""
+  del samples_ZxWxE   # plans on the mean: its replicas can move every step
   o = options
   pred = np.asarray(pred_WxE, np.float64)
   num_experts = pred.shape[1]

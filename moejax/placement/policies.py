@@ -1,11 +1,13 @@
 """Expert placement policies: pure functions of predicted load -> Placement.
 
 Every policy is called as
-  policy(pred_WxE, current, *, slots, src_dev_W, cost, num_devices, options) -> Placement
+  policy(pred_WxE, current, *, slots, src_dev_W, cost, num_devices, options,
+         samples_ZxWxE=None) -> Placement
 for one MoE layer; `pred_WxE` is the predicted (token, k) count each source sends to each
-expert, built only from finished steps (see `predict`). A policy uses what it needs of the
-shared keywords; `options` is its own frozen dataclass (`make_options` builds it by name and
-rejects an option the policy does not have).
+expert, built only from finished steps (see `predict`); `samples_ZxWxE`, when given, the
+finished steps it averages, for a policy that scores drops step by step. A policy uses what
+it needs of the shared keywords; `options` is its own frozen dataclass (`make_options` builds
+it by name and rejects an option the policy does not have).
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ class StaticOptions:
 def place_static(pred_WxE: np.ndarray, current: placement_lib.Placement, *,
                  slots: int | None = None, src_dev_W: np.ndarray | None = None,
                  cost: CostModel | None = None, num_devices: int | None = None,
-                 options: StaticOptions = StaticOptions()) -> placement_lib.Placement:
+                 options: StaticOptions = StaticOptions(),
+                 samples_ZxWxE: np.ndarray | None = None) -> placement_lib.Placement:
   """Expert e on device e // (E/N), whatever the load."""
+  del samples_ZxWxE
   return placement_lib.static(np.asarray(pred_WxE).shape[1], current.num_devices)
 
 

@@ -27,10 +27,12 @@ class Switch(NamedTuple):
   experts_moved: int           # (device, expert) copies the new layout adds
 
 
-def _config_options(cfg: PlannerConfig, capacity_factor: float | None) -> dict:
-  """The policy options the config sets: smartmoe's hysteresis, fsep's dense capacity."""
+def _config_options(cfg: PlannerConfig, capacity_factor: float | None, capacity: str) -> dict:
+  """The policy options the config sets: smartmoe's hysteresis and, under pooled capacity,
+  the factor its drops are scored at; fsep's dense capacity."""
   if cfg.policy == "smartmoe":
-    return {"min_gain": cfg.min_gain}
+    pooled = capacity_factor if capacity == "device" and capacity_factor else 0.0
+    return {"min_gain": cfg.min_gain, "pooled_capacity_factor": pooled}
   if cfg.policy == "fsep":
     return {"capacity_factor": capacity_factor}
   return {}
@@ -38,15 +40,16 @@ def _config_options(cfg: PlannerConfig, capacity_factor: float | None) -> dict:
 
 class OnlinePlanner:
   def __init__(self, cfg: PlannerConfig, num_devices: int, cost: policies.CostModel | None = None,
-               capacity_factor: float | None = None):
+               capacity_factor: float | None = None, capacity: str = "slot"):
     """`capacity_factor`: the dense dispatch's, so fsep plans count per-slot drops (None for
-    the dropless ragged dispatch)."""
+    the dropless ragged dispatch); `capacity`: its mode (moe.capacity), 'device' makes
+    smartmoe score placements by pooled drops."""
     self.cfg = cfg
     self.capacity_factor = capacity_factor
     self.num_devices = num_devices
     self.cost = cost or policies.CostModel()
     self.policy = policies.get_policy(cfg.policy)
-    given = _config_options(cfg, capacity_factor)
+    given = _config_options(cfg, capacity_factor, capacity)
     self.options = policies.make_options(cfg.policy, **given)
     self.history: collections.deque = collections.deque(maxlen=cfg.window)
 
@@ -78,13 +81,15 @@ class OnlinePlanner:
 
   def propose(self, current: list[Placement]) -> tuple[list[Placement], list[Switch]]:
     """New placements per layer (the current one where no switch pays off)."""
-    pred_LxNxE = policies.predict(np.stack(self.history), self.cfg.window)
+    history_ZxLxNxE = np.stack(self.history)[-self.cfg.window:]
+    pred_LxNxE = policies.predict(history_ZxLxNxE, self.cfg.window)
     src = np.arange(self.num_devices)
     out, switches = list(current), []
     for layer, pred_NxE in enumerate(pred_LxNxE):
       cur = current[layer]
       new = self.policy(pred_NxE, cur, slots=cur.slots_per_device, src_dev_W=src,
-                        cost=self.cost, num_devices=self.num_devices, options=self.options)
+                        cost=self.cost, num_devices=self.num_devices, options=self.options,
+                        samples_ZxWxE=history_ZxLxNxE[:, layer])
       if (np.array_equal(new.slot_expert, cur.slot_expert) and
           np.allclose(new.share, cur.share, atol=0.5 / placement_lib.SHARE_PARTS)):
         continue

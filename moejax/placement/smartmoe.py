@@ -8,6 +8,13 @@ by more than `min_gain`; the winner is adopted only if its predicted max device
 load is lower than the current placement's by more than `min_gain` (relative),
 otherwise the current placement is returned unchanged. Experts that stay on their device keep their
 slot, so nothing is silently relabelled and migration moves only what moved.
+
+Under pooled capacity (`moe.capacity = 'device'`, `pooled_capacity_factor` > 0) what costs is
+not the busiest device's mean load but the choices each (source, device) buffer drops, step
+by step: two pairings with the same mean peak can drop very differently once per-step
+fluctuations are counted. Then every candidate is scored by the drops it would have had on
+each recent step (`samples_ZxWxE`), the best is improved by pair swaps on that score, and
+`min_gain` applies to the predicted drops.
 """
 
 from __future__ import annotations
@@ -75,14 +82,44 @@ def _to_slots(dev_E: np.ndarray, current: placement_lib.Placement, c: int) -> np
 class SmartMoEOptions:
   min_gain: float = 0.02                # relative drop of the predicted busiest device to move
   max_swap_iters: int | None = None     # improving swaps per candidate (None: 4 * E)
+  pooled_capacity_factor: float = 0.0   # > 0: score by pooled drops at this factor (see doc)
+
+
+def pooled_drops(samples_ZxWxE: np.ndarray, dev_E: np.ndarray, n: int,
+                 cap_ZxW: np.ndarray) -> float:
+  """Choices the (source, device) buffers of `cap_ZxW` rows drop over the sampled steps."""
+  load_ZxWxN = samples_ZxWxE @ np.eye(n)[dev_E]
+  return float(np.maximum(load_ZxWxN - cap_ZxW[..., None], 0).sum())
+
+
+def _swaps_for_drops(samples_ZxWxE, dev_E, n, cap_ZxW, max_iters):
+  """Best pair swap (on pooled drops) until none lowers them."""
+  dev_E = dev_E.copy()
+  s_ExZxW = np.moveaxis(samples_ZxWxE, -1, 0)
+  for _ in range(max_iters):
+    load_NxZxW = np.moveaxis(samples_ZxWxE @ np.eye(n)[dev_E], -1, 0)
+    drop_N = np.maximum(load_NxZxW - cap_ZxW, 0).sum((1, 2))
+    # Swap a <-> b: a's device loses a and gains b, b's device the reverse.
+    delta_ExExZxW = s_ExZxW[None] - s_ExZxW[:, None]                     # [a, b]: s_b - s_a
+    at_a = np.maximum(load_NxZxW[dev_E][:, None] + delta_ExExZxW - cap_ZxW, 0).sum((2, 3))
+    at_b = np.maximum(load_NxZxW[dev_E][None, :] - delta_ExExZxW - cap_ZxW, 0).sum((2, 3))
+    gain_ExE = drop_N[dev_E][:, None] + drop_N[dev_E][None, :] - at_a - at_b
+    gain_ExE[dev_E[:, None] == dev_E[None, :]] = 0
+    a, b = np.unravel_index(np.argmax(gain_ExE), gain_ExE.shape)
+    if gain_ExE[a, b] <= 1e-9:
+      break
+    dev_E[a], dev_E[b] = dev_E[b], dev_E[a]
+  return dev_E
 
 
 def place_permutation(pred_WxE: np.ndarray, current: placement_lib.Placement, *,
                       slots: int | None = None, src_dev_W: np.ndarray | None = None,
                       cost: CostModel | None = None, num_devices: int | None = None,
-                      options: SmartMoEOptions = SmartMoEOptions()) -> placement_lib.Placement:
+                      options: SmartMoEOptions = SmartMoEOptions(),
+                      samples_ZxWxE: np.ndarray | None = None) -> placement_lib.Placement:
   """A permutation of the experts, E/N per device, for the summed load (see the module doc);
-  the shared keywords other than `current` are not needed."""
+  the shared keywords other than `current` (and `samples_ZxWxE` under pooled capacity) are
+  not needed."""
   min_gain = options.min_gain
   load_E = np.asarray(pred_WxE, np.float64).sum(0)
   num_experts, n = len(load_E), current.num_devices
@@ -98,8 +135,22 @@ def place_permutation(pred_WxE: np.ndarray, current: placement_lib.Placement, *,
   peak = lambda d: np.bincount(d, weights=load_E, minlength=n).max()
   local = _improve_by_swaps(load_E, cur_dev_E, n, iters)
   reshuffle = _improve_by_swaps(load_E, _lpt(load_E, cur_dev_E, n, c), n, iters)
-  dev_E = reshuffle if peak(reshuffle) < peak(local) * (1 - min_gain) else local
   static_dev_E = np.arange(num_experts) // c
+  if options.pooled_capacity_factor > 0 and samples_ZxWxE is not None:
+    samples = np.asarray(samples_ZxWxE, np.float64)
+    # A source's buffer to each device holds cf x its balanced share of its choices.
+    cap_ZxW = np.ceil(options.pooled_capacity_factor * samples.sum(-1) / n)
+    score = lambda d: pooled_drops(samples, d, n, cap_ZxW)
+    best = min((local, reshuffle, static_dev_E, cur_dev_E), key=score)
+    dev_E = _swaps_for_drops(samples, best, n, cap_ZxW, iters)
+    if score(static_dev_E) < score(dev_E):
+      dev_E = static_dev_E
+    cur = score(cur_dev_E)
+    keep = cur <= 0 or (cur - score(dev_E)) / cur <= min_gain
+    if keep and cur <= score(static_dev_E):
+      return current
+    return placement_lib.one_copy(_to_slots(dev_E, current, c), n)
+  dev_E = reshuffle if peak(reshuffle) < peak(local) * (1 - min_gain) else local
   if peak(static_dev_E) < peak(dev_E):
     dev_E = static_dev_E
   cur_max = peak(cur_dev_E)

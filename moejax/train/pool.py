@@ -54,7 +54,8 @@ class StrategyPool:
         build_program(cfg, s, tx, lr_schedule, devices, compile_now=self.switching)
         for s in strategies]
     self.planners = [OnlinePlanner(p.cfg.planner, p.mesh.shape["expert"],
-                                   capacity_factor=_dense_capacity(p.cfg.moe))
+                                   capacity_factor=_dense_capacity(p.cfg.moe),
+                                   capacity=p.cfg.moe.capacity)
                      for p in self.programs]
     self.tx = tx
     self.active = 0
