@@ -23,12 +23,14 @@ STEPS, EVERY = 30, 10   # num_steps <= 31 keeps the LR schedule, so the programs
 
 
 def bindings(run_dir, num_steps: int = STEPS, every: int = EVERY) -> list[str]:
-  """`tiny_config(run_dir, num_steps, every)` as --gin_bindings flags."""
+  """`tiny_config(run_dir, num_steps, every)` as --gin_bindings flags (over configs/default.gin,
+  so the fields where the default job differs from the dataclass defaults are set too)."""
   return [f"--gin_bindings={b}" for b in (
       "mesh.data = 2", "mesh.expert = 4", "mesh.model = 1",
       "model.d_model = 32", "model.num_layers = 2", "model.num_heads = 2", "model.d_ff = 64",
       "model.max_seq_len = 32", "moe.num_experts = 8", "moe.top_k = 2", "moe.d_ff = 32",
-      "moe.moe_every = 2", "data.seq_len = 32", "data.global_batch_size = 8",
+      "moe.moe_every = 2", "moe.capacity = 'slot'", "planner.policy = 'static'",
+      "data.seq_len = 32", "data.global_batch_size = 8",
       "data.max_corpus_bytes = 200000", "optim.warmup_steps = 30",
       f"checkpoint.every = {every}", "checkpoint.keep = 2",
       f"train.run_dir = '{run_dir}'", f"train.num_steps = {num_steps}",
