@@ -1,0 +1,72 @@
+"""The routing, plans and capacity factors of `benchmarks.balance_pays` (host side, numpy).
+
+Expert popularity is log-normal (sigma from the flags) and stable across steps, like a trained
+gate; every policy plans on warm-up batches drawn from the same popularity and is then held
+to <= 1% dropped choices on a different, timed batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moejax.layout import capacity, placement as placement_lib
+from moejax.layout.tables import from_placements, round_robin_placement
+from moejax.placement.policies import CostModel, get_policy, make_options
+
+POLICIES = ("static", "static_pooled", "smartmoe", "fsep")
+CAPACITY = {"static": "slot", "static_pooled": "device", "smartmoe": "device",
+            "fsep": "device"}
+EXPERT_MODE = {"static": "ep", "static_pooled": "ep", "smartmoe": "ep", "fsep": "fsep"}
+MAX_DROPPED = 0.01
+# SmartMoE scores pooled drops at the trainer's default capacity factor.
+SMARTMOE_SCORE_FACTOR = 1.25
+
+
+def log_popularity(seed: int, experts: int, sigma: float) -> np.ndarray:
+  return sigma * np.random.default_rng(seed).standard_normal(experts)
+
+
+def plan(warm_ZxWxE: np.ndarray, num_devices: int, fsep_slots: int, d_model: int,
+         d_ff: int) -> dict[str, placement_lib.Placement]:
+  """Each policy's placement of one layer, from the warm-up steps' counts only."""
+  warm = np.asarray(warm_ZxWxE, np.float64)
+  pred_WxE, experts = warm.mean(0), warm.shape[-1]
+  static = placement_lib.static(experts, num_devices)
+  src = np.arange(warm.shape[1]) % num_devices
+  smartmoe = get_policy("smartmoe")(
+      pred_WxE, static, samples_ZxWxE=warm,
+      options=make_options("smartmoe", min_gain=0.0,
+                           pooled_capacity_factor=SMARTMOE_SCORE_FACTOR))
+  fsep = get_policy("fsep")(pred_WxE, round_robin_placement(experts, num_devices, fsep_slots),
+                            slots=fsep_slots, src_dev_W=src, cost=CostModel(d_model, d_ff),
+                            num_devices=num_devices)
+  return {"static": static, "static_pooled": static, "smartmoe": smartmoe, "fsep": fsep}
+
+
+def slot_loads(p: placement_lib.Placement, counts_WxE: np.ndarray) -> np.ndarray:
+  """[W, S] choices each source sends each slot, as the layer splits them (source w runs on
+  expert-axis device w % N)."""
+  counts_WxE = np.asarray(counts_WxE, np.int64)
+  return placement_lib.split_loads(p, counts_WxE, np.arange(len(counts_WxE)) % p.num_devices)
+
+
+def needed_factor(policy: str, p: placement_lib.Placement, counts_LxWxE: np.ndarray,
+                  tokens: int, top_k: int) -> float:
+  """Smallest capacity factor at which no layer drops more than MAX_DROPPED of its choices."""
+  return max(capacity.smallest_factor(CAPACITY[policy], slot_loads(p, c), p.slots_per_device,
+                                      tokens, top_k, MAX_DROPPED)
+             for c in np.asarray(counts_LxWxE))
+
+
+def predicted_dropped(policy: str, p: placement_lib.Placement, counts_WxE: np.ndarray,
+                      tokens: int, top_k: int, factor: float) -> int:
+  mode, slots = CAPACITY[policy], p.slots_per_device
+  cap = capacity.rows(mode, tokens, top_k, p.num_devices, slots, factor)
+  return capacity.dropped(mode, slot_loads(p, counts_WxE), slots, cap)
+
+
+def device_layout(policy: str, placements: list[placement_lib.Placement], experts: int,
+                  router_bias_LxE: np.ndarray | None = None):
+  """The Layout a policy's program is fed: one replica per expert in ep, up to N in fsep."""
+  replicas = placements[0].num_devices if EXPERT_MODE[policy] == "fsep" else 1
+  return from_placements(placements, experts, replicas, router_bias_LxE)
