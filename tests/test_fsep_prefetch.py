@@ -28,6 +28,7 @@ from moejax.model.transformer import Transformer
 from moejax.train import step as step_lib
 from moejax.train.programs import initial_layout
 from moejax.train.state import abstract, state_shardings
+from tests import hlo as hlo_lib
 from tests.helpers import BATCH, SEQ, TINY_MODEL, TINY_MOE, tokens
 from tests.moe_helpers import (
   FSEP_MOE,
@@ -69,68 +70,20 @@ def _compiled(layers: int, d_ff: int):
   return f.lower(params, batch_BxQ1=tokens(), layout=layout).compile(), f, params, layout
 
 
-def _computations(hlo: str) -> dict[str, dict[str, str]]:
-  """{computation name: {instruction name: its line}} of an HLO module's text."""
-  comps, current = {}, None
-  for line in hlo.splitlines():
-    if line.endswith("{") and not line.startswith(" "):
-      current = comps.setdefault(re.search(r"%?([\w.\-]+) \(", line).group(1), {})
-    elif current is not None and (m := re.match(r"\s+(?:ROOT )?%([\w.\-]+) = ", line)):
-      current[m.group(1)] = line
-  return comps
-
-
-def _opcode(line: str) -> str:
-  rhs = line.split(" = ", 1)[1]
-  if rhs.startswith("("):                   # a tuple shape: skip its balanced parentheses
-    depth = 0
-    for i, c in enumerate(rhs):
-      depth += {"(": 1, ")": -1}.get(c, 0)
-      if depth == 0:
-        rhs = rhs[i + 1:]
-        break
-  return re.match(r"\s*(?:\S+\s+)?([\w\-]+)\(", rhs).group(1)
-
-
-def _operands(line: str) -> list[str]:
-  args = line.split(" = ", 1)[1]
-  args = args[args.index(_opcode(line) + "(") + len(_opcode(line)) + 1:]
-  depth = 1
-  for end, c in enumerate(args):
-    depth += {"(": 1, ")": -1}.get(c, 0)
-    if depth == 0:
-      return re.findall(r"%([\w.\-]+)", args[:end])
-  raise ValueError(f"unbalanced operands: {line}")
-
-
-def _has_dot(comps, name: str, seen=None) -> bool:
-  """Whether computation `name` (or one it calls) contains a dot or convolution."""
-  seen = set() if seen is None else seen
-  if name in seen or name not in comps:
-    return False
-  seen.add(name)
-  for line in comps[name].values():
-    if _opcode(line) in ("dot", "convolution"):
-      return True
-    if any(_has_dot(comps, c, seen) for c in re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", line)):
-      return True
-  return False
-
-
 def _is_compute(comps, line: str) -> bool:
   """A matmul (direct or fused) or a token exchange: this iteration's layer compute."""
-  op = _opcode(line)
+  op = hlo_lib.opcode(line)
   if op in ("dot", "convolution"):
     return True
   if op == "all-to-all":
     return "fsep_restore" not in line
-  return any(_has_dot(comps, c) for c in re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", line))
+  return any(hlo_lib.has_dot(comps, c) for c in hlo_lib.callees(line))
 
 
 def _while_bodies(hlo: str, comps) -> tuple[str, str]:
   """Body computations of the forward and the backward (transposed) layer loop."""
   entry = next(c for n, c in comps.items() if f"ENTRY %{n} " in hlo or f"ENTRY {n} " in hlo)
-  loops = [line for line in entry.values() if _opcode(line) == "while"]
+  loops = [line for line in entry.values() if hlo_lib.opcode(line) == "while"]
   body = lambda line: re.search(r"body=%([\w.\-]+)", line).group(1)
   forward = [body(line) for line in loops if "transpose(" not in line]
   backward = [body(line) for line in loops if "transpose(" in line]
@@ -152,25 +105,19 @@ def test_next_layers_restore_does_not_wait_for_this_layers_compute():
   weight_a2a = re.findall(r'"stablehlo.all_to_all"\(%\w+\) .*?: \(tensor<1x(\w+)>\)', lowered)
   assert len(weight_a2a) >= 9 and all(t.endswith("xbf16") for t in weight_a2a), weight_a2a
   hlo = compiled.as_text()
-  comps = _computations(hlo)
+  comps = hlo_lib.computations(hlo)
   for loop, body_name in zip(("forward", "backward"), _while_bodies(hlo, comps)):
     body = comps[body_name]
     restores = [n for n, line in body.items()
-                if _opcode(line) == "all-to-all" and "fsep_restore" in line]
+                if hlo_lib.opcode(line) == "all-to-all" and "fsep_restore" in line]
     assert len(restores) >= (1 if loop == "forward" else 2), f"{loop} loop: {restores}"
     assert any(_is_compute(comps, line) and "all-to-all" in line for line in body.values()), \
         f"expected the token all_to_alls inside the {loop} layer loop"
-    assert any(_opcode(line) != "all-to-all" and _is_compute(comps, line)
+    assert any(hlo_lib.opcode(line) != "all-to-all" and _is_compute(comps, line)
                for line in body.values()), f"expected matmuls inside the {loop} layer loop"
     for name in restores:
-      stack, seen = list(_operands(body[name])), set()
-      while stack:
-        op = stack.pop()
-        if op in seen or op not in body:
-          continue
-        seen.add(op)
-        assert not _is_compute(comps, body[op]), f"{loop}: {name} waits for {body[op]}"
-        stack.extend(_operands(body[op]))
+      waits_for = hlo_lib.depends_on(body, name, lambda line: _is_compute(comps, line))
+      assert waits_for is None, f"{loop}: {name} waits for {waits_for}"
 
 
 def test_restored_weights_held_do_not_grow_with_depth():

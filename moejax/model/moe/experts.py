@@ -30,8 +30,9 @@ def swiglu_grouped(x_MxD: jax.Array, sizes_C: jax.Array, w_gate_CxDxF: jax.Array
 
 
 def grouped_ffn(recv_UxD: jax.Array, g, weights: tuple, ops, dtype) -> jax.Array:
-  """Received rows -> slot groups (`g`: a moejax.model.moe.grouping.Grouping) -> SwiGLU -> sum of
-  the F shards over 'model' -> back to the received order (empty rows stay zero)."""
+  """Received rows -> slot groups (`g`: a moejax.model.moe.grouping.Grouping) -> SwiGLU -> back
+  to the received order (empty rows stay zero). With F sharded over 'model' the rows are
+  partial sums; the layer sums them once, after the combine."""
   x_MxD = ops.permute(recv_UxD, g.recv_row_M, g.group_row_U[:, None])
-  y_MxD = jax.lax.psum(swiglu_grouped(x_MxD, g.sizes_C, *weights, ops.gmm, dtype), "model")
+  y_MxD = swiglu_grouped(x_MxD, g.sizes_C, *weights, ops.gmm, dtype)
   return ops.permute(y_MxD, g.group_row_U, g.recv_row_M[:, None])

@@ -13,6 +13,9 @@ Chosen when the program is built (`moe.dispatch`, `moe.kernels`), never inside t
   ragged + either dropless ragged_all_to_all (moejax.model.moe.ragged); GPU/TPU only.
 `moe.capacity = 'device'` (dense only) pools the capacity of a device's slots into one buffer
 per (source, device) and runs a grouped matmul over it (moejax.model.moe.pooled).
+`moe.exchange_chunks = K` runs any of these on K independent pieces of a device's tokens, so
+one piece's exchange can overlap another's expert compute (moejax.model.moe.chunks). The F
+shards' partial sums are added over 'model' once, on the combined output.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from moejax.layout.placement import SHARE_PARTS
 from moejax.layout.tables import Layout
 from moejax.model.mesh import BATCH_AXES, logical_to_spec
 from moejax.model.moe import (
+  chunks,
   combine as combine_lib,
   dispatch as dispatch_lib,
   grouping,
@@ -76,7 +80,6 @@ def _dense_einsum(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, dt
   index = dispatch_lib.buffer_index(slot_A, gate_TxK.shape[1], num_dev * slots, cap)
   recv = dispatch_lib.exchange(dispatch_lib.pack(x_TxD, index), num_dev, "expert")
   h = swiglu(dispatch_lib.to_slot_major(recv, num_dev, slots), *weights, dtype)
-  h = jax.lax.psum(h, "model")
   back = dispatch_lib.exchange(dispatch_lib.from_slot_major(h, num_dev), num_dev, "expert")
   return (combine_lib.combine(back, index, gate_TxK), index.dropped, index.slot_counts_S,
           jnp.minimum(index.slot_counts_S, cap))
@@ -103,14 +106,22 @@ def _ragged(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, dtype):
   return y_TxD, jnp.zeros((), jnp.int32), slot_counts_S, slot_counts_S
 
 
-def dispatch_combine_fn(cfg: MoEConfig):
-  """The dispatch -> experts -> combine pipeline for this config (a build-time choice): it
-  returns (y_TxD, dropped, slot_counts_S, kept_S), kept_S the choices kept per slot."""
+def _one_pipeline(cfg: MoEConfig):
   if cfg.dispatch == "ragged":
     return _ragged
   if cfg.capacity == "device":
     return pooled.pooled_dispatch_combine
   return _dense_einsum if cfg.kernels == "xla" else _dense_grouped
+
+
+def dispatch_combine_fn(cfg: MoEConfig):
+  """The dispatch -> experts -> combine pipeline for this config (a build-time choice): it
+  returns (y_TxD, dropped, slot_counts_S, kept_S), kept_S the choices kept per slot. With
+  `moe.exchange_chunks = K` > 1 the device's tokens go through it in K pieces (chunks.py)."""
+  pipeline = _one_pipeline(cfg)
+  if cfg.exchange_chunks == 1:
+    return pipeline
+  return chunks.chunked(pipeline, cfg.exchange_chunks)
 
 
 def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
@@ -127,6 +138,9 @@ def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
   if why := batch_split_error(batch, shards):
     raise ConfigError(why + ".")
   num_tokens = batch // shards * length
+  if why := chunks.split_error(num_tokens, cfg.exchange_chunks):
+    raise ConfigError(why)
+  num_tokens //= cfg.exchange_chunks      # capacity is per piece
   if cfg.capacity == "device":
     cap = pooled.device_capacity(num_tokens, cfg.top_k, num_dev, cfg.capacity_factor)
   else:
@@ -151,6 +165,10 @@ def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
     y_TxD, dropped, slot_counts, kept = pipeline(x_TxD, slot_A, r.gate_TxK,
                                                  (w_gate, w_up, w_down), ops, num_dev, slots,
                                                  cap, dtype)
+    # With F sharded over 'model' every pipeline returns partial sums: the exchange and the
+    # combine are linear, so one all-reduce of the T output rows (not of the cf*T*K buffer
+    # rows) sums them, after every piece of a chunked exchange.
+    y_TxD = jax.lax.psum(y_TxD, "model")
     return (y_TxD.reshape(x.shape).astype(x.dtype), r.counts_E[None], dropped[None],
             slot_counts[None], kept[None], r.balance_loss, r.z_loss)
 
