@@ -24,3 +24,12 @@ def _session_compile_cache():
 
   with cache_on(shared_dir("jax_cache")) as directory:
     yield directory
+
+
+@pytest.fixture
+def emulated_collective(monkeypatch):
+  """The ragged path on CPU: jax.lax.ragged_all_to_all replaced by its all_to_all emulation."""
+  from moejax.model.moe import ragged
+
+  monkeypatch.setattr(ragged, "ragged_all_to_all", ragged.emulated_ragged_all_to_all)
+  monkeypatch.setattr(ragged, "check_platform", lambda platform: None)

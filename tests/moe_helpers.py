@@ -148,3 +148,18 @@ def pooled_keep(slot_A: np.ndarray, slots: int, cap_dev: int) -> np.ndarray:
     taken[dev] = taken.get(dev, 0) + 1
     keep_A[a] = taken[dev] <= cap_dev
   return keep_A
+
+
+def ragged_keep(slot_WxA: np.ndarray, slots: int, rows: int) -> np.ndarray:
+  """The bounded ragged buffer's drop rule in numpy, for the sources of one data row in
+  order: each destination's `rows` fill source by source, a source's choices slot by slot in
+  token order. Bool [W, A]."""
+  slot_WxA = np.asarray(slot_WxA)
+  keep_WxA = np.zeros(slot_WxA.shape, bool)
+  filled = {}
+  for w, slot_A in enumerate(slot_WxA):
+    for a in np.argsort(slot_A, kind="stable"):
+      dev = int(slot_A[a]) // slots
+      keep_WxA[w, a] = filled.get(dev, 0) < rows
+      filled[dev] = filled.get(dev, 0) + keep_WxA[w, a]
+  return keep_WxA

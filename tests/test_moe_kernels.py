@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -80,38 +81,16 @@ def test_dense_pallas_equals_dense_xla_with_drops():
   assert_trees_close(grads, ref_grads, GRAD_LEN)
 
 
-def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
-                               recv_sizes, *, axis_name):
-  """jax.lax.ragged_all_to_all's contract from all_to_all (O(N x rows) memory; for tests).
-  The sender zero-pads its N chunks (send_sizes), the receiver places them by the offsets
-  the senders chose (all_to_all of output_offsets) and its own recv_sizes, so inconsistent
-  sizes or offsets corrupt the result."""
-  rows, d = operand.shape
-  r = jnp.arange(rows)
-  src_NxR = jnp.clip(input_offsets[:, None] + r[None, :], 0, rows - 1)
-  chunks = jnp.where((r[None, :] < send_sizes[:, None])[..., None], operand[src_NxR], 0)
-  got = jax.lax.all_to_all(chunks, axis_name, 0, 0)                  # [source, rows, D]
-  offsets = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
-  dst = jnp.where(r[None, :] < recv_sizes[:, None], offsets[:, None] + r[None, :],
-                  output.shape[0])
-  return output.at[dst.reshape(-1)].set(got.reshape(-1, d), mode="drop")
-
-
-@pytest.fixture
-def emulated_collective(monkeypatch):
-  monkeypatch.setattr(ragged, "ragged_all_to_all", emulated_ragged_all_to_all)
-  monkeypatch.setattr(ragged, "check_platform", lambda platform: None)
-
-
 @pytest.mark.parametrize("kernels", ["xla", "pallas"])
 def test_ragged_is_dropless_and_matches_reference(kernels, emulated_collective):
   """All tokens on experts 0 and 1: a dense dispatch at capacity factor 1 drops most choices;
-  ragged drops none and equals the reference (values and gradients)."""
+  ragged with the worst-case buffer (factor 0) drops none and equals the reference (values and
+  gradients)."""
   del emulated_collective
   shape = (2, 2, 2)
   params, x = skewed_params(), positive_tokens()
   cfg = MoEConfig(num_experts=E, top_k=2, capacity_factor=1.0, d_ff=F, kernels=kernels,
-                  dispatch="ragged")
+                  dispatch="ragged", ragged_buffer_factor=0.0)
   (loss, (y, st)), grads = sharded_value_and_grad(
       params, x, row(static_layout(1, E, shape[1])), cfg, mesh_of_shape(shape))
   (ref_loss, (ref_y, ref_counts)), ref_grads = reference_value_and_grad(params, x, 2)
@@ -146,10 +125,11 @@ def test_ragged_path_lowers_for_cuda():
   ops = ops_for("pallas", "gpu")
   assert ops.backend == "triton"
   t, d, f, slots = 32, 64, 64, 2
+  ROWS = ragged.buffer_rows(t, 2, 4, 2.0)        # noqa: N806  (a shape, named like one)
 
   def local(x_TxD, slot_A, gate_TxK, w_gate, w_up, w_down):
     def loss(x, gate, *w):
-      y, _ = ragged.ragged_moe(x, slot_A, gate, w, ops, 4, slots, jnp.bfloat16)
+      y = ragged.ragged_moe(x, slot_A, gate, w, ops, 4, slots, jnp.bfloat16, ROWS)[0]
       return jnp.sum(y ** 2)
     gx, gg, *gw = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(x_TxD, gate_TxK, w_gate, w_up, w_down)
     return gx, gg, *(jax.lax.psum(g, "data") for g in gw)
@@ -167,6 +147,9 @@ def test_ragged_path_lowers_for_cuda():
           s((8, d, f), bf16), s((8, d, f), bf16), s((8, f, d), bf16))
   mlir = exported.mlir_module()
   assert mlir.count("ragged_all_to_all") >= 4      # 2 forward + their 2 transposes
+  # The forward exchange's receive buffer is the bounded one: 2 x the 64 choices per device.
+  assert re.search(rf"tensor<{ROWS}x{d}xbf16>.*ragged_all_to_all|ragged_all_to_all.*"
+                   rf"tensor<{ROWS}x{d}xbf16>", mlir), "no receive buffer of ROWS rows"
 
 
 def _gpus():
@@ -186,7 +169,7 @@ def test_ragged_on_gpu_matches_reference(kernels):
                        axis_types=(jax.sharding.AxisType.Auto,) * 3)
   params, x = skewed_params(), positive_tokens()
   cfg = MoEConfig(num_experts=E, top_k=2, capacity_factor=1.0, d_ff=F, kernels=kernels,
-                  dispatch="ragged")
+                  dispatch="ragged", ragged_buffer_factor=0.0)
   with jax.default_device(gpus[0]):
     (loss, (y, st)), grads = sharded_value_and_grad(
         params, x, row(static_layout(1, E, n)), cfg, mesh)

@@ -10,7 +10,8 @@ Chosen when the program is built (`moe.dispatch`, `moe.kernels`), never inside t
   dense + pallas  the same buffers moved by the permute / unpermute-combine kernels; the
                   received rows are packed by slot and the experts run as a grouped matmul
                   over the real rows only (capacity padding costs no FLOPs).
-  ragged + either dropless ragged_all_to_all (moejax.model.moe.ragged); GPU/TPU only.
+  ragged + either ragged_all_to_all of exactly the routed rows into a receive buffer of
+                  moe.ragged_buffer_factor x T*K rows (moejax.model.moe.ragged); GPU/TPU only.
 `moe.capacity = 'device'` (dense only) pools the capacity of a device's slots into one buffer
 per (source, device) and runs a grouped matmul over it (moejax.model.moe.pooled).
 `moe.exchange_chunks = K` runs any of these on K independent pieces of a device's tokens, so
@@ -99,11 +100,10 @@ def _dense_grouped(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, d
   return ops.combine(back, row_TxK, gate_TxK), index.dropped, index.slot_counts_S, kept_S
 
 
-def _ragged(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, dtype):
-  del cap
-  y_TxD, slot_counts_S = ragged.ragged_moe(x_TxD, slot_A, gate_TxK, weights, ops, num_dev,
-                                           slots, dtype)
-  return y_TxD, jnp.zeros((), jnp.int32), slot_counts_S, slot_counts_S
+def _ragged(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, rows, dtype):
+  y_TxD, slot_counts_S, dropped, kept_S = ragged.ragged_moe(
+      x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, dtype, rows)
+  return y_TxD, dropped, slot_counts_S, kept_S
 
 
 def _one_pipeline(cfg: MoEConfig):
@@ -141,7 +141,9 @@ def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
   if why := chunks.split_error(num_tokens, cfg.exchange_chunks):
     raise ConfigError(why)
   num_tokens //= cfg.exchange_chunks      # capacity is per piece
-  if cfg.capacity == "device":
+  if cfg.dispatch == "ragged":   # the receive buffer's rows
+    cap = ragged.buffer_rows(num_tokens, cfg.top_k, num_dev, cfg.ragged_buffer_factor)
+  elif cfg.capacity == "device":
     cap = pooled.device_capacity(num_tokens, cfg.top_k, num_dev, cfg.capacity_factor)
   else:
     cap = dispatch_lib.capacity(num_tokens, cfg.top_k, num_slots, cfg.capacity_factor)

@@ -1,12 +1,17 @@
-"""Dropless `ragged` dispatch: every choice is sent, exactly, with `ragged_all_to_all`.
+"""`ragged` dispatch: each device sends exactly the rows it routes, with `ragged_all_to_all`,
+into a receive buffer bounded by a factor of the balanced share (dropless at factor 0).
 
 Inside shard_map, per device of the expert axis (N devices, C slots each, A = T*K choices):
   1. sort choices by slot (stable); gather their token rows into that order: [A, D];
   2. all_gather the [N, C] per-slot counts of every source of the group, so every device
      knows every (source, destination, slot) count and the offsets follow from cumsums;
-  3. `ragged_all_to_all` sends device d exactly the rows for its slots, packed source-major
-     into a receive buffer of N*A rows (the worst case: every source sends all its choices
-     to this device; nothing is dropped, at the cost of N times the send buffer);
+  3. `ragged_all_to_all` sends device d the rows for its slots, packed source-major into a
+     receive buffer of `moe.ragged_buffer_factor` x A rows (`buffer_rows`; factor 0: N*A, the
+     worst case, every source sending all its choices to this device, which never drops).
+     Drop rule, computed by every device alike from the gathered counts (`kept_rows`): a
+     destination's buffer fills source by source in source order, a source's block slot by
+     slot, each slot's rows in token order; rows past the end are not sent, and those
+     choices add nothing to the combine, like dense drops;
   4. group the received rows by slot, run the grouped SwiGLU (group sizes as data), back;
   5. the reverse `ragged_all_to_all` returns each row to its source in the sorted order;
   6. unpermute-combine by each choice's sorted position, weighted by the gates.
@@ -16,6 +21,8 @@ XLA:CPU does not implement `ragged_all_to_all`; `check_platform` says so at buil
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +42,24 @@ def check_platform(platform: str) -> None:
                       "does not implement; use moe.dispatch = 'dense' on CPU.")
 
 
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                               recv_sizes, *, axis_name):
+  """jax.lax.ragged_all_to_all's contract from all_to_all, for CPU, which lacks the collective:
+  the tests and the memory benchmark swap it in for `ragged_all_to_all` (O(N x rows) memory).
+  The sender zero-pads its N chunks (send_sizes), the receiver places them by the offsets
+  the senders chose (all_to_all of output_offsets) and its own recv_sizes, so inconsistent
+  sizes or offsets corrupt the result."""
+  rows, d = operand.shape
+  r = jnp.arange(rows)
+  src_NxR = jnp.clip(input_offsets[:, None] + r[None, :], 0, rows - 1)
+  chunks = jnp.where((r[None, :] < send_sizes[:, None])[..., None], operand[src_NxR], 0)
+  got = jax.lax.all_to_all(chunks, axis_name, 0, 0)                  # [source, rows, D]
+  offsets = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+  dst = jnp.where(r[None, :] < recv_sizes[:, None], offsets[:, None] + r[None, :],
+                  output.shape[0])
+  return output.at[dst.reshape(-1)].set(got.reshape(-1, d), mode="drop")
+
+
 def _zeros_like_rows(x_UxD, rows):
   """The output buffer of ragged_all_to_all, varying over the same mesh axes as `x` (the
   result takes the buffer's type; a replicated buffer would make autodiff psum the rows)."""
@@ -45,9 +70,29 @@ def exclusive_cumsum(x, axis=0):
   return jnp.cumsum(x, axis=axis) - x
 
 
-def ragged_moe(x_TxD, slot_A, gate_TxK, weights, ops, num_dev: int, slots: int, dtype):
-  """(y_TxD float32, slot_counts_S) for one device; `weights` = slot-ordered (w_gate, w_up,
-  w_down) of this device's C slots (F possibly sharded over 'model')."""
+def buffer_rows(num_tokens: int, top_k: int, num_devices: int, factor: float) -> int:
+  """Receive-buffer rows per device: `factor` x the balanced share T*K (0: N*T*K, the worst
+  case, when every source sends every choice to this device)."""
+  choices = num_tokens * top_k
+  if factor <= 0:
+    return num_devices * choices
+  return max(1, min(num_devices * choices, math.ceil(factor * choices)))
+
+
+def kept_rows(counts_NxNxC: jax.Array, rows: int) -> jax.Array:
+  """[src, dst, C] choices each source's buffer space on each destination holds: a
+  destination's `rows` fill source by source, and a source's block slot by slot."""
+  sent_NxN = jnp.sum(counts_NxNxC, axis=2)
+  room_NxN = jnp.clip(rows - exclusive_cumsum(sent_NxN, axis=0), 0, sent_NxN)
+  return jnp.clip(room_NxN[..., None] - exclusive_cumsum(counts_NxNxC, axis=2), 0,
+                  counts_NxNxC)
+
+
+def ragged_moe(x_TxD, slot_A, gate_TxK, weights, ops, num_dev: int, slots: int, dtype,
+               rows: int):
+  """(y_TxD float32, slot_counts_S, dropped, kept_S) for one device; `weights` = slot-ordered
+  (w_gate, w_up, w_down) of this device's C slots (F possibly sharded over 'model', so `y`
+  holds partial sums); `rows` the receive buffer (`buffer_rows`)."""
   num_tokens, top_k = gate_TxK.shape
   num_choices = num_tokens * top_k
   me = jax.lax.axis_index("expert")
@@ -58,24 +103,27 @@ def ragged_moe(x_TxD, slot_A, gate_TxK, weights, ops, num_dev: int, slots: int, 
   send_AxD = ops.permute(x_TxD, order_A // top_k, sorted_pos_A.reshape(num_tokens, top_k))
 
   counts_NxNxC = jax.lax.all_gather(counts_S.reshape(num_dev, slots), "expert")  # [src, dst, C]
-  sent_NxN = jnp.sum(counts_NxNxC, axis=2)                  # rows source s sends device d
-  send_sizes = sent_NxN[me]                                 # what I send to each device
-  input_offsets = exclusive_cumsum(send_sizes)              # my chunk for d in my send buffer
-  output_offsets = exclusive_cumsum(sent_NxN, axis=0)[me]   # where it lands on d
-  recv_sizes = sent_NxN[:, me]                              # what each source sends me
+  kept_NxNxC = kept_rows(counts_NxNxC, rows)
+  sent_NxN = jnp.sum(counts_NxNxC, axis=2)                  # rows source s routes to device d
+  kept_NxN = jnp.sum(kept_NxNxC, axis=2)                    # ... of which d has room for
+  send_sizes = kept_NxN[me]                                 # what I send to each device
+  input_offsets = exclusive_cumsum(sent_NxN[me])            # my block for d in my send buffer
+  output_offsets = exclusive_cumsum(kept_NxN, axis=0)[me]   # where it lands on d
+  recv_sizes = kept_NxN[:, me]                              # what each source sends me
   recv_offsets = exclusive_cumsum(recv_sizes)               # where it lands here
 
   recv_UxD = ragged_all_to_all(
-      send_AxD, _zeros_like_rows(send_AxD, num_dev * num_choices),
+      send_AxD, _zeros_like_rows(send_AxD, rows),
       input_offsets, send_sizes, output_offsets, recv_sizes, axis_name="expert")
-  counts_NxC = counts_NxNxC[:, me, :]
-  g = grouping.group_received(grouping.packed_starts(counts_NxC), counts_NxC,
-                              num_dev * num_choices)
+  kept_NxC = kept_NxNxC[:, me, :]
+  g = grouping.group_received(grouping.packed_starts(kept_NxC), kept_NxC, rows)
   out_UxD = grouped_ffn(recv_UxD, g, weights, ops, dtype)
-  # Reverse: my received chunk from s (at recv_offsets[s]) goes back to where s sent it from.
+  # Reverse: my received chunk from s (at recv_offsets[s]) goes back to where s sent it from;
+  # the rows of dropped choices stay zero in the returned buffer, so they add nothing.
   back_AxD = ragged_all_to_all(
       out_UxD, _zeros_like_rows(out_UxD, num_choices),
       recv_offsets, recv_sizes, exclusive_cumsum(sent_NxN, axis=1)[:, me], send_sizes,
       axis_name="expert")
   y_TxD = ops.combine(back_AxD, sorted_pos_A.reshape(num_tokens, top_k), gate_TxK)
-  return y_TxD, counts_S
+  dropped = jnp.sum(sent_NxN[me] - send_sizes).astype(jnp.int32)
+  return y_TxD, counts_S, dropped, kept_NxNxC[me].reshape(-1)

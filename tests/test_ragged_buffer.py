@@ -1,0 +1,75 @@
+"""The ragged path's bounded receive buffer (moe.ragged_buffer_factor): what overflows it is
+dropped by its documented rule and counted, and the layer equals the reference without those
+choices, values and gradients (CPU, with the collective emulated)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moejax.config import MoEConfig
+from moejax.layout.tables import static_layout
+from moejax.model.mesh import mesh_of_shape
+from moejax.model.moe import ragged
+from moejax.model.moe.reference import moe_reference
+from moejax.model.moe.route import route
+from tests.moe_helpers import (
+  GRAD_LEN,
+  LOSS_LEN,
+  Y_LEN,
+  D,
+  E,
+  F,
+  make_params,
+  objective,
+  ragged_keep,
+  row,
+  sharded_value_and_grad,
+)
+from tests.numerics import assert_close, assert_trees_close
+
+
+def test_buffer_rows():
+  assert ragged.buffer_rows(16, 2, 4, 0.0) == 4 * 32           # worst case: never drops
+  assert ragged.buffer_rows(16, 2, 4, 1.5) == 48
+  assert ragged.buffer_rows(16, 2, 4, 9.0) == 4 * 32           # never above the worst case
+
+
+def test_overflow_is_dropped_by_its_rule_and_matches_the_reference(emulated_collective):
+  """(2, 2, 2) mesh, expert 0 favoured, buffer = 1x the balanced share: device 0 overflows.
+  Drops per source equal the numpy rule; the layer equals the reference with exactly those
+  choices removed."""
+  del emulated_collective
+  shape, factor = (2, 2, 2), 1.0
+  n, slots = shape[1], E // shape[1]
+  params = make_params(7)
+  params["router"] = params["router"].at[:, 0].add(1.5)
+  x = jax.random.normal(jax.random.key(8), (8, 8, D))
+  cfg = MoEConfig(num_experts=E, top_k=2, d_ff=F, dispatch="ragged",
+                  ragged_buffer_factor=factor)
+  (loss, (y, st)), grads = sharded_value_and_grad(
+      params, x, row(static_layout(1, E, n)), cfg, mesh_of_shape(shape))
+
+  expert_TxK = np.asarray(route(x.reshape(-1, D), params["router"], 2,
+                                normalize_top_k=True).expert_TxK)
+  sources = shape[0] * n
+  slot_WxA = expert_TxK.reshape(sources, -1)            # static layout: slot = expert
+  rows = ragged.buffer_rows(slot_WxA.shape[1] // 2, 2, n, factor)
+  keep_WxA = np.concatenate([ragged_keep(slot_WxA[r:r + n], slots, rows)
+                             for r in range(0, sources, n)])
+  dropped_W = (~keep_WxA).sum(1)
+  assert dropped_W.sum() > 0, "the test should overflow a buffer"
+  np.testing.assert_array_equal(np.asarray(st.dropped_W), dropped_W)
+  np.testing.assert_array_equal(np.asarray(st.received_WxN).sum(), keep_WxA.sum())
+
+  keep_TxK = jnp.asarray(keep_WxA.reshape(expert_TxK.shape))
+
+  def ref(p, x):
+    out, _, bal, z = moe_reference(p, x, 2, keep_TxK=keep_TxK)
+    return objective(out, bal, z), out
+  (ref_loss, ref_y), ref_grads = jax.value_and_grad(ref, argnums=(0, 1), has_aux=True)(
+      params, x)
+  assert_close(y, ref_y, Y_LEN, err_msg="y")
+  assert_close(loss, ref_loss, LOSS_LEN, err_msg="loss")
+  assert_trees_close(grads, ref_grads, GRAD_LEN)
