@@ -14,7 +14,8 @@ from moejax.config import (
   Config,
 )
 from moejax.train import metrics as metrics_lib
-from moejax.train.trainer import Trainer, train
+from moejax.train.programs import xla_memory
+from moejax.train.trainer import Trainer
 from tests.run_config import (
   REPO_ROOT,
   TOKENS,
@@ -28,7 +29,9 @@ from tests.run_config import (
 
 def test_run_writes_metrics_checkpoints_and_learns(tmp_path):
   cfg = tiny_config(tmp_path, num_steps=8, every=3, keep=2, eval_every=4, warmup_steps=2)
-  summary = train(cfg)
+  with Trainer(cfg) as trainer:
+    summary = trainer.run()
+    xla = xla_memory(trainer.pool.program.train_step)
   assert summary["start_step"] == 0
   assert summary["first"]["step"] == 0 and summary["last"]["step"] == 7
 
@@ -60,6 +63,12 @@ def test_run_writes_metrics_checkpoints_and_learns(tmp_path):
   assert checkpoint_steps(tmp_path) == [6, 8]
   with open(tmp_path / "config.json") as f:
     assert json.load(f) == json.loads(json.dumps(cfg.to_dict()))
+  # memory.txt reports XLA's analysis of the executable that trained, then the arithmetic.
+  memory_txt = (tmp_path / "memory.txt").read_text().splitlines()
+  assert memory_txt[0] == ("XLA compiled train step ep/2x4x1/cf1.25, bytes per device: " +
+                           ", ".join(f"{k} {v}" for k, v in xla.items()))
+  assert xla["argument"] > 0 and xla["temp"] > 0
+  assert memory_txt[1].startswith("arithmetic model, expert memory per device")
   assert steps[-1]["loss"] < steps[0]["loss"]
   # The run's layout is static, so the static layout's drops and realised work predicted from
   # the counts must be what the compiled program reported.

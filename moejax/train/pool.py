@@ -49,10 +49,10 @@ class StrategyPool:
     for s in strategies:
       _check_batch(cfg, s.data * s.expert)
     self.strategies: list[Strategy] = strategies
-    # A pool compiles every member now, so that a switch later compiles nothing.
-    self.programs: list[Program] = [
-        build_program(cfg, s, tx, lr_schedule, devices, compile_now=self.switching)
-        for s in strategies]
+    # Every member is compiled now: a switch or a re-layout later compiles nothing, and the
+    # run's memory.txt reports XLA's analysis of the very executable that trains.
+    self.programs: list[Program] = [build_program(cfg, s, tx, lr_schedule, devices)
+                                    for s in strategies]
     self.planners = [OnlinePlanner(p.cfg.planner, p.mesh.shape["expert"],
                                    capacity_factor=_dense_capacity(p.cfg.moe),
                                    capacity=p.cfg.moe.capacity)

@@ -58,6 +58,15 @@ class CompileCounter:
     jax.monitoring.unregister_event_duration_listener(self._on_event)
 
 
+def xla_memory(compiled) -> dict[str, int]:
+  """Bytes per device of a compiled program, from XLA's own memory analysis."""
+  stats = compiled.memory_analysis()
+  return {name: int(getattr(stats, f"{name}_size_in_bytes")) for name in XLA_MEMORY_FIELDS}
+
+
+XLA_MEMORY_FIELDS = ("argument", "output", "alias", "temp", "generated_code")
+
+
 def initial_layout(moe: MoEConfig, num_layers: int, num_devices: int) -> Layout:
   """ep: expert e on device e // (E/N); fsep: C slots per device, round-robin replicas."""
   if moe.expert_mode == "ep":

@@ -20,7 +20,7 @@ from moejax.train.checkpoint import Checkpointer
 from moejax.train.controllers import Hook, LayoutReplanning, StrategySwitching
 from moejax.train.optim import optimizer, schedule
 from moejax.train.pool import StrategyPool
-from moejax.train.programs import initial_layout
+from moejax.train.programs import initial_layout, xla_memory
 from moejax.train.state import init_state
 
 __all__ = ["Hook", "Trainer", "initial_layout", "train"]
@@ -189,7 +189,9 @@ class Trainer:
     return {**self._finish(start, first, last, done, stop, bar), "balance": balance.summary()}
 
   def _write_run_files(self) -> None:
-    """config.json and memory.txt (the active member's memory model) in the run dir."""
+    """config.json, and memory.txt: XLA's memory analysis of every pool member's compiled
+    train step (what runs), then the arithmetic model of the expert bytes (what to expect at
+    other sizes)."""
     cfg, prog = self.cfg, self.pool.program
     os.makedirs(cfg.train.run_dir, exist_ok=True)
     if not self.is_main:
@@ -197,7 +199,11 @@ class Trainer:
     with open(os.path.join(cfg.train.run_dir, "config.json"), "w") as f:
       json.dump(cfg.to_dict(), f, indent=2)
     with open(os.path.join(cfg.train.run_dir, "memory.txt"), "w") as f:
-      f.write(memory.report(
+      for member in self.pool.programs:
+        stats = xla_memory(member.train_step)
+        f.write(f"XLA compiled train step {member.strategy.spec}, bytes per device: " +
+                ", ".join(f"{k} {v}" for k, v in stats.items()) + "\n")
+      f.write("arithmetic model, " + memory.report(
           cfg.model.num_layers // cfg.moe.moe_every, cfg.moe.num_experts, cfg.model.d_model,
           cfg.moe.d_ff, prog.mesh.shape["expert"], prog.mesh.shape["model"],
           prog.cfg.moe.slots_per_device or None) + "\n")
