@@ -62,4 +62,4 @@ def test_ratios_per_seed_geomean_and_per_round():
   assert fsep["geomean"] == pytest.approx(math.sqrt(1.75 * 4.0))
   assert np.allclose(per_round["fsep/tokens_per_s"], [[1.75, 1.75], [4.0, 4.0]])
   quick = balance_pays.parse_args(["--quick"])
-  assert quick.seeds == [0] and quick.rounds == 5 and quick.step
+  assert quick.seeds == [0] and quick.rounds == 4 and quick.step
