@@ -21,10 +21,10 @@ interleaved step by step in rotating order:
   * beside it (`--step`, on by default), a whole training step of the default model
     (configs/default.gin with E = 16, top-2, on the (1, 8, 1) mesh): the popularity enters
     as the layout's router bias, the learning rate is 1e-9 so the routing of the timed batch
-    stays the one the factor was chosen for. The initial router's logits hardly differ
-    between tokens, so at the default `--step_bias_scale 1` the bias decides alone: every
-    token picks the two most popular experts, a harsher skew than the layer's (~0.02 gives
-    the layer's spread, its hottest expert taking ~30% of the choices).
+    stays the one the factor was chosen for. The bias is scaled by `--step_bias_scale`
+    (0.02): the initial router's logits hardly differ between tokens, so at scale 1 the bias
+    decides alone and every token picks the two most popular experts; 0.02 gives about the
+    layer's spread (its hottest expert taking ~30% of the choices).
 On CPU the 8 devices share the host's cores: a ratio reflects work (rows computed and
 exchanged, fsep's restores), not network time or a GPU's speed.
 
@@ -73,7 +73,7 @@ def parse_args(argv):
   ap.add_argument("--fsep_slots", type=int, default=4)
   ap.add_argument("--sigma", type=float, default=1.0)
   ap.add_argument("--warmup_batches", type=int, default=4)
-  ap.add_argument("--step_bias_scale", type=float, default=1.0,
+  ap.add_argument("--step_bias_scale", type=float, default=0.02,
                   help="the step's router bias is this times the log-popularity; at 1 every "
                        "token picks the two most popular experts (the initial router's logits "
                        "hardly differ between tokens), ~0.02 gives the layer's spread")
