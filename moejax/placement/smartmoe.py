@@ -143,20 +143,15 @@ def place_permutation(pred_WxE: np.ndarray, current: placement_lib.Placement, *,
     score = lambda d: pooled_drops(samples, d, n, cap_ZxW)
     best = min((local, reshuffle, static_dev_E, cur_dev_E), key=score)
     dev_E = _swaps_for_drops(samples, best, n, cap_ZxW, iters)
-    if score(static_dev_E) < score(dev_E):
-      dev_E = static_dev_E
-    cur = score(cur_dev_E)
-    keep = cur <= 0 or (cur - score(dev_E)) / cur <= min_gain
-    if keep and cur <= score(static_dev_E):
-      return current
-    return placement_lib.one_copy(_to_slots(dev_E, current, c), n)
-  dev_E = reshuffle if peak(reshuffle) < peak(local) * (1 - min_gain) else local
-  if peak(static_dev_E) < peak(dev_E):
+  else:
+    score = peak
+    dev_E = reshuffle if peak(reshuffle) < peak(local) * (1 - min_gain) else local
+  if score(static_dev_E) < score(dev_E):
     dev_E = static_dev_E
-  cur_max = peak(cur_dev_E)
+  cur = score(cur_dev_E)
   # Keep the current layout unless the gain is worth it, but never keep one that is
   # predicted worse than static.
-  keep = cur_max <= 0 or (cur_max - peak(dev_E)) / cur_max <= min_gain
-  if keep and cur_max <= peak(static_dev_E):
+  keep = cur <= 0 or (cur - score(dev_E)) / cur <= min_gain
+  if keep and cur <= score(static_dev_E):
     return current
   return placement_lib.one_copy(_to_slots(dev_E, current, c), n)
