@@ -114,6 +114,16 @@ def random_placement(rng, num_devices, slots, num_experts=E):
   return placement_lib.Placement(slot_expert, share, num_devices)
 
 
+def with_local(placement, rng):
+  """The placement with random per-source shares: each slot keeps nothing (a third), all
+  (a third) or a random number of parts of its own device's tokens first."""
+  pick = rng.integers(0, 3, len(placement.slot_expert))
+  parts = np.where(pick == 0, 0, np.where(pick == 1, placement_lib.SHARE_PARTS,
+                                          rng.integers(1, placement_lib.SHARE_PARTS, len(pick))))
+  return placement_lib.Placement(placement.slot_expert, placement.share,
+                                 placement.num_devices, "split", parts / placement_lib.SHARE_PARTS)
+
+
 def fsep_value_and_grad_fn(cfg, mesh):
   def f(p, x, layout):
     fsep = {k: p[k][None] for k in ("w_gate", "w_up", "w_down")}

@@ -17,6 +17,7 @@ from moejax.model.moe.fsep_experts import FSEP_PARAM_AXES, restore_slot_weights
 from moejax.model.moe.layer import moe_apply
 from moejax.model.moe.reference import moe_reference
 from moejax.model.moe.replicas import rank_within_expert
+from moejax.train.programs import CompileCounter
 from tests.helpers import tokens
 from tests.moe_helpers import (
   FSEP_MOE,
@@ -32,6 +33,7 @@ from tests.moe_helpers import (
   make_params,
   model_lengths,
   random_placement,
+  with_local,
 )
 from tests.numerics import assert_close, assert_trees_close
 
@@ -107,6 +109,8 @@ def test_fsep_layer_matches_reference_for_random_replicated_layouts(shape, slots
     params = make_params(i)
     x = jax.random.normal(jax.random.key(100 + i), (8, 8, D))
     placement = random_placement(rng, n, slots)
+    if i % 2:                                   # per-source shares: kept parts first
+      placement = with_local(placement, rng)
     layout = jax.device_put(from_placements([placement], E, n), rep)
     (loss, (y, st)), grads = fsep_value_and_grad(params, x, layout)
     (ref_loss, (ref_y, ref_counts)), ref_grads = reference_value_and_grad(params, x)
@@ -135,9 +139,14 @@ def test_fsep_relayout_compiles_once():
   step = jax.jit(jax.grad(f))
   params, x = make_params(), jax.random.normal(jax.random.key(1), (8, 8, D))
   rng = np.random.default_rng(3)
-  for _ in range(5):
-    layout = jax.device_put(from_placements([random_placement(rng, 4, 4)], E, 4), rep)
-    jax.block_until_ready(step(params, x, layout))
+  for i in range(5):
+    placement = random_placement(rng, 4, 4)
+    if i >= 3:                     # layouts with per-source shares (kept parts)
+      placement = with_local(placement, rng)
+    layout = jax.device_put(from_placements([placement], E, 4), rep)
+    with CompileCounter() as compiles:
+      jax.block_until_ready(step(params, x, layout))
+    assert i == 0 or compiles.count == 0, f"layout {i} compiled {compiles.count} programs"
   assert len(traces) == 1 and step._cache_size() == 1
 
 

@@ -57,8 +57,14 @@ def test_half_the_load_on_one_expert_gets_a_replica_per_device():
   assert p.replicas(4)[0] == 4                            # one replica on every device
   dev_load = flow(p, pred, np.arange(4)).device_load_N
   assert max_over_mean(dev_load) <= 1.1
-  quotas = placement_lib.quotas(p, pred.sum(0).astype(np.int64))
-  assert max_over_mean(placement_lib.device_load(p, quotas)) <= 1.01
+  # The replica quotas: the crossing-blind plan's by the shares; the local-first plan (same
+  # replicas) serves the same quotas, part from each device's own tokens first.
+  blind = _plan(pred, 4, 2, locality=False)
+  np.testing.assert_array_equal(blind.slot_expert, p.slot_expert)
+  quotas = placement_lib.quotas(blind, pred.sum(0).astype(np.int64))
+  assert max_over_mean(placement_lib.device_load(blind, quotas)) <= 1.01
+  kept = placement_lib.split_loads(p, np.rint(pred).astype(np.int64)).sum(0)
+  assert max_over_mean(placement_lib.device_load(p, kept)) <= 1.01
 
 
 def test_uniform_load_gets_even_replicas():

@@ -6,12 +6,14 @@ slot is planned to serve. Two token rules (`Placement.routing`):
 - "local_first" (shadow experts): a source device's tokens for expert e go to a
   replica of e on the same device while that replica's quota (share x the
   expert's actual tokens) lasts; the rest fill the remaining quotas in slot order.
-- "split" (fsep training, the dense dispatch): each source splits its tokens for e
-  over e's replicas by the shares, so every (source, slot) pair carries ~ share x
-  count and fixed per-pair capacity suffices. With cumulative parts P_r and c tokens,
-  replica r gets floor((P_r c + phase) / 1024) - floor((P_{r-1} c + phase) / 1024), where
-  a source on device d of N uses phase d * 1024 // N, so rounding leftovers do not all
-  land on the same replica.
+- "split" (fsep training, the dense dispatch): a source on device d first keeps
+  floor(lambda c / 1024) of its c tokens for e on d's own replica of e, lambda being that
+  slot's `local` parts (per-source shares: the planner sets them so that devices stay
+  level and fewer rows leave their source; zero keeps nothing back). It splits the other
+  c' tokens over e's replicas by the shares, so every (source, slot) pair carries ~ share x
+  count: with cumulative parts P_r, replica r gets floor((P_r c' + phase) / 1024) -
+  floor((P_{r-1} c' + phase) / 1024), where a source on device d of N uses phase
+  d * 1024 // N, so rounding leftovers do not all land on the same replica.
 Planners return Placements; replay evaluates them; the trainer turns them into
 JAX `Layout`s.
 """
@@ -31,6 +33,9 @@ class Placement:
   share: np.ndarray          # float64 [N*C]; per expert, shares of its slots sum to 1
   num_devices: int
   routing: str = "local_first"   # or "split" (see the module doc)
+  # float [N*C] or None: "split" only, the share of its own device's tokens for the slot's
+  # expert that a slot keeps before the rest is split by `share` (None: nothing kept back).
+  local: np.ndarray | None = None
 
   @property
   def slots_per_device(self) -> int:
@@ -57,6 +62,11 @@ class Placement:
                        weights=self.share[self.slot_expert >= 0], minlength=num_experts)
     if not np.allclose(sums, 1.0, atol=1e-6):
       raise ConfigError(f"placement shares per expert sum to {np.round(sums, 4).tolist()}, not 1.")
+    if self.local is not None:
+      lo, hi = float(np.min(self.local)), float(np.max(self.local))
+      if len(self.local) != len(self.slot_expert) or lo < 0 or hi > 1:
+        raise ConfigError(f"placement local shares must be {len(self.slot_expert)} values in "
+                          f"[0, 1], got {len(self.local)} in [{lo}, {hi}].")
 
 
 def one_copy(slot_expert: np.ndarray, num_devices: int) -> Placement:
@@ -100,6 +110,23 @@ def share_parts(p: Placement, num_experts: int) -> np.ndarray:
   return parts
 
 
+def local_parts(p: Placement) -> np.ndarray:
+  """int64 [N*C]: each slot's kept-back share of its own device's tokens, in parts of
+  SHARE_PARTS (floor; zeros without `local` or for empty slots)."""
+  if p.local is None:
+    return np.zeros(len(p.slot_expert), np.int64)
+  parts = np.floor(np.asarray(p.local, np.float64) * SHARE_PARTS + 1e-9).astype(np.int64)
+  return np.where(p.slot_expert >= 0, np.clip(parts, 0, SHARE_PARTS), 0)
+
+
+def local_slots(p: Placement, num_experts: int) -> np.ndarray:
+  """int64 [N, E]: the slot of device d that hosts expert e, or -1 (at most one per device)."""
+  out = np.full((p.num_devices, num_experts), -1, np.int64)
+  hosted = np.flatnonzero(p.slot_expert >= 0)
+  out[p.device_of_slot[hosted], p.slot_expert[hosted]] = hosted
+  return out
+
+
 def quotas(placement: Placement, totals_E: np.ndarray) -> np.ndarray:
   """Integer tokens per slot, exact: with an expert's replicas in slot order and cumulative
   parts P_r, replica r serves floor(P_r * T / 1024) - floor(P_{r-1} * T / 1024) of its T."""
@@ -116,19 +143,29 @@ def quotas(placement: Placement, totals_E: np.ndarray) -> np.ndarray:
 
 def split_loads(placement: Placement, counts_WxE: np.ndarray,
                 src_dev_W: np.ndarray | None = None) -> np.ndarray:
-  """"split" rule: (token, k) rows each source sends to each slot, int64 [W, S]. A source
-  on device d uses phase d * 1024 // N, as on the device (default: source s on device s)."""
+  """"split" rule: (token, k) rows each source sends to each slot, int64 [W, S]: first the
+  local parts of its own device's replica, the rest by the shares. A source on device d uses
+  phase d * 1024 // N, as on the device (default: source s on device s)."""
   counts_WxE = np.asarray(counts_WxE, np.int64)
+  num_sources, num_experts = counts_WxE.shape
   se = placement.slot_expert
-  parts = share_parts(placement, counts_WxE.shape[1])
-  out = np.zeros((len(counts_WxE), len(se)), np.int64)
-  src = np.arange(len(counts_WxE)) if src_dev_W is None else np.asarray(src_dev_W)
+  parts = share_parts(placement, num_experts)
+  out = np.zeros((num_sources, len(se)), np.int64)
+  src = np.arange(num_sources) if src_dev_W is None else np.asarray(src_dev_W)
   phase_W = src * SHARE_PARTS // placement.num_devices
+  rest_WxE = counts_WxE
+  if placement.local is not None:
+    slot_WxE = local_slots(placement, num_experts)[src]
+    lp_WxE = np.where(slot_WxE >= 0, local_parts(placement)[np.maximum(slot_WxE, 0)], 0)
+    kept_WxE = lp_WxE * counts_WxE // SHARE_PARTS
+    rows, cols = np.nonzero(slot_WxE >= 0)
+    out[rows, slot_WxE[rows, cols]] = kept_WxE[rows, cols]    # one slot per (source, expert)
+    rest_WxE = counts_WxE - kept_WxE
   for e in np.unique(se[se >= 0]):
     slots = np.flatnonzero(se == e)
     cum_parts = np.cumsum(parts[slots])[None, :]
-    hi = (cum_parts * counts_WxE[:, e:e + 1] + phase_W[:, None]) // SHARE_PARTS
-    out[:, slots] = np.diff(hi, axis=1, prepend=0)
+    hi = (cum_parts * rest_WxE[:, e:e + 1] + phase_W[:, None]) // SHARE_PARTS
+    out[:, slots] += np.diff(hi, axis=1, prepend=0)
   return out
 
 

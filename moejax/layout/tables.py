@@ -3,7 +3,8 @@
 A layout is *data* fed to the step: small int32 arrays with a leading MoE-layer
 axis. A device on the expert axis owns `C` consecutive slots; slot `s` lives on
 device `s // C`. Each expert lists its replica slots (in slot order, -1 padded
-to a static R) and their token shares in integer parts of SHARE_PARTS.
+to a static R) and their token shares in integer parts of SHARE_PARTS; each slot also holds
+the parts of its own device's tokens it keeps before that split (per-source shares, fsep).
 
 - `ep` layouts have R = 1: one copy per expert, and the slot physically owns the
   expert's weights (stored in slot order `[layers, N*C, ...]`).
@@ -30,6 +31,9 @@ class Layout:
   slot_expert_LxS: jax.Array       # int32 [layers, N*C]: expert hosted by each slot (-1: none)
   expert_slots_LxExR: jax.Array    # int32 [layers, E, R]: replica slots, ascending, -1 padded
   expert_parts_LxExR: jax.Array    # int32 [layers, E, R]: token share parts, sum SHARE_PARTS
+  # int32 [layers, N*C]: parts (of SHARE_PARTS) of the hosting device's own tokens for the
+  # slot's expert kept on the slot before the rest is split by expert_parts; zeros: none.
+  slot_local_parts_LxS: jax.Array
   # float32 [layers, E]: added to router probabilities when choosing experts (not to the
   # gates); zeros = plain top-k. Data like the rest: a planner (or a load-injection
   # benchmark) may change it every step without recompiling.
@@ -63,6 +67,7 @@ def from_placements(placements: Sequence[placement_lib.Placement], num_experts: 
   slot_expert = np.full((layers, num_slots), -1, np.int32)
   slots = np.full((layers, num_experts, max_replicas), -1, np.int32)
   parts = np.zeros((layers, num_experts, max_replicas), np.int32)
+  local = np.zeros((layers, num_slots), np.int32)
   for layer, p in enumerate(placements):
     p.validate(num_experts)
     reps = p.replicas(num_experts)
@@ -70,6 +75,7 @@ def from_placements(placements: Sequence[placement_lib.Placement], num_experts: 
       raise ConfigError(f"layer {layer}: expert {int(reps.argmax())} has {int(reps.max())} "
                         f"replicas but this strategy allows {max_replicas}.")
     slot_expert[layer] = p.slot_expert
+    local[layer] = placement_lib.local_parts(p)
     share_parts = placement_lib.share_parts(p, num_experts)
     for e in range(num_experts):
       mine = np.flatnonzero(p.slot_expert == e)
@@ -82,20 +88,24 @@ def from_placements(placements: Sequence[placement_lib.Placement], num_experts: 
     raise ConfigError(f"router bias has shape {bias.shape}; it must be [layers={layers}, "
                       f"experts={num_experts}].")
   return Layout(jnp.asarray(slot_expert), jnp.asarray(slots), jnp.asarray(parts),
-                jnp.asarray(bias))
+                jnp.asarray(local), jnp.asarray(bias))
 
 
 def to_placements(layout: Layout, num_devices: int) -> list[placement_lib.Placement]:
   """Device Layout -> host placements (shares as exact fractions of SHARE_PARTS)."""
   slot_expert = np.asarray(layout.slot_expert_LxS)
   slots, parts = np.asarray(layout.expert_slots_LxExR), np.asarray(layout.expert_parts_LxExR)
+  local = np.asarray(layout.slot_local_parts_LxS)
   out = []
   for layer in range(slot_expert.shape[0]):
     share = np.zeros(slot_expert.shape[1])
     ok = slots[layer] >= 0
     share[slots[layer][ok]] = parts[layer][ok] / placement_lib.SHARE_PARTS
     routing = "split" if slots.shape[-1] > 1 else "local_first"   # what the device does
-    out.append(placement_lib.Placement(slot_expert[layer].copy(), share, num_devices, routing))
+    kept = (local[layer] / placement_lib.SHARE_PARTS
+            if routing == "split" and local[layer].any() else None)
+    out.append(placement_lib.Placement(slot_expert[layer].copy(), share, num_devices, routing,
+                                       kept))
   return out
 
 

@@ -45,6 +45,8 @@ import numpy as np
 from moejax.config import ConfigError
 from moejax.layout.placement import SHARE_PARTS, Placement
 from moejax.placement.cost import CostModel
+from moejax.placement.fsep_score import estimate, fold_sources, overflow, own_counts
+from moejax.placement.locality import keep_local, local_parts
 
 TIME_SLACK = 0.01     # relative score within which the dense dispatch's overflow decides
 CANDIDATES = ("even", "dhondt", "blend")      # every kind `replica_counts` knows
@@ -244,7 +246,7 @@ def level(grid: np.ndarray, r_YxE: np.ndarray, load_E: np.ndarray, iters: int,
 
 
 def quantise(grid: np.ndarray, share: np.ndarray, load_E: np.ndarray,
-             groups: int = 8) -> np.ndarray:
+             groups: int = 8, base_YxN: np.ndarray | None = None) -> np.ndarray:
   """Shares [Y, N, rounds] rounded to whole parts of SHARE_PARTS, the unit in which the
   router (`placement.share_parts` / `quotas`) splits an expert's tokens, keeping device loads
   level: floor every share, then give each expert's missing parts one each to its replicas on
@@ -255,7 +257,8 @@ def quantise(grid: np.ndarray, share: np.ndarray, load_E: np.ndarray,
   With many devices one part of a hot expert is a large slice of a device's load (for E=64 on
   N=1024 the hottest part is ~8% of the mean device load), so leaving the rounding to the
   router's largest-remainder rule costs several percent of balance. share * SHARE_PARTS is an
-  integer here, so share_parts reproduces these parts exactly."""
+  integer here, so share_parts reproduces these parts exactly. `base_YxN`: load the devices
+  already carry (the tokens replicas keep locally), levelled together with these parts."""
   k, n, rounds = grid.shape
   num_experts = len(load_E)
   parts_total = SHARE_PARTS
@@ -268,7 +271,10 @@ def quantise(grid: np.ndarray, share: np.ndarray, load_E: np.ndarray,
   unit_flat = unit.take(grid).ravel()
   dev_flat = np.repeat(np.arange(k * n), rounds)                   # candidate-major device ids
   dev_load = np.bincount(dev_flat, weights=parts * unit_flat, minlength=k * n)
-  mean = load_E.sum() / n
+  mean = np.full(k * n, load_E.sum() / n)
+  if base_YxN is not None:
+    dev_load += base_YxN.ravel()
+    mean += np.repeat(base_YxN.sum(1) / n, n)
   rank_E = np.empty(num_experts, np.int64)
   rank_E[np.argsort(-unit, kind="stable")] = np.arange(num_experts)
   group_flat = (rank_E * groups // num_experts).astype(np.int16).take(grid).ravel()
@@ -279,7 +285,7 @@ def quantise(grid: np.ndarray, share: np.ndarray, load_E: np.ndarray,
     if len(sel) == 0:
       continue
     e_sel = gflat[sel]
-    gap = dev_load.take(dev_flat[sel]) - mean
+    gap = dev_load.take(dev_flat[sel]) - mean.take(dev_flat[sel])
     span = 2.0 * float(np.abs(gap).max()) + 1.0
     order = np.argsort(e_sel + (gap - frac[sel] * 1e-6) / span)  # by expert, deficit first
     sel, e_sel = sel[order], e_sel[order]
@@ -287,47 +293,6 @@ def quantise(grid: np.ndarray, share: np.ndarray, load_E: np.ndarray,
     parts[up] += 1
     dev_load += np.bincount(dev_flat[up], weights=unit_flat[up], minlength=k * n)
   return (parts / parts_total).reshape(share.shape)
-
-
-def estimate(grid: np.ndarray, share: np.ndarray, dev_NxE: np.ndarray,
-             load_E: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """(device load [Y, N], tokens each device sends off itself [Y, N]) under the "split"
-  routing of the dense dispatch (each source splits its tokens for e by the shares, so it
-  keeps share x own tokens local) on the counts dev_NxE, for replicas grid[Y, N, rounds]
-  (one per (device, expert)) with token shares share[Y, N, rounds]."""
-  n, num_experts = dev_NxE.shape
-  quota = share * load_E.take(grid)
-  own = dev_NxE.ravel().take(grid + (np.arange(n) * num_experts)[None, :, None])
-  local = own * share
-  return quota.sum(2), dev_NxE.sum(1)[None, :] - local.sum(2)
-
-
-def overflow(grid: np.ndarray, share: np.ndarray, dev_NxE: np.ndarray,
-             cap_N: np.ndarray) -> np.ndarray:
-  """Dropped share [Y] of all choices when source device s sends dev_NxE[s, e] x share to
-  each replica of e (grid[Y, N, rounds], share[Y, N, rounds]) and a (source, slot) pair
-  takes at most cap_N[s] rows. An estimate for ranking candidates: mean counts (no spread),
-  no rounding of the capacity, and sources already folded onto their expert-axis device
-  (with data > 1, sources that differ overflow more than this says). Memory grows as
-  Y x N^2 x rounds (about 1 GB at N=1024, C=64)."""
-  rows_YxNxNxC = dev_NxE[:, grid].transpose(1, 0, 2, 3) * share[:, None]
-  over = np.maximum(rows_YxNxNxC - cap_N[None, :, None, None], 0.0).sum((1, 2, 3))
-  return over / max(float(dev_NxE.sum()), 1e-12)
-
-
-def fold_sources(pred_WxE: np.ndarray, src_dev_W: np.ndarray, n: int) -> np.ndarray:
-  """[N, E]: counts of the sources on each device summed."""
-  src = np.asarray(src_dev_W, np.int64)
-  if len(src) == n and np.array_equal(src, np.arange(n)):
-    return pred_WxE
-  order = np.argsort(src, kind="stable")
-  src_sorted = src[order]
-  starts = np.searchsorted(src_sorted, np.arange(n))
-  has = np.searchsorted(src_sorted, np.arange(n), side="right") > starts
-  out = np.zeros((n, pred_WxE.shape[1]))
-  if has.any():
-    out[has] = np.add.reduceat(pred_WxE[order], starts[has], axis=0)
-  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,6 +304,8 @@ class FsepOptions:
   min_parts: int = 16                  # `snap_counts`: parts per replica below which ...
   max_part: float = 0.02               # ... or one part above this share of a device: coarse
   capacity_factor: float | None = None  # the dense dispatch's (None: dropless, time decides)
+  locality: bool = True                # per-source shares: own tokens to own replica first
+  local_min_rows: float = 128.0        # ... for experts with at least this many rows per device
 
 
 def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
@@ -377,11 +344,12 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
   coarse_YxE = np.stack([m for _, m in counts.values()])
   grid = place(r_YxE, load_E, n, rounds)
   share = level(grid, r_YxE, load_E, o.level_iters, coarse_YxE)
+  cap_N = None if o.capacity_factor is None else o.capacity_factor * dev_NxE.sum(1) / (n * c)
   dev_load, sent = estimate(grid, share, dev_NxE, load_E)
   step_s = [cost.compute_s(float(a)) + cost.exchange_s(float(b))
             for a, b in zip(dev_load.max(1), sent.max(1))]
   if o.capacity_factor is not None:
-    dropped = overflow(grid, share, dev_NxE, o.capacity_factor * dev_NxE.sum(1) / (n * c))
+    dropped = overflow(grid, share, dev_NxE, cap_N)
     close = np.asarray(step_s) <= min(step_s) * (1 + TIME_SLACK)
     best = int(min(np.flatnonzero(close), key=lambda k: (dropped[k], step_s[k])))
   else:
@@ -394,4 +362,22 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
   slot_share = np.zeros((n, c))
   slot_expert[:, :rounds] = grid
   slot_share[:, :rounds] = share
-  return Placement(slot_expert.ravel(), slot_share.ravel(), n, routing="split")
+  local = None
+  if o.locality:   # coarse experts, and those with few rows per device, keep the plain split
+    coarse_YxE = coarse_YxE | (load_E < o.local_min_rows * n)[None]
+    share, local = _per_source(grid, share, dev_NxE, load_E, cap_N, coarse_YxE[best], o)
+    slot_share[:, :rounds] = share
+    local = np.pad(local, ((0, 0), (0, c - rounds))).ravel()
+  return Placement(slot_expert.ravel(), slot_share.ravel(), n, routing="split", local=local)
+
+
+def _per_source(grid, share, dev_NxE, load_E, cap_N, coarse_E, o: FsepOptions):
+  """(shares of the rest, kept fractions) [N, rounds] of the chosen layout (module doc of
+  moejax.placement.locality), in whole router parts when o.exact_parts."""
+  kept, remote, rest = keep_local(grid[None], share[None], dev_NxE, load_E, cap_N,
+                                  coarse_E[None])
+  kept = local_parts(kept) if o.exact_parts else kept
+  if o.exact_parts:
+    base = (kept * own_counts(grid[None], dev_NxE)).sum(2)
+    remote = quantise(grid[None], remote, rest[0], o.quantise_groups, base)
+  return remote[0], kept[0]

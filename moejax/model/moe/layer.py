@@ -43,7 +43,7 @@ from moejax.model.moe import (
 )
 from moejax.model.moe.experts import grouped_ffn, swiglu
 from moejax.model.moe.ops import ops_for
-from moejax.model.moe.replicas import split_slots
+from moejax.model.moe.replicas import local_replicas, split_slots
 from moejax.model.moe.route import route
 
 EXPERT_PARAM_AXES = {
@@ -65,16 +65,16 @@ class MoEStats(NamedTuple):
   overflow_W: jax.Array      # int32: choices routed to device w that capacity dropped
 
 
-def _ep_slots(expert_A, counts_E, expert_slots_ExR, expert_parts_ExR, slots):
-  del counts_E, expert_parts_ExR, slots      # one copy per expert: the slot is fixed
+def _ep_slots(expert_A, expert_slots_ExR, expert_parts_ExR, local_parts_S, slots):
+  del expert_parts_ExR, local_parts_S, slots      # one copy per expert: the slot is fixed
   return expert_slots_ExR[expert_A, 0]
 
 
-def _replica_slots(expert_A, counts_E, expert_slots_ExR, expert_parts_ExR, slots):
-  del counts_E, slots
-  n = jax.lax.axis_size("expert")
-  phase = jax.lax.axis_index("expert") * SHARE_PARTS // n
-  return split_slots(expert_A, expert_slots_ExR, expert_parts_ExR, phase)
+def _replica_slots(expert_A, expert_slots_ExR, expert_parts_ExR, local_parts_S, slots):
+  device = jax.lax.axis_index("expert")
+  phase = device * SHARE_PARTS // jax.lax.axis_size("expert")
+  kept_E, local_E = local_replicas(expert_slots_ExR, local_parts_S, device, slots)
+  return split_slots(expert_A, expert_slots_ExR, expert_parts_ExR, phase, kept_E, local_E)
 
 
 def _dense_einsum(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, dtype):
@@ -159,11 +159,11 @@ def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
   # the check off; values and gradients do not depend on it (pallas == xla is tested).
   check_vma = ops.backend != "interpret"
 
-  def local(x, w_router, w_gate, w_up, w_down, expert_slots, expert_parts, bias):
+  def local(x, w_router, w_gate, w_up, w_down, expert_slots, expert_parts, local_parts, bias):
     x_TxD = x.reshape(-1, d_model)
     r = route(x_TxD, w_router, cfg.top_k, normalize_top_k=cfg.normalize_top_k,
               token_axes=BATCH_AXES, bias_E=bias)
-    slot_A = pick_slots(r.expert_TxK.reshape(-1), r.counts_E, expert_slots, expert_parts, slots)
+    slot_A = pick_slots(r.expert_TxK.reshape(-1), expert_slots, expert_parts, local_parts, slots)
     y_TxD, dropped, slot_counts, kept = pipeline(x_TxD, slot_A, r.gate_TxK,
                                                  (w_gate, w_up, w_down), ops, num_dev, slots,
                                                  cap, dtype)
@@ -178,11 +178,12 @@ def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
   fn = jax.shard_map(
       local, mesh=mesh, check_vma=check_vma,
       in_specs=(P(BATCH_AXES), logical_to_spec(ROUTER_AXES), spec["w_gate"], spec["w_up"],
-                spec["w_down"], P(), P(), P()),
+                spec["w_down"], P(), P(), P(), P()),
       out_specs=(P(BATCH_AXES),) * 5 + (P(), P()))
   y, counts, dropped, slot_counts, kept, bal, z = fn(
       x_BxQxD, params["router"], params["w_gate"], params["w_up"], params["w_down"],
-      layout.expert_slots_LxExR, layout.expert_parts_LxExR, layout.router_bias_LxE)
+      layout.expert_slots_LxExR, layout.expert_parts_LxExR, layout.slot_local_parts_LxS,
+      layout.router_bias_LxE)
   received, overflow = realised_load(slot_counts, kept, num_dev)
   return y, MoEStats(counts, dropped, slot_counts, bal, z, received, overflow)
 

@@ -1,0 +1,58 @@
+"""How the fsep planner scores its candidate layouts on predicted counts (numpy only).
+
+Candidates are Y layouts grid[Y, N, rounds] (the expert of each replica, one per (device,
+expert)) with token shares share[Y, N, rounds]; counts are folded onto devices first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def own_counts(grid: np.ndarray, dev_NxE: np.ndarray) -> np.ndarray:
+  """[Y, N, rounds]: device d's own count of the expert of each of its replicas."""
+  n, num_experts = dev_NxE.shape
+  return dev_NxE.ravel().take(grid + (np.arange(n) * num_experts)[None, :, None])
+
+
+def estimate(grid: np.ndarray, share: np.ndarray, dev_NxE: np.ndarray,
+             load_E: np.ndarray, kept: np.ndarray | None = None,
+             remote: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """(device load [Y, N], tokens each device sends off itself [Y, N]) under the "split"
+  routing of the dense dispatch on the counts dev_NxE, for replicas grid[Y, N, rounds] (one
+  per (device, expert)) with token shares share[Y, N, rounds]. Without `kept`, each source
+  splits its tokens for e by the shares, so it keeps share x own tokens local; with the kept
+  fraction kept[Y, N, rounds] of a device's own tokens and the shares `remote` of the rest
+  (`locality.keep_local`), it keeps kept x own + remote x (1 - kept) x own."""
+  quota = share * load_E.take(grid)
+  own = own_counts(grid, dev_NxE)
+  local = own * share if kept is None else own * (kept + remote * (1.0 - kept))
+  return quota.sum(2), dev_NxE.sum(1)[None, :] - local.sum(2)
+
+
+def overflow(grid: np.ndarray, share: np.ndarray, dev_NxE: np.ndarray,
+             cap_N: np.ndarray) -> np.ndarray:
+  """Dropped share [Y] of all choices when source device s sends dev_NxE[s, e] x share to
+  each replica of e (grid[Y, N, rounds], share[Y, N, rounds]) and a (source, slot) pair
+  takes at most cap_N[s] rows. An estimate for ranking candidates: mean counts (no spread),
+  no rounding of the capacity, and sources already folded onto their expert-axis device
+  (with data > 1, sources that differ overflow more than this says). Memory grows as
+  Y x N^2 x rounds (about 1 GB at N=1024, C=64)."""
+  rows_YxNxNxC = dev_NxE[:, grid].transpose(1, 0, 2, 3) * share[:, None]
+  over = np.maximum(rows_YxNxNxC - cap_N[None, :, None, None], 0.0).sum((1, 2, 3))
+  return over / max(float(dev_NxE.sum()), 1e-12)
+
+
+def fold_sources(pred_WxE: np.ndarray, src_dev_W: np.ndarray, n: int) -> np.ndarray:
+  """[N, E]: counts of the sources on each device summed."""
+  src = np.asarray(src_dev_W, np.int64)
+  if len(src) == n and np.array_equal(src, np.arange(n)):
+    return pred_WxE
+  order = np.argsort(src, kind="stable")
+  src_sorted = src[order]
+  starts = np.searchsorted(src_sorted, np.arange(n))
+  has = np.searchsorted(src_sorted, np.arange(n), side="right") > starts
+  out = np.zeros((n, pred_WxE.shape[1]))
+  if has.any():
+    out[has] = np.add.reduceat(pred_WxE[order], starts[has], axis=0)
+  return out
