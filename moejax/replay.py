@@ -1,14 +1,17 @@
 """`python -m moejax.replay TRACE.npz --devices N --slots C --policy P`: replays a routing trace
-through placement policies with lagged statistics (library: `moejax.placement.replay`)."""
+through placement policies with lagged statistics, beside the `oracle` (the fsep planner given
+each step's own counts), and prints each policy's regret over it (library:
+`moejax.placement.replay`)."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 
 from moejax.config import ConfigError
-from moejax.placement.policies import POLICIES
-from moejax.placement.replay import format_table, policy_names, replay
+from moejax.placement.policies import POLICIES, make_options
+from moejax.placement.replay import format_table, oracle, policy_names, replay, with_regret
 from moejax.placement.workloads import load_trace
 from moejax.strategy.memory import report
 
@@ -24,33 +27,55 @@ def main(argv=None) -> None:
   ap.add_argument("--every", type=int, default=10, help="re-plan every K steps")
   ap.add_argument("--window", type=int, default=10, help="predict from the last W steps")
   ap.add_argument("--json", default=None, help="write results here")
+  ap.add_argument("--fsep", action="append", default=[], metavar="NAME=VALUE",
+                  help="an fsep planner option (FsepOptions), e.g. plan_for='mean' or "
+                       "locality=False; repeatable; also used by the oracle")
+  ap.add_argument("--no_oracle", action="store_true",
+                  help="skip the oracle row (it plans every step of every layer)")
   ap.add_argument("--d_model", type=int, default=0,
                   help="with --d_ff and --layers: also print expert memory per device")
   ap.add_argument("--d_ff", type=int, default=0, help="expert hidden size (memory report)")
   ap.add_argument("--layers", type=int, default=0, help="MoE layers (memory report)")
   a = ap.parse_args(argv)
   try:
+    fsep_options = make_options("fsep", **dict(_option(text) for text in a.fsep))
     counts = load_trace(a.trace)["counts"]
-    results = {name: replay(counts, a.devices, a.slots, name, a.every, a.window)
+    results = {name: replay(counts, a.devices, a.slots, name, a.every, a.window,
+                            options=fsep_options if name == "fsep" else None)
                for name in policy_names(a.policy)}
+    bound = None if a.no_oracle else oracle(counts, a.devices, a.slots, options=fsep_options)
   except ConfigError as e:
     raise SystemExit(f"error: {e}") from None
+  if bound is not None:
+    with_regret(results, bound)
   steps, layers, sources, experts = counts.shape
   print(f"{a.trace}: steps={steps} layers={layers} sources={sources} experts={experts} | "
         f"devices={a.devices} slots={a.slots} every={a.every} window={a.window}")
   print("max/mean device load over steps x layers (realized on each step's actual counts); "
         "pred med = median max/mean of each decision on the load it was planned from; "
         "crossing = (token, k) rows sent off their source device")
-  print(format_table(results))
+  print(format_table(results if bound is None else {**results, "oracle": bound}))
   if a.d_model and a.d_ff and a.layers:
     print(report(a.layers, experts, a.d_model, a.d_ff, a.devices, fsep_slots=a.slots))
   if a.json:
     out = {"trace": a.trace, "devices": a.devices, "slots": a.slots, "every": a.every,
            "window": a.window, "sources": sources, "experts": experts, "steps": steps,
-           "layers": layers, "policies": results}
+           "layers": layers, "fsep_options": dict(_option(text) for text in a.fsep),
+           "policies": results, "oracle": bound}
     with open(a.json, "w") as f:
       json.dump(out, f, indent=1)
     print(f"wrote {a.json}")
+
+
+def _option(text: str) -> tuple[str, object]:
+  """'name=value' -> (name, value), the value read as a Python literal where it is one."""
+  name, sep, value = text.partition("=")
+  if not sep or not name:
+    raise SystemExit(f"error: --fsep {text!r} is not NAME=VALUE; e.g. --fsep locality=False.")
+  try:
+    return name.strip(), ast.literal_eval(value.strip())
+  except (ValueError, SyntaxError):
+    return name.strip(), value.strip()
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ run only over candidates (<= 3), the C rounds, levelling steps and rounding batc
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -47,10 +48,12 @@ from moejax.layout.placement import SHARE_PARTS, Placement
 from moejax.placement.cost import CostModel
 from moejax.placement.fsep_score import estimate, fold_sources, overflow, own_counts
 from moejax.placement.locality import keep_local, local_parts
+from moejax.placement.spread import hedge_loads, mean_peak, window_loads
 
 TIME_SLACK = 0.01     # relative score within which the dense dispatch's overflow decides
 CANDIDATES = ("even", "dhondt", "blend")      # every kind `replica_counts` knows
 DEFAULT_CANDIDATES = ("even", "dhondt")
+PLAN_FOR = ("spread", "mean")
 
 
 def even_counts(load_E: np.ndarray, total: int) -> np.ndarray:
@@ -306,6 +309,7 @@ class FsepOptions:
   capacity_factor: float | None = None  # the dense dispatch's (None: dropless, time decides)
   locality: bool = True                # per-source shares: own tokens to own replica first
   local_min_rows: float = 128.0        # ... for experts with at least this many rows per device
+  plan_for: str = "spread"             # or "mean": today's plan for the window's mean load
 
 
 def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
@@ -317,9 +321,11 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
   `current` is not needed (a layout change is free in FSEP); only its num_devices is used when
   num_devices is not given. options.exact_parts=False skips snapping and rounding to router
   parts (faster, but on N >= 256 the router's own rounding then costs a few percent of
-  balance)."""
-  del samples_ZxWxE   # plans on the mean: its replicas can move every step
+  balance). `samples_ZxWxE`: the finished steps pred_WxE averages, which plan_for='spread'
+  plans for (moejax.placement.spread); without two or more it plans for the mean."""
   o = options
+  if o.plan_for not in PLAN_FOR:
+    raise ConfigError(f"fsep plan_for={o.plan_for!r} is unknown; choose one of {PLAN_FOR}.")
   pred = np.asarray(pred_WxE, np.float64)
   num_experts = pred.shape[1]
   n = int(num_devices or current.num_devices)
@@ -333,21 +339,25 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
   load_E = dev_NxE.sum(0)
   rounds = min(c, num_experts)              # more than E slots: every device holds all E
   total = n * rounds
+  spread = (o.plan_for == "spread" and samples_ZxWxE is not None and len(samples_ZxWxE) > 1)
+  load_ZxE = window_loads(samples_ZxWxE, src_dev_W, n, load_E.sum()) if spread else None
+  targets = [load_E] + (hedge_loads(load_ZxE) if spread else [])
   counts = {}
-  for kind in o.candidates:                 # identical candidates are evaluated once
-    r_E = replica_counts(kind, load_E, total, n)
+  for kind, target in itertools.product(o.candidates, targets):
+    r_E = replica_counts(kind, target, total, n)
     coarse_E = np.zeros(num_experts, bool)
     if o.exact_parts:
       r_E, coarse_E = snap_counts(r_E, load_E, total, n, o.min_parts, o.max_part, kind)
-    counts.setdefault(r_E.tobytes(), (r_E, coarse_E))
+    counts.setdefault(r_E.tobytes(), (r_E, coarse_E))      # duplicates evaluated once
   r_YxE = np.stack([r for r, _ in counts.values()])
   coarse_YxE = np.stack([m for _, m in counts.values()])
   grid = place(r_YxE, load_E, n, rounds)
   share = level(grid, r_YxE, load_E, o.level_iters, coarse_YxE)
   cap_N = None if o.capacity_factor is None else o.capacity_factor * dev_NxE.sum(1) / (n * c)
   dev_load, sent = estimate(grid, share, dev_NxE, load_E)
+  peak = mean_peak(grid, share, load_ZxE) if spread else dev_load.max(1)
   step_s = [cost.compute_s(float(a)) + cost.exchange_s(float(b))
-            for a, b in zip(dev_load.max(1), sent.max(1))]
+            for a, b in zip(peak, sent.max(1))]
   if o.capacity_factor is not None:
     dropped = overflow(grid, share, dev_NxE, cap_N)
     close = np.asarray(step_s) <= min(step_s) * (1 + TIME_SLACK)
@@ -363,9 +373,9 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
   slot_expert[:, :rounds] = grid
   slot_share[:, :rounds] = share
   local = None
-  if o.locality:   # coarse experts, and those with few rows per device, keep the plain split
-    coarse_YxE = coarse_YxE | (load_E < o.local_min_rows * n)[None]
-    share, local = _per_source(grid, share, dev_NxE, load_E, cap_N, coarse_YxE[best], o)
+  plain_E = coarse_YxE[best] | (load_E < o.local_min_rows * n)
+  if o.locality and not plain_E.all():   # coarse experts, and those with few rows per device,
+    share, local = _per_source(grid, share, dev_NxE, load_E, cap_N, plain_E, o)  # keep the split
     slot_share[:, :rounds] = share
     local = np.pad(local, ((0, 0), (0, c - rounds))).ravel()
   return Placement(slot_expert.ravel(), slot_share.ravel(), n, routing="split", local=local)

@@ -11,12 +11,18 @@ last `window` steps), and the layout in use; its answer is used from step t on. 
 use at step t is evaluated with `flow` on the actual counts of step t: max/mean device load
 (median, p90 and mean over steps x layers), tokens whose expert runs off their source device,
 and, per decision, experts moved ((expert, device) copies in the new layout that the old one
-lacked) and the policy call's wall time. One-copy policies (static, smartmoe) get E/N slots per
-device whatever --slots says (E must divide by N); the others get --slots (>= E/N).
+lacked) and the policy call's wall time. The policy also gets the window's steps themselves
+(`samples_ZxWxE`), for a planner that plans for their spread. One-copy policies (static,
+smartmoe) get E/N slots per device whatever --slots says (E must divide by N); the others get
+--slots (>= E/N).
+
+`oracle` replays the fsep planner given each step's own counts (every step, no lag): a bound
+no lagged planner reaches; `with_regret` adds each policy's distance from it.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -41,8 +47,9 @@ def effective_slots(policy: str, num_experts: int, devices: int, slots: int) -> 
 
 
 def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int = 10,
-           window: int = 10, cost: CostModel | None = None) -> dict:
-  """Replays counts[steps, L, W, E] through one policy; returns the per-policy result dict."""
+           window: int = 10, cost: CostModel | None = None, options=None) -> dict:
+  """Replays counts[steps, L, W, E] through one policy (with its `options` dataclass, or its
+  defaults); returns the per-policy result dict."""
   counts = np.asarray(counts)
   if counts.ndim != 4:
     raise ConfigError(f"counts must be [steps, layers, sources, experts], got {counts.shape}.")
@@ -50,6 +57,8 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
     raise ConfigError(f"--every={every}, --window={window} and --devices={devices} must be >= 1.")
   steps, layers, sources, experts = counts.shape
   place = get_policy(policy)
+  if options is not None:
+    place = functools.partial(place, options=options)
   src_dev = placement_lib.source_devices(sources, devices)
   c_eff = effective_slots(policy, experts, devices, slots)
   cost = cost or CostModel()
@@ -63,7 +72,7 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
       for layer in range(layers):
         t0 = time.perf_counter()
         new = place(pred[layer], current[layer], slots=c_eff, src_dev_W=src_dev, cost=cost,
-                   num_devices=devices)
+                    num_devices=devices, samples_ZxWxE=counts[max(0, t - window):t, layer])
         times.append(time.perf_counter() - t0)
         new.validate(experts)
         predicted.append(max_over_mean(flow(new, pred[layer], src_dev).device_load_N))
@@ -74,13 +83,17 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
       f = flow(current[layer], counts[t, layer], src_dev)
       series[t, layer] = max_over_mean(f.device_load_N)
       crossing += f.crossing
-  total = int(counts.sum())
+  return _result(series, predicted, crossing, int(counts.sum()), moved, times)
+
+
+def _result(series, predicted, crossing, total, moved, times) -> dict:
   ms = np.asarray(times) * 1e3
   return {
       "median": float(np.median(series)),
       "predicted_median": float(np.median(predicted)) if predicted else None,
       "predicted_mean": float(np.mean(predicted)) if predicted else None,
       "p90": float(np.percentile(series, 90)),
+      "p99": float(np.percentile(series, 99)),
       "mean": float(np.mean(series)),
       "tokens_crossing": int(crossing),
       "crossing_fraction": crossing / total if total else 0.0,
@@ -92,6 +105,47 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
   }
 
 
+def oracle(counts: np.ndarray, devices: int, slots: int, cost: CostModel | None = None,
+           options=None) -> dict:
+  """The fsep planner given each step's own counts, every step (what no lagged planner can
+  know): the same result dict as `replay`; experts moved counts every step's change."""
+  counts = np.asarray(counts)
+  steps, layers, sources, experts = counts.shape
+  place = get_policy("fsep")
+  if options is not None:
+    place = functools.partial(place, options=options)
+  src_dev = placement_lib.source_devices(sources, devices)
+  c_eff = effective_slots("fsep", experts, devices, slots)
+  cost = cost or CostModel()
+  current = [placement_lib.static(experts, devices) for _ in range(layers)]
+  series = np.zeros((steps, layers))
+  crossing, moved, times = 0, 0, []
+  for t in range(steps):
+    for layer in range(layers):
+      t0 = time.perf_counter()
+      new = place(counts[t, layer].astype(np.float64), current[layer], slots=c_eff,
+                  src_dev_W=src_dev, cost=cost, num_devices=devices)
+      times.append(time.perf_counter() - t0)
+      old_NxE = placement_lib.presence(current[layer], experts)
+      moved += int((placement_lib.presence(new, experts) & ~old_NxE).sum())
+      current[layer] = new
+      f = flow(new, counts[t, layer], src_dev)
+      series[t, layer] = max_over_mean(f.device_load_N)
+      crossing += f.crossing
+  return _result(series, [], crossing, int(counts.sum()), moved, times)
+
+
+def with_regret(results: dict, bound: dict) -> dict:
+  """Each policy's median / p90 / p99 over the oracle's, and the mean over steps x layers of
+  its per-step max/mean less the oracle's (`regret_*`)."""
+  ref = np.asarray(bound["series"])
+  for r in results.values():
+    for key in ("median", "p90", "p99"):
+      r[f"regret_{key}"] = r[key] - bound[key]
+    r["regret_mean"] = float(np.mean(np.asarray(r["series"]) - ref))
+  return results
+
+
 def policy_names(policy: str) -> list[str]:
   if policy == "all":
     return ["static"] + sorted(p for p in POLICIES if p != "static")
@@ -100,8 +154,10 @@ def policy_names(policy: str) -> list[str]:
 
 
 def format_table(results: dict) -> str:
-  head = (f"{'policy':<10} {'median':>7} {'p90':>7} {'mean':>7} {'pred med':>8} "
-          f"{'crossing tokens':>22} "
+  """One row per policy (an `oracle` entry last, when given); `regret` = median / p90 over
+  the oracle's, when `with_regret` added them."""
+  head = (f"{'policy':<10} {'median':>7} {'p90':>7} {'p99':>7} {'mean':>7} {'pred med':>8} "
+          f"{'regret med/p90':>14} {'crossing tokens':>22} "
           f"{'moved':>6} {'ms/dec mean':>11} {'ms/dec max':>10} {'decisions':>9}")
   lines = [head, "-" * len(head)]
   for name, r in results.items():
@@ -109,7 +165,9 @@ def format_table(results: dict) -> str:
     ms_mean = "-" if r["planner_ms_mean"] is None else f"{r['planner_ms_mean']:.3f}"
     ms_max = "-" if r["planner_ms_max"] is None else f"{r['planner_ms_max']:.3f}"
     pred = "-" if r["predicted_median"] is None else f"{r['predicted_median']:.3f}"
-    lines.append(f"{name:<10} {r['median']:>7.3f} {r['p90']:>7.3f} {r['mean']:>7.3f} {pred:>8} "
-                 f"{cross:>22} {r['experts_moved']:>6} {ms_mean:>11} {ms_max:>10} "
-                 f"{r['decisions']:>9}")
+    regret = (f"{r['regret_median']:+.3f}/{r['regret_p90']:+.3f}" if "regret_median" in r
+              else "-")
+    lines.append(f"{name:<10} {r['median']:>7.3f} {r['p90']:>7.3f} {r['p99']:>7.3f} "
+                 f"{r['mean']:>7.3f} {pred:>8} {regret:>14} {cross:>22} {r['experts_moved']:>6} "
+                 f"{ms_mean:>11} {ms_max:>10} {r['decisions']:>9}")
   return "\n".join(lines)

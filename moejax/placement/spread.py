@@ -1,0 +1,39 @@
+"""Planning for the spread of the recent loads, not only their mean (numpy only).
+
+A lagged fsep layout is used for steps whose loads differ from the window it was planned from:
+per-step noise, drift, bursts. With `FsepOptions.plan_for = 'spread'` the planner gets the
+window's steps themselves and
+  - adds candidate replica counts apportioned to the window's last step (a burst still under
+    way) and to mean + one standard deviation per expert (hedging replicas for the experts
+    whose load varies most), beside those for the mean;
+  - scores every candidate by the mean over the window's steps of its busiest device's load
+    on that step (each step scaled to the mean's total), instead of on the mean load alone.
+The shares are still levelled on the mean, so on a steady load the plan is today's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moejax.placement.fsep_score import fold_sources
+
+
+def window_loads(samples_ZxWxE: np.ndarray, src_dev_W: np.ndarray, n: int,
+                 total: float) -> np.ndarray:
+  """[Z, E]: each finished step's expert loads, scaled to `total` tokens."""
+  s = np.asarray(samples_ZxWxE, np.float64)
+  load_ZxE = fold_sources(s.transpose(1, 0, 2).reshape(s.shape[1], -1), src_dev_W, n)
+  load_ZxE = load_ZxE.reshape(n, len(s), -1).sum(0)
+  return load_ZxE * (total / np.maximum(load_ZxE.sum(1, keepdims=True), 1e-12))
+
+
+def hedge_loads(load_ZxE: np.ndarray) -> list[np.ndarray]:
+  """Load vectors to apportion replicas to besides the mean: the last step, mean + std."""
+  return [load_ZxE[-1], load_ZxE.mean(0) + load_ZxE.std(0)]
+
+
+def mean_peak(grid: np.ndarray, share: np.ndarray, load_ZxE: np.ndarray) -> np.ndarray:
+  """[Y]: the busiest device's load, averaged over the window's steps, for the replicas
+  grid[Y, N, rounds] with shares share[Y, N, rounds]."""
+  quota_ZxYxNxR = share[None] * load_ZxE[:, grid]
+  return quota_ZxYxNxR.sum(3).max(2).mean(0)
