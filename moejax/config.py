@@ -225,6 +225,8 @@ class PlannerConfig:
   # then decide on the step just finished (1 step late, not 2), but the host's work between
   # steps (reading, planning, the next batch) no longer overlaps the device's.
   fresh: bool = False
+  fsep_plan_for: str = "spread"   # fsep: plan for the window's spread, or "mean" (its mean load)
+  fsep_locality: bool = True      # fsep: each device's own tokens to its own replica first
 
   def validate(self, expert_mode: str = "ep") -> None:
     allowed = {"ep": ("static", "smartmoe"), "fsep": ("static", "fsep")}[expert_mode]
@@ -238,6 +240,9 @@ class PlannerConfig:
                         "every >= 0, fsep_every >= 0, window >= 1, min_gain >= 0.")
     if not isinstance(self.fresh, bool):
       raise ConfigError(f"planner.fresh={self.fresh!r} must be True or False.")
+    if self.fsep_plan_for not in ("spread", "mean") or not isinstance(self.fsep_locality, bool):
+      raise ConfigError(f"planner.fsep_plan_for={self.fsep_plan_for!r}, planner.fsep_locality="
+                        f"{self.fsep_locality!r}: use 'spread' or 'mean', and True or False.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -94,3 +94,16 @@ def test_spread_plans_use_the_window_and_mean_plans_ignore_it(drift):
     assert placement_lib.one_per_device(p, 32)
   with pytest.raises(ConfigError, match="plan_for"):
     plan("median", None)
+
+
+def test_planner_config_sets_spread_and_locality():
+  from moejax.config import PlannerConfig
+  from moejax.placement.replanner import OnlinePlanner
+  cfg = PlannerConfig(policy="fsep", fsep_plan_for="mean", fsep_locality=False)
+  cfg.validate("fsep")
+  opts = OnlinePlanner(cfg, 4, capacity_factor=1.5).options
+  assert (opts.plan_for, opts.locality, opts.capacity_factor) == ("mean", False, 1.5)
+  assert OnlinePlanner(PlannerConfig(policy="fsep"), 4).options.plan_for == "spread"
+  with pytest.raises(ConfigError, match="fsep_plan_for='median'") as err:
+    PlannerConfig(policy="fsep", fsep_plan_for="median").validate("fsep")
+  assert "\n" not in str(err.value)

@@ -29,12 +29,13 @@ class Switch(NamedTuple):
 
 def _config_options(cfg: PlannerConfig, capacity_factor: float | None, capacity: str) -> dict:
   """The policy options the config sets: smartmoe's hysteresis and, under pooled capacity,
-  the factor its drops are scored at; fsep's dense capacity."""
+  the factor its drops are scored at; fsep's dense capacity, spread planning and locality."""
   if cfg.policy == "smartmoe":
     pooled = capacity_factor if capacity == "device" and capacity_factor else 0.0
     return {"min_gain": cfg.min_gain, "pooled_capacity_factor": pooled}
   if cfg.policy == "fsep":
-    return {"capacity_factor": capacity_factor}
+    return {"capacity_factor": capacity_factor, "plan_for": cfg.fsep_plan_for,
+            "locality": cfg.fsep_locality}
   return {}
 
 
