@@ -13,8 +13,10 @@ device's load over the mean when the planned layout routes that same predicted l
 Configurations: E=64 on N=64 and N=256, plus E=256 on N=256, for every policy. One-copy
 policies (static, smartmoe) get C = E/N slots; the others get --slots (default 2); shadow needs
 the static base (E/N integer). Rows that cannot exist are printed as "n/a (...)". Then the
-fsep latency table: E=64 on N = 64, 256, 1024 with C = --fsep_slots (default 8), with the
-default options and with exact_parts=False (no snapping/rounding of shares to router parts).
+fsep latency table: E=64 on N = 64, 256, 1024 and E=256 on N=4096 with C = --fsep_slots
+(default 8), with the default options and with exact_parts=False (no snapping/rounding of
+shares to router parts). No window of steps is passed, so plan_for='spread' plans for the
+mean; per-source shares are computed where an expert has >= 128 rows per device.
 
 Run (from the repository root):
 
@@ -42,7 +44,7 @@ from moejax.placement.workloads import synthetic_trace
 
 DEFAULT_JSON = "benchmarks/results/planner_time.json"
 CONFIGS = ((64, 64), (64, 256), (256, 256))     # (experts E, devices N)
-FSEP_CONFIGS = ((64, 64), (64, 256), (64, 1024))
+FSEP_CONFIGS = ((64, 64), (64, 256), (64, 1024), (256, 4096))
 NEEDS_STATIC_BASE = ("static", "smartmoe", "shadow")
 
 
