@@ -107,3 +107,18 @@ def test_planner_config_sets_spread_and_locality():
   with pytest.raises(ConfigError, match="fsep_plan_for='median'") as err:
     PlannerConfig(policy="fsep", fsep_plan_for="median").validate("fsep")
   assert "\n" not in str(err.value)
+
+
+def test_replanner_switches_when_only_the_kept_parts_change():
+  from moejax.config import PlannerConfig
+  from moejax.placement.replanner import OnlinePlanner
+  planner = OnlinePlanner(PlannerConfig(policy="fsep", every=1), 8)
+  for step in load_trace(TRACE)["counts"][:3]:
+    planner.observe(step)                  # [layers, 16 sources, experts], folded onto 8
+  new, switches = planner.propose([placement_lib.static(32, 8)] * 2)
+  assert len(switches) == 2 and new[0].local is not None
+  blind = placement_lib.Placement(new[0].slot_expert, new[0].share, 8, "split")
+  again, switches = planner.propose([blind, new[1]])
+  assert [sw.layer for sw in switches] == [0]
+  np.testing.assert_array_equal(placement_lib.local_parts(again[0]),
+                                placement_lib.local_parts(new[0]))

@@ -92,7 +92,8 @@ class OnlinePlanner:
                         cost=self.cost, num_devices=self.num_devices, options=self.options,
                         samples_ZxWxE=history_ZxLxNxE[:, layer])
       if (np.array_equal(new.slot_expert, cur.slot_expert) and
-          np.allclose(new.share, cur.share, atol=0.5 / placement_lib.SHARE_PARTS)):
+          np.allclose(new.share, cur.share, atol=0.5 / placement_lib.SHARE_PARTS) and
+          np.array_equal(placement_lib.local_parts(new), placement_lib.local_parts(cur))):
         continue
       experts = pred_NxE.shape[1]
       before = max_over_mean(flow(cur, pred_NxE, src).device_load_N)
