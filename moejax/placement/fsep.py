@@ -22,8 +22,10 @@ mean load) goes through:
   2. split: token shares start even (1/r_e); the other experts' shares are levelled by a few
      over-relaxed Sinkhorn steps (scale by (device target / device load) ** 1.5, renormalise
      per expert, keep the best step);
-  3. score: cost.compute_s(max device load) + cost.exchange_s(max tokens a device sends off
-     itself) under the dense dispatch's split routing on the predicted counts (each source
+  3. score (with plan_for='spread' and a window, on the busiest device averaged over the
+     window's steps, with candidates also apportioned to its last step and mean + std:
+     moejax.placement.spread): cost.compute_s(max device load) + cost.exchange_s(max sent off
+     a device) under the dense dispatch's split routing on the predicted counts (each source
      splits its tokens for e over e's replicas by their shares; `estimate`). With
      `capacity_factor` (the dense dispatch: fixed rows per (source, slot) pair),
      candidates within `TIME_SLACK` of the best score are told apart by their overflow of
@@ -32,8 +34,10 @@ mean load) goes through:
      planner that put overflow first did not drop fewer choices in training.
 The best candidate's shares are then rounded to whole parts of SHARE_PARTS, the router's
 unit, towards level device loads (`quantise`), so what replay and the device router realise
-is what was planned. All candidates are processed together in vectorised numpy; Python loops
-run only over candidates (<= 3), the C rounds, levelling steps and rounding batches.
+is what was planned; then each device keeps its own tokens on its own replicas first
+(per-source shares, moejax.placement.locality). Candidates are processed together in
+vectorised numpy; Python loops run only over candidates, the C rounds, levelling steps and
+rounding batches.
 """
 
 from __future__ import annotations
