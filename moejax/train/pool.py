@@ -118,8 +118,11 @@ class StrategyPool:
       return state
     for member, layout in enumerate(saved["layouts"][1:], start=1):
       like = self.programs[member].layout
+      # A field a checkpoint predates (e.g. slot_local_parts_LxS) starts at zeros: the plain
+      # rule it was trained with.
       self.set_layout(member, Layout(**{
-          k: np.asarray(v, dtype=np.asarray(getattr(like, k)).dtype) for k, v in layout.items()}))
+          k: np.asarray(layout[k], dtype=np.asarray(v).dtype) if k in layout
+          else np.zeros_like(np.asarray(v)) for k, v in vars(like).items()}))
     if saved["active"]:
       state = self.move_to(state, int(saved["active"]))
     return state
