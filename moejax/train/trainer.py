@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from moejax.config import Config, ConfigError
+from moejax.config import Config
 from moejax.placement.trace import TraceRecorder
 from moejax.strategy import memory
 from moejax.train import data as data_lib, faults, metrics as metrics_lib, preempt
@@ -35,15 +35,12 @@ class Trainer:
 
   def __init__(self, cfg: Config, devices=None):
     """`devices`: the devices of the mesh (default: all of them, over all processes)."""
-    self.cfg = cfg.validate()
+    train_tokens, val_tokens, data_vocab = data_lib.load_tokens(cfg.validate().data)
+    self.cfg = cfg = data_lib.resolve_vocab(cfg, data_vocab).validate()
     devices = list(jax.devices() if devices is None else devices)
     self.lr = schedule(cfg.optim, cfg.train.num_steps)
     self.tx = optimizer(cfg.optim, cfg.train.num_steps)
     self.pool = StrategyPool(cfg, self.tx, self.lr, devices)
-    train_tokens, val_tokens, min_vocab = data_lib.load_tokens(cfg.data)
-    if min_vocab > cfg.model.vocab_size:
-      raise ConfigError(f"the data has token ids up to {min_vocab - 1} but model.vocab_size="
-                        f"{cfg.model.vocab_size}; set model.vocab_size >= {min_vocab}.")
     self.is_main = jax.process_index() == 0
     prog = self.pool.program
     rows = data_lib.process_rows(prog.batch_sharding, cfg.data.global_batch_size,
