@@ -211,6 +211,7 @@ class TrainConfig:
   eval_batches: int = 4
   seed: int = 0
   progress_bar: bool = True
+  tensorboard: bool = True        # event files (tensorboardX) beside metrics.jsonl, process 0
   # A step with a non-finite loss or gradient is skipped; this many in a row stop the run.
   max_consecutive_nonfinite: int = 5
 

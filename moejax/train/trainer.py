@@ -22,6 +22,7 @@ from moejax.train.optim import optimizer, schedule
 from moejax.train.pool import StrategyPool
 from moejax.train.programs import initial_layout, xla_memory
 from moejax.train.state import init_state
+from moejax.train.tensorboard import tensorboard_hooks
 
 __all__ = ["Hook", "Trainer", "initial_layout", "train"]
 
@@ -136,7 +137,8 @@ class Trainer:
                disable=not (self.is_main and cfg.train.progress_bar), dynamic_ncols=True)
     rate = metrics_lib.TokenRate(cfg.data.global_batch_size * cfg.data.seq_len)
     balance = BalanceTally(from_step=start + (cfg.train.num_steps - start) // 2)
-    hooks = [*hooks, *self.controllers, balance]
+    hooks = [*hooks, *self.controllers, balance,
+             *tensorboard_hooks(cfg.train.tensorboard, self.is_main, cfg.train.run_dir, start)]
     first = last = pending = None
     done = start
 
@@ -146,6 +148,8 @@ class Trainer:
       first, pending = first or last, None
 
     with contextlib.ExitStack() as stack:
+      for hook in hooks:
+        stack.callback(hook.close)
       if stop is None:
         stop = stack.enter_context(preempt.StopRequest())
       for step in range(start, cfg.train.num_steps):
@@ -169,7 +173,9 @@ class Trainer:
         if cfg.planner.fresh or eval_now or save_now:
           log_pending()
         if eval_now:   # evaluated after step `step` finished (= at checkpoint `done`)
-          self.writer.write({"step": step, "eval_loss": self.evaluate()})
+          self.writer.write({"step": step, "eval_loss": (eval_loss := self.evaluate())})
+          for hook in hooks:
+            hook.after_eval(self, step, eval_loss)
         if save_now:
           self.save(done)
         if eval_now or save_now:
