@@ -42,8 +42,9 @@ class HFEncoder:
 
   def encode(self, chunks: list[bytes]) -> list[np.ndarray]:
     texts = [c.decode("utf-8", errors="replace") for c in chunks]
-    return [np.asarray(e.ids, np.int64)
-            for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+    # The fast variant skips character offsets: ~200 bytes per token held instead of ~300.
+    encode = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
+    return [np.asarray(e.ids, np.int64) for e in encode(texts, add_special_tokens=False)]
 
 
 def load_encoder(path: str) -> HFEncoder:

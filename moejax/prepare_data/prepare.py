@@ -16,7 +16,9 @@ from moejax.prepare_data.sources import CHUNK_BYTES, Chunk, input_files, stream_
 from moejax.train.data import META_FILE, TRAIN_BIN, VAL_BIN, bin_dtype_for
 
 TOKENIZER_FILE = "tokenizer.json"
-_BATCH_BYTES = 8 * CHUNK_BYTES   # chunks encoded together (tokenizers spreads them over cores)
+# Chunks encoded together (tokenizers spreads a batch over cores); the encodings of a batch,
+# not the input's size, set the peak memory (~200 bytes per token while encoding).
+_BATCH_BYTES = 8 * CHUNK_BYTES
 
 
 def _batches(chunks: Iterator[Chunk]) -> Iterator[list[Chunk]]:

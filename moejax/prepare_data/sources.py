@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from moejax.config import ConfigError
 from moejax.train.data import is_val_file
 
-CHUNK_BYTES = 1 << 20   # a chunk ends at the last newline within this many bytes
+CHUNK_BYTES = 1 << 18   # a chunk ends at the last newline within this many bytes
 
 
 @dataclasses.dataclass(frozen=True)
