@@ -139,7 +139,7 @@ class MoEConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  vocab_size: int = 256
+  vocab_size: int = 256           # 0: the data's (moejax.train.data.resolve_vocab)
   d_model: int = 128
   num_layers: int = 4
   num_heads: int = 4
@@ -151,7 +151,9 @@ class ModelConfig:
   remat: bool = False
 
   def validate(self, moe: MoEConfig) -> None:
-    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_seq_len"):
+    if self.vocab_size < 0:
+      raise ConfigError(f"model.vocab_size={self.vocab_size} must be >= 1, or 0 for the data's.")
+    for name in ("d_model", "num_layers", "num_heads", "d_ff", "max_seq_len"):
       if getattr(self, name) < 1:
         raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 1.")
     if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -172,10 +174,11 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  # None: the embedded corpus (Python stdlib sources, byte-level). Otherwise a
+  # None: the embedded corpus (Python stdlib sources, byte-level). Otherwise a directory
+  # prepared by `python -m moejax.prepare_data` (its meta.json gives vocab and dtype), a
   # .bin/.npy token file (one stream) or any other file read as bytes.
   path: str | None = None
-  bin_dtype: str = "uint16"       # element type of a raw .bin token file
+  bin_dtype: str = "uint16"       # element type of a raw .bin token file (not a directory's)
   seq_len: int = 128
   global_batch_size: int = 16
   val_fraction: float = 0.05
@@ -208,6 +211,7 @@ class TrainConfig:
   eval_batches: int = 4
   seed: int = 0
   progress_bar: bool = True
+  tensorboard: bool = True        # event files (tensorboardX) beside metrics.jsonl, process 0
   # A step with a non-finite loss or gradient is skipped; this many in a row stop the run.
   max_consecutive_nonfinite: int = 5
 

@@ -1,7 +1,9 @@
 """The command-line front end: gin files and bindings -> the validated frozen Config.
 
 The only module of the package that imports gin (the library proper never does);
-`train.py` and `python -m moejax.plan` parse their flags through it.
+`train.py` and `python -m moejax.plan` parse their flags through it. A `model.vocab_size`
+of 0 ("the data's") is filled in here when the data names it (the byte corpus, a prepared
+directory's meta.json), and by the trainer otherwise (a token file's largest id).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import gin
 
 from moejax import config as config_lib
+from moejax.train import data as data_lib
 
 DEFAULT_GIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                            "configs", "default.gin")
@@ -47,7 +50,9 @@ def parse_config(gin_files: list[str], gin_bindings: list[str]) -> config_lib.Co
     raise config_lib.ConfigError(
         f"bad gin binding or file: {first}. Known configurables: {', '.join(CONFIGURABLES)}; "
         "see moejax/config.py for their fields.") from None
-  return config_lib.Config(**{name: _plain(name, obj) for name, obj in parts.items()}).validate()
+  cfg = config_lib.Config(**{name: _plain(name, obj) for name, obj in parts.items()}).validate()
+  vocab = data_lib.declared_vocab(cfg.data)   # model.vocab_size = 0: the data's, known here
+  return cfg if vocab is None else data_lib.resolve_vocab(cfg, vocab)
 
 
 def operative_config() -> str:

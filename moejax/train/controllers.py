@@ -10,6 +10,8 @@ The loop calls, for every hook in order (the caller's hooks first, then the cont
   read (one step late unless `planner.fresh`): `record` is the step's metrics record, `counts`
   its routed choices per (layer, source, expert), `member` the pool member that ran it (the
   previous one, for the step in flight at a switch).
+- `after_eval(trainer, step, eval_loss)` after an evaluation that ran after `step`.
+- `close()` once the run ends (also when it stops early).
 
 Hooks write their events with `trainer.writer.write(...)`.
 """
@@ -33,7 +35,7 @@ __all__ = ["Hook", "LayoutReplanning", "StrategySwitching"]
 
 
 class Hook:
-  """The hook interface; both methods do nothing unless overridden."""
+  """The hook interface; every method does nothing unless overridden."""
 
   def before_step(self, trainer, step: int) -> bool:
     del trainer, step
@@ -42,6 +44,12 @@ class Hook:
   def after_metrics(self, trainer, step: int, record: dict, counts_LxWxE: np.ndarray,
                     member: int) -> None:
     del trainer, step, record, counts_LxWxE, member
+
+  def after_eval(self, trainer, step: int, eval_loss: float) -> None:
+    del trainer, step, eval_loss
+
+  def close(self) -> None:
+    pass
 
 
 class LayoutReplanning(Hook):

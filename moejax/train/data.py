@@ -1,10 +1,13 @@
-"""Token data: the embedded corpus, token files, and a deterministic resumable batch loader.
+"""Token data: the embedded corpus, token files, prepared token directories, and a
+deterministic resumable batch loader.
 
 Everything but `make_global_batch` is pure numpy, so it can be tested without devices.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import sysconfig
 import zlib
@@ -12,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from moejax.config import ConfigError, DataConfig
+from moejax.config import Config, ConfigError, DataConfig
 
 if TYPE_CHECKING:
   import jax
@@ -21,6 +24,9 @@ SEPARATOR = b"\n\x00\n"  # written before every file of the embedded corpus
 BYTE_VOCAB = 256
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 _BIN_DTYPES = ("uint16", "uint32")
+# A prepared token directory (`python -m moejax.prepare_data`): the two splits and meta.json,
+# written last, so a directory without it is not (yet) prepared.
+META_FILE, TRAIN_BIN, VAL_BIN = "meta.json", "train.bin", "val.bin"
 
 
 def _check_fraction(val_fraction: float) -> None:
@@ -88,8 +94,8 @@ def _read_stream(cfg: DataConfig) -> tuple[np.ndarray, bool]:
   path = cfg.path
   if not os.path.isfile(path):
     raise ConfigError(
-        f"data.path={path!r} does not exist; give an existing .bin/.npy token file or a text "
-        "file, or leave data.path unset for the embedded corpus.")
+        f"data.path={path!r} does not exist; give a prepared token directory, a .bin/.npy "
+        "token file or a text file, or leave data.path unset for the embedded corpus.")
   ext = os.path.splitext(path)[1].lower()
   if ext == ".npy":
     try:
@@ -118,10 +124,82 @@ def _read_stream(cfg: DataConfig) -> tuple[np.ndarray, bool]:
     return np.frombuffer(f.read(), dtype=np.uint8), True
 
 
+def bin_dtype_for(vocab_size: int) -> str:
+  """The smallest unsigned dtype of a token file that holds ids below `vocab_size`."""
+  return "uint16" if vocab_size <= 2**16 else "uint32"
+
+
+def read_meta(directory: str) -> dict:
+  """meta.json of a prepared token directory, checked against its .bin files."""
+  path = os.path.join(directory, META_FILE)
+  if not os.path.isfile(path):
+    raise ConfigError(f"data.path={directory!r} is a directory without {META_FILE}; prepare one "
+                      "with `python -m moejax.prepare_data --input 'TEXT/**/*.txt' --out DIR`.")
+  try:
+    with open(path) as f:
+      meta = json.load(f)
+    vocab, dtype = int(meta["vocab_size"]), str(meta["dtype"])
+  except (ValueError, KeyError, TypeError) as e:
+    raise ConfigError(f"{path} is not a moejax meta.json ({type(e).__name__}: {e}); prepare "
+                      "the directory again with python -m moejax.prepare_data.") from None
+  if dtype not in _BIN_DTYPES or vocab < 1 or vocab > np.iinfo(dtype).max + 1:
+    raise ConfigError(f"{path} gives vocab_size={vocab} with dtype={dtype!r}; need dtype in "
+                      f"{_BIN_DTYPES} holding every id below vocab_size.")
+  for name, key in ((TRAIN_BIN, "train_tokens"), (VAL_BIN, "val_tokens")):
+    size = os.path.getsize(os.path.join(directory, name)) \
+        if os.path.isfile(os.path.join(directory, name)) else -1
+    if key in meta and size != int(meta[key]) * np.dtype(dtype).itemsize:
+      raise ConfigError(f"{os.path.join(directory, name)} holds {max(size, 0)} bytes, but "
+                        f"{META_FILE} says {meta[key]} {dtype} tokens; prepare it again.")
+  return meta
+
+
+def resolve_vocab(cfg: Config, data_vocab: int) -> Config:
+  """cfg with model.vocab_size = 0 ("the data's") replaced by `data_vocab`; a prepared
+  directory's vocab_size must be matched exactly, any other data's ids must fit."""
+  model_vocab = cfg.model.vocab_size
+  if model_vocab == 0:
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=data_vocab))
+  if cfg.data.path and os.path.isdir(cfg.data.path) and model_vocab != data_vocab:
+    raise ConfigError(f"model.vocab_size={model_vocab} but {cfg.data.path!r} was prepared with "
+                      f"vocab_size={data_vocab} ({META_FILE}); set model.vocab_size = "
+                      f"{data_vocab}, or 0 to take it from the data.")
+  if data_vocab > model_vocab:
+    raise ConfigError(f"the data has token ids up to {data_vocab - 1} but model.vocab_size="
+                      f"{model_vocab}; set model.vocab_size >= {data_vocab} (0: the data's).")
+  return cfg
+
+
+def declared_vocab(cfg: DataConfig) -> int | None:
+  """The vocab size the data names without being read (None: a token file's largest id)."""
+  if cfg.path is None:
+    return BYTE_VOCAB
+  if os.path.isdir(cfg.path):
+    return int(read_meta(cfg.path)["vocab_size"])
+  ext = os.path.splitext(cfg.path)[1].lower()
+  return None if ext in (".bin", ".npy") or not os.path.isfile(cfg.path) else BYTE_VOCAB
+
+
+def _load_directory(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray, int]:
+  meta = read_meta(cfg.path)
+  train, val = (np.memmap(os.path.join(cfg.path, name), dtype=meta["dtype"], mode="r")
+                if os.path.getsize(os.path.join(cfg.path, name)) else np.zeros((0,), meta["dtype"])
+                for name in (TRAIN_BIN, VAL_BIN))
+  for name, part in (("train", train), ("validation", val)):
+    if len(part) < cfg.seq_len + 1:
+      raise ConfigError(f"{cfg.path!r} has {len(part)} {name} tokens, fewer than "
+                        f"data.seq_len+1={cfg.seq_len + 1}; lower data.seq_len or prepare "
+                        "more text (or a larger --val_fraction).")
+  return train, val, int(meta["vocab_size"])
+
+
 def load_tokens(cfg: DataConfig) -> tuple[np.ndarray, np.ndarray, int]:
-  """(train, val, min_vocab_size) for cfg; validation is the last val_fraction of a file stream."""
+  """(train, val, vocab) for cfg: a prepared directory's own splits and vocab_size; otherwise
+  the smallest vocab holding the ids, and validation the last val_fraction of a file stream."""
   _check_fraction(cfg.val_fraction)
   need = cfg.seq_len + 1
+  if cfg.path is not None and os.path.isdir(cfg.path):
+    return _load_directory(cfg)
   if cfg.path is None:
     train, val = embedded_corpus(cfg.max_corpus_bytes, cfg.val_fraction)
     for name, part in (("train", train), ("validation", val)):

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from moejax.config import Config, ConfigError
+from moejax.config import Config
 from moejax.placement.trace import TraceRecorder
 from moejax.strategy import memory
 from moejax.train import data as data_lib, faults, metrics as metrics_lib, preempt
@@ -22,6 +22,7 @@ from moejax.train.optim import optimizer, schedule
 from moejax.train.pool import StrategyPool
 from moejax.train.programs import initial_layout, xla_memory
 from moejax.train.state import init_state
+from moejax.train.tensorboard import tensorboard_hooks
 
 __all__ = ["Hook", "Trainer", "initial_layout", "train"]
 
@@ -35,15 +36,12 @@ class Trainer:
 
   def __init__(self, cfg: Config, devices=None):
     """`devices`: the devices of the mesh (default: all of them, over all processes)."""
-    self.cfg = cfg.validate()
+    train_tokens, val_tokens, data_vocab = data_lib.load_tokens(cfg.validate().data)
+    self.cfg = cfg = data_lib.resolve_vocab(cfg, data_vocab).validate()
     devices = list(jax.devices() if devices is None else devices)
     self.lr = schedule(cfg.optim, cfg.train.num_steps)
     self.tx = optimizer(cfg.optim, cfg.train.num_steps)
     self.pool = StrategyPool(cfg, self.tx, self.lr, devices)
-    train_tokens, val_tokens, min_vocab = data_lib.load_tokens(cfg.data)
-    if min_vocab > cfg.model.vocab_size:
-      raise ConfigError(f"the data has token ids up to {min_vocab - 1} but model.vocab_size="
-                        f"{cfg.model.vocab_size}; set model.vocab_size >= {min_vocab}.")
     self.is_main = jax.process_index() == 0
     prog = self.pool.program
     rows = data_lib.process_rows(prog.batch_sharding, cfg.data.global_batch_size,
@@ -139,7 +137,8 @@ class Trainer:
                disable=not (self.is_main and cfg.train.progress_bar), dynamic_ncols=True)
     rate = metrics_lib.TokenRate(cfg.data.global_batch_size * cfg.data.seq_len)
     balance = BalanceTally(from_step=start + (cfg.train.num_steps - start) // 2)
-    hooks = [*hooks, *self.controllers, balance]
+    hooks = [*hooks, *self.controllers, balance,
+             *tensorboard_hooks(cfg.train.tensorboard, self.is_main, cfg.train.run_dir, start)]
     first = last = pending = None
     done = start
 
@@ -149,6 +148,8 @@ class Trainer:
       first, pending = first or last, None
 
     with contextlib.ExitStack() as stack:
+      for hook in hooks:
+        stack.callback(hook.close)
       if stop is None:
         stop = stack.enter_context(preempt.StopRequest())
       for step in range(start, cfg.train.num_steps):
@@ -172,7 +173,9 @@ class Trainer:
         if cfg.planner.fresh or eval_now or save_now:
           log_pending()
         if eval_now:   # evaluated after step `step` finished (= at checkpoint `done`)
-          self.writer.write({"step": step, "eval_loss": self.evaluate()})
+          self.writer.write({"step": step, "eval_loss": (eval_loss := self.evaluate())})
+          for hook in hooks:
+            hook.after_eval(self, step, eval_loss)
         if save_now:
           self.save(done)
         if eval_now or save_now:

@@ -1,0 +1,76 @@
+"""The input side of the data step: which files, read as a stream of bounded chunks."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+from collections.abc import Iterator
+
+from moejax.config import ConfigError
+from moejax.train.data import is_val_file
+
+CHUNK_BYTES = 1 << 18   # a chunk ends at the last newline within this many bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+  """Up to CHUNK_BYTES of one file, cut after a newline; `first`: it starts the file."""
+  path: str
+  index: int
+  data: bytes
+  first: bool
+  val: bool
+
+
+def input_files(pattern: str, exclude: tuple[str, ...] = (), skip_dir: str | None = None
+                ) -> list[str]:
+  """Sorted regular files matching `pattern` (`**` recurses), minus those matching an
+  `exclude` pattern or lying under `skip_dir` (the output directory)."""
+  excluded: set[str] = set()
+  for ex in exclude:
+    excluded.update(os.path.abspath(p) for p in glob.glob(ex, recursive=True))
+  skip = os.path.abspath(skip_dir) + os.sep if skip_dir else None
+  files = sorted(p for p in glob.glob(pattern, recursive=True)
+                 if os.path.isfile(p) and os.path.abspath(p) not in excluded
+                 and not (skip and os.path.abspath(p).startswith(skip)))
+  if not files:
+    raise ConfigError(f"--input {pattern!r} matches no files (after --exclude); quote the "
+                      "pattern so the shell leaves '**' to us, e.g. --input 'texts/**/*.txt'.")
+  return files
+
+
+def _pieces(f, chunk_bytes: int) -> Iterator[bytes]:
+  """The file's bytes in pieces of at most chunk_bytes, each cut after its last newline
+  (a line longer than chunk_bytes is cut where the piece is full)."""
+  rest = b""
+  while True:
+    block = f.read(chunk_bytes - len(rest))
+    data = rest + block
+    if not block:
+      if data:
+        yield data
+      return
+    cut = data.rfind(b"\n") + 1 if len(data) >= chunk_bytes else len(data)
+    cut = cut or len(data)
+    yield data[:cut]
+    rest = data[cut:]
+
+
+def stream_chunks(files: list[str], val_fraction: float, root: str | None = None,
+                  chunk_bytes: int = CHUNK_BYTES) -> Iterator[Chunk]:
+  """Every file's chunks in order. Chunk k of a file goes to validation iff
+  `is_val_file(f"{relpath}:{k}", val_fraction)` (crc32, so the split is stable), which keeps
+  a file of one chunk whole and still splits a single large file."""
+  root = root or os.path.commonpath([os.path.abspath(p) for p in files])
+  if os.path.isfile(root):
+    root = os.path.dirname(root)
+  for path in files:
+    rel = os.path.relpath(os.path.abspath(path), root).replace(os.sep, "/")
+    try:
+      with open(path, "rb") as f:
+        for k, data in enumerate(_pieces(f, chunk_bytes)):
+          yield Chunk(rel, k, data, k == 0, is_val_file(f"{rel}:{k}", val_fraction))
+    except OSError as e:
+      raise ConfigError(f"cannot read input file {path!r} ({e.strerror}); fix its permissions "
+                        "or leave it out with --exclude.") from None
