@@ -210,6 +210,9 @@ class TrainConfig:
   progress_bar: bool = True
   # A step with a non-finite loss or gradient is skipped; this many in a row stop the run.
   max_consecutive_nonfinite: int = 5
+  # Take the run dir even when its lock names a live run on another host (which cannot be
+  # checked from here); only for a lock left by a host that is gone.
+  force_unlock: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
