@@ -82,7 +82,8 @@ def test_another_hosts_lock_is_respected_unless_forced(tmp_path):
 def test_a_second_run_on_a_live_run_dir_stops_at_once_and_touches_nothing(
     tmp_path, reference_losses):  # noqa: F811
   """The everyday mistake: the same command again while the first run still runs. The first
-  run is held (SIGSTOP) after a checkpoint, so the second surely meets a live one."""
+  run is held (SIGSTOP) after a checkpoint, so the second surely meets a live one; then it
+  goes on, and is stopped (SIGTERM: it saves and exits) to keep the test short."""
   run_dir = tmp_path / "run"
   command = run_helpers.train_command(run_dir)
   first = run_helpers.start(command, tmp_path / "first.log")
@@ -105,12 +106,15 @@ def test_a_second_run_on_a_live_run_dir_stops_at_once_and_touches_nothing(
     assert _files(run_dir) == before        # not one byte of the first run changed
   finally:
     first.send_signal(signal.SIGCONT)
+    first.send_signal(signal.SIGTERM)
   assert first.wait(timeout=240) == 0, (tmp_path / "first.log").read_text()[-3000:]
   records = read_jsonl(run_dir / "metrics.jsonl")
-  assert [r["step"] for r in records if "loss" in r] == list(range(run_helpers.STEPS))
-  assert step_losses(records) == reference_losses
-  assert checkpoint_steps(run_dir) == [20, 30]
-  assert not os.path.exists(run_dir / lock_lib.LOCK_NAME)   # released at the end
+  steps = [r["step"] for r in records if "loss" in r]
+  assert steps == list(range(len(steps))) and len(steps) > 12   # each step once, none lost
+  losses = step_losses(records)
+  assert losses == {s: reference_losses[s] for s in steps}
+  assert checkpoint_steps(run_dir)[-1] == len(steps)          # its own save at the SIGTERM
+  assert not os.path.exists(run_dir / lock_lib.LOCK_NAME)     # released at the end
 
 
 # --- a checkpoint of another model --------------------------------------------------------------
@@ -148,12 +152,19 @@ def _no_space(path: str) -> OSError:
 def test_a_full_disk_stops_the_run_and_it_resumes_once_space_is_freed(
     tmp_path, monkeypatch, capsys, reference_losses):  # noqa: F811
   """Injected at the write boundaries (orbax's save of step 20; then, in the second attempt,
-  the metrics line of step 15, half written): each stops the run with one line naming the path
-  and the room needed; the third attempt, with space again, ends exactly like the reference."""
+  the metrics line of step 12, half written): each stops the run with one line naming the path
+  and the room needed; the third attempt, with space again, ends exactly like the reference.
+  The run dir starts as the reference run's at its checkpoint 10, to keep the test short."""
   monkeypatch.syspath_prepend(run_helpers.REPO_ROOT)
   import train as train_cli
 
   run_dir = tmp_path / "run"
+  shutil.copytree(run_helpers.shared_dir("reference_run"), run_dir)
+  for step in (20, 30):
+    shutil.rmtree(run_dir / "checkpoints" / str(step))
+  kept = [line for line in (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
+          if json.loads(line)["step"] < 10]
+  (run_dir / "metrics.jsonl").write_text("".join(kept))
   trace = tmp_path / "trace.npz"
   flags = run_helpers.bindings(run_dir) + [f"--gin_bindings=trace.path = '{trace}'"]
   clean_save = ocp.CheckpointManager.save
@@ -176,12 +187,12 @@ def test_a_full_disk_stops_the_run_and_it_resumes_once_space_is_freed(
 
   clean_open = open
 
-  class HalfFull:   # the disk fills in the middle of step 15's line
+  class HalfFull:   # the disk fills in the middle of step 12's line
     def __init__(self, f):
       self.f = f
 
     def write(self, text):
-      if json.loads(text)["step"] == 15:
+      if json.loads(text)["step"] == 12:
         self.f.write(text[:len(text) // 2])
         self.f.flush()
         raise _no_space(str(run_dir / "metrics.jsonl"))
@@ -198,10 +209,10 @@ def test_a_full_disk_stops_the_run_and_it_resumes_once_space_is_freed(
   assert train_cli.main(flags) == 4
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith(
-      f"error: could not write the metrics of step 15 to {run_dir}/metrics.jsonl: No space "
+      f"error: could not write the metrics of step 12 to {run_dir}/metrics.jsonl: No space "
       "left on device"), err
   lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-  assert lines[-1].startswith('{"step": 15') and not lines[-1].endswith("}")   # torn
+  assert lines[-1].startswith('{"step": 12') and not lines[-1].endswith("}")   # torn
   monkeypatch.undo()
 
   monkeypatch.syspath_prepend(run_helpers.REPO_ROOT)
@@ -212,5 +223,5 @@ def test_a_full_disk_stops_the_run_and_it_resumes_once_space_is_freed(
   assert [r["step"] for r in records if "loss" in r] == list(range(run_helpers.STEPS))
   assert step_losses(records) == reference_losses
   assert checkpoint_steps(run_dir) == [20, 30]
-  with np.load(trace) as t:
-    assert t["step"].tolist() == list(range(run_helpers.STEPS))
+  with np.load(trace) as t:   # recorded from the first resume on, each step once
+    assert t["step"].tolist() == list(range(10, run_helpers.STEPS))

@@ -28,18 +28,21 @@ class RunDirBusy(ConfigError):
   """Another run holds the run dir: one line naming the holder and the fix."""
 
 
-def _process_start_ticks(pid: int) -> int | None:
-  """The process's start time in clock ticks since boot (Linux /proc), None where unknown.
-  With the pid it names one process, even after the pid is reused."""
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+  """(state, start time in clock ticks since boot) of a process from Linux /proc, None where
+  unknown. With the pid, the start time names one process even after the pid is reused; state
+  'Z' is a process that has exited and waits to be reaped."""
   try:
     with open(f"/proc/{pid}/stat") as f:
-      text = f.read()
-  except OSError:
+      fields = f.read().rsplit(")", 1)[1].split()
+    return fields[0], int(fields[19])
+  except (OSError, IndexError, ValueError):
     return None
-  try:
-    return int(text.rsplit(")", 1)[1].split()[19])
-  except (IndexError, ValueError):
-    return None
+
+
+def _process_start_ticks(pid: int) -> int | None:
+  stat = _proc_stat(pid)
+  return None if stat is None else stat[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +74,11 @@ class Holder:
       return False
     except PermissionError:
       pass   # a process of another user has that pid
-    ticks = _process_start_ticks(self.pid)
-    return ticks is None or self.start_ticks is None or ticks == self.start_ticks
+    stat = _proc_stat(self.pid)
+    if stat is None:
+      return True
+    state, ticks = stat
+    return state != "Z" and (self.start_ticks is None or ticks == self.start_ticks)
 
 
 def _read(path: str) -> Holder | None:
@@ -102,7 +108,12 @@ class RunDirLock:
 
   def acquire(self) -> list[str]:
     """Takes the lock; returns warnings (a stale or forced lock taken over)."""
-    os.makedirs(self.run_dir, exist_ok=True)
+    try:
+      os.makedirs(self.run_dir, exist_ok=True)
+      self._link_probe()
+    except OSError as e:
+      raise ConfigError(f"train.run_dir={self.run_dir!r} cannot be written ({e.strerror}); set "
+                        "train.run_dir to a directory this user can write.") from None
     warnings = self.warnings
     for _ in range(3):   # another run may take or drop the lock between our steps
       if self._link():
@@ -138,6 +149,13 @@ class RunDirLock:
       os.unlink(self.path)
     self.acquired = False
 
+  def _link_probe(self) -> None:
+    """Writes and removes the private file `_link` starts from (an unwritable dir fails here)."""
+    tmp = f"{self.path}.{self.me.host}.{self.me.pid}.tmp"
+    with open(tmp, "w"):
+      pass
+    os.unlink(tmp)
+
   def _link(self) -> bool:
     """Creates the lock whole (content first, then an atomic link to its name)."""
     tmp = f"{self.path}.{self.me.host}.{self.me.pid}.tmp"
@@ -148,6 +166,14 @@ class RunDirLock:
       return True
     except FileExistsError:
       return False
+    except OSError:   # a filesystem without hard links: exclusive create, then the content
+      try:
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+      except FileExistsError:
+        return False
+      with os.fdopen(fd, "w") as f:
+        json.dump(dataclasses.asdict(self.me), f)
+      return True
     finally:
       os.unlink(tmp)
 
