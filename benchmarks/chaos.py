@@ -144,7 +144,7 @@ def soak(run: Run, args: argparse.Namespace, rng: np.random.Generator) -> list[d
   while kinds:
     kind = kinds.pop(0)
     resumed_from = (run.complete_checkpoints() or [0])[-1]
-    target = resumed_from + int(rng.integers(3, 2 * args.every))
+    target = min(resumed_from + int(rng.integers(3, 2 * args.every)), args.steps - 2)
     if not wait_for(run, kind, target, rng):
       break
     sig = signal.SIGTERM if kind == "sigterm" else signal.SIGKILL
