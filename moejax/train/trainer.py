@@ -147,19 +147,21 @@ class Trainer:
             "nonfinite": self.guard.state_dict(), "model": model_fields(self.cfg)}
     if self.pool.switching:
       meta["strategy"] = self.pool.state_dict()
-    self._write_trace()   # first: the trace then always reaches the latest checkpoint
     self._check_lock()
+    self._write_trace()   # first: the trace then always reaches the latest checkpoint
     state, layout, expert_mode = self.pool.saved_form(self.state)
     self.checkpointer.save(step, state, layout, meta, expert_mode)
 
   def _write_trace(self) -> None:
     if self.trace is not None:
+      self._check_lock()
       with self.checkpointer.writing("the routing trace", self.trace.path):
         self.trace.write()
 
   def _check_lock(self) -> None:
     """Only the lock's holder writes: a run whose lock was taken over (train.force_unlock
-    elsewhere) stops before its next checkpoint."""
+    elsewhere) stops before its next checkpoint or trace. (Its metrics lines go to the file it
+    opened, which the new holder's resume has already replaced by a new one.)"""
     if self.is_main and self.lock is not None and not self.lock.held():
       raise RunDirBusy(f"the lock {self.lock.path} no longer names this run (another run took "
                        "it over with train.force_unlock); stopped without saving, the other "
