@@ -63,7 +63,8 @@ class Run:
     self.log = os.path.join(work, f"{name}.log")
     bindings = (f"train.run_dir = '{self.dir}'", f"train.num_steps = {args.steps}",
                 f"checkpoint.every = {args.every}", f"planner.every = {args.replan}",
-                f"train.eval_every = {args.steps // 2}", "train.progress_bar = False")
+                f"train.eval_every = {args.steps // 2}", "train.progress_bar = False",
+                *args.gin_bindings)
     self.command = [sys.executable, "-m", "benchmarks.chaos", "--child", self.marker,
                     "--hold", str(args.hold), "--", *(f"--gin_bindings={b}" for b in bindings)]
     self.proc: subprocess.Popen | None = None
@@ -190,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--replan", type=int, default=25, help="planner.every")
   parser.add_argument("--hold", type=float, default=0.5,
                       help="seconds the child pauses inside each migration")
+  parser.add_argument("--gin_bindings", action="append", default=[],
+                      help="more bindings for both runs, e.g. a smaller model")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--work", default=None, help="work dir (default: a temporary one)")
   parser.add_argument("--out", default=os.path.join(RESULTS, "chaos_cpu.json"))
@@ -231,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpu_count": os.cpu_count(), "jax": _jax_version(),
             "job": {"config": "configs/default.gin", "num_steps": args.steps,
                     "checkpoint.every": args.every, "planner.every": args.replan,
+                    "gin_bindings": args.gin_bindings,
                     "seed": args.seed, "migration_hold_s": args.hold},
             "reference_s": round(reference_s, 1), "chaos_s": round(chaos_s, 1),
             "summary": summary, "events": events,
