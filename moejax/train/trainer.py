@@ -236,8 +236,8 @@ class Trainer:
         pending = (step, m, self.pool.active)
         done = step + 1
         stopping = stop.poll(prog.mesh)   # SIGTERM/SIGINT: the same step on every process
-        eval_now = not stopping and (done % cfg.train.eval_every == 0 or
-                                     done == cfg.train.num_steps)
+        # An eval that is due runs even when stopping: the resumed run starts after it.
+        eval_now = done % cfg.train.eval_every == 0 or done == cfg.train.num_steps
         save_now = not stopping and done % cfg.checkpoint.every == 0 and (
             done != cfg.train.num_steps)
         # Read this step's metrics now: with planner.fresh the next step is planned on them;
