@@ -4,8 +4,9 @@ With no flags it runs the embedded default (configs/default.gin) on 8 fake CPU
 devices. Thin on purpose: parse gin, build the frozen configs, call the library.
 On a cluster run it once per host: `jax.distributed` starts from the environment
 (moejax/runtime/distributed.py). Exit codes: 0 done or preempted (SIGTERM/SIGINT: the step
-in flight finishes and is saved), 2 bad configuration or no usable checkpoint,
-3 too many non-finite steps in a row, 130 a second Ctrl-C.
+in flight finishes and is saved), 2 bad configuration, no usable checkpoint, a checkpoint of
+another model or a run dir in use by another run, 3 too many non-finite steps in a row, 4 a
+write failed (a full disk), 130 a second Ctrl-C.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 from moejax import config as config_lib
 from moejax.frontend import DEFAULT_GIN, operative_config, parse_config
 from moejax.runtime import xla_flags
-from moejax.train.faults import NonFiniteError
+from moejax.train.faults import DiskErrorNoise, NonFiniteError, WriteError
 from moejax.train.preempt import StopRequest
 
 __all__ = ["DEFAULT_GIN", "main", "parse_config"]
@@ -34,7 +35,17 @@ def set_xla_flags(host_device_count: int) -> None:
           flush=True)
 
 
+def quiet_write_noise() -> None:
+  """A full disk is reported once, by the `error:` line; orbax's threads would log one
+  traceback per array (through the `absl` and `asyncio` loggers)."""
+  import logging
+
+  for name in ("absl", "asyncio"):
+    logging.getLogger(name).addFilter(DiskErrorNoise())
+
+
 def main(argv: list[str] | None = None) -> int:
+  quiet_write_noise()
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--gin_file", action="append", default=None,
                       help=f"gin config file (repeatable); default {os.path.relpath(DEFAULT_GIN)}")
@@ -59,17 +70,16 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
     from moejax.train.trainer import train  # imports jax: only after XLA_FLAGS is settled
 
     main_process = jax.process_index() == 0
-    os.makedirs(cfg.train.run_dir, exist_ok=True)
-    if main_process:
-      with open(os.path.join(cfg.train.run_dir, "operative_config.gin"), "w") as f:
-        f.write(operative_config())
-    summary = train(cfg, stop=stop)
+    summary = train(cfg, stop=stop, run_files={"operative_config.gin": operative_config()})
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   except NonFiniteError as e:
     print(f"error: {e}", file=sys.stderr)
     return 3
+  except WriteError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 4
   except KeyboardInterrupt:
     print("interrupted; re-run the same command to resume from the latest checkpoint in the "
           "run dir's checkpoints/", file=sys.stderr)

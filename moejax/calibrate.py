@@ -4,6 +4,7 @@ micro-benchmarks (library: `moejax.strategy.calibrate`)."""
 from __future__ import annotations
 
 import argparse
+import os
 
 from moejax.strategy.calibrate import calibrate, save
 
@@ -14,6 +15,11 @@ def main(argv=None) -> int:
   parser.add_argument("--out", default="profile.json")
   parser.add_argument("--repeats", type=int, default=15)
   args = parser.parse_args(argv)
+  where = os.path.dirname(os.path.abspath(args.out))
+  if not os.path.isdir(where) or not os.access(where, os.W_OK):   # before minutes of timing
+    parser.error(f"--out={args.out}: cannot write into {where}; make it or choose another path")
+  if args.repeats < 1:
+    parser.error(f"--repeats={args.repeats} must be >= 1")
   profile = calibrate(repeats=args.repeats)
   save(profile, args.out)
   for key, value in profile.to_dict().items():

@@ -214,6 +214,9 @@ class TrainConfig:
   tensorboard: bool = True        # event files (tensorboardX) beside metrics.jsonl, process 0
   # A step with a non-finite loss or gradient is skipped; this many in a row stop the run.
   max_consecutive_nonfinite: int = 5
+  # Take the run dir even when its lock names a live run on another host (which cannot be
+  # checked from here); only for a lock left by a host that is gone.
+  force_unlock: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

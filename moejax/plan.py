@@ -18,6 +18,7 @@ from moejax.strategy.offline import (
   rank,
   table,
   to_json,
+  why_nothing_fits,
 )
 
 
@@ -57,15 +58,24 @@ def main(argv: list[str] | None = None) -> int:
     dispersion = 1.0 if dispersion is None else dispersion
     if dispersion < 1.0:
       raise ConfigError(f"--dispersion={dispersion} must be >= 1 (1 = independent tokens).")
-    rows = rank(cfg, profile, args.devices, regimes=regimes, dispersion=dispersion,
-                observed_LxE=observed)
-    pool = pick_pool(rows, args.pool, args.max_drop, regimes)
+    if args.devices < 1:
+      raise ConfigError(f"--devices={args.devices} must be >= 1.")
+    rank_kwargs = dict(regimes=regimes, dispersion=dispersion, observed_LxE=observed)
+    rows = rank(cfg, profile, args.devices, **rank_kwargs)
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   print(f"profile {profile.name}; {args.devices} devices; drop limit {args.max_drop:.1%}; "
         f"count dispersion {dispersion:.1f}" +
         (f"; observed load: last {len(counts)} steps of {args.trace}" if args.trace else ""))
+  try:
+    pool = pick_pool(rows, args.pool, args.max_drop, regimes)
+  except ConfigError as e:
+    if all(r.rejected for r in rows):   # the table and the reasons, then the one error line
+      print(table(rows, regimes))
+      print("\n".join(why_nothing_fits(cfg, profile, args.devices, rows, **rank_kwargs)))
+    print(f"error: {e}", file=sys.stderr)
+    return 2
   print(table(rows, regimes))
   print("pool: " + ", ".join(s.spec for s in pool))
   print("train with: --gin_bindings=\"strategy.pool = [" +

@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
   _pyplot()   # fail early, with one line, when matplotlib is missing
   metrics_path = os.path.join(args.run_dir, "metrics.jsonl")
   if not os.path.exists(metrics_path):
-    raise SystemExit(f"moejax.report: no metrics file {metrics_path}")
+    raise SystemExit(f"error: {args.run_dir} holds no metrics.jsonl; give the directory a "
+                     "train.py run wrote into (its train.run_dir).")
   out = args.out or os.path.join(args.run_dir, "plots")
   os.makedirs(out, exist_ok=True)
   metrics = load_metrics(metrics_path)

@@ -235,3 +235,32 @@ def test_cli_bad_input_exits_2_with_one_line(args, needle):
   assert len(lines) == 1, proc.stderr
   assert lines[0].startswith("error:") and needle in lines[0]
   assert "Traceback" not in proc.stderr
+
+
+# --- plan: nothing fits -------------------------------------------------------------------------
+
+def test_plan_that_fits_nothing_prints_why_and_the_smallest_changes(capsys):
+  """The GPU config's global batch of 64 cannot cover 1024 devices: the table, one line per kind
+  of rejection, the changes that would make one fit; and those changes do."""
+  from moejax import plan as plan_cli
+
+  gin = [f"--gin_file={os.path.join(REPO_ROOT, 'configs', 'gpt_moe_gpu.gin')}",
+         "--profile", "h100_cluster"]
+  assert plan_cli.main([*gin, "--devices", "1024"]) == 2
+  out, err = capsys.readouterr()
+  assert err.splitlines() == ["error: no strategy fits this model on 1024 devices; the lines "
+                              "above say why and what would make one fit."], err
+  lines = out.splitlines()
+  assert lines[1].startswith("strategy") and len(lines) > 600   # the whole table
+  assert any(line.startswith("285 of 605 rejected for global batch over data*expert, e.g. ")
+             for line in lines), lines[-4:]
+  assert any(line.startswith("320 of 605 rejected for model axis divisibility")
+             for line in lines), lines[-4:]
+  assert lines[-1] == ("smallest changes that make one fit: data.global_batch_size = 256 (a "
+                       "multiple of data*expert for some mesh of 1024 devices); or --devices 256 "
+                       "(the most devices, halving, on which one fits at "
+                       "data.global_batch_size = 64)"), lines[-1]
+  assert plan_cli.main([*gin, "--devices", "1024",
+                        "--gin_bindings=data.global_batch_size = 256"]) == 0
+  assert plan_cli.main([*gin, "--devices", "256"]) == 0
+  assert "pool: " in capsys.readouterr().out

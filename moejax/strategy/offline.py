@@ -21,7 +21,7 @@ import numpy as np
 
 from moejax.config import Config, ConfigError
 from moejax.strategy.cost import HardwareProfile, StepCost, Workload, predict_step
-from moejax.strategy.spec import Strategy, space, why_invalid
+from moejax.strategy.spec import Strategy, factorizations, space, why_invalid
 
 REGIMES = ("uniform", "skewed", "collapse")
 OBSERVED_REGIMES = ("observed", "skewed", "collapse")     # with measured expert shares
@@ -97,6 +97,63 @@ def rank(cfg: Config, profile: HardwareProfile, num_devices: int,
   return rows
 
 
+def _kind(reason: str) -> str:
+  """The kind of a rejection, for grouping: its words before the first value."""
+  if reason.startswith("needs ") and "GiB" in reason:
+    return "device memory"
+  if "global_batch_size" in reason:
+    return "global batch over data*expert"
+  if "model axis" in reason:
+    return "model axis divisibility"
+  return reason.split("=")[0].split(" (")[0]
+
+
+def _fits(cfg: Config, profile: HardwareProfile, num_devices: int, **rank_kwargs) -> bool:
+  return any(r.rejected is None for r in rank(cfg, profile, num_devices, **rank_kwargs))
+
+
+def why_nothing_fits(cfg: Config, profile: HardwareProfile, num_devices: int, rows: list[Row],
+                     **rank_kwargs) -> list[str]:
+  """When every candidate is rejected: how many were rejected for each kind of reason, with
+  an example, then the smallest changes that would make one fit: the global batch, the
+  device count, the memory per device (each found by ranking again with it changed)."""
+  kinds: dict[str, list[Row]] = {}
+  for r in rows:
+    kinds.setdefault(_kind(r.rejected or ""), []).append(r)
+  lines = [f"{len(rs)} of {len(rows)} rejected for {kind}, e.g. {rs[0].strategy.spec}: "
+           f"{rs[0].rejected}" for kind, rs in sorted(kinds.items(), key=lambda kv: -len(kv[1]))]
+  fixes = []
+  batch = cfg.data.global_batch_size
+  shards = sorted({d * e for d, e, _ in factorizations(num_devices)})
+  for need in sorted({-(-batch // de) * de for de in shards} - {batch}):
+    bigger = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, global_batch_size=need))
+    if _fits(bigger, profile, num_devices, **rank_kwargs):
+      fixes.append(f"data.global_batch_size = {need} (a multiple of data*expert for some "
+                   f"mesh of {num_devices} devices)")
+      break
+  devices = num_devices // 2
+  while devices >= 1:
+    if _fits(cfg, profile, devices, **rank_kwargs):
+      fixes.append(f"--devices {devices} (the most devices, halving, on which one fits at "
+                   f"data.global_batch_size = {batch})")
+      break
+    devices //= 2
+  short = kinds.get("device memory", [])
+  devices = num_devices * 2
+  while short and devices <= 16384:   # more devices hold less each
+    if _fits(cfg, profile, devices, **rank_kwargs):
+      fixes.append(f"--devices {devices} (the fewest, doubling, that hold it in memory)")
+      break
+    devices *= 2
+  if short:
+    least = min(max(c.memory_bytes for c in r.costs.values()) for r in short)
+    fixes.append(f"a profile with at least {least / 2**30:.2f} GiB per device (this one has "
+                 f"{profile.memory_bytes / 2**30:.2f} GiB)")
+  lines.append("smallest changes that make one fit: " + ("; or ".join(fixes) if fixes else
+               "none found by changing the batch, the device count or the memory alone"))
+  return lines
+
+
 def pick_pool(rows: list[Row], k: int, max_drop: float, regimes=REGIMES) -> list[Strategy]:
   """Best per regime first (so the pool covers the regimes), then the next best of each
   regime in turn, without duplicates, until K."""
@@ -104,7 +161,9 @@ def pick_pool(rows: list[Row], k: int, max_drop: float, regimes=REGIMES) -> list
     raise ConfigError(f"--pool={k} must be in [1, 4]; every member is a compiled program.")
   ok = [r for r in rows if r.rejected is None]
   if not ok:
-    raise ConfigError("no strategy fits this model on these devices; see the table's reasons.")
+    devices = rows[0].strategy.num_devices if rows else 0
+    raise ConfigError(f"no strategy fits this model on {devices} devices; the lines above say "
+                      "why and what would make one fit.")
   ordered = {g: sorted(ok, key=lambda r, g=g: r.score(g, max_drop)) for g in regimes}
   pool: list[Strategy] = []
   for depth in range(len(ok)):

@@ -17,6 +17,7 @@ Restoring (`Checkpointer.restore`):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -26,7 +27,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from moejax.config import CheckpointConfig, ConfigError
+from moejax.config import CheckpointConfig, Config, ConfigError
 from moejax.layout.convert import (
   canonical_state,
   convert_tree,
@@ -37,12 +38,22 @@ from moejax.layout.convert import (
 from moejax.layout.placement import SHARE_PARTS
 from moejax.layout.tables import Layout
 from moejax.runtime import distributed
-from moejax.train import digest as digest_lib
+from moejax.train import digest as digest_lib, faults
 from moejax.train.state import abstract
 
 __all__ = ["Checkpointer", "CheckpointError", "Restored", "check_layout", "from_canonical",
-           "to_canonical"]
+           "model_fields", "to_canonical"]
 LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(Layout))
+# The fields that give the saved arrays their shapes; strategy fields (mesh, expert mode,
+# capacity) may change on resume, these may not.
+MODEL_FIELDS = (("model", "vocab_size"), ("model", "d_model"), ("model", "num_layers"),
+                ("model", "num_heads"), ("model", "d_ff"), ("model", "max_seq_len"),
+                ("moe", "num_experts"), ("moe", "d_ff"), ("moe", "moe_every"))
+
+
+def model_fields(cfg: Config) -> dict[str, int]:
+  """{"model.d_model": 128, ...}: what a checkpoint records of the model it holds."""
+  return {f"{part}.{name}": getattr(getattr(cfg, part), name) for part, name in MODEL_FIELDS}
 
 
 class CheckpointError(ConfigError):
@@ -101,6 +112,16 @@ def _check_compatible(saved: dict, target: Any, directory: str, step: int) -> No
           f"{have}, this config needs {need}; use the run's own config or a new train.run_dir.")
 
 
+def _disk_bytes(directory: str) -> int:
+  """Bytes a directory's files take on disk (allocated blocks, as `du` counts them)."""
+  total = 0
+  for root, _, files in os.walk(directory):
+    for name in files:
+      with contextlib.suppress(OSError):
+        total += os.stat(os.path.join(root, name)).st_blocks * 512
+  return total
+
+
 class Checkpointer:
   def __init__(self, run_dir: str, cfg: CheckpointConfig):
     self.cfg = cfg
@@ -112,6 +133,10 @@ class Checkpointer:
                                              cleanup_tmp_directories=True),
         item_handlers={"state": ocp.StandardCheckpointHandler(),
                        "meta": ocp.JsonCheckpointHandler()})
+    # The room one more checkpoint needs: the larger of the state's bytes (set by the trainer)
+    # and the latest complete checkpoint's size on disk.
+    self.needed_bytes = 0
+    self._in_flight: int | None = None   # the step of the last save started
 
   def latest_step(self) -> int | None:
     return self._mngr.latest_step()
@@ -121,10 +146,60 @@ class Checkpointer:
 
   def save(self, step: int, state: Any, layout: Layout, meta: dict,
            expert_mode: str = "ep") -> None:
+    """Starts writing `step` (orbax finishes it in the background, into a temporary directory
+    renamed when complete). A write that fails, now or in the background of the previous
+    save, raises `faults.WriteError`; the complete checkpoints before it stay as they were."""
     item = {"state": canonical_state(state, layout, expert_mode), "layout": layout}
     meta = dict(meta, step=step, expert_mode=expert_mode, digest=digest_lib.tree_digest(item))
-    self._mngr.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(item), meta=ocp.args.JsonSave(meta)))
+    self.wait()   # orbax would wait here too; this way a failure names the step it belongs to
+    latest = self._complete_steps()
+    self.needed_bytes = max(self.needed_bytes, _disk_bytes(
+        os.path.join(self.directory, str(latest[-1]))) if latest else 0)
+    self._in_flight = step
+    with self.writing(f"checkpoint step {step}"):
+      self._mngr.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(item), meta=ocp.args.JsonSave(meta)))
+
+  @contextlib.contextmanager
+  def writing(self, what: str, path: str | None = None):
+    """Turns a failed write of `what` to `path` (default: the checkpoint directory) into one
+    line: the path, the free space, the room one more checkpoint needs, the resume point."""
+    try:
+      yield
+    except Exception as e:
+      cause = faults.disk_error(e)
+      if cause is None:
+        raise
+      latest = self._complete_steps()
+      resume = f"step {latest[-1]} in {self.directory}" if latest else "step 0 (no checkpoint)"
+      raise faults.write_error(cause, what, path or self.directory, self.needed_bytes,
+                               resume) from None
+
+  def _complete_steps(self) -> list[int]:
+    """Steps whose directory is complete on disk (orbax renames a step's directory into place
+    only once it is written)."""
+    if not os.path.isdir(self.directory):
+      return []
+    return sorted(int(n) for n in os.listdir(self.directory) if n.isdigit())
+
+  def check_model(self, fields: dict[str, int]) -> None:
+    """Before any work: a run dir whose latest checkpoint holds another model (`model_fields`
+    of its config) stops with one line naming the first field that differs and both values.
+    Steps that predate these records, or whose meta does not read, are left to `restore`."""
+    step = self.latest_step()
+    if step is None:
+      return
+    try:
+      meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+      saved = dict(meta["meta"].get("model") or {})
+    except Exception:
+      return
+    for name, value in fields.items():
+      if name in saved and saved[name] != value:
+        raise CheckpointError(
+            f"checkpoint {self.directory}/{step} holds another model: {name}={saved[name]} "
+            f"there, {name}={value} in this config; set {name} = {saved[name]} to resume it, "
+            "or use a new train.run_dir for this model.")
 
   def restore(self, state_like: Any, layout_like: Layout, expert_mode: str = "ep",
               step: int | None = None) -> Restored | None:
@@ -209,7 +284,9 @@ class Checkpointer:
     return target
 
   def wait(self) -> None:
-    self._mngr.wait_until_finished()
+    with self.writing(f"checkpoint step {self._in_flight}"):
+      self._mngr.wait_until_finished()
 
   def close(self) -> None:
-    self._mngr.close()
+    with self.writing(f"checkpoint step {self._in_flight}"):
+      self._mngr.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import time
@@ -71,25 +72,50 @@ def _step_of(line: str) -> float:
 class JsonlWriter:
   """Appends one JSON object per line; a no-op on processes other than 0.
 
-  On resume from step `start`, records of steps >= start (written after the
-  checkpoint the run resumes from) are dropped first, so no step appears twice.
+  On resume from step `start`, records of steps >= start (written after the checkpoint the run
+  resumes from) are dropped first, and so is a torn last line (a run killed in the middle of a
+  write, or stopped by a full disk), so that every step appears once. The file is rewritten
+  into a new one that replaces it only when complete. `guard(what, path)`: a context manager
+  around every write that turns a failed one into the caller's error (default: none).
   """
 
-  def __init__(self, path: str, enabled: bool = True, start: int = 0):
+  def __init__(self, path: str, enabled: bool = True, start: int = 0, guard=None):
+    self.path = path
+    self._guard = guard or (lambda what, path: contextlib.nullcontext())
     self._file: IO[str] | None = None
     if enabled:
       os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
       if os.path.exists(path):
         with open(path) as f:
           kept = [line for line in f if _step_of(line) < start]
-        with open(path + ".tmp", "w") as f:
-          f.writelines(kept)
-        os.replace(path + ".tmp", path)
+        try:
+          with self._guard("the metrics kept on resume", path + ".tmp"):
+            with open(path + ".tmp", "w") as f:
+              f.writelines(kept)
+            os.replace(path + ".tmp", path)
+        finally:
+          if os.path.exists(path + ".tmp"):
+            os.unlink(path + ".tmp")
       self._file = open(path, "a", buffering=1)
 
   def write(self, record: dict) -> None:
-    if self._file is not None:
-      self._file.write(json.dumps(record) + "\n")
+    if self._file is None:
+      return
+    try:
+      with self._guard(f"the metrics of step {record.get('step')}", self.path):
+        self._file.write(json.dumps(record) + "\n")
+    except BaseException:
+      self._abandon()
+      raise
+
+  def _abandon(self) -> None:
+    """After a failed write: drop what Python still buffers (its flush would fail again);
+    the torn line is repaired on resume."""
+    f, self._file = self._file, None
+    try:
+      f.close()
+    except OSError:
+      pass
 
   def close(self) -> None:
     if self._file is not None:

@@ -13,31 +13,62 @@ from tqdm import tqdm
 
 from moejax.config import Config
 from moejax.placement.trace import TraceRecorder
+from moejax.runtime import distributed
 from moejax.strategy import memory
 from moejax.train import data as data_lib, faults, metrics as metrics_lib, preempt
 from moejax.train.balance import BalanceTally
-from moejax.train.checkpoint import Checkpointer
+from moejax.train.checkpoint import Checkpointer, model_fields
 from moejax.train.controllers import Hook, LayoutReplanning, StrategySwitching
+from moejax.train.lock import RunDirBusy, RunDirLock
 from moejax.train.optim import optimizer, schedule
 from moejax.train.pool import StrategyPool
 from moejax.train.programs import initial_layout, xla_memory
 from moejax.train.state import init_state
 from moejax.train.tensorboard import tensorboard_hooks
 
-__all__ = ["Hook", "Trainer", "initial_layout", "train"]
+__all__ = ["Hook", "Trainer", "initial_layout", "take_run_dir", "train"]
 
 log = logging.getLogger("moejax")
 
 
+def take_run_dir(cfg: Config) -> RunDirLock:
+  """Process 0 takes the run dir's lock (`moejax.train.lock`); every process stops with
+  `RunDirBusy` when it could not. Call before any work."""
+  lock = RunDirLock(cfg.train.run_dir, cfg.train.force_unlock)
+  error = None
+  if jax.process_index() == 0:
+    try:
+      for w in lock.acquire():
+        log.warning("warning: %s", w)
+    except RunDirBusy as e:
+      error = e
+  if not distributed.all_true(error is None):
+    raise error or RunDirBusy(f"process 0 could not take train.run_dir={cfg.train.run_dir!r}; "
+                              "its error line says why.")
+  return lock
+
+
 class Trainer:
   """One run's pieces: the strategy pool, the state, the data, the checkpointer and the
-  controllers; `run()` trains to `train.num_steps`. A context manager (closes the
+  controllers; `run()` trains to `train.num_steps`, holding the run dir's lock (`lock`, taken
+  by the caller with `take_run_dir`, or by `run` itself). A context manager (closes the
   checkpointer on exit)."""
 
-  def __init__(self, cfg: Config, devices=None):
+  def __init__(self, cfg: Config, devices=None, lock: RunDirLock | None = None):
     """`devices`: the devices of the mesh (default: all of them, over all processes)."""
     train_tokens, val_tokens, data_vocab = data_lib.load_tokens(cfg.validate().data)
     self.cfg = cfg = data_lib.resolve_vocab(cfg, data_vocab).validate()
+    self.lock = lock
+    self.checkpointer = Checkpointer(cfg.train.run_dir, cfg.checkpoint)
+    try:
+      self.checkpointer.check_model(model_fields(cfg))   # before compiling anything
+      self._build(cfg, devices, train_tokens, val_tokens)
+    except BaseException:
+      with contextlib.suppress(Exception):   # keep the error that is on its way out
+        self.close()
+      raise
+
+  def _build(self, cfg: Config, devices, train_tokens, val_tokens) -> None:
     devices = list(jax.devices() if devices is None else devices)
     self.lr = schedule(cfg.optim, cfg.train.num_steps)
     self.tx = optimizer(cfg.optim, cfg.train.num_steps)
@@ -53,10 +84,10 @@ class Trainer:
     self.val_loader = data_lib.BatchLoader(val_tokens, seed=cfg.data.seed + 1, **loader_args)
     self.trace: TraceRecorder | None = None
     self.guard = faults.NonFiniteGuard(cfg.train.max_consecutive_nonfinite)
-    self.checkpointer = Checkpointer(cfg.train.run_dir, cfg.checkpoint)
     self.restore_warnings: list[str] = []
     self.state = init_state(prog.model, self.tx, prog.shardings, prog.layout,
                             cfg.data.global_batch_size, cfg.data.seq_len, cfg.train.seed)
+    self.checkpointer.needed_bytes = sum(x.nbytes for x in jax.tree.leaves(self.state))
     self.writer: metrics_lib.JsonlWriter | None = None   # open while `run` runs
     layouts = LayoutReplanning()
     self.controllers: list[Hook] = [layouts]
@@ -67,11 +98,19 @@ class Trainer:
   def __enter__(self) -> Trainer:
     return self
 
-  def __exit__(self, *exc) -> None:
-    self.close()
+  def __exit__(self, exc_type, *exc) -> None:
+    if exc_type is None:
+      self.close()
+      return
+    with contextlib.suppress(Exception):   # keep the error that is on its way out
+      self.close()
 
   def close(self) -> None:
-    self.checkpointer.close()
+    try:
+      self.checkpointer.close()
+    finally:
+      if self.lock is not None:
+        self.lock.release()
 
   def maybe_restore(self) -> int:
     """Resumes from the latest intact checkpoint of the run dir, whatever mesh or expert mode
@@ -103,13 +142,28 @@ class Trainer:
     """With a pool, the checkpoint holds member 0's form of the state (an exact move), the
     active member and every member's layout, so a resume lands on the same member."""
     meta = {"data_position": self.loader.position, "planner": self.pool.planner.state_dict(),
-            "nonfinite": self.guard.state_dict()}
+            "nonfinite": self.guard.state_dict(), "model": model_fields(self.cfg)}
     if self.pool.switching:
       meta["strategy"] = self.pool.state_dict()
+    self._check_lock()
+    self._write_trace()   # first: the trace then always reaches the latest checkpoint
     state, layout, expert_mode = self.pool.saved_form(self.state)
     self.checkpointer.save(step, state, layout, meta, expert_mode)
+
+  def _write_trace(self) -> None:
     if self.trace is not None:
-      self.trace.write()
+      self._check_lock()
+      with self.checkpointer.writing("the routing trace", self.trace.path):
+        self.trace.write()
+
+  def _check_lock(self) -> None:
+    """Only the lock's holder writes: a run whose lock was taken over (train.force_unlock
+    elsewhere) stops before its next checkpoint or trace. (Its metrics lines go to the file it
+    opened, which the new holder's resume has already replaced by a new one.)"""
+    if self.is_main and self.lock is not None and not self.lock.held():
+      raise RunDirBusy(f"the lock {self.lock.path} no longer names this run (another run took "
+                       "it over with train.force_unlock); stopped without saving, the other "
+                       "run owns the run dir now.")
 
   def evaluate(self) -> float:
     prog, losses = self.pool.program, []
@@ -119,18 +173,37 @@ class Trainer:
       losses.append(prog.eval_step(self.state.params, batch, prog.layout))
     return float(np.mean([float(x) for x in losses]))
 
-  def run(self, hooks: list[Hook] = (), stop: preempt.StopRequest | None = None) -> dict:
+  def run(self, hooks: list[Hook] = (), stop: preempt.StopRequest | None = None,
+          run_files: dict[str, str] | None = None) -> dict:
     """Trains to train.num_steps. `hooks` (see `moejax.train.controllers`) run before the
     controllers, around every step (schedules, load injection in benchmarks). On SIGTERM or
     SIGINT (`stop`, entered by the caller, e.g. train.py from its start; default: handlers for
-    this call) every process finishes the same step, saves it and returns."""
+    this call) every process finishes the same step, saves it and returns. `run_files`:
+    {name: text} written into the run dir once it is known to be this run's (e.g. the
+    operative gin config)."""
+    if self.lock is not None:
+      return self._run(hooks, stop, run_files or {})
+    self.lock = take_run_dir(self.cfg)
+    try:
+      return self._run(hooks, stop, run_files or {})
+    finally:
+      self.lock.release()
+      self.lock = None
+
+  def _run(self, hooks, stop, run_files: dict[str, str]) -> dict:
     cfg = self.cfg
-    self._write_run_files()
-    start = self.maybe_restore()
+    start = self.maybe_restore()   # before any file of the run dir is written
+    self._write_run_files(run_files)
     if cfg.trace.path and self.is_main:
       self.trace = TraceRecorder(cfg.trace.path, cfg.moe.top_k, start)
+      if self.trace.warning:
+        log.warning("warning: %s", self.trace.warning)
+        self.restore_warnings.append(self.trace.warning)
     self.writer = metrics_lib.JsonlWriter(os.path.join(cfg.train.run_dir, "metrics.jsonl"),
-                                          enabled=self.is_main, start=start)
+                                          enabled=self.is_main, start=start,
+                                          guard=self.checkpointer.writing)
+    for w in self.lock.warnings:
+      self.writer.write({"step": start, "event": "run_dir_warning", "message": w})
     for w in self.restore_warnings:
       self.writer.write({"step": start, "event": "checkpoint_warning", "message": w})
     bar = tqdm(total=cfg.train.num_steps, initial=start,
@@ -164,8 +237,8 @@ class Trainer:
         pending = (step, m, self.pool.active)
         done = step + 1
         stopping = stop.poll(prog.mesh)   # SIGTERM/SIGINT: the same step on every process
-        eval_now = not stopping and (done % cfg.train.eval_every == 0 or
-                                     done == cfg.train.num_steps)
+        # An eval that is due runs even when stopping: the resumed run starts after it.
+        eval_now = done % cfg.train.eval_every == 0 or done == cfg.train.num_steps
         save_now = not stopping and done % cfg.checkpoint.every == 0 and (
             done != cfg.train.num_steps)
         # Read this step's metrics now: with planner.fresh the next step is planned on them;
@@ -186,30 +259,37 @@ class Trainer:
         log_pending()
       if self.checkpointer.latest_step() != done:   # the end, or the step reached when stopped
         self.save(done)
-      if self.trace is not None:
-        self.trace.write()
+      self._write_trace()
       self.checkpointer.wait()
     return {**self._finish(start, first, last, done, stop, bar), "balance": balance.summary()}
 
-  def _write_run_files(self) -> None:
-    """config.json, and memory.txt: XLA's memory analysis of every pool member's compiled
-    train step (what runs), then the arithmetic model of the expert bytes (what to expect at
-    other sizes)."""
+  def _write_run_files(self, run_files: dict[str, str]) -> None:
+    """`run_files`, config.json, and memory.txt: XLA's memory analysis of every pool member's
+    compiled train step (what runs), then the arithmetic model of the expert bytes (what to
+    expect at other sizes)."""
     cfg, prog = self.cfg, self.pool.program
     os.makedirs(cfg.train.run_dir, exist_ok=True)
     if not self.is_main:
       return
-    with open(os.path.join(cfg.train.run_dir, "config.json"), "w") as f:
-      json.dump(cfg.to_dict(), f, indent=2)
-    with open(os.path.join(cfg.train.run_dir, "memory.txt"), "w") as f:
-      for member in self.pool.programs:
-        stats = xla_memory(member.train_step)
-        f.write(f"XLA compiled train step {member.strategy.spec}, bytes per device: " +
-                ", ".join(f"{k} {v}" for k, v in stats.items()) + "\n")
-      f.write("arithmetic model, " + memory.report(
-          cfg.model.num_layers // cfg.moe.moe_every, cfg.moe.num_experts, cfg.model.d_model,
-          cfg.moe.d_ff, prog.mesh.shape["expert"], prog.mesh.shape["model"],
-          prog.cfg.moe.slots_per_device or None) + "\n")
+    lines = [f"XLA compiled train step {member.strategy.spec}, bytes per device: " +
+             ", ".join(f"{k} {v}" for k, v in xla_memory(member.train_step).items())
+             for member in self.pool.programs]
+    lines.append("arithmetic model, " + memory.report(
+        cfg.model.num_layers // cfg.moe.moe_every, cfg.moe.num_experts, cfg.model.d_model,
+        cfg.moe.d_ff, prog.mesh.shape["expert"], prog.mesh.shape["model"],
+        prog.cfg.moe.slots_per_device or None))
+    files = {**run_files, "config.json": json.dumps(cfg.to_dict(), indent=2),
+             "memory.txt": "\n".join(lines) + "\n"}
+    for name, text in files.items():
+      path = os.path.join(cfg.train.run_dir, name)
+      try:
+        with self.checkpointer.writing(name, path):
+          with open(path + ".tmp", "w") as f:
+            f.write(text)
+          os.replace(path + ".tmp", path)
+      finally:
+        if os.path.exists(path + ".tmp"):
+          os.unlink(path + ".tmp")
 
   def _finish(self, start, first, last, done, stop, bar) -> dict:
     preempted = stop.signal_name if done < self.cfg.train.num_steps else None
@@ -252,6 +332,8 @@ class Trainer:
     return record
 
 
-def train(cfg: Config, devices=None, stop: preempt.StopRequest | None = None) -> dict:
-  with Trainer(cfg, devices) as trainer:
-    return trainer.run(stop=stop)
+def train(cfg: Config, devices=None, stop: preempt.StopRequest | None = None,
+          run_files: dict[str, str] | None = None) -> dict:
+  """Takes the run dir, builds the trainer and trains (`Trainer.run`)."""
+  with Trainer(cfg, devices, lock=take_run_dir(cfg)) as trainer:
+    return trainer.run(stop=stop, run_files=run_files)

@@ -1,0 +1,230 @@
+"""Faults users cause themselves: a second run on a live run dir, a checkpoint of another model
+in the run dir, a full disk, a torn last metrics line. Each ends in one `error:` line or is
+repaired, and nothing the first run wrote is lost."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from moejax.train import lock as lock_lib, metrics as metrics_lib
+from tests import run_helpers
+from tests.run_config import checkpoint_steps, read_jsonl, step_losses
+from tests.run_helpers import reference_losses  # noqa: F401  (fixture)
+
+
+def _files(run_dir) -> dict[str, bytes]:
+  """Every file of a run dir (path -> bytes), checkpoints included."""
+  out = {}
+  for root, _, names in os.walk(run_dir):
+    for name in names:
+      path = os.path.join(root, name)
+      with open(path, "rb") as f:
+        out[os.path.relpath(path, run_dir)] = f.read()
+  return out
+
+
+# --- the lock itself (host only) ----------------------------------------------------------------
+
+def _write_lock(run_dir, host: str, pid: int) -> None:
+  os.makedirs(run_dir, exist_ok=True)
+  with open(os.path.join(run_dir, lock_lib.LOCK_NAME), "w") as f:
+    json.dump({"host": host, "pid": pid, "started": "2026-11-24T00:00:00Z"}, f)
+
+
+def _dead_pid() -> int:
+  proc = subprocess.Popen(["true"])
+  proc.wait()
+  return proc.pid   # reaped: no process has it (until the kernel reuses it, far later)
+
+
+def test_a_lock_whose_holder_is_gone_is_taken_over_with_a_warning(tmp_path):
+  _write_lock(tmp_path, socket.gethostname(), _dead_pid())
+  lock = lock_lib.RunDirLock(str(tmp_path))
+  warnings = lock.acquire()
+  assert len(warnings) == 1 and "its holder is gone" in warnings[0], warnings
+  assert lock.held()
+  with pytest.raises(lock_lib.RunDirBusy) as e:   # the same process cannot take it twice
+    lock_lib.RunDirLock(str(tmp_path)).acquire()
+  assert "already held by this process" in str(e.value)
+  lock.release()
+  assert not os.path.exists(tmp_path / lock_lib.LOCK_NAME)
+
+
+def test_another_hosts_lock_is_respected_unless_forced(tmp_path):
+  _write_lock(tmp_path, "gpu-node-7", 4242)
+  with pytest.raises(lock_lib.RunDirBusy) as e:
+    lock_lib.RunDirLock(str(tmp_path)).acquire()
+  msg = str(e.value)
+  assert "\n" not in msg and "pid 4242 on host gpu-node-7" in msg, msg
+  assert "train.force_unlock = True" in msg and lock_lib.LOCK_NAME in msg, msg
+  forced = lock_lib.RunDirLock(str(tmp_path), force=True)
+  assert "forced (train.force_unlock)" in forced.acquire()[0]
+  assert forced.held()
+  _write_lock(tmp_path, "gpu-node-7", 4242)   # taken back behind our back: no longer ours
+  assert not forced.held()
+  forced.release()                             # and then it is not ours to remove
+  assert os.path.exists(tmp_path / lock_lib.LOCK_NAME)
+
+
+# --- the two-run experiment ---------------------------------------------------------------------
+
+def test_a_second_run_on_a_live_run_dir_stops_at_once_and_touches_nothing(
+    tmp_path, reference_losses):  # noqa: F811
+  """The everyday mistake: the same command again while the first run still runs. The first
+  run is held (SIGSTOP) after a checkpoint, so the second surely meets a live one; then it
+  goes on, and is stopped (SIGTERM: it saves and exits) to keep the test short."""
+  run_dir = tmp_path / "run"
+  command = run_helpers.train_command(run_dir)
+  first = run_helpers.start(command, tmp_path / "first.log")
+  try:
+    run_helpers.wait_for_step(first, run_dir, 12, tmp_path / "first.log")
+    first.send_signal(signal.SIGSTOP)
+    time.sleep(0.5)   # let an async checkpoint write settle (the process is stopped anyway)
+    before = _files(run_dir)
+    tick = time.perf_counter()
+    # JAX logs every compilation it makes: none may appear (the error line must be alone).
+    second = subprocess.run(command, cwd=run_helpers.REPO_ROOT,
+                            env=dict(run_helpers.subprocess_env(), JAX_LOG_COMPILES="1"),
+                            capture_output=True, text=True, timeout=600)
+    seconds = time.perf_counter() - tick
+    assert second.returncode == 2, second.stderr[-2000:]
+    errors = [line for line in second.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: train.run_dir="), second.stderr
+    assert f"in use by pid {first.pid} on host {socket.gethostname()}" in errors[0], errors[0]
+    assert "wait for that run to end or stop it, or use another train.run_dir" in errors[0]
+    assert "steps " not in second.stdout   # it trained nothing
+    # Python's and JAX's start-up only: ~5 s on a quiet 2-core VM, 71 s when 4 jobs shared it.
+    assert seconds < 300, seconds
+    assert _files(run_dir) == before        # not one byte of the first run changed
+  finally:
+    first.send_signal(signal.SIGCONT)
+    first.send_signal(signal.SIGTERM)
+  assert first.wait(timeout=240) == 0, (tmp_path / "first.log").read_text()[-3000:]
+  records = read_jsonl(run_dir / "metrics.jsonl")
+  steps = [r["step"] for r in records if "loss" in r]
+  assert steps == list(range(len(steps))) and len(steps) > 12   # each step once, none lost
+  losses = step_losses(records)
+  assert losses == {s: reference_losses[s] for s in steps}
+  assert checkpoint_steps(run_dir)[-1] == len(steps)          # its own save at the SIGTERM
+  assert not os.path.exists(run_dir / lock_lib.LOCK_NAME)     # released at the end
+
+
+# --- a checkpoint of another model --------------------------------------------------------------
+
+@pytest.mark.parametrize("binding,field,theirs,ours", [
+    ("model.d_model = 64", "model.d_model", 32, 64),
+    ("model.num_layers = 4", "model.num_layers", 2, 4),
+    ("moe.num_experts = 16", "moe.num_experts", 8, 16),
+    ("model.vocab_size = 512", "model.vocab_size", 256, 512),
+])
+def test_a_checkpoint_of_another_model_stops_with_one_line(tmp_path, monkeypatch, capsys,
+                                                          binding, field, theirs, ours,
+                                                          reference_losses):  # noqa: F811
+  monkeypatch.syspath_prepend(run_helpers.REPO_ROOT)
+  import train as train_cli
+
+  run_dir = tmp_path / "run"
+  shutil.copytree(run_helpers.shared_dir("reference_run"), run_dir)
+  before = _files(run_dir)
+  rc = train_cli.main(run_helpers.bindings(run_dir) + [f"--gin_bindings={binding}"])
+  err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+  assert rc == 2 and len(err) == 1, err
+  assert err[0].startswith(f"error: checkpoint {run_dir}/checkpoints/30 holds another model: "
+                           f"{field}={theirs} there, {field}={ours} in this config; "
+                           f"set {field} = {theirs} to resume it"), err[0]
+  assert _files(run_dir) == before   # its config files and metrics are the first run's still
+
+
+# --- a full disk, and the torn line it leaves ---------------------------------------------------
+
+def _no_space(path: str) -> OSError:
+  return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
+def test_a_full_disk_stops_the_run_and_it_resumes_once_space_is_freed(
+    tmp_path, monkeypatch, capsys, reference_losses):  # noqa: F811
+  """Injected at the write boundaries (orbax's save of step 20; then, in the second attempt,
+  the metrics line of step 12, half written): each stops the run with one line naming the path
+  and the room needed; the third attempt, with space again, ends exactly like the reference.
+  The run dir starts as the reference run's at its checkpoint 10, to keep the test short."""
+  monkeypatch.syspath_prepend(run_helpers.REPO_ROOT)
+  import train as train_cli
+
+  run_dir = tmp_path / "run"
+  shutil.copytree(run_helpers.shared_dir("reference_run"), run_dir)
+  for step in (20, 30):
+    shutil.rmtree(run_dir / "checkpoints" / str(step))
+  kept = [line for line in (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
+          if json.loads(line)["step"] < 10]
+  (run_dir / "metrics.jsonl").write_text("".join(kept))
+  trace = tmp_path / "trace.npz"
+  flags = run_helpers.bindings(run_dir) + [f"--gin_bindings=trace.path = '{trace}'"]
+  clean_save = ocp.CheckpointManager.save
+
+  def save(self, step, *args, **kwargs):
+    if step == 20:
+      raise _no_space(f"{run_dir}/checkpoints/20.orbax-checkpoint-tmp")
+    return clean_save(self, step, *args, **kwargs)
+
+  monkeypatch.setattr(ocp.CheckpointManager, "save", save)
+  assert train_cli.main(flags) == 4
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1, err
+  assert err[0].startswith(f"error: could not write checkpoint step 20 to {run_dir}/checkpoints: "
+                           "No space left on device ("), err[0]
+  assert "MiB free there, it needs about " in err[0] and "MiB); nothing saved before" in err[0]
+  assert err[0].endswith(f"resume from step 10 in {run_dir}/checkpoints."), err[0]
+  assert checkpoint_steps(run_dir) == [10]
+  monkeypatch.setattr(ocp.CheckpointManager, "save", clean_save)
+
+  clean_open = open
+
+  class HalfFull:   # the disk fills in the middle of step 12's line
+    def __init__(self, f):
+      self.f = f
+
+    def write(self, text):
+      if json.loads(text)["step"] == 12:
+        self.f.write(text[:len(text) // 2])
+        self.f.flush()
+        raise _no_space(str(run_dir / "metrics.jsonl"))
+      return self.f.write(text)
+
+    def close(self):
+      self.f.close()
+
+  def open_metrics(path, mode="r", *args, **kwargs):
+    f = clean_open(path, mode, *args, **kwargs)
+    return HalfFull(f) if mode == "a" else f
+
+  monkeypatch.setattr(metrics_lib, "open", open_metrics, raising=False)
+  assert train_cli.main(flags) == 4
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith(
+      f"error: could not write the metrics of step 12 to {run_dir}/metrics.jsonl: No space "
+      "left on device"), err
+  lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+  assert lines[-1].startswith('{"step": 12') and not lines[-1].endswith("}")   # torn
+  monkeypatch.undo()
+
+  monkeypatch.syspath_prepend(run_helpers.REPO_ROOT)
+  assert train_cli.main(flags) == 0
+  out = capsys.readouterr().out
+  assert f"steps 10..{run_helpers.STEPS - 1}: loss" in out, out
+  records = read_jsonl(run_dir / "metrics.jsonl")   # every line whole, every step once
+  assert [r["step"] for r in records if "loss" in r] == list(range(run_helpers.STEPS))
+  assert step_losses(records) == reference_losses
+  assert checkpoint_steps(run_dir) == [20, 30]
+  with np.load(trace) as t:   # recorded from the first resume on, each step once
+    assert t["step"].tolist() == list(range(10, run_helpers.STEPS))
