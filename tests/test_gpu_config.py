@@ -34,6 +34,7 @@ from moejax.runtime import xla_flags
 from moejax.strategy.spec import from_config
 from moejax.train.optim import optimizer, schedule
 from moejax.train.programs import build_program
+from pallas_kernels import compat
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 GPU_GIN = str(REPO_ROOT / "configs" / "gpt_moe_gpu.gin")
@@ -52,7 +53,13 @@ def test_gpu_config_runs_the_ragged_path_with_pallas_kernels():
   cfg = parse_config([GPU_GIN], [])
   assert (cfg.moe.dispatch, cfg.moe.kernels) == ("ragged", "pallas")
   assert cfg.mesh.host_device_count == 1     # a GPU host fakes no CPU devices
-  assert ops_for(cfg.moe.kernels, "gpu").backend == "triton"
+  dtype = cfg.model.dtype
+  # The grouped matmul: Mosaic GPU on Hopper (bf16 model), Triton elsewhere; gin overrides.
+  assert ops_for(cfg.moe.kernels, "gpu", "9.0", dtype).backend == "mosaic_gpu"
+  assert ops_for(cfg.moe.kernels, "gpu", "8.9", dtype).backend == "triton"
+  assert ops_for(cfg.moe.kernels, "gpu", None, dtype).backend == "triton"
+  cfg = parse_config([GPU_GIN], ["moe.pallas_backend = 'triton'"])
+  assert ops_for(cfg.moe.kernels, "gpu", "9.0", dtype, cfg.moe.pallas_backend).backend == "triton"
 
 
 # --- XLA_FLAGS ------------------------------------------------------------------------------
@@ -137,7 +144,8 @@ def _cuda_lowering_error() -> str | None:
 def as_if_gpu(monkeypatch):
   """The MoE layer builds its GPU variant on the CPU test mesh."""
   monkeypatch.setattr(ragged, "check_platform", lambda platform: None)
-  monkeypatch.setattr(layer_lib, "ops_for", lambda kernels, platform: ops_for(kernels, "gpu"))
+  monkeypatch.setattr(layer_lib, "ops_for",
+                      lambda kernels, platform, *args: ops_for(kernels, "gpu", *args))
 
 
 def _collectives(module) -> list[tuple[str, str, str]]:
@@ -179,8 +187,9 @@ def test_gpu_config_train_step_lowers_for_cuda_with_ragged_all_to_all(as_if_gpu)
   prog = build_program(cfg, from_config(cfg, 8), tx, lr, jax.devices(), compile_now=False)
   batch = jax.ShapeDtypeStruct((cfg.data.global_batch_size, cfg.data.seq_len + 1), "int32",
                                sharding=prog.batch_sharding)
-  lowered = prog.train_step.trace(prog.abstract_state(tx), batch, prog.abstract_layout()).lower(
-      lowering_platforms=("cuda",))
+  with compat.cuda_target():
+    lowered = prog.train_step.trace(prog.abstract_state(tx), batch,
+                                    prog.abstract_layout()).lower(lowering_platforms=("cuda",))
   ops = _collectives(lowered.compiler_ir("stablehlo"))
   ids = prog.mesh.device_ids                                     # [data, expert, model]
   expert_groups = {frozenset(ids[i, :, m].tolist()) for i in range(ids.shape[0])
