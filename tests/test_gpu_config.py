@@ -24,6 +24,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import train
@@ -173,10 +174,16 @@ def _collectives(module) -> list[tuple[str, str, str]]:
   return found
 
 
-def _groups(attr: str) -> set[frozenset[int]]:
-  inner = re.search(r"dense<(\[\[.*?\]\])>", attr)
-  assert inner, attr
-  return {frozenset(g) for g in json.loads(inner.group(1))}
+def _groups(attr: str, mesh) -> set[frozenset[int]]:
+  """Device groups of a collective: a dense list (jax 0.10), or mesh axes (jax 0.11: the
+  devices that differ only along those axes)."""
+  if inner := re.search(r"dense<(\[\[.*?\]\])>", attr):
+    return {frozenset(g) for g in json.loads(inner.group(1))}
+  axes = re.findall(r'axis_ref<name = "(\w+)"', attr)
+  assert "replica_group_mesh_axes" in attr and axes, attr
+  ids = np.moveaxis(mesh.device_ids, [mesh.axis_names.index(a) for a in axes],
+                    range(-len(axes), 0))
+  return {frozenset(g.tolist()) for g in ids.reshape(-1, int(np.prod(ids.shape[-len(axes):])))}
 
 
 def test_gpu_config_train_step_lowers_for_cuda_with_ragged_all_to_all(as_if_gpu):
@@ -204,12 +211,12 @@ def test_gpu_config_train_step_lowers_for_cuda_with_ragged_all_to_all(as_if_gpu)
   moves = [o for o in ops if o[0] == "ragged_all_to_all"]
   assert len(moves) >= 4, ops
   for _, groups, types in moves:
-    assert _groups(groups) == expert_groups and f"x{d}xbf16>" in types, (groups, types)
+    assert _groups(groups, prog.mesh) == expert_groups and f"x{d}xbf16>" in types, (groups, types)
   # No fixed-capacity exchange: the only dense all_to_alls carry integer offsets.
   a2a = [t for name, _, t in ops if name == "stablehlo.all_to_all"]
   assert all(re.fullmatch(r"(tensor<\d+xi32> ?)+", t) for t in a2a), a2a
   # Gradient all-reduces: each expert weight over the data axis, the router over all devices.
-  reduces = [(_groups(g), t) for name, g, t in ops if name == "stablehlo.all_reduce"]
+  reduces = [(_groups(g, prog.mesh), t) for name, g, t in ops if name == "stablehlo.all_reduce"]
   weight_grads = [t for g, t in reduces if g == data_groups
                   and t in (f"tensor<{slots}x{d}x{f}xbf16>", f"tensor<{slots}x{f}x{d}xbf16>")]
   assert len(weight_grads) >= 3, reduces
