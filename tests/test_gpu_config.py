@@ -94,6 +94,17 @@ def test_default_xla_flags(env, platform, count, flags):
   assert xla_flags.default_xla_flags(env, platform, count) == flags
 
 
+@pytest.mark.parametrize("plugins,nodes,want", [
+    ([], set(), "cpu"),
+    (["xla_cuda12"], set(), "cpu"),                    # a plugin but no GPU: JAX would fail
+    (["xla_cuda12"], {"/dev/nvidiactl"}, "cpu,cuda"),  # CPU stays the default (8 devices)
+    (["xla_rocm7"], {"/dev/kfd"}, "cpu,rocm"),
+])
+def test_the_tests_add_the_gpu_platform_when_there_is_one(plugins, nodes, want):
+  from tests.conftest import default_platforms
+  assert default_platforms(plugins, nodes) == want
+
+
 def test_gpu_flags_turn_on_the_latency_hiding_scheduler():
   assert LHS in xla_flags.GPU_FLAGS
 
