@@ -15,6 +15,8 @@ class ConfigError(ValueError):
   """A user-facing configuration error: one line naming the value and the fix."""
 
 
+PALLAS_BACKENDS = ("auto", "interpret", "triton", "mosaic_gpu")   # pallas_kernels.backend's
+
 # Field annotation (a string: postponed annotations) -> accepted types.
 _FIELD_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,),
                 "str | None": (str, type(None))}
@@ -96,6 +98,9 @@ class MoEConfig:
   slots_per_device: int = 0       # fsep: expert slots per device C (0: min(E, 2 * ceil(E/N)))
   dispatch: str = "dense"         # "dense" (fixed capacity all_to_all) or "ragged" (dropless, GPU)
   kernels: str = "xla"            # "xla" or "pallas" (permute/combine/grouped-matmul kernels)
+  # pallas: "auto" (CPU: interpret; GPU: Triton, the grouped matmul on Mosaic GPU on Hopper
+  # in bf16/f16), or "triton" | "mosaic_gpu" | "interpret" (see pallas_kernels.backend)
+  pallas_backend: str = "auto"
   capacity: str = "slot"          # dense: "slot" (cap per (source, slot)) or "device" (pooled)
   exchange_chunks: int = 1        # dense: split each layer's dispatch into K independent pieces
   ragged_buffer_factor: float = 2.0   # ragged: receive rows = factor * T * K per device
@@ -126,6 +131,9 @@ class MoEConfig:
                         "'ragged' (dropless, GPU/TPU only).")
     if self.kernels not in ("xla", "pallas"):
       raise ConfigError(f"moe.kernels={self.kernels!r} is not supported; use 'xla' or 'pallas'.")
+    if self.pallas_backend not in PALLAS_BACKENDS:
+      raise ConfigError(f"moe.pallas_backend={self.pallas_backend!r} is not supported; use one "
+                        f"of {PALLAS_BACKENDS} ('auto' picks by platform and GPU).")
     if self.capacity not in ("slot", "device"):
       raise ConfigError(f"moe.capacity={self.capacity!r} is not supported; use 'slot' (per "
                         "(source, slot) buffers) or 'device' (pooled per (source, device)).")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tokenize
 
 import gin
 
@@ -45,7 +46,9 @@ def parse_config(gin_files: list[str], gin_bindings: list[str]) -> config_lib.Co
     gin.clear_config()
     gin.parse_config_files_and_bindings(gin_files, gin_bindings)
     parts = {name: cls() for name, cls in _GIN_CLASSES.items()}
-  except (ValueError, TypeError, SyntaxError) as e:   # gin's unknown name / bad value errors
+  # gin's unknown name / bad value errors; an unterminated string is a SyntaxError under
+  # Python 3.11's tokenizer and a tokenize.TokenError under 3.12's.
+  except (ValueError, TypeError, SyntaxError, tokenize.TokenError) as e:
     first = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
     raise config_lib.ConfigError(
         f"bad gin binding or file: {first}. Known configurables: {', '.join(CONFIGURABLES)}; "

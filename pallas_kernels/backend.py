@@ -2,21 +2,25 @@
 
 Backends (a kernel's tuning dataclass names one; resolved when the program is built):
 
-* ``"auto"``: ``"interpret"`` on CPU, ``"triton"`` on GPU (no TPU backend here).
+* ``"auto"``: ``"interpret"`` on CPU, ``"triton"`` on GPU (no TPU backend here); for the
+  grouped matmul (`resolve_gmm`), ``"mosaic_gpu"`` on a Hopper GPU (compute capability 9.x,
+  read from the device: H100, H200, H800, H20) when its operands are bf16/f16.
 * ``"interpret"``: ``pallas_call(interpret=True)``, runs anywhere (CPU tests and CI).
 * ``"triton"``: the Pallas Triton lowering, chosen by passing Triton ``CompilerParams``
   (since jax 0.10 a GPU ``pallas_call`` without them lowers to Mosaic GPU). The kernels of
   this package are written for it: row gathers by a vector of indices, masked loads and
   stores, ``tl.dot`` tiles. Deprecated in jax 0.11 but still present there.
-* ``"mosaic_gpu"``: Hopper (sm_90). Only the grouped matmul has this path: it delegates to
-  JAX's own Mosaic GPU ragged-dot kernels (``jax.experimental.pallas.ops.gpu``); the row
-  gathers keep the Triton lowering.
+* ``"mosaic_gpu"``: Hopper (sm_90). Only the grouped matmul's forward and dx have this path
+  (JAX's own Mosaic GPU ragged-dot kernel, ``jax.experimental.pallas.ops.gpu``); its dw and
+  the row gathers keep the Triton lowering (see gmm_mosaic.py).
 """
 
 from __future__ import annotations
 
 import jax
 from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import compat
 
 BACKENDS = ("auto", "interpret", "triton", "mosaic_gpu")
 GPU_BACKENDS = ("triton", "mosaic_gpu")
@@ -39,6 +43,23 @@ def resolve(backend: str, platform: str | None = None) -> str:
                    "(or backend='interpret').")
 
 
+def is_hopper(capability: str | None) -> bool:
+  return capability is not None and capability.split(".")[0] == "9"
+
+
+def resolve_gmm(backend: str, platform: str | None = None, capability: str | None = None,
+                dtype=None) -> str:
+  """The grouped matmul's backend: as `resolve`, except that 'auto' on a Hopper GPU with
+  bf16/f16 operands is 'mosaic_gpu'. `capability` defaults to the default device's."""
+  resolved = resolve(backend, platform)
+  if backend != "auto" or resolved != "triton":
+    return resolved
+  if capability is None and platform is None:
+    capability = compat.compute_capability(jax.devices()[0])
+  mosaic_dtype = dtype is not None and jax.numpy.dtype(dtype).name in ("bfloat16", "float16")
+  return "mosaic_gpu" if is_hopper(capability) and mosaic_dtype else "triton"
+
+
 def call_kwargs(backend: str, num_warps: int | None = None,
                 num_stages: int | None = None) -> dict:
   """Keyword arguments of `pl.pallas_call` for a resolved gather/matmul backend."""
@@ -50,41 +71,15 @@ def call_kwargs(backend: str, num_warps: int | None = None,
   raise ValueError(f"backend {backend!r} is not resolved; call resolve() first.")
 
 
-def out_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
-  """A pallas_call output type. Inside `jax.shard_map` (check_vma) it must name the mesh axes
-  it varies over: the union of its inputs'. jax 0.10 calls that `manual_axis_type`, earlier
-  releases `vma`; outside shard_map both are empty and ignored."""
-  avals = [jax.typeof(x) for x in inputs]
-  mats = [a.mat for a in avals if getattr(a, "mat", None) is not None]
-  if mats:
-    varying = frozenset().union(*(m.varying for m in mats))
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=type(mats[0])(varying=varying))
-  vmas = [a.vma for a in avals if getattr(a, "vma", None) is not None]
-  if vmas:
-    return jax.ShapeDtypeStruct(shape, dtype, vma=frozenset().union(*vmas))
-  return jax.ShapeDtypeStruct(shape, dtype)
-
-
-def _varying(x) -> frozenset:
-  aval = jax.typeof(x)
-  mat = getattr(aval, "mat", None)
-  return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+out_struct = compat.out_struct
 
 
 def match_varying(*xs):
   """Inside shard_map, cast the arrays to vary over the union of their mesh axes, so a
   custom_vjp's cotangents have its inputs' types (the cast's transpose sums the cotangent of
   a replicated input, e.g. expert weights, over the axes it was broadcast to)."""
-  sets = [_varying(x) for x in xs]
-  union = frozenset().union(*sets)
-  out = []
-  for x, v in zip(xs, sets):
-    missing = tuple(sorted(union - v))
-    if missing:
-      x = (jax.lax.pcast(x, missing, to="varying") if hasattr(jax.lax, "pcast")
-           else jax.lax.pvary(x, missing))
-    out.append(x)
-  return out
+  union = frozenset().union(*(compat.varying_axes(x) for x in xs))
+  return [compat.mark_varying(x, union) for x in xs]
 
 
 def pow2_tile(dim: int, want: int) -> int:
@@ -105,4 +100,13 @@ def check_dot_tile(name: str, dim: int, tile: int, backend: str) -> None:
   if backend != "interpret" and tile < MIN_DOT_TILE:
     raise ValueError(f"{name}={dim} has no power-of-two tile >= {MIN_DOT_TILE} for the Triton "
                      f"matmul; pad {name} to a multiple of {MIN_DOT_TILE} or use "
+                     "backend='interpret'.")
+
+
+def check_row_tile(name: str, block_m: int, backend: str) -> None:
+  """The matmul's row tile is a tl.dot dim too (interpret mode takes any power of two)."""
+  check_pow2(name, block_m)
+  if backend != "interpret" and block_m < MIN_DOT_TILE:
+    raise ValueError(f"{name}={block_m} is below {MIN_DOT_TILE}, the smallest Triton matmul "
+                     f"tile; use {name}={MIN_DOT_TILE} or more (64 on a GPU), or "
                      "backend='interpret'.")

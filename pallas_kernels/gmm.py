@@ -33,6 +33,23 @@ from pallas_kernels import backend as backend_lib
 
 @dataclasses.dataclass(frozen=True)
 class GmmTuning:
+  """Tiles of the grouped matmul (forward, dx, and dw's tgmm). block_m, and the K and N tiles
+  found from block_k / block_n, are tl.dot dims: >= 16 on Triton (checked), any power of two
+  when interpreted.
+
+  sm_90a, bf16, configs/gpt_moe_gpu.gin's up-projection forward ([32768, 768] x [4, 768, 1536]),
+  registers / spill bytes per thread from `python -m benchmarks.gpu_compile --sweep`:
+
+    block_m x block_k x block_n   warps   stages   regs / spill
+    64 x 64 x 64                  4       2         93 / 0        the default (fwd, dx, dw:
+                                                                  93, 80, 75 registers)
+    64 x 64 x 128                 8       2         79 / 0
+    128 x 64 x 64                 8       2         91 / 0
+    128 x 32 x 128                4       2        255 / 456      spills
+    128 x 32 x 128                8       2        163 / 0
+  No tiling's speed has been measured (no GPU); mosaic_gpu takes block_m/k/n as JAX's
+  ragged_dot tiles (I and O must be multiples of block_k and block_n * grid_block_n).
+  """
   block_m: int = 64         # rows per tile (power of two)
   block_k: int = 64         # contraction tile: largest power of two <= this dividing the dim
   block_n: int = 64         # output-column tile: likewise

@@ -36,11 +36,12 @@ def _check(x_MxI, w_GxIxO, group_sizes_G, tuning):
   if x_MxI.dtype != w_GxIxO.dtype:
     raise ValueError(f"gmm: x is {x_MxI.dtype} but w is {w_GxIxO.dtype}; cast both to the "
                      "compute dtype.")
-  backend_lib.check_pow2("GmmTuning.block_m", tuning.block_m)
+  backend_lib.check_row_tile("GmmTuning.block_m", tuning.block_m,
+                             backend_lib.resolve_gmm(tuning.backend, dtype=x_MxI.dtype))
 
 
 def _gmm(x, w, sizes, tuning, transpose_rhs):
-  backend = backend_lib.resolve(tuning.backend)
+  backend = backend_lib.resolve_gmm(tuning.backend, dtype=x.dtype)
   if backend == "mosaic_gpu":
     return gmm_mosaic.ragged_dot(x, w, sizes, tuning, transpose_rhs)
   return gmm_call(x, w, sizes, tuning, backend, transpose_rhs)
@@ -48,8 +49,8 @@ def _gmm(x, w, sizes, tuning, transpose_rhs):
 
 def _tgmm(x, dy, sizes, tuning, out_dtype):
   backend = backend_lib.resolve(tuning.backend)
-  if backend == "mosaic_gpu":
-    return gmm_mosaic.transposed_ragged_dot(x, dy, sizes, tuning).astype(out_dtype)
+  if backend == "mosaic_gpu":     # dw stays on Triton: see gmm_mosaic's docstring
+    backend = "triton"
   return tgmm_call(x, dy, sizes, tuning, backend, out_dtype)
 
 
@@ -69,7 +70,8 @@ def tgmm(x_MxI: jax.Array, dy_MxO: jax.Array, group_sizes_G: jax.Array,
   if group_sizes_G.ndim != 1 or not jnp.issubdtype(group_sizes_G.dtype, jnp.integer):
     raise ValueError(f"tgmm: group_sizes is {group_sizes_G.dtype}{list(group_sizes_G.shape)}; "
                      "it must be integer [G].")
-  backend_lib.check_pow2("GmmTuning.block_m", tuning.block_m)
+  backend_lib.check_row_tile("GmmTuning.block_m", tuning.block_m,
+                             backend_lib.resolve(tuning.backend))
   return _tgmm(x_MxI, dy_MxO, group_sizes_G.astype(jnp.int32), tuning,
                jnp.dtype(out_dtype or x_MxI.dtype))
 

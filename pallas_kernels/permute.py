@@ -22,9 +22,20 @@ from pallas_kernels.gather import gather_sum
 
 @dataclasses.dataclass(frozen=True)
 class PermuteTuning:
+  """Tiles of both gathers (forward: 1 index column; backward: K columns, K tiles in flight).
+
+  sm_90a, bf16, configs/gpt_moe_gpu.gin's shapes (T = 8192, D = 768), registers / spill bytes
+  per thread from `python -m benchmarks.gpu_compile` (benchmarks/results/gpu_compile_sm90a.json):
+
+    block_rows x block_d  warps   backward top_k 8    note
+    64 x 256              4       255 / 2984         spills: the old default
+    64 x 256              8       155 / 0            the default: same tile, twice the threads
+    64 x 128              4       113 / 0
+    32 x 256              4       113 / 0
+  """
   block_rows: int = 64      # output rows per program (power of two)
   block_d: int = 256        # feature tile; the largest power of two <= this dividing D
-  num_warps: int = 4
+  num_warps: int = 8
   backend: str = "auto"     # see pallas_kernels.backend
 
 

@@ -22,9 +22,25 @@ from pallas_kernels.gather import gather_dot, gather_sum
 
 @dataclasses.dataclass(frozen=True)
 class CombineTuning:
+  """Tiles of the combine (K gated rows per token) and of its backward gathers; the gate
+  gradient's gather-dot keeps K accumulators and K source tiles live, so it steps through D
+  by its own, smaller `dot_block_d`.
+
+  sm_90a, bf16, configs/gpt_moe_gpu.gin's shapes (T = 8192, D = 768), top_k 8, registers /
+  spill bytes per thread from `python -m benchmarks.gpu_compile`:
+
+    block_rows x block_d  warps   combine fwd    gather-dot (d gate)
+    64 x 256              4       255 / 2624     255 / 2520            the old default
+    64 x 256              8       194 / 0        255 / 168
+    64 x 128              8       115 / 0        127 / 0               gather-dot's default
+    64 x 64               8        62 / 0         80 / 24
+    32 x 128              8        63 / 0         80 / 0
+  Default: 64 x 256 for the combine, 64 x 128 for the gather-dot, 8 warps.
+  """
   block_rows: int = 64      # tokens per program (power of two)
   block_d: int = 256        # feature tile; the largest power of two <= this dividing D
-  num_warps: int = 4
+  dot_block_d: int = 128    # the gate gradient's step through D (at most block_d)
+  num_warps: int = 8
   backend: str = "auto"     # see pallas_kernels.backend
 
 
@@ -85,7 +101,8 @@ def _combine_bwd(tuning, out_dtype, res, dy_TxD):
   w_U = jnp.where(used, gate_TxK.reshape(-1)[jnp.maximum(choice_U, 0)], 0.0)
   kw = _kw(tuning, rows_UxD.shape[1])
   d_rows = gather_sum(dy_TxD, token_U[:, None], w_U[:, None], out_dtype=rows_UxD.dtype, **kw)
-  d_gate = gather_dot(dy_TxD, rows_UxD, row_TxK, **kw)
+  d_gate = gather_dot(dy_TxD, rows_UxD, row_TxK, **dict(kw, block_d=backend_lib.pow2_tile(
+      rows_UxD.shape[1], min(tuning.block_d, tuning.dot_block_d))))
   return d_rows, None, d_gate.astype(gate_TxK.dtype)
 
 

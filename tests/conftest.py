@@ -1,10 +1,27 @@
-"""Test set-up: 8 fake CPU devices, set before jax is imported anywhere."""
+"""Test set-up: 8 fake CPU devices, set before jax is imported anywhere; on a GPU host the
+GPU too, so its compiled-kernel tests run without being asked for."""
 
 import os
 
+from moejax.runtime import xla_flags  # stdlib only: safe before jax starts
+
+
+def default_platforms(plugins, device_nodes) -> str:
+  """JAX_PLATFORMS when the user set none: CPU first (the default device, the 8 fake devices
+  every test expects), then the GPU platform where its plugin is installed and its driver's
+  device node exists (a plugin without a GPU would make JAX fail at start-up)."""
+  for tag, node in (("cuda", "/dev/nvidiactl"), ("rocm", "/dev/kfd")):
+    if any(tag in name.lower() for name in plugins) and node in device_nodes:
+      return f"cpu,{tag}"
+  return "cpu"
+
+
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "JAX_PLATFORMS" not in os.environ:
+  os.environ["JAX_PLATFORMS"] = default_platforms(
+      xla_flags.installed_jax_plugins(),
+      {n for n in ("/dev/nvidiactl", "/dev/kfd") if os.path.exists(n)})
 
 import jax  # noqa: F401  (imported after XLA_FLAGS on purpose)
 import pytest

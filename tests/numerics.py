@@ -14,6 +14,7 @@ import numpy as np
 
 EPS_F32 = float(np.finfo(np.float32).eps)   # 2^-23
 EPS_TF32 = 2.0 ** -10                       # f32 dots on GPU (Triton, XLA) round inputs to TF32
+EPS_BF16 = 2.0 ** -7                        # bf16 values (f32 accumulation, rounded on output)
 SLACK = 4                                   # margin over the estimate: other CPUs, other orders
 
 

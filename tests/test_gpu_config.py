@@ -24,6 +24,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import train
@@ -34,6 +35,7 @@ from moejax.runtime import xla_flags
 from moejax.strategy.spec import from_config
 from moejax.train.optim import optimizer, schedule
 from moejax.train.programs import build_program
+from pallas_kernels import compat
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 GPU_GIN = str(REPO_ROOT / "configs" / "gpt_moe_gpu.gin")
@@ -52,7 +54,13 @@ def test_gpu_config_runs_the_ragged_path_with_pallas_kernels():
   cfg = parse_config([GPU_GIN], [])
   assert (cfg.moe.dispatch, cfg.moe.kernels) == ("ragged", "pallas")
   assert cfg.mesh.host_device_count == 1     # a GPU host fakes no CPU devices
-  assert ops_for(cfg.moe.kernels, "gpu").backend == "triton"
+  dtype = cfg.model.dtype
+  # The grouped matmul: Mosaic GPU on Hopper (bf16 model), Triton elsewhere; gin overrides.
+  assert ops_for(cfg.moe.kernels, "gpu", "9.0", dtype).backend == "mosaic_gpu"
+  assert ops_for(cfg.moe.kernels, "gpu", "8.9", dtype).backend == "triton"
+  assert ops_for(cfg.moe.kernels, "gpu", None, dtype).backend == "triton"
+  cfg = parse_config([GPU_GIN], ["moe.pallas_backend = 'triton'"])
+  assert ops_for(cfg.moe.kernels, "gpu", "9.0", dtype, cfg.moe.pallas_backend).backend == "triton"
 
 
 # --- XLA_FLAGS ------------------------------------------------------------------------------
@@ -84,6 +92,17 @@ def test_platform_before_init(env, plugins, platform):
 ])
 def test_default_xla_flags(env, platform, count, flags):
   assert xla_flags.default_xla_flags(env, platform, count) == flags
+
+
+@pytest.mark.parametrize("plugins,nodes,want", [
+    ([], set(), "cpu"),
+    (["xla_cuda12"], set(), "cpu"),                    # a plugin but no GPU: JAX would fail
+    (["xla_cuda12"], {"/dev/nvidiactl"}, "cpu,cuda"),  # CPU stays the default (8 devices)
+    (["xla_rocm7"], {"/dev/kfd"}, "cpu,rocm"),
+])
+def test_the_tests_add_the_gpu_platform_when_there_is_one(plugins, nodes, want):
+  from tests.conftest import default_platforms
+  assert default_platforms(plugins, nodes) == want
 
 
 def test_gpu_flags_turn_on_the_latency_hiding_scheduler():
@@ -137,7 +156,8 @@ def _cuda_lowering_error() -> str | None:
 def as_if_gpu(monkeypatch):
   """The MoE layer builds its GPU variant on the CPU test mesh."""
   monkeypatch.setattr(ragged, "check_platform", lambda platform: None)
-  monkeypatch.setattr(layer_lib, "ops_for", lambda kernels, platform: ops_for(kernels, "gpu"))
+  monkeypatch.setattr(layer_lib, "ops_for",
+                      lambda kernels, platform, *args: ops_for(kernels, "gpu", *args))
 
 
 def _collectives(module) -> list[tuple[str, str, str]]:
@@ -165,10 +185,16 @@ def _collectives(module) -> list[tuple[str, str, str]]:
   return found
 
 
-def _groups(attr: str) -> set[frozenset[int]]:
-  inner = re.search(r"dense<(\[\[.*?\]\])>", attr)
-  assert inner, attr
-  return {frozenset(g) for g in json.loads(inner.group(1))}
+def _groups(attr: str, mesh) -> set[frozenset[int]]:
+  """Device groups of a collective: a dense list (jax 0.10), or mesh axes (jax 0.11: the
+  devices that differ only along those axes)."""
+  if inner := re.search(r"dense<(\[\[.*?\]\])>", attr):
+    return {frozenset(g) for g in json.loads(inner.group(1))}
+  axes = re.findall(r'axis_ref<name = "(\w+)"', attr)
+  assert "replica_group_mesh_axes" in attr and axes, attr
+  ids = np.moveaxis(mesh.device_ids, [mesh.axis_names.index(a) for a in axes],
+                    range(-len(axes), 0))
+  return {frozenset(g.tolist()) for g in ids.reshape(-1, int(np.prod(ids.shape[-len(axes):])))}
 
 
 def test_gpu_config_train_step_lowers_for_cuda_with_ragged_all_to_all(as_if_gpu):
@@ -179,8 +205,9 @@ def test_gpu_config_train_step_lowers_for_cuda_with_ragged_all_to_all(as_if_gpu)
   prog = build_program(cfg, from_config(cfg, 8), tx, lr, jax.devices(), compile_now=False)
   batch = jax.ShapeDtypeStruct((cfg.data.global_batch_size, cfg.data.seq_len + 1), "int32",
                                sharding=prog.batch_sharding)
-  lowered = prog.train_step.trace(prog.abstract_state(tx), batch, prog.abstract_layout()).lower(
-      lowering_platforms=("cuda",))
+  with compat.cuda_target():
+    lowered = prog.train_step.trace(prog.abstract_state(tx), batch,
+                                    prog.abstract_layout()).lower(lowering_platforms=("cuda",))
   ops = _collectives(lowered.compiler_ir("stablehlo"))
   ids = prog.mesh.device_ids                                     # [data, expert, model]
   expert_groups = {frozenset(ids[i, :, m].tolist()) for i in range(ids.shape[0])
@@ -195,12 +222,12 @@ def test_gpu_config_train_step_lowers_for_cuda_with_ragged_all_to_all(as_if_gpu)
   moves = [o for o in ops if o[0] == "ragged_all_to_all"]
   assert len(moves) >= 4, ops
   for _, groups, types in moves:
-    assert _groups(groups) == expert_groups and f"x{d}xbf16>" in types, (groups, types)
+    assert _groups(groups, prog.mesh) == expert_groups and f"x{d}xbf16>" in types, (groups, types)
   # No fixed-capacity exchange: the only dense all_to_alls carry integer offsets.
   a2a = [t for name, _, t in ops if name == "stablehlo.all_to_all"]
   assert all(re.fullmatch(r"(tensor<\d+xi32> ?)+", t) for t in a2a), a2a
   # Gradient all-reduces: each expert weight over the data axis, the router over all devices.
-  reduces = [(_groups(g), t) for name, g, t in ops if name == "stablehlo.all_reduce"]
+  reduces = [(_groups(g, prog.mesh), t) for name, g, t in ops if name == "stablehlo.all_reduce"]
   weight_grads = [t for g, t in reduces if g == data_groups
                   and t in (f"tensor<{slots}x{d}x{f}xbf16>", f"tensor<{slots}x{f}x{d}xbf16>")]
   assert len(weight_grads) >= 3, reduces

@@ -26,6 +26,7 @@ from moejax.layout.tables import static_layout
 from moejax.model.mesh import mesh_of_shape
 from moejax.model.moe import ragged
 from moejax.model.moe.ops import ops_for
+from pallas_kernels import compat
 from tests.helpers import TINY_MOE, tiny_setup
 from tests.moe_helpers import (
   D,
@@ -111,7 +112,8 @@ def test_ragged_on_cpu_fails_at_build_time_with_one_line():
   assert "\n" not in msg and "XLA:CPU" in msg and "moe.dispatch = 'dense'" in msg, msg
 
 
-@pytest.mark.parametrize("field,value", [("kernels", "triton"), ("dispatch", "sparse")])
+@pytest.mark.parametrize("field,value", [("kernels", "triton"), ("dispatch", "sparse"),
+                                         ("pallas_backend", "cuda")])
 def test_unknown_option_is_a_one_line_config_error(field, value):
   with pytest.raises(ConfigError, match=f"moe.{field}={value!r}") as e:
     dataclasses.replace(TINY_MOE, **{field: value}).validate()
@@ -140,11 +142,12 @@ def test_ragged_path_lowers_for_cuda():
                      out_specs=(P("expert"),) * 2 + (w_spec,) * 2 + (P("expert", "model", None),))
   s = jax.ShapeDtypeStruct
   bf16 = jnp.bfloat16
-  exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
-      jax.export.DisabledSafetyCheck.custom_call(n) for n in ("__gpu$xla.gpu.triton",
-                                                            "ragged_all_to_all")])(
-          s((4 * t, d), bf16), s((4 * t * 2,), jnp.int32), s((4 * t, 2), jnp.float32),
-          s((8, d, f), bf16), s((8, d, f), bf16), s((8, f, d), bf16))
+  with compat.cuda_target():
+    exported = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call(n) for n in ("__gpu$xla.gpu.triton",
+                                                              "ragged_all_to_all")])(
+            s((4 * t, d), bf16), s((4 * t * 2,), jnp.int32), s((4 * t, 2), jnp.float32),
+            s((8, d, f), bf16), s((8, d, f), bf16), s((8, f, d), bf16))
   mlir = exported.mlir_module()
   assert mlir.count("ragged_all_to_all") >= 4      # 2 forward + their 2 transposes
   # The forward exchange's receive buffer is the bounded one: 2 x the 64 choices per device.

@@ -1,15 +1,17 @@
 """Each Pallas kernel equals its plain-jnp reference, outputs and gradients.
 
 `interpret` runs everywhere (CI: 8 fake CPU devices). `gpu` runs the same cases compiled with
-the Triton backend on a GPU and skips without one; on a GPU host run
-`JAX_PLATFORMS=cpu,cuda pytest tests/test_pallas_kernels.py` (cpu first keeps the 8 fake CPU
-devices the suite expects as the default, cuda adds the GPU). The `lowers_for_cuda` tests
-run on CPU: they lower the kernels (forward and backward, inside shard_map with its
-varying-axes check on) to Triton / Mosaic GPU IR for CUDA, which catches unsupported ops and
-shapes but compiles and runs nothing.
+the Triton backend on a GPU and skips without one (tests/conftest.py adds the GPU platform
+whenever a CUDA or ROCm plugin and its device node are present). Every kernel is also checked
+in bf16 against its float32 reference. The `lower_for_cuda` tests run on CPU: they lower the
+kernels (forward and backward, inside shard_map with its varying-axes check on) to Triton /
+Mosaic GPU IR for CUDA, which catches unsupported ops and shapes but compiles and runs
+nothing; `python -m benchmarks.gpu_compile` compiles that IR for sm_90a.
 """
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +19,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels import backend as backend_lib
+from pallas_kernels import backend as backend_lib, compat
 from pallas_kernels.grouped_matmul import GmmTuning, gmm, gmm_reference, tgmm, tgmm_reference
 from pallas_kernels.permute import PermuteTuning, invert, permute, permute_reference
 from pallas_kernels.unpermute import (
@@ -26,7 +28,7 @@ from pallas_kernels.unpermute import (
   unpermute_combine_reference,
 )
 from tests import numerics
-from tests.numerics import EPS_F32, EPS_TF32
+from tests.numerics import EPS_BF16, EPS_F32, EPS_TF32
 
 
 def _gpu():
@@ -44,15 +46,21 @@ def backend(request):
     return
   gpu = _gpu()
   if gpu is None:
-    pytest.skip("no GPU: compiled kernel tests need one (JAX_PLATFORMS=cpu,cuda on a GPU host)")
+    pytest.skip("no GPU visible to JAX: compiled kernel tests need one")
   with jax.default_device(gpu):
     yield "triton"
 
 
-def assert_close(got, want, backend, n, msg=""):
+def assert_close(got, want, backend, n, msg="", eps=None):
   """Scaled to max|want| and the float32 reduction length `n` (tests/numerics.py); Triton's
   f32 dots use TF32 by default, as XLA's GPU matmuls do."""
-  numerics.assert_close(got, want, n, EPS_F32 if backend == "interpret" else EPS_TF32, msg)
+  eps = eps or (EPS_F32 if backend == "interpret" else EPS_TF32)
+  numerics.assert_close(got, want, n, eps, msg)
+
+
+def gpu_block(block, backend):
+  """Matmul row tiles below 16 are interpret-only (Triton's tl.dot needs >= 16)."""
+  return block if backend == "interpret" else max(block, backend_lib.MIN_DOT_TILE)
 
 
 def objective(y):
@@ -67,10 +75,10 @@ def value_and_grads(fn, *args):
   return jax.jit(both)(*args)
 
 
-def assert_trees_close(got, want, backend, names, lengths):
+def assert_trees_close(got, want, backend, names, lengths, eps=None):
   """`lengths`: each output's float32 reduction length, summed along its path from the inputs."""
   for g, w, name, n in zip(got, want, names, lengths, strict=True):
-    assert_close(g, w, backend, n, name)
+    assert_close(g, w, backend, n, name, eps)
 
 
 # --- permute ------------------------------------------------------------------------------------
@@ -142,13 +150,70 @@ def test_gmm_matches_reference(m, i, o, sizes, block, backend):
   w = jnp.asarray(rng.standard_normal((len(sizes), i, o)), jnp.float32)
   dy = jnp.asarray(rng.standard_normal((m, o)), jnp.float32)
   sizes = jnp.asarray(sizes, jnp.int32)
-  tuning = GmmTuning(block_m=block, block_k=16, block_n=16, backend=backend)
+  tuning = GmmTuning(block_m=gpu_block(block, backend), block_k=16, block_n=16, backend=backend)
   got = value_and_grads(lambda x, w: gmm(x, w, sizes, tuning), x, w)
   want = value_and_grads(lambda x, w: gmm_reference(x, w, sizes), x, w)
   # out: a dot over I; dx: then one over O; dw: then a sum over a group's rows (<= M).
   assert_trees_close(got, want, backend, ["out", "dx", "dw"], [i, i + o, i + m])
   assert_close(jax.jit(lambda x, dy: tgmm(x, dy, sizes, tuning))(x, dy),
                tgmm_reference(x, dy, sizes), backend, m, "tgmm")
+
+
+# --- bf16 against the float32 reference ----------------------------------------------------------
+
+def _bf16(rng, shape, scale=1.0):
+  """bf16 inputs and the same values in float32, for the reference."""
+  x = jnp.asarray(rng.standard_normal(shape) * scale, jnp.bfloat16)
+  return x, x.astype(jnp.float32)
+
+
+def test_permute_bf16(backend):
+  rng = np.random.default_rng(1)
+  t, d, k = 11, 16, 3
+  token_U = jnp.asarray(rng.permutation(np.repeat(np.arange(t), k)), jnp.int32)
+  rows_TxK = invert(token_U, t, k)
+  x, x32 = _bf16(rng, (t, d))
+  tuning = PermuteTuning(block_rows=8, block_d=16, backend=backend)
+  got = value_and_grads(lambda x: permute(x, token_U, rows_TxK, tuning), x)
+  want = value_and_grads(lambda x: permute_reference(x, token_U), x32)
+  assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.bfloat16
+  assert_trees_close(got, want, backend, ["out", "dx"], [1, k], EPS_BF16)
+
+
+def test_unpermute_combine_bf16(backend):
+  rng = np.random.default_rng(2)
+  t, k, r, d = 13, 2, 40, 16
+  row_TxK = jnp.asarray(rng.permutation(r)[:t * k].reshape(t, k), jnp.int32)
+  rows, rows32 = _bf16(rng, (r, d))
+  gate = jnp.asarray(rng.random((t, k)), jnp.float32)
+  tuning = CombineTuning(block_rows=8, block_d=16, backend=backend)
+  got = value_and_grads(
+      lambda a, g: unpermute_combine(a, row_TxK, g, tuning, jnp.bfloat16), rows, gate)
+  want = value_and_grads(lambda a, g: unpermute_combine_reference(a, row_TxK, g), rows32, gate)
+  assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.bfloat16
+  assert_trees_close(got, want, backend, ["out", "d rows", "d gate"], [k, k, k + d], EPS_BF16)
+
+
+def _hopper_gpu() -> bool:
+  return backend_lib.is_hopper(compat.compute_capability(_gpu()))
+
+
+@pytest.mark.parametrize("gmm_backend", ["same", "mosaic_gpu"])
+def test_gmm_bf16(backend, gmm_backend):
+  """bf16 operands (I, O multiples of 64, as Mosaic GPU needs); 'mosaic_gpu' runs on a
+  Hopper GPU only."""
+  if gmm_backend == "mosaic_gpu" and not (backend == "triton" and _hopper_gpu()):
+    pytest.skip("Mosaic GPU kernels run on a Hopper GPU only")
+  rng = np.random.default_rng(3)
+  m, i, o, sizes = 37, 64, 64, jnp.asarray([5, 0, 13, 9], jnp.int32)
+  x, x32 = _bf16(rng, (m, i), 1 / np.sqrt(i))
+  w, w32 = _bf16(rng, (len(sizes), i, o))
+  tuning = GmmTuning(block_m=gpu_block(8, backend), block_k=64, block_n=64,
+                     backend=backend if gmm_backend == "same" else gmm_backend)
+  got = value_and_grads(lambda x, w: gmm(x, w, sizes, tuning), x, w)
+  want = value_and_grads(lambda x, w: gmm_reference(x, w, sizes), x32, w32)
+  assert all(g.dtype == jnp.bfloat16 for g in got)
+  assert_trees_close(got, want, backend, ["out", "dx", "dw"], [i, i + o, i + m], EPS_BF16)
 
 
 # --- errors -------------------------------------------------------------------------------------
@@ -169,6 +234,12 @@ def test_gmm_matches_reference(m, i, o, sizes, block, backend):
                  GmmTuning(block_m=24)), "power of two"),
     (lambda: gmm(jnp.ones((4, 8)), jnp.ones((2, 8, 4)), jnp.ones((2,), jnp.int32),
                  GmmTuning(backend="cuda")), "unknown"),
+    (lambda: gmm(jnp.ones((4, 16)), jnp.ones((2, 16, 16)), jnp.ones((2,), jnp.int32),
+                 GmmTuning(block_m=8, backend="triton")), "GmmTuning.block_m=8 is below 16"),
+    (lambda: tgmm(jnp.ones((4, 16)), jnp.ones((4, 16)), jnp.ones((2,), jnp.int32),
+                  GmmTuning(block_m=8, backend="mosaic_gpu")), "GmmTuning.block_m=8 is below"),
+    (lambda: gmm(jnp.ones((4, 16)), jnp.ones((2, 16, 16)), jnp.ones((2,), jnp.int32),
+                 GmmTuning(backend="mosaic_gpu")), "bf16/f16"),
 ])
 def test_bad_inputs_give_one_line_errors(call, needle):
   with pytest.raises(ValueError) as e:
@@ -185,23 +256,71 @@ def test_auto_backend_is_interpret_on_cpu_and_triton_on_gpu():
   assert backend_lib.pow2_tile(768, 256) == 256 and backend_lib.pow2_tile(24, 256) == 8
 
 
+@pytest.mark.parametrize("requested,platform,capability,dtype,want", [
+    ("auto", "gpu", "9.0", jnp.bfloat16, "mosaic_gpu"),     # Hopper, bf16: Mosaic GPU
+    ("auto", "gpu", "9.0", jnp.float16, "mosaic_gpu"),
+    ("auto", "gpu", "9.0", jnp.float32, "triton"),          # Mosaic's kernel is bf16/f16 only
+    ("auto", "gpu", "8.9", jnp.bfloat16, "triton"),         # L40S, L4: not Hopper
+    ("auto", "gpu", "10.0", jnp.bfloat16, "triton"),        # Blackwell: not this kernel's
+    ("auto", "gpu", None, jnp.bfloat16, "triton"),          # unknown GPU
+    ("auto", "cpu", None, jnp.bfloat16, "interpret"),
+    ("triton", "gpu", "9.0", jnp.bfloat16, "triton"),       # an explicit choice stays
+    ("mosaic_gpu", "gpu", "8.0", jnp.bfloat16, "mosaic_gpu"),
+])
+def test_auto_gmm_backend_is_mosaic_gpu_on_hopper(requested, platform, capability, dtype, want):
+  assert backend_lib.resolve_gmm(requested, platform, capability, dtype) == want
+
+
+class _FakeGpu:
+  platform = "gpu"
+
+  def __init__(self, kind, capability=None):
+    self.device_kind, self.compute_capability = kind, capability
+
+
+@pytest.mark.parametrize("kind,capability,sms", [
+    ("NVIDIA H800", "9.0", 132), ("NVIDIA H20", "9.0", 78), ("NVIDIA L40S", "8.9", 142),
+    ("NVIDIA H100 PCIe", "9.0", 114), ("NVIDIA H100 80GB HBM3", "9.0", 132),
+])
+def test_gpus_jax_does_not_list_are_known_by_kind(kind, capability, sms):
+  assert compat.compute_capability(_FakeGpu(kind)) == capability
+  assert compat.num_sms(_FakeGpu(kind)) == sms
+  # A device's own compute capability wins over the table; a CPU has none.
+  assert compat.compute_capability(_FakeGpu(kind, "8.6")) == "8.6"
+  assert compat.compute_capability(jax.devices("cpu")[0]) is None
+
+
 # --- lowering for CUDA on a CPU host ------------------------------------------------------------
 
 _CUDA_CALLS = [jax.export.DisabledSafetyCheck.custom_call(n)
                for n in ("__gpu$xla.gpu.triton", "mosaic_gpu", "mosaic_gpu_v2")]
 
 
-def lower_for_cuda(fn, *args) -> str:
-  return jax.export.export(jax.jit(fn), platforms=["cuda"],
-                           disabled_checks=_CUDA_CALLS)(*args).mlir_module()
+def lower_for_cuda(fn, *args, target=compat.DEFAULT_TARGET) -> str:
+  with compat.cuda_target(target):
+    return jax.export.export(jax.jit(fn), platforms=["cuda"],
+                             disabled_checks=_CUDA_CALLS)(*args).mlir_module()
 
 
-def test_kernels_fwd_and_bwd_lower_to_triton_inside_shard_map():
-  """All kernels, forward and backward, inside shard_map (varying-axes check on), bf16."""
+def custom_calls(mlir: str, prefix: str) -> int:
+  return len(re.findall(rf"custom_call @{re.escape(prefix)}\w*\(", mlir))
+
+
+# Triton calls / Mosaic GPU calls per gmm backend. fwd: permute, 2 gmm, combine; bwd: combine
+# (2), 2 x (gmm dx + tgmm dw), permute. Mosaic GPU runs each gmm and dx, Triton the rest.
+LOWERED_CALLS = {"triton": (11, 0), "mosaic_gpu": (7, 4)}
+
+
+@pytest.mark.parametrize("gmm_backend", sorted(LOWERED_CALLS))
+def test_kernels_fwd_and_bwd_lower_for_cuda_inside_shard_map(gmm_backend):
+  """All kernels, forward and backward, inside shard_map (varying-axes check on), bf16, with
+  the grouped matmul on Triton or Mosaic GPU. The expert weights are replicated over the mesh
+  axis and the tokens are not, so every backward output must come back typed as varying like
+  its input (Mosaic GPU's dx and dw included)."""
   mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
   bf16, i32 = jnp.bfloat16, jnp.int32
   pt, ct = PermuteTuning(backend="triton"), CombineTuning(backend="triton")
-  gt = GmmTuning(backend="triton")
+  gt = GmmTuning(backend=gmm_backend)
 
   def local(x_TxD, w_GxDxF, token_U, rows_TxK, gate_TxK, sizes_G):
     def loss(x, w, gate):
@@ -217,18 +336,28 @@ def test_kernels_fwd_and_bwd_lower_to_triton_inside_shard_map():
   s = jax.ShapeDtypeStruct
   mlir = lower_for_cuda(fn, s((8 * 96, 256), bf16), s((4, 256, 512), bf16), s((8 * 192,), i32),
                         s((8 * 96, 2), i32), s((8 * 96, 2), jnp.float32), s((4,), i32))
-  # fwd: permute, 2 gmm, combine; bwd: combine (2), 2 x (gmm + tgmm), permute.
-  assert mlir.count("xla.gpu.triton") == 11
+  triton, mosaic = LOWERED_CALLS[gmm_backend]
+  assert (custom_calls(mlir, "__gpu$xla.gpu.triton"), custom_calls(mlir, "mosaic_gpu")) == (
+      triton, mosaic)
 
 
-def test_gmm_mosaic_gpu_path_lowers_for_cuda():
-  """backend='mosaic_gpu' (JAX's Hopper ragged-dot kernels) lowers for the forward and dx.
-  Its dw kernel reads the GPU's SM count when traced, so it cannot be lowered on CPU."""
-  from pallas_kernels.gmm_mosaic import ragged_dot
-  tuning = GmmTuning(block_m=64, block_k=64, block_n=64, backend="mosaic_gpu")
-  s = jax.ShapeDtypeStruct
-  for transpose in (False, True):
-    mlir = lower_for_cuda(lambda x, w, g, t=transpose: ragged_dot(x, w, g, tuning, t),
-                          s((512, 256), jnp.bfloat16), s((4, 256, 256), jnp.bfloat16),
-                          s((4,), jnp.int32))
-    assert "mosaic_gpu" in mlir
+def test_cuda_target_is_what_lets_jax_0_11_lower_triton_without_a_gpu():
+  """jax 0.11 asks its GPU table for the device it lowers for; on this CPU host only
+  `compat.cuda_target` answers it (H800 / H20 / L40S by their architecture's kind). jax 0.10
+  always assumes compute capability 9.0 there and refuses any other target."""
+  x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+  token_U = jax.ShapeDtypeStruct((96,), jnp.int32)
+  rows_TxK = jax.ShapeDtypeStruct((64, 2), jnp.int32)
+  fn = lambda x, t, r: permute(x, t, r, PermuteTuning(backend="triton"))
+  if compat.JAX_VERSION < (0, 11):
+    assert custom_calls(lower_for_cuda(fn, x, token_U, rows_TxK, target="NVIDIA H800"),
+                        "__gpu$xla.gpu.triton") == 1
+    with pytest.raises(ValueError, match="compute capability 9.0 only"):
+      lower_for_cuda(fn, x, token_U, rows_TxK, target="NVIDIA L40S")
+    return
+  for target in ("NVIDIA H800", "NVIDIA H20", "NVIDIA L40S"):
+    mlir = lower_for_cuda(fn, x, token_U, rows_TxK, target=target)
+    assert custom_calls(mlir, "__gpu$xla.gpu.triton") == 1, target
+  with pytest.raises(RuntimeError, match="No supported GPU devices found"):
+    jax.export.export(jax.jit(lambda x, t, r: fn(x + 1, t, r)), platforms=["cuda"],
+                      disabled_checks=_CUDA_CALLS)(x, token_U, rows_TxK)

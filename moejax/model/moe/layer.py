@@ -45,6 +45,7 @@ from moejax.model.moe.experts import grouped_ffn, swiglu
 from moejax.model.moe.ops import ops_for
 from moejax.model.moe.replicas import local_replicas, split_slots
 from moejax.model.moe.route import route
+from pallas_kernels import compat
 
 EXPERT_PARAM_AXES = {
     "w_gate": ("expert", "embed", "expert_mlp"),
@@ -152,7 +153,8 @@ def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
   platform = mesh.devices.flat[0].platform
   if cfg.dispatch == "ragged":
     ragged.check_platform(platform)
-  ops = ops_for(cfg.kernels, platform)
+  ops = ops_for(cfg.kernels, platform, compat.compute_capability(mesh.devices.flat[0]), dtype,
+                cfg.pallas_backend)
   pipeline = dispatch_combine_fn(cfg)
   # Pallas's interpreter (jax 0.10) fails shard_map's varying-axes check inside its kernels
   # ("Primitive pad requires varying manual axes to match"), so interpreted kernels run with

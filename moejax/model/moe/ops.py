@@ -1,7 +1,9 @@
 """The row-movement and grouped-matmul ops of the MoE layer, chosen when the program is built.
 
 `moe.kernels = "xla"`: XLA gathers and `jax.lax.ragged_dot`; `"pallas"`: the kernels of
-`pallas_kernels`, lowered for the mesh's platform (interpret mode on CPU, Triton on GPU; see
+`pallas_kernels`, lowered for the mesh's platform by `moe.pallas_backend` ('auto': interpret
+mode on CPU; on GPU Triton, except the grouped matmul on a Hopper GPU (compute capability 9.x
+read from the mesh's first device) in bf16/f16, which runs JAX's Mosaic GPU ragged dot; see
 pallas_kernels.backend). Both sets have the same contracts, so the layer calls `ops.permute`
 etc. without branching:
 
@@ -22,7 +24,7 @@ import jax
 from moejax.config import ConfigError
 from moejax.model.moe.combine import combine_rows
 from moejax.model.moe.dispatch import gather_rows
-from pallas_kernels import backend as pallas_backend
+from pallas_kernels import backend as backend_lib
 from pallas_kernels.gmm import GmmTuning
 from pallas_kernels.grouped_matmul import gmm as pallas_gmm
 from pallas_kernels.permute import PermuteTuning, permute as pallas_permute
@@ -31,22 +33,27 @@ from pallas_kernels.unpermute import CombineTuning, unpermute_combine as pallas_
 
 class ExpertOps(NamedTuple):
   name: str
-  backend: str              # "xla", or the resolved Pallas backend ("interpret", "triton", ...)
+  backend: str              # "xla", or the grouped matmul's resolved Pallas backend
+                            # ("interpret", "triton", "mosaic_gpu"; the gathers: "triton")
   permute: Callable
   combine: Callable
   gmm: Callable
 
 
-def ops_for(kernels: str, platform: str) -> ExpertOps:
-  """The op set for `moe.kernels` on the mesh's `platform` ("cpu", "gpu", ...)."""
+def ops_for(kernels: str, platform: str, capability: str | None = None, dtype=None,
+            pallas_backend: str = "auto") -> ExpertOps:
+  """The op set for `moe.kernels` on the mesh's `platform` ("cpu", "gpu", ...), whose devices
+  have compute `capability` ("9.0"; None: not a GPU, or unknown) and compute in `dtype`."""
   if kernels == "xla":
     return ExpertOps("xla", "xla", lambda x, token_U, rows_TxK: gather_rows(x, token_U),
                      combine_rows, lambda x, w, sizes: jax.lax.ragged_dot(x, w, sizes))
   if kernels == "pallas":
-    backend = pallas_backend.resolve("auto", platform)
+    requested = "triton" if pallas_backend == "mosaic_gpu" else pallas_backend
+    backend = backend_lib.resolve(requested, platform)
+    gmm_backend = backend_lib.resolve_gmm(pallas_backend, platform, capability, dtype)
     return ExpertOps(
-        "pallas", backend,
+        "pallas", gmm_backend,
         functools.partial(pallas_permute, tuning=PermuteTuning(backend=backend)),
         functools.partial(pallas_combine, tuning=CombineTuning(backend=backend)),
-        functools.partial(pallas_gmm, tuning=GmmTuning(backend=backend)))
+        functools.partial(pallas_gmm, tuning=GmmTuning(backend=gmm_backend)))
   raise ConfigError(f"moe.kernels={kernels!r} is not supported; use 'xla' or 'pallas'.")
