@@ -26,6 +26,7 @@ def test_there_are_notebooks_and_they_hold_no_outputs():
     assert "xla_force_host_platform_device_count=8" in code[0].source, path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
 def test_notebook_runs_top_to_bottom(path, monkeypatch):
   import nbformat

@@ -79,6 +79,7 @@ def test_another_hosts_lock_is_respected_unless_forced(tmp_path):
 
 # --- the two-run experiment ---------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_second_run_on_a_live_run_dir_stops_at_once_and_touches_nothing(
     tmp_path, reference_losses):  # noqa: F811
   """The everyday mistake: the same command again while the first run still runs. The first
@@ -152,6 +153,7 @@ def _no_space(path: str) -> OSError:
   return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_run_and_it_resumes_once_space_is_freed(
     tmp_path, monkeypatch, capsys, reference_losses):  # noqa: F811
   """Injected at the write boundaries (orbax's save of step 20; then, in the second attempt,
