@@ -69,6 +69,18 @@ def _step_of(line: str) -> float:
     return float("inf")   # a torn last line from a killed run is dropped
 
 
+def replace_file(path: str, text: str) -> None:
+  """Writes `text` to `path` whole or not at all (a temporary file, then a rename); the
+  temporary file never outlives a failed write."""
+  try:
+    with open(path + ".tmp", "w") as f:
+      f.write(text)
+    os.replace(path + ".tmp", path)
+  finally:
+    if os.path.exists(path + ".tmp"):
+      os.unlink(path + ".tmp")
+
+
 class JsonlWriter:
   """Appends one JSON object per line; a no-op on processes other than 0.
 
@@ -88,14 +100,8 @@ class JsonlWriter:
       if os.path.exists(path):
         with open(path) as f:
           kept = [line for line in f if _step_of(line) < start]
-        try:
-          with self._guard("the metrics kept on resume", path + ".tmp"):
-            with open(path + ".tmp", "w") as f:
-              f.writelines(kept)
-            os.replace(path + ".tmp", path)
-        finally:
-          if os.path.exists(path + ".tmp"):
-            os.unlink(path + ".tmp")
+        with self._guard("the metrics kept on resume", path + ".tmp"):
+          replace_file(path, "".join(kept))
       self._file = open(path, "a", buffering=1)
 
   def write(self, record: dict) -> None:

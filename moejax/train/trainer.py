@@ -282,14 +282,8 @@ class Trainer:
              "memory.txt": "\n".join(lines) + "\n"}
     for name, text in files.items():
       path = os.path.join(cfg.train.run_dir, name)
-      try:
-        with self.checkpointer.writing(name, path):
-          with open(path + ".tmp", "w") as f:
-            f.write(text)
-          os.replace(path + ".tmp", path)
-      finally:
-        if os.path.exists(path + ".tmp"):
-          os.unlink(path + ".tmp")
+      with self.checkpointer.writing(name, path):
+        metrics_lib.replace_file(path, text)
 
   def _finish(self, start, first, last, done, stop, bar) -> dict:
     preempted = stop.signal_name if done < self.cfg.train.num_steps else None
