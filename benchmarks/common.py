@@ -1,4 +1,5 @@
-"""What every benchmark does the same way: where results go and how they are written."""
+"""What every benchmark does the same way: where results go, how they are written, how a
+lowered module's operations are walked."""
 
 from __future__ import annotations
 
@@ -22,3 +23,16 @@ def write_result(result: dict, path: str) -> None:
   with open(path, "w") as f:
     json.dump(result, f, indent=2)
   print(f"wrote {path}")
+
+
+def ir_operations(module):
+  """Every operation of an MLIR module (a lowered program's StableHLO), nested ones included,
+  in program order."""
+  def walk(op):
+    for region in op.regions:
+      for block in region.blocks:
+        for inner in block.operations:
+          yield inner.operation
+          yield from walk(inner.operation)
+
+  return walk(module.operation)

@@ -33,7 +33,7 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import RESULTS, command, write_result
+from benchmarks.common import RESULTS, command, ir_operations, write_result
 from moejax.frontend import parse_config
 from moejax.model.moe import ragged
 from pallas_kernels import backend as backend_lib, compat, gather, gmm as gmm_lib
@@ -135,21 +135,12 @@ def triton_calls(fn, args) -> list[dict]:
     module = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir(
         "stablehlo")
   found = []
-
-  def walk(op):
-    for region in op.regions:
-      for block in region.blocks:
-        for inner in block.operations:
-          o = inner.operation
-          if (o.name == "stablehlo.custom_call"
-              and "triton" in str(o.attributes["call_target_name"])):
-            cfg = o.attributes["mhlo.backend_config"]
-            found.append({"name": str(cfg["name"]).strip('"'), "ir": cfg["ir"].value_bytes,
-                          "num_warps": int(str(cfg["num_warps"]).split(":")[0]),
-                          "num_stages": int(str(cfg["num_stages"]).split(":")[0])})
-          walk(o)
-
-  walk(module.operation)
+  for o in ir_operations(module):
+    if o.name == "stablehlo.custom_call" and "triton" in str(o.attributes["call_target_name"]):
+      cfg = o.attributes["mhlo.backend_config"]
+      found.append({"name": str(cfg["name"]).strip('"'), "ir": cfg["ir"].value_bytes,
+                    "num_warps": int(str(cfg["num_warps"]).split(":")[0]),
+                    "num_stages": int(str(cfg["num_stages"]).split(":")[0])})
   return found
 
 

@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 import train
+from benchmarks.common import ir_operations
 from moejax.frontend import parse_config
 from moejax.model.moe import layer as layer_lib, ragged
 from moejax.model.moe.ops import ops_for
@@ -164,24 +165,16 @@ def _collectives(module) -> list[tuple[str, str, str]]:
   """(name, replica groups, operand types) of every collective in a StableHLO module;
   ragged_all_to_all is a custom call named by its target."""
   found = []
-
-  def walk(op):
-    for region in op.regions:
-      for block in region.blocks:
-        for inner in block.operations:
-          o = inner.operation
-          name = o.name
-          if name == "stablehlo.custom_call":
-            name = str(o.attributes["call_target_name"]).strip('"')
-          if name in ("ragged_all_to_all", "stablehlo.all_to_all", "stablehlo.all_reduce",
-                      "stablehlo.all_gather", "stablehlo.reduce_scatter",
-                      "stablehlo.collective_permute"):
-            key = "replica_groups" if "replica_groups" in o.attributes else "backend_config"
-            groups = str(o.attributes[key])
-            found.append((name, groups, " ".join(str(v.type) for v in o.operands)))
-          walk(o)
-
-  walk(module.operation)
+  for o in ir_operations(module):
+    name = o.name
+    if name == "stablehlo.custom_call":
+      name = str(o.attributes["call_target_name"]).strip('"')
+    if name in ("ragged_all_to_all", "stablehlo.all_to_all", "stablehlo.all_reduce",
+                "stablehlo.all_gather", "stablehlo.reduce_scatter",
+                "stablehlo.collective_permute"):
+      key = "replica_groups" if "replica_groups" in o.attributes else "backend_config"
+      groups = str(o.attributes[key])
+      found.append((name, groups, " ".join(str(v.type) for v in o.operands)))
   return found
 
 
