@@ -185,18 +185,27 @@ def place(r_YxE: np.ndarray, load_E: np.ndarray, n: int, rounds: int) -> np.ndar
   any_straddle = straddles.any(0).tolist()
   last = 2.0 * float(np.einsum("kjn->k", per).max()) + 1.0  # more than any device load
   offs = (np.arange(k) * n)[:, None]
-  dev_load = np.zeros((k, n))
-  grid = np.empty((rounds, k, n), np.int64)
+  # Devices are kept in the order of the round's deal (position i takes the round's i-th
+  # largest replica), so a round is one add and one sort; the grid is written once at the end.
+  perm = np.tile(np.arange(n), (k, 1))                  # device at each position
+  load = np.zeros((k, n))                                # its load so far
+  perms = np.empty((rounds, k, n), np.int64)
   for j in range(rounds):
-    key = dev_load
-    if any_straddle[j]:
-      held = straddles[:, j, None] & (grid[j - 1] == reps[:, j, :1])
-      key = np.where(held, dev_load + last, dev_load)
+    perms[j] = perm
+    load = load + per[:, j]
+    if j + 1 == rounds:
+      break
+    key = load
+    if any_straddle[j + 1]:            # who just got the expert that goes on in round j + 1
+      held = straddles[:, j + 1, None] & (reps[:, j] == reps[:, j + 1, :1])
+      key = np.where(held, load + last, load)
     idx = (_ascending(key) + offs).ravel()
-    grid[j].put(idx, reps[:, j])
-    flat = dev_load.reshape(-1)
-    flat[idx] += per[:, j].ravel()
-  return np.ascontiguousarray(grid.transpose(1, 2, 0))
+    perm = perm.ravel().take(idx).reshape(k, n)
+    load = load.ravel().take(idx).reshape(k, n)
+  grid = np.empty(k * n * rounds, np.int64)
+  at = (perms * rounds + np.arange(rounds)[:, None, None] + offs[None] * rounds).ravel()
+  grid.put(at, reps.transpose(1, 0, 2).ravel())
+  return grid.reshape(k, n, rounds)
 
 
 def _ascending(key_YxN: np.ndarray) -> np.ndarray:
@@ -273,26 +282,22 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
   total_N = np.einsum("ne->n", dev_NxE)
   cap_N = None if o.capacity_factor is None else o.capacity_factor * total_N / (n * c)
   peak_of = functools.partial(_peaks, load_E=load_E, load_ZxE=load_ZxE, dev_NxE=dev_NxE,
-                              total_N=total_N, iters=o.level_iters)
-  # The candidate with the lowest bound on its busiest device first; the others only where
-  # their bound does not already rule them out (at N = 4096 'even' snaps every expert to even
-  # shares that pile 1.6x the mean on some device, far above dhondt's score). Bounds are
-  # checked against the score before it is tie-broken, so pruning changes no choice.
-  grid_all = place(r_YxE, load_E, n, rounds)
-  bound = _peak_bound(grid_all, r_YxE, coarse_YxE, load_E if load_ZxE is None else load_ZxE)
-  # and a device sends at least its tokens for the experts it does not host
-  own_all = own_counts(grid_all, dev_NxE)
-  sent_lo = (total_N - np.einsum("knr->kn", own_all)).max(1)
+                              total_N=total_N, n=n, rounds=rounds, iters=o.level_iters)
+  # The candidate with the lowest bound on its score first; the others only where their
+  # bound does not already rule them out, before they are placed (at N = 4096 'even' snaps
+  # every expert to even shares, and its bound, 1.6x the mean load, rules it out). Bounds
+  # are checked against the score before it is tie-broken, so pruning changes no choice.
+  peak_lo, sent_lo = _deal_bound(r_YxE, coarse_YxE, load_E, load_ZxE, dev_NxE, total_N, n,
+                                 rounds)
   bound_s = np.array([cost.compute_s(float(b)) + cost.exchange_s(float(x))
-                      for b, x in zip(bound, sent_lo)])
+                      for b, x in zip(peak_lo, sent_lo)])
   first = [int(np.argmin(bound_s))]
-  grid, share, peak, sent = peak_of(grid_all[first], r_YxE[first], coarse_YxE[first],
-                                    own_all[first])
+  grid, share, peak, sent = peak_of(r_YxE[first], coarse_YxE[first])
   first_s = cost.compute_s(float(peak[0])) + cost.exchange_s(float(sent[0]))
   rest = [y for y in range(len(r_YxE)) if y != first[0]
           and bound_s[y] <= first_s * (1 + TIME_SLACK)]
   if rest:
-    more = peak_of(grid_all[rest], r_YxE[rest], coarse_YxE[rest], own_all[rest])
+    more = peak_of(r_YxE[rest], coarse_YxE[rest])
     order = np.argsort(first + rest, kind="stable")           # candidates in their given order
     grid, share, peak, sent = (np.concatenate([a, b])[order]
                                for a, b in zip((grid, share, peak, sent), more))
@@ -322,27 +327,43 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
   return Placement(slot_expert.ravel(), slot_share.ravel(), n, routing="split", local=local)
 
 
-def _peak_bound(grid, r_YxE, coarse_YxE, load_ZxE) -> np.ndarray:
-  """[Y]: a lower bound on each candidate's score load (`_peaks`) from its placed grid alone:
-  some replica of e has a share >= 1/r_e, so its device carries >= load_e / r_e; the busiest
-  device carries >= the mean and >= its snapped (coarse) replicas' fixed 1/r_e shares. With
-  a window (load_ZxE [Z, E]) per step and averaged; the fixed part on the steps' mean, which
-  is <= the average of each step's busiest device."""
-  loads = np.atleast_2d(load_ZxE)
-  k, n, rounds = grid.shape
-  per_ZxY = (loads[:, None, :] / r_YxE[None]).max(2)
-  bound = np.maximum(per_ZxY, loads.sum(1)[:, None] / n).mean(0)
-  fixed_YxE = np.where(coarse_YxE, loads.mean(0)[None] / r_YxE, 0.0)
-  gflat = grid + (np.arange(k) * loads.shape[1])[:, None, None]
-  return np.maximum(bound, np.einsum("knr->kn", fixed_YxE.ravel().take(gflat)).max(1))
+def _deal_bound(r_YxE, coarse_YxE, load_E, load_ZxE, dev_NxE, total_N, n, rounds):
+  """(busiest device's load, most rows a device sends) [Y]: lower bounds on what `_peaks`
+  scores for each candidate, before it is placed. `place` deals the replicas, sorted by
+  per-replica load, in rounds of one per device, so every device carries one replica of each
+  round: the device given round j's heaviest snapped replica (its share fixed at 1/r_e)
+  carries at least that plus the lightest of every other round (unsnapped ones count as 0:
+  their shares may shrink); and the busiest carries at least the mean. With a window
+  (load_ZxE [Z, E]) per step and averaged. Rows sent: the device with the most tokens keeps
+  at most its `rounds` largest own counts (times 1/r_e where snapped)."""
+  loads = load_E[None] if load_ZxE is None else load_ZxE
+  k, num_experts = r_YxE.shape
+  peak, sent = np.empty(k), np.empty(k)
+  d = int(np.argmax(total_N))
+  mean_Z = loads.sum(1) / n
+  for y in range(k):                                      # Y <= 3
+    r_E = r_YxE[y]
+    order = np.lexsort((np.arange(num_experts), -(load_E / r_E)))   # the order `place` deals
+    ends = np.cumsum(r_E[order])                         # expert i's replicas end there
+    first_round, last_round = (ends - r_E[order]) // n, (ends - 1) // n
+    fixed_ZxE = np.where(coarse_YxE[y], loads / r_E, 0.0)[:, order]
+    lo, hi = np.empty((len(loads), rounds)), np.empty((len(loads), rounds))
+    for j in range(rounds):
+      inside = fixed_ZxE[:, (first_round <= j) & (last_round >= j)]
+      lo[:, j], hi[:, j] = inside.min(1), inside.max(1)
+    best = (hi + lo.sum(1, keepdims=True) - lo).max(1)
+    peak[y] = np.maximum(best, mean_Z).mean()
+    keep = dev_NxE[d] * np.where(coarse_YxE[y], 1.0 / r_E, 1.0)
+    sent[y] = total_N[d] - np.sort(keep)[-rounds:].sum()
+  return peak, sent
 
 
-def _peaks(grid, r_YxE, coarse_YxE, own, *, load_E, load_ZxE, dev_NxE, total_N, iters):
-  """(grid, shares, score load, max sent) [Y, ...] of placed candidates grid[Y, N, rounds]
-  with replica counts r_YxE: levelled, scored on the busiest device (averaged over the
-  window's steps when given)."""
+def _peaks(r_YxE, coarse_YxE, *, load_E, load_ZxE, dev_NxE, total_N, n, rounds, iters):
+  """(grid, shares, score load, max sent) [Y, ...] of candidate replica counts r_YxE: placed,
+  levelled, scored on the busiest device (averaged over the window's steps when given)."""
+  grid = place(r_YxE, load_E, n, rounds)
   share = level(grid, r_YxE, load_E, iters, coarse_YxE)
-  dev_load, sent = estimate(grid, share, dev_NxE, load_E, own=own, total_N=total_N)
+  dev_load, sent = estimate(grid, share, dev_NxE, load_E, total_N=total_N)
   peak = mean_peak(grid, share, load_ZxE) if load_ZxE is not None else dev_load.max(1)
   return grid, share, peak, sent.max(1)
 
