@@ -35,9 +35,13 @@ mean load) goes through:
 The best candidate's shares are then rounded to whole parts of SHARE_PARTS, the router's
 unit, towards level device loads (`quantise`), so what replay and the device router realise
 is what was planned; then each device keeps its own tokens on its own replicas first
-(per-source shares, moejax.placement.locality). Candidates are processed together in
-vectorised numpy; Python loops run only over candidates, the C rounds, levelling steps and
-rounding batches.
+(per-source shares, moejax.placement.locality). Before step 1 each candidate gets a lower
+bound on its score from the deal order alone (`_deal_bound`); the one with the lowest bound
+is placed and scored first, and another only if its bound comes within TIME_SLACK of that
+score, so pruning changes no choice. With plan_for='spread' and a window the load levelled
+on is each expert's median share over the window's last `center_steps` steps
+(spread.recent_center; center='mean' keeps the window mean). Python loops run only over
+candidates, the C rounds, levelling steps and rounding batches.
 """
 
 from __future__ import annotations
