@@ -18,10 +18,15 @@ fsep latency table: E=64 on N = 64, 256, 1024 and E=256 on N=4096 with C = --fse
 shares to router parts). No window of steps is passed, so plan_for='spread' plans for the
 mean; per-source shares are computed where an expert has >= 128 rows per device.
 
+Wall time depends on what else the machine runs: the JSON records the 1-minute load average
+before and after (`os.getloadavg`); quote a figure beside its load. `--fsep_only` runs only
+the fsep latency table.
+
 Run (from the repository root):
 
   python -m benchmarks.planner_time
   python -m benchmarks.planner_time --repeats 7 --json benchmarks/results/planner_time.json
+  python -m benchmarks.planner_time --fsep_only --repeats 21
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import os
 import platform
 import statistics
 import sys
@@ -119,12 +125,15 @@ def main(argv=None) -> int:
   ap.add_argument("--slots", type=int, default=2, help="slots per device for non-one-copy")
   ap.add_argument("--fsep_slots", type=int, default=8, help="slots per device, fsep table")
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--fsep_only", action="store_true", help="only the fsep latency table")
   a = ap.parse_args(argv)
   if a.repeats < 5:
     ap.error("--repeats must be >= 5")
-  rows = [time_policy(name, e, n, a.slots, a.repeats, a.seed)
-          for e, n in CONFIGS for name in policy_order()]
-  print_table(rows)
+  load_before = os.getloadavg()[0]
+  rows = [] if a.fsep_only else [time_policy(name, e, n, a.slots, a.repeats, a.seed)
+                                 for e, n in CONFIGS for name in policy_order()]
+  if rows:
+    print_table(rows)
   fsep_rows = []
   if "fsep" in POLICIES:
     fsep_rows = [time_policy("fsep", e, n, a.fsep_slots, a.repeats, a.seed, opts)
@@ -132,6 +141,9 @@ def main(argv=None) -> int:
     print(f"\nfsep latency (C={a.fsep_slots}); last {len(FSEP_CONFIGS)} rows: exact_parts=False "
           "(shares not snapped/rounded to SHARE_PARTS by the planner)")
     print_table(fsep_rows)
+  load_after = os.getloadavg()[0]
+  print(f"1-minute load average: {load_before:.2f} before, {load_after:.2f} after "
+        f"({os.cpu_count()} cores)")
   out = {"benchmark": "planner_time",
          "command": command("planner_time", argv),
          "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -139,7 +151,8 @@ def main(argv=None) -> int:
          "machine": platform.machine(), "processor": platform.processor() or None,
          "repeats": a.repeats, "slots": a.slots, "fsep_slots": a.fsep_slots, "seed": a.seed,
          "load": "lognormal sigma=1.0, top_k=2, 2048 tokens per source, sources = N",
-         "rows": rows, "fsep_rows": fsep_rows}
+         "load_average_1min": {"before": load_before, "after": load_after},
+         "cpu_count": os.cpu_count(), "rows": rows, "fsep_rows": fsep_rows}
   write_result(out, a.json)
   return 0
 

@@ -32,6 +32,9 @@ def main(argv=None) -> None:
                        "locality=False; repeatable; also used by the oracle")
   ap.add_argument("--no_oracle", action="store_true",
                   help="skip the oracle row (it plans every step of every layer)")
+  ap.add_argument("--window_oracle", action="store_true",
+                  help="add a window_oracle row: fsep given the --every steps each layout "
+                       "will serve (the per-step noise floor of a held layout)")
   ap.add_argument("--d_model", type=int, default=0,
                   help="with --d_ff and --layers: also print expert memory per device")
   ap.add_argument("--d_ff", type=int, default=0, help="expert hidden size (memory report)")
@@ -44,24 +47,27 @@ def main(argv=None) -> None:
                             options=fsep_options if name == "fsep" else None)
                for name in policy_names(a.policy)}
     bound = None if a.no_oracle else oracle(counts, a.devices, a.slots, options=fsep_options)
+    ahead = (replay(counts, a.devices, a.slots, "fsep", a.every, a.window,
+                    options=fsep_options, lookahead=True) if a.window_oracle else None)
   except ConfigError as e:
     raise SystemExit(f"error: {e}") from None
   if bound is not None:
-    with_regret(results, bound)
+    with_regret({**results, **({"window_oracle": ahead} if ahead else {})}, bound)
   steps, layers, sources, experts = counts.shape
   print(f"{a.trace}: steps={steps} layers={layers} sources={sources} experts={experts} | "
         f"devices={a.devices} slots={a.slots} every={a.every} window={a.window}")
   print("max/mean device load over steps x layers (realized on each step's actual counts); "
         "pred med = median max/mean of each decision on the load it was planned from; "
         "crossing = (token, k) rows sent off their source device")
-  print(format_table(results if bound is None else {**results, "oracle": bound}))
+  extra = {"window_oracle": ahead} if ahead else {}
+  print(format_table({**results, **extra, **({"oracle": bound} if bound else {})}))
   if a.d_model and a.d_ff and a.layers:
     print(report(a.layers, experts, a.d_model, a.d_ff, a.devices, fsep_slots=a.slots))
   if a.json:
     out = {"trace": a.trace, "devices": a.devices, "slots": a.slots, "every": a.every,
            "window": a.window, "sources": sources, "experts": experts, "steps": steps,
            "layers": layers, "fsep_options": dict(_option(text) for text in a.fsep),
-           "policies": results, "oracle": bound}
+           "policies": results, "oracle": bound, **extra}
     with open(a.json, "w") as f:
       json.dump(out, f, indent=1)
     print(f"wrote {a.json}")

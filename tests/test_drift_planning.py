@@ -13,6 +13,7 @@ from moejax.layout import placement as placement_lib
 from moejax.placement import fsep
 from moejax.placement.drift import drift_bursts_trace, step_change
 from moejax.placement.replay import oracle, replay, with_regret
+from moejax.placement.spread import recent_center
 from moejax.placement.workloads import load_trace
 
 TRACE = Path(__file__).resolve().parents[1] / "benchmarks" / "traces" / "drift_bursts.npz"
@@ -122,3 +123,37 @@ def test_replanner_switches_when_only_the_kept_parts_change():
   assert [sw.layer for sw in switches] == [0]
   np.testing.assert_array_equal(placement_lib.local_parts(again[0]),
                                 placement_lib.local_parts(new[0]))
+
+
+def test_recent_center_ignores_one_spiking_step_and_keeps_the_source_split():
+  rng = np.random.default_rng(0)
+  win = rng.integers(50, 150, (10, 4, 6)).astype(float)           # [Z, W, E]
+  win[-1, :, 2] *= 5                                                # one heavy-tailed step
+  pred = win.mean(0)
+  got = recent_center(pred, win, 5)
+  assert got.sum() == pytest.approx(pred.sum())
+  np.testing.assert_allclose(got / got.sum(0), pred / pred.sum(0))   # each expert's split
+  share = win[-5:].sum(1) / win[-5:].sum((1, 2))[:, None]
+  want = np.median(share, axis=0)
+  np.testing.assert_allclose(got.sum(0) / got.sum(), want / want.sum())
+  assert got.sum(0)[2] < pred.sum(0)[2]                  # the mean still carries the spike
+  np.testing.assert_array_equal(recent_center(pred * 0, win, 5), pred * 0)
+
+
+def test_center_option_is_checked_and_mean_keeps_the_window_mean(drift):
+  pred, win = drift[10:20, 0].mean(0), drift[10:20, 0]
+  src = placement_lib.source_devices(16, 8)
+
+  def plan(**kw):
+    return fsep.place_replicas(pred, placement_lib.static(32, 8), slots=8, src_dev_W=src,
+                               num_devices=8, samples_ZxWxE=win,
+                               options=fsep.FsepOptions(**kw))
+
+  with pytest.raises(ConfigError, match="center='mode'"):
+    plan(center="mode")
+  with pytest.raises(ConfigError, match="center_steps=0"):
+    plan(center_steps=0)
+  a, b = plan(center="mean"), plan(center="median", center_steps=10)
+  for p in (a, b):
+    p.validate(32)
+  assert not np.array_equal(a.share, b.share)

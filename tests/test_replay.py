@@ -104,6 +104,23 @@ def test_policy_gets_the_lagged_prediction(skewed, monkeypatch):
       assert slots == 6 and n == 4 and src == [0, 0, 1, 1, 2, 2, 3, 3]
 
 
+def test_lookahead_plans_from_the_steps_it_will_serve(skewed, monkeypatch):
+  seen = []
+
+  def spy(pred_WxE, current, *, samples_ZxWxE, **_):
+    seen.append((np.array(pred_WxE), np.array(samples_ZxWxE)))
+    return current
+
+  monkeypatch.setitem(POLICIES, "spy", spy)
+  replay(skewed, 4, 6, "spy", every=7, window=3, lookahead=True)
+  decision_steps = list(range(0, 40, 7))                  # step 0 too: no static start
+  assert len(seen) == 2 * len(decision_steps)
+  for i, t in enumerate(decision_steps):
+    pred, samples = seen[2 * i + 1]
+    np.testing.assert_array_equal(samples, skewed[t:t + 7, 1])
+    np.testing.assert_allclose(pred, skewed[t:t + 7, 1].mean(0))
+
+
 def test_one_copy_policies_ignore_slots(skewed):
   a = replay(skewed, 4, 4, "smartmoe", every=5, window=5)
   b = replay(skewed, 4, 16, "smartmoe", every=5, window=5)
@@ -129,7 +146,8 @@ def test_cli_all_policies_json(tmp_path):
   out = tmp_path / "out.json"
   res = subprocess.run([sys.executable, "-m", "moejax.replay", str(trace), "--devices", "2",
                         "--slots", "6", "--policy", "all", "--every", "3", "--window", "2",
-                        "--json", str(out)], cwd=ROOT, capture_output=True, text=True)
+                        "--json", str(out), "--window_oracle"], cwd=ROOT,
+                       capture_output=True, text=True)
   assert res.returncode == 0, res.stderr
   for name in POLICIES:
     assert name in res.stdout
@@ -143,6 +161,8 @@ def test_cli_all_policies_json(tmp_path):
     assert {"median", "p90", "mean", "tokens_crossing", "crossing_fraction", "experts_moved",
             "planner_ms_mean", "planner_ms_max", "decisions", "series"} <= set(r)
     assert np.asarray(r["series"]).shape == (12, 2) and r["decisions"] == 2 * 3
+  ahead = data["window_oracle"]                     # plans at steps 0, 3, 6, 9 as well
+  assert ahead["decisions"] == 2 * 4 and "regret_median" in ahead and "oracle" in data
   bad = subprocess.run([sys.executable, "-m", "moejax.replay", str(trace), "--devices", "3",
                         "--slots", "6"], cwd=ROOT, capture_output=True, text=True)
   assert bad.returncode != 0 and "error:" in bad.stderr and "Traceback" not in bad.stderr

@@ -35,14 +35,19 @@ mean load) goes through:
 The best candidate's shares are then rounded to whole parts of SHARE_PARTS, the router's
 unit, towards level device loads (`quantise`), so what replay and the device router realise
 is what was planned; then each device keeps its own tokens on its own replicas first
-(per-source shares, moejax.placement.locality). Candidates are processed together in
-vectorised numpy; Python loops run only over candidates, the C rounds, levelling steps and
-rounding batches.
+(per-source shares, moejax.placement.locality). Before step 1 each candidate gets a lower
+bound on its score from the deal order alone (`_deal_bound`); the one with the lowest bound
+is placed and scored first, and another only if its bound comes within TIME_SLACK of that
+score, so pruning changes no choice. With plan_for='spread' and a window the load levelled
+on is each expert's median share over the window's last `center_steps` steps
+(spread.recent_center; center='mean' keeps the window mean). Python loops run only over
+candidates, the C rounds, levelling steps and rounding batches.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import numpy as np
@@ -51,13 +56,15 @@ from moejax.config import ConfigError
 from moejax.layout.placement import SHARE_PARTS, Placement
 from moejax.placement.cost import CostModel
 from moejax.placement.fsep_score import estimate, fold_sources, overflow, own_counts
+from moejax.placement.fsep_shares import level, quantise
 from moejax.placement.locality import keep_local, local_parts
-from moejax.placement.spread import hedge_loads, mean_peak, window_loads
+from moejax.placement.spread import hedge_loads, mean_peak, recent_center, window_loads
 
 TIME_SLACK = 0.01     # relative score within which the dense dispatch's overflow decides
 CANDIDATES = ("even", "dhondt", "blend")      # every kind `replica_counts` knows
 DEFAULT_CANDIDATES = ("even", "dhondt")
 PLAN_FOR = ("spread", "mean")
+CENTERS = ("median", "mean")
 
 
 def even_counts(load_E: np.ndarray, total: int) -> np.ndarray:
@@ -180,126 +187,40 @@ def place(r_YxE: np.ndarray, load_E: np.ndarray, n: int, rounds: int) -> np.ndar
   straddles = np.zeros((k, rounds), bool)
   straddles[:, 1:] = reps[:, 1:, 0] == reps[:, :-1, -1]
   any_straddle = straddles.any(0).tolist()
-  last = 2.0 * float(per.sum(axis=(1, 2)).max()) + 1.0  # more than any device load
+  last = 2.0 * float(np.einsum("kjn->k", per).max()) + 1.0  # more than any device load
   offs = (np.arange(k) * n)[:, None]
-  dev_load = np.zeros((k, n))
-  grid = np.empty((rounds, k, n), np.int64)
+  # Devices are kept in the order of the round's deal (position i takes the round's i-th
+  # largest replica), so a round is one add and one sort; the grid is written once at the end.
+  perm = np.tile(np.arange(n), (k, 1))                  # device at each position
+  load = np.zeros((k, n))                                # its load so far
+  perms = np.empty((rounds, k, n), np.int64)
   for j in range(rounds):
-    key = dev_load
-    if any_straddle[j]:
-      held = straddles[:, j, None] & (grid[j - 1] == reps[:, j, :1])
-      key = np.where(held, dev_load + last, dev_load)
-    idx = (np.argsort(key, axis=1) + offs).ravel()
-    grid[j].put(idx, reps[:, j])
-    flat = dev_load.reshape(-1)
-    flat[idx] += per[:, j].ravel()
-  return np.ascontiguousarray(grid.transpose(1, 2, 0))
-
-
-def level(grid: np.ndarray, r_YxE: np.ndarray, load_E: np.ndarray, iters: int,
-          frozen_YxE: np.ndarray | None = None, alpha: float = 1.5,
-          tol: float = 1e-3) -> np.ndarray:
-  """Token shares [Y, N, rounds] of the replicas in grid[Y, N, rounds] (summing to 1 per
-  expert and candidate). They start even (1/r_e); the replicas of experts not frozen (see
-  snap_counts) are levelled towards equal device loads by up to `iters` Sinkhorn steps: each
-  share is scaled by (its device's target / its device's levelled load) ** alpha, the target
-  being the mean load less the device's frozen replicas' load (ratio clipped to [1/16, 16];
-  alpha > 1 over-relaxes, converging in a few steps where plain Sinkhorn needs tens), then
-  renormalised per expert. Each step starts from the candidate's best shares so far (lowest
-  busiest device), and a candidate whose step did not improve falls back to alpha = 1; stops
-  early once every candidate is within `tol` of the mean or none improves any more."""
-  r_YxE = np.atleast_2d(r_YxE)
-  k, n, _ = grid.shape
-  num_experts = len(load_E)
-  gflat = grid + (np.arange(k) * num_experts)[:, None, None]     # expert ids per candidate
-  share = 1.0 / r_YxE.ravel().take(gflat)
-  mean = load_E.sum() / n
-  if mean <= 0 or iters < 1:
-    return share
-  load_YxNxC = load_E.take(grid)
-  fixed = 0.0
-  if frozen_YxE is not None and frozen_YxE.any():
-    frozen = np.atleast_2d(frozen_YxE).ravel().take(gflat)
-    fixed = np.einsum("knr,knr->kn", np.where(frozen, share, 0.0), load_YxNxC)
-    live = np.where(frozen, 0.0, share)
-  else:
-    frozen, live = None, share
-  target = np.maximum(mean - fixed, mean * 1e-6)
-  flat = gflat.ravel()
-  a = np.full((k, 1, 1), float(alpha))
-  best = live
-  best_load = np.einsum("knr,knr->kn", live, load_YxNxC)
-  best_peak = (best_load + fixed).max(1)
-  for _ in range(iters):
-    if np.all(best_peak <= mean * (1 + tol)):
+    perms[j] = perm
+    load = load + per[:, j]
+    if j + 1 == rounds:
       break
-    ratio = np.minimum(np.maximum(target / np.maximum(best_load, 1e-300), 1.0 / 16), 16.0)
-    live = best * ratio[:, :, None] ** a
-    den = np.bincount(flat, weights=live.ravel(), minlength=k * num_experts)
-    live /= (den if frozen is None else np.where(den > 0, den, 1.0)).take(gflat)
-    dev_load = np.einsum("knr,knr->kn", live, load_YxNxC)
-    peak = (dev_load + fixed).max(1)
-    better = peak < best_peak - mean * 1e-4
-    if not better.any() and np.all(a == 1.0):
-      break
-    if better.all():
-      best, best_load, best_peak = live, dev_load, peak
-      continue
-    best = np.where(better[:, None, None], live, best)
-    best_load = np.where(better[:, None], dev_load, best_load)
-    best_peak = np.where(better, peak, best_peak)
-    a[~better] = 1.0                     # overshot: retry from the best with plain Sinkhorn
-  return best if frozen is None else np.where(frozen, share, best)
+    key = load
+    if any_straddle[j + 1]:            # who just got the expert that goes on in round j + 1
+      held = straddles[:, j + 1, None] & (reps[:, j] == reps[:, j + 1, :1])
+      key = np.where(held, load + last, load)
+    idx = (_ascending(key) + offs).ravel()
+    perm = perm.ravel().take(idx).reshape(k, n)
+    load = load.ravel().take(idx).reshape(k, n)
+  grid = np.empty(k * n * rounds, np.int64)
+  at = (perms * rounds + np.arange(rounds)[:, None, None] + offs[None] * rounds).ravel()
+  grid.put(at, reps.transpose(1, 0, 2).ravel())
+  return grid.reshape(k, n, rounds)
 
 
-def quantise(grid: np.ndarray, share: np.ndarray, load_E: np.ndarray,
-             groups: int = 8, base_YxN: np.ndarray | None = None) -> np.ndarray:
-  """Shares [Y, N, rounds] rounded to whole parts of SHARE_PARTS, the unit in which the
-  router (`placement.share_parts` / `quotas`) splits an expert's tokens, keeping device loads
-  level: floor every share, then give each expert's missing parts one each to its replicas on
-  the devices furthest below the mean load (ties: larger fractional part). Experts go in
-  `groups` batches, largest part (load_e / SHARE_PARTS tokens) first, with the devices'
-  deficits updated between batches.
-
-  With many devices one part of a hot expert is a large slice of a device's load (for E=64 on
-  N=1024 the hottest part is ~8% of the mean device load), so leaving the rounding to the
-  router's largest-remainder rule costs several percent of balance. share * SHARE_PARTS is an
-  integer here, so share_parts reproduces these parts exactly. `base_YxN`: load the devices
-  already carry (the tokens replicas keep locally), levelled together with these parts."""
-  k, n, rounds = grid.shape
-  num_experts = len(load_E)
-  parts_total = SHARE_PARTS
-  gflat = (grid + (np.arange(k) * num_experts)[:, None, None]).ravel()
-  exact = share.ravel() * parts_total
-  parts = np.floor(exact + 1e-9)
-  frac = exact - parts
-  short = parts_total - np.bincount(gflat, weights=parts, minlength=k * num_experts)
-  unit = load_E / parts_total                                   # tokens per part
-  unit_flat = unit.take(grid).ravel()
-  dev_flat = np.repeat(np.arange(k * n), rounds)                   # candidate-major device ids
-  dev_load = np.bincount(dev_flat, weights=parts * unit_flat, minlength=k * n)
-  mean = np.full(k * n, load_E.sum() / n)
-  if base_YxN is not None:
-    dev_load += base_YxN.ravel()
-    mean += np.repeat(base_YxN.sum(1) / n, n)
-  rank_E = np.empty(num_experts, np.int64)
-  rank_E[np.argsort(-unit, kind="stable")] = np.arange(num_experts)
-  group_flat = (rank_E * groups // num_experts).astype(np.int16).take(grid).ravel()
-  by_group = np.argsort(group_flat, kind="stable")                 # radix sort on int16
-  bounds = np.searchsorted(group_flat[by_group], np.arange(groups + 1)).tolist()
-  for g in range(groups):
-    sel = by_group[bounds[g]:bounds[g + 1]]
-    if len(sel) == 0:
-      continue
-    e_sel = gflat[sel]
-    gap = dev_load.take(dev_flat[sel]) - mean.take(dev_flat[sel])
-    span = 2.0 * float(np.abs(gap).max()) + 1.0
-    order = np.argsort(e_sel + (gap - frac[sel] * 1e-6) / span)  # by expert, deficit first
-    sel, e_sel = sel[order], e_sel[order]
-    up = sel[np.arange(len(sel)) - np.searchsorted(e_sel, e_sel) < short.take(e_sel)]
-    parts[up] += 1
-    dev_load += np.bincount(dev_flat[up], weights=unit_flat[up], minlength=k * n)
-  return (parts / parts_total).reshape(share.shape)
+def _ascending(key_YxN: np.ndarray) -> np.ndarray:
+  """Per row, the column order of non-negative keys, ascending, ties to the lower column (keys
+  closer than max / 2**50 count as ties). The column is packed into the low bits of an int64
+  key so that a plain sort does it: numpy's SIMD sort is about twice as fast as argsort."""
+  bits = max(1, (key_YxN.shape[1] - 1).bit_length())
+  top = float(key_YxN.max())
+  scale = float(2 ** (62 - bits)) / (top * 1.001) if top > 0 else 0.0
+  packed = (key_YxN * scale).astype(np.int64) << bits | np.arange(key_YxN.shape[1])
+  return np.sort(packed, axis=1) & ((1 << bits) - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,6 +235,8 @@ class FsepOptions:
   locality: bool = True                # per-source shares: own tokens to own replica first
   local_min_rows: float = 128.0        # ... for experts with at least this many rows per device
   plan_for: str = "spread"             # or "mean": today's plan for the window's mean load
+  center: str = "median"               # spread: level on the recent median share, or "mean"
+  center_steps: int = 5                # ... over the window's last this many steps
 
 
 def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
@@ -330,6 +253,9 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
   o = options
   if o.plan_for not in PLAN_FOR:
     raise ConfigError(f"fsep plan_for={o.plan_for!r} is unknown; choose one of {PLAN_FOR}.")
+  if o.center not in CENTERS or o.center_steps < 1:
+    raise ConfigError(f"fsep center={o.center!r}, center_steps={o.center_steps}: choose center "
+                      f"from {CENTERS} and center_steps >= 1.")
   pred = np.asarray(pred_WxE, np.float64)
   num_experts = pred.shape[1]
   n = int(num_devices or current.num_devices)
@@ -339,11 +265,13 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
                       f"devices x C={c} slots = {n * max(c, 0)}; set slots per device to at "
                       f"least ceil(E/N)={-(-num_experts // n)}.")
   cost = cost or CostModel()
+  spread = (o.plan_for == "spread" and samples_ZxWxE is not None and len(samples_ZxWxE) > 1)
+  if spread and o.center == "median":
+    pred = recent_center(pred, samples_ZxWxE, o.center_steps)
   dev_NxE = fold_sources(pred, src_dev_W, n)
   load_E = dev_NxE.sum(0)
   rounds = min(c, num_experts)              # more than E slots: every device holds all E
   total = n * rounds
-  spread = (o.plan_for == "spread" and samples_ZxWxE is not None and len(samples_ZxWxE) > 1)
   load_ZxE = window_loads(samples_ZxWxE, src_dev_W, n, load_E.sum()) if spread else None
   targets = [load_E] + (hedge_loads(load_ZxE) if spread else [])
   counts = {}
@@ -355,19 +283,37 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
     counts.setdefault(r_E.tobytes(), (r_E, coarse_E))      # duplicates evaluated once
   r_YxE = np.stack([r for r, _ in counts.values()])
   coarse_YxE = np.stack([m for _, m in counts.values()])
-  grid = place(r_YxE, load_E, n, rounds)
-  share = level(grid, r_YxE, load_E, o.level_iters, coarse_YxE)
-  cap_N = None if o.capacity_factor is None else o.capacity_factor * dev_NxE.sum(1) / (n * c)
-  dev_load, sent = estimate(grid, share, dev_NxE, load_E)
-  peak = mean_peak(grid, share, load_ZxE) if spread else dev_load.max(1)
-  step_s = [cost.compute_s(float(a)) + cost.exchange_s(float(b))
-            for a, b in zip(peak, sent.max(1))]
+  total_N = np.einsum("ne->n", dev_NxE)
+  cap_N = None if o.capacity_factor is None else o.capacity_factor * total_N / (n * c)
+  peak_of = functools.partial(_peaks, load_E=load_E, load_ZxE=load_ZxE, dev_NxE=dev_NxE,
+                              total_N=total_N, n=n, rounds=rounds, iters=o.level_iters)
+  # The candidate with the lowest bound on its score first; the others only where their
+  # bound does not already rule them out, before they are placed (at N = 4096 'even' snaps
+  # every expert to even shares, and its bound, 1.6x the mean load, rules it out). Bounds
+  # are checked against the score before it is tie-broken, so pruning changes no choice.
+  peak_lo, sent_lo = _deal_bound(r_YxE, coarse_YxE, load_E, load_ZxE, dev_NxE, total_N, n,
+                                 rounds)
+  bound_s = np.array([cost.compute_s(float(b)) + cost.exchange_s(float(x))
+                      for b, x in zip(peak_lo, sent_lo)])
+  first = [int(np.argmin(bound_s))]
+  grid, share, peak, sent = peak_of(r_YxE[first], coarse_YxE[first])
+  first_s = cost.compute_s(float(peak[0])) + cost.exchange_s(float(sent[0]))
+  rest = [y for y in range(len(r_YxE)) if y != first[0]
+          and bound_s[y] <= first_s * (1 + TIME_SLACK)]
+  if rest:
+    more = peak_of(r_YxE[rest], coarse_YxE[rest])
+    order = np.argsort(first + rest, kind="stable")           # candidates in their given order
+    grid, share, peak, sent = (np.concatenate([a, b])[order]
+                               for a, b in zip((grid, share, peak, sent), more))
+  kept_y = sorted(first + rest)
+  step_s = [cost.compute_s(float(a)) + cost.exchange_s(float(b)) for a, b in zip(peak, sent)]
   if o.capacity_factor is not None:
     dropped = overflow(grid, share, dev_NxE, cap_N)
     close = np.asarray(step_s) <= min(step_s) * (1 + TIME_SLACK)
     best = int(min(np.flatnonzero(close), key=lambda k: (dropped[k], step_s[k])))
   else:
     best = int(np.argmin(step_s))
+  coarse_E = coarse_YxE[kept_y[best]]
   grid = grid[best]
   share = share[best]
   if o.exact_parts:
@@ -377,12 +323,53 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
   slot_expert[:, :rounds] = grid
   slot_share[:, :rounds] = share
   local = None
-  plain_E = coarse_YxE[best] | (load_E < o.local_min_rows * n)
+  plain_E = coarse_E | (load_E < o.local_min_rows * n)
   if o.locality and not plain_E.all():   # coarse experts, and those with few rows per device,
     share, local = _per_source(grid, share, dev_NxE, load_E, cap_N, plain_E, o)  # keep the split
     slot_share[:, :rounds] = share
     local = np.pad(local, ((0, 0), (0, c - rounds))).ravel()
   return Placement(slot_expert.ravel(), slot_share.ravel(), n, routing="split", local=local)
+
+
+def _deal_bound(r_YxE, coarse_YxE, load_E, load_ZxE, dev_NxE, total_N, n, rounds):
+  """(busiest device's load, most rows a device sends) [Y]: lower bounds on what `_peaks`
+  scores for each candidate, before it is placed. `place` deals the replicas, sorted by
+  per-replica load, in rounds of one per device, so every device carries one replica of each
+  round: the device given round j's heaviest snapped replica (its share fixed at 1/r_e)
+  carries at least that plus the lightest of every other round (unsnapped ones count as 0:
+  their shares may shrink); and the busiest carries at least the mean. With a window
+  (load_ZxE [Z, E]) per step and averaged. Rows sent: the device with the most tokens keeps
+  at most its `rounds` largest own counts (times 1/r_e where snapped)."""
+  loads = load_E[None] if load_ZxE is None else load_ZxE
+  k, num_experts = r_YxE.shape
+  peak, sent = np.empty(k), np.empty(k)
+  d = int(np.argmax(total_N))
+  mean_Z = loads.sum(1) / n
+  for y in range(k):                                      # Y <= 3
+    r_E = r_YxE[y]
+    order = np.lexsort((np.arange(num_experts), -(load_E / r_E)))   # the order `place` deals
+    ends = np.cumsum(r_E[order])                         # expert i's replicas end there
+    first_round, last_round = (ends - r_E[order]) // n, (ends - 1) // n
+    fixed_ZxE = np.where(coarse_YxE[y], loads / r_E, 0.0)[:, order]
+    lo, hi = np.empty((len(loads), rounds)), np.empty((len(loads), rounds))
+    for j in range(rounds):
+      inside = fixed_ZxE[:, (first_round <= j) & (last_round >= j)]
+      lo[:, j], hi[:, j] = inside.min(1), inside.max(1)
+    best = (hi + lo.sum(1, keepdims=True) - lo).max(1)
+    peak[y] = np.maximum(best, mean_Z).mean()
+    keep = dev_NxE[d] * np.where(coarse_YxE[y], 1.0 / r_E, 1.0)
+    sent[y] = total_N[d] - np.sort(keep)[-rounds:].sum()
+  return peak, sent
+
+
+def _peaks(r_YxE, coarse_YxE, *, load_E, load_ZxE, dev_NxE, total_N, n, rounds, iters):
+  """(grid, shares, score load, max sent) [Y, ...] of candidate replica counts r_YxE: placed,
+  levelled, scored on the busiest device (averaged over the window's steps when given)."""
+  grid = place(r_YxE, load_E, n, rounds)
+  share = level(grid, r_YxE, load_E, iters, coarse_YxE)
+  dev_load, sent = estimate(grid, share, dev_NxE, load_E, total_N=total_N)
+  peak = mean_peak(grid, share, load_ZxE) if load_ZxE is not None else dev_load.max(1)
+  return grid, share, peak, sent.max(1)
 
 
 def _per_source(grid, share, dev_NxE, load_E, cap_N, coarse_E, o: FsepOptions):
@@ -392,6 +379,6 @@ def _per_source(grid, share, dev_NxE, load_E, cap_N, coarse_E, o: FsepOptions):
                                   coarse_E[None])
   kept = local_parts(kept) if o.exact_parts else kept
   if o.exact_parts:
-    base = (kept * own_counts(grid[None], dev_NxE)).sum(2)
+    base = np.einsum("knr,knr->kn", kept, own_counts(grid[None], dev_NxE))
     remote = quantise(grid[None], remote, rest[0], o.quantise_groups, base)
   return remote[0], kept[0]

@@ -17,17 +17,20 @@ def own_counts(grid: np.ndarray, dev_NxE: np.ndarray) -> np.ndarray:
 
 def estimate(grid: np.ndarray, share: np.ndarray, dev_NxE: np.ndarray,
              load_E: np.ndarray, kept: np.ndarray | None = None,
-             remote: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+             remote: np.ndarray | None = None, own: np.ndarray | None = None,
+             total_N: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
   """(device load [Y, N], tokens each device sends off itself [Y, N]) under the "split"
   routing of the dense dispatch on the counts dev_NxE, for replicas grid[Y, N, rounds] (one
   per (device, expert)) with token shares share[Y, N, rounds]. Without `kept`, each source
   splits its tokens for e by the shares, so it keeps share x own tokens local; with the kept
   fraction kept[Y, N, rounds] of a device's own tokens and the shares `remote` of the rest
-  (`locality.keep_local`), it keeps kept x own + remote x (1 - kept) x own."""
+  (`locality.keep_local`), it keeps kept x own + remote x (1 - kept) x own. `own`
+  (own_counts) and `total_N` (dev_NxE's row sums) may be passed when already computed."""
   quota = share * load_E.take(grid)
-  own = own_counts(grid, dev_NxE)
+  own = own_counts(grid, dev_NxE) if own is None else own
+  total_N = np.einsum("ne->n", dev_NxE) if total_N is None else total_N
   local = own * share if kept is None else own * (kept + remote * (1.0 - kept))
-  return quota.sum(2), dev_NxE.sum(1)[None, :] - local.sum(2)
+  return np.einsum("knr->kn", quota), total_N[None, :] - np.einsum("knr->kn", local)
 
 
 def overflow(grid: np.ndarray, share: np.ndarray, dev_NxE: np.ndarray,

@@ -17,7 +17,9 @@ smartmoe) get E/N slots per device whatever --slots says (E must divide by N); t
 --slots (>= E/N).
 
 `oracle` replays the fsep planner given each step's own counts (every step, no lag): a bound
-no lagged planner reaches; `with_regret` adds each policy's distance from it.
+no lagged planner reaches; `with_regret` adds each policy's distance from it. The
+`window_oracle` row (`replay(..., lookahead=True)`) gives each fsep decision the `every` steps
+it will serve: the per-step noise floor of a layout held for `every` steps.
 """
 
 from __future__ import annotations
@@ -47,9 +49,13 @@ def effective_slots(policy: str, num_experts: int, devices: int, slots: int) -> 
 
 
 def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int = 10,
-           window: int = 10, cost: CostModel | None = None, options=None) -> dict:
+           window: int = 10, cost: CostModel | None = None, options=None,
+           lookahead: bool = False) -> dict:
   """Replays counts[steps, L, W, E] through one policy (with its `options` dataclass, or its
-  defaults); returns the per-policy result dict."""
+  defaults); returns the per-policy result dict. `lookahead` (the `window_oracle` row): each
+  decision, from step 0 on, is given the `every` steps it will serve (their mean and the
+  steps, not which comes when) instead of the finished ones: what a layout held for `every`
+  steps can reach when only the per-step noise inside them is unknown."""
   counts = np.asarray(counts)
   if counts.ndim != 4:
     raise ConfigError(f"counts must be [steps, layers, sources, experts], got {counts.shape}.")
@@ -67,12 +73,13 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
   predicted = []          # max/mean of each decision's layout on the load it was planned for
   crossing, moved, times = 0, 0, []
   for t in range(steps):
-    if t > 0 and t % every == 0:
-      pred = predict(counts[:t], window)                      # [L, W, E], finished steps only
+    if t % every == 0 and (t > 0 or lookahead):
+      seen = counts[t:t + every] if lookahead else counts[max(0, t - window):t]
+      pred = seen.mean(0) if lookahead else predict(counts[:t], window)   # [L, W, E]
       for layer in range(layers):
         t0 = time.perf_counter()
         new = place(pred[layer], current[layer], slots=c_eff, src_dev_W=src_dev, cost=cost,
-                    num_devices=devices, samples_ZxWxE=counts[max(0, t - window):t, layer])
+                    num_devices=devices, samples_ZxWxE=seen[:, layer])
         times.append(time.perf_counter() - t0)
         new.validate(experts)
         predicted.append(max_over_mean(flow(new, pred[layer], src_dev).device_load_N))
@@ -156,7 +163,7 @@ def policy_names(policy: str) -> list[str]:
 def format_table(results: dict) -> str:
   """One row per policy (an `oracle` entry last, when given); `regret` = median / p90 over
   the oracle's, when `with_regret` added them."""
-  head = (f"{'policy':<10} {'median':>7} {'p90':>7} {'p99':>7} {'mean':>7} {'pred med':>8} "
+  head = (f"{'policy':<13} {'median':>7} {'p90':>7} {'p99':>7} {'mean':>7} {'pred med':>8} "
           f"{'regret med/p90':>14} {'crossing tokens':>22} "
           f"{'moved':>6} {'ms/dec mean':>11} {'ms/dec max':>10} {'decisions':>9}")
   lines = [head, "-" * len(head)]
@@ -167,7 +174,7 @@ def format_table(results: dict) -> str:
     pred = "-" if r["predicted_median"] is None else f"{r['predicted_median']:.3f}"
     regret = (f"{r['regret_median']:+.3f}/{r['regret_p90']:+.3f}" if "regret_median" in r
               else "-")
-    lines.append(f"{name:<10} {r['median']:>7.3f} {r['p90']:>7.3f} {r['p99']:>7.3f} "
+    lines.append(f"{name:<13} {r['median']:>7.3f} {r['p90']:>7.3f} {r['p99']:>7.3f} "
                  f"{r['mean']:>7.3f} {pred:>8} {regret:>14} {cross:>22} {r['experts_moved']:>6} "
                  f"{ms_mean:>11} {ms_max:>10} {r['decisions']:>9}")
   return "\n".join(lines)
