@@ -78,6 +78,10 @@ PRESETS = {
                                  80 * 2**30),
     "h100_cluster": HardwareProfile("h100_cluster", 495e12, 2.3e12, 40e9, 80e9, 30e-6, 1.5e-3,
                                     80 * 2**30),
+    # Nodes of 8 H100s with the expert axis inside a node (NVLink all_to_all, as h100_node)
+    # and the data axis across nodes (InfiniBand gradient reduce, as h100_cluster).
+    "h100_ep_node": HardwareProfile("h100_ep_node", 495e12, 2.3e12, 200e9, 80e9, 30e-6, 1.5e-3,
+                                    80 * 2**30),
     # Uncalibrated guess for fake CPU devices (2 cores); run `python -m moejax.calibrate`.
     "cpu": HardwareProfile("cpu", 30e9, 5e9, 2e9, 2e9, 50e-6, 5e-3, 8 * 2**30, 2.0),
 }
