@@ -27,8 +27,11 @@ def test_big_config_parses_and_is_priced(name):
   layers, experts, top_k = BIG[name]
   assert (num_moe_layers(cfg.model, cfg.moe), cfg.moe.num_experts, cfg.moe.top_k) == (
       layers, experts, top_k)
-  cost = predict_step(Strategy(8, 8, 1, dispatch="ragged"), workload_of(cfg),
-                      PRESETS["h100_cluster"])
+  w = workload_of(cfg)
+  assert w.moe_layers == layers          # the cost model counts the dense first layers apart
+  if cfg.moe.num_shared_experts:         # and prices the shared experts as dense weights
+    assert w.dense_params > dataclasses.replace(w, shared_d_ff=0).dense_params
+  cost = predict_step(Strategy(8, 8, 1, dispatch="ragged"), w, PRESETS["h100_cluster"])
   assert np.isfinite(cost.total_s) and cost.total_s > 0
 
 

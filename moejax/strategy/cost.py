@@ -102,10 +102,12 @@ class Workload:
   expert_d_ff: int
   moe_every: int
   act_bytes: int = 4
+  first_dense: int = 0           # dense first layers (moe.first_dense)
+  shared_d_ff: int = 0           # all shared experts' width together, per MoE layer
 
   @property
   def moe_layers(self) -> int:
-    return self.num_layers // self.moe_every
+    return (self.num_layers - self.first_dense) // self.moe_every
 
   @property
   def dense_params(self) -> int:
@@ -113,7 +115,8 @@ class Workload:
     d = self.d_model
     dense_mlps = self.num_layers - self.moe_layers
     return (2 * self.vocab_size * d + self.num_layers * (4 * d * d + 2 * d) +
-            dense_mlps * 3 * d * self.d_ff + self.moe_layers * d * self.num_experts)
+            dense_mlps * 3 * d * self.d_ff + self.moe_layers * d * self.num_experts +
+            self.moe_layers * 3 * d * self.shared_d_ff)
 
   @property
   def expert_params(self) -> int:
