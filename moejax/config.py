@@ -105,6 +105,20 @@ class MoEConfig:
   exchange_chunks: int = 1        # dense: split each layer's dispatch into K independent pieces
   ragged_buffer_factor: float = 2.0   # ragged: receive rows = factor * T * K per device
                                       # (0: N * T * K, the never-dropping worst case)
+  # Router family (moejax.model.moe.route). "softmax": softmax scores, switch balance loss
+  # over the batch. "sigmoid": sigmoid scores, gates normalised over the chosen k, a
+  # sequence-wise balance loss (DeepSeek-V3's; balance_loss_weight scales it, 0 = off).
+  gate: str = "softmax"
+  route_scale: float = 1.0        # multiplies the k gate values (DeepSeek-V3: 2.5)
+  # Aux-loss-free balancing: each step bias_e += bias_rate * sign(mean load - load_e); the
+  # bias picks experts, never weights them (TrainState.router_bias_LxE; 0: a fixed bias).
+  bias_rate: float = 0.0
+  num_shared_experts: int = 0     # dense SwiGLU experts every token goes through
+  shared_d_ff: int = 0            # hidden width of each shared expert (0: moe.d_ff)
+  # Device-limited routing: a token picks its device_limit best devices under the current
+  # layout (by the best biased score each hosts), then its top-k among their experts (0: off).
+  device_limit: int = 0
+  first_dense: int = 0            # dense (non-MoE) first layers before the scanned groups
 
   def validate(self) -> None:
     if self.num_experts < 1:
@@ -143,6 +157,19 @@ class MoEConfig:
     if self.ragged_buffer_factor < 0:
       raise ConfigError(f"moe.ragged_buffer_factor={self.ragged_buffer_factor} must be >= 0; "
                         "use e.g. 2.0 (0: size the buffer for the worst case, N x the send rows).")
+    self.validate_router()
+
+  def validate_router(self) -> None:
+    if self.gate not in ("softmax", "sigmoid"):
+      raise ConfigError(f"moe.gate={self.gate!r} is not supported; use 'softmax' or 'sigmoid'.")
+    if not self.route_scale > 0:
+      raise ConfigError(f"moe.route_scale={self.route_scale} must be > 0; use e.g. 1.0.")
+    if self.bias_rate < 0:
+      raise ConfigError(f"moe.bias_rate={self.bias_rate} must be >= 0; use e.g. 0.001 (0: the "
+                        "router bias never changes).")
+    for name in ("num_shared_experts", "shared_d_ff", "device_limit", "first_dense"):
+      if getattr(self, name) < 0:
+        raise ConfigError(f"moe.{name}={getattr(self, name)} must be >= 0 (0: off).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,10 +201,16 @@ class ModelConfig:
       raise ConfigError(
           f"head dim {self.d_model // self.num_heads} must be even for RoPE; "
           "change model.d_model or model.num_heads.")
-    if self.num_layers % moe.moe_every:
+    if moe.first_dense >= self.num_layers or (self.num_layers - moe.first_dense) % moe.moe_every:
       raise ConfigError(
-          f"model.num_layers={self.num_layers} must be a multiple of "
-          f"moe.moe_every={moe.moe_every} (layers are scanned in groups ending in an MoE layer).")
+          f"model.num_layers={self.num_layers} minus moe.first_dense={moe.first_dense} must be "
+          f"a positive multiple of moe.moe_every={moe.moe_every} (layers after the dense first "
+          "ones are scanned in groups ending in an MoE layer).")
+
+
+def num_moe_layers(model: ModelConfig, moe: MoEConfig) -> int:
+  """MoE layers of the model: the groups after the `moe.first_dense` dense first layers."""
+  return (model.num_layers - moe.first_dense) // moe.moe_every
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from moejax.config import ModelConfig, MoEConfig, OptimConfig
+from moejax.config import ModelConfig, MoEConfig, OptimConfig, num_moe_layers
 from moejax.model.mesh import mesh_of_shape
 from moejax.model.transformer import Transformer
 from moejax.train.optim import optimizer
@@ -21,7 +21,7 @@ def tiny_setup(shape, model_cfg=TINY_MODEL, moe_cfg=TINY_MOE, seed=0):
   mesh = mesh_of_shape(shape)
   model = Transformer(model_cfg, moe_cfg, mesh)
   layout = jax.device_put(
-      initial_layout(moe_cfg, model_cfg.num_layers // moe_cfg.moe_every, shape[1]),
+      initial_layout(moe_cfg, num_moe_layers(model_cfg, moe_cfg), shape[1]),
       jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
   tx = optimizer(OptimConfig(learning_rate=1e-2, warmup_steps=1), 10)
   shardings = state_shardings(model, tx, mesh, layout, BATCH, SEQ)

@@ -1,7 +1,8 @@
 """Decoder-only GPT-MoE in Flax Linen: RMSNorm, RoPE, causal attention, SwiGLU.
 
-Layers are scanned in groups of `moe_every`: (moe_every - 1) dense blocks then
-one MoE block, so compile time does not grow with depth. The layout rows of the
+After `moe.first_dense` dense first blocks, layers are scanned in groups of `moe_every`:
+(moe_every - 1) dense blocks then one MoE block (with the shared experts beside it, if any),
+so compile time does not grow with depth. The layout rows of the
 MoE layers are scanned alongside the parameters. In fsep mode the scan carries the
 restored expert weights of the layer it computes and restores the next layer's
 (double buffering), so that exchange does not wait for this layer's compute.
@@ -14,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from moejax.config import ModelConfig, MoEConfig
+from moejax.config import ModelConfig, MoEConfig, num_moe_layers
 from moejax.layout.tables import Layout
 from moejax.model.mesh import logical_to_spec
 from moejax.model.moe.fsep_experts import FsepExperts, restore_layer
@@ -71,11 +72,13 @@ class Attention(nn.Module):
 
 
 class DenseMLP(nn.Module):
+  """SwiGLU, hidden dim over 'model'. `d_ff` 0: the model's; the shared experts set theirs."""
   cfg: ModelConfig
+  d_ff: int = 0
 
   @nn.compact
   def __call__(self, x_BxQxD):
-    d, f = self.cfg.d_model, self.cfg.d_ff
+    d, f = self.cfg.d_model, self.d_ff or self.cfg.d_ff
     dtype = jnp.dtype(self.cfg.dtype)
     w_gate = _dense(("embed", "mlp"), (d, f), d, self, "w_gate")
     w_up = _dense(("embed", "mlp"), (d, f), d, self, "w_up")
@@ -150,6 +153,9 @@ class LayerGroup(nn.Module):
     else:
       y, stats = _rerestoring_moe(moe)(moe, h_BxQxD, layout, slot_weights, stored,
                                         slot_expert_LxS, layer)
+    if self.moe_cfg.num_shared_experts:   # one SwiGLU as wide as all shared experts together
+      width = self.moe_cfg.num_shared_experts * (self.moe_cfg.shared_d_ff or self.moe_cfg.d_ff)
+      y = y + mlp(cfg, width, name="shared")(h_BxQxD)
     x_BxQxD = jax.lax.with_sharding_constraint(x_BxQxD + y, act)
     return (x_BxQxD if fsep is None else (x_BxQxD, next_weights)), stats
 
@@ -168,7 +174,14 @@ class Transformer(nn.Module):
     x_BxQxD = embed[tokens_BxQ].astype(jnp.dtype(cfg.dtype))
     act = NamedSharding(self.mesh, logical_to_spec(("batch", "length", "embed")))
     x_BxQxD = jax.lax.with_sharding_constraint(x_BxQxD, act)
-    num_groups = cfg.num_layers // self.moe_cfg.moe_every
+    attn, mlp = (nn.remat(Attention), nn.remat(DenseMLP)) if cfg.remat else (Attention, DenseMLP)
+    for i in range(self.moe_cfg.first_dense):    # dense first layers, outside the scan
+      x_BxQxD = x_BxQxD + attn(cfg, name=f"first_attn_{i}")(
+          RMSNorm(cfg.norm_eps, name=f"first_ln_attn_{i}")(x_BxQxD))
+      x_BxQxD = x_BxQxD + mlp(cfg, name=f"first_mlp_{i}")(
+          RMSNorm(cfg.norm_eps, name=f"first_ln_mlp_{i}")(x_BxQxD))
+      x_BxQxD = jax.lax.with_sharding_constraint(x_BxQxD, act)
+    num_groups = num_moe_layers(cfg, self.moe_cfg)
     carry, fsep, in_axes = x_BxQxD, (), 0
     if self.moe_cfg.expert_mode == "fsep":   # restore the first layer; the scan the others
       stored, first = FsepExperts(num_groups, self.moe_cfg.num_experts, cfg.d_model,

@@ -78,6 +78,10 @@ PRESETS = {
                                  80 * 2**30),
     "h100_cluster": HardwareProfile("h100_cluster", 495e12, 2.3e12, 40e9, 80e9, 30e-6, 1.5e-3,
                                     80 * 2**30),
+    # Nodes of 8 H100s with the expert axis inside a node (NVLink all_to_all, as h100_node)
+    # and the data axis across nodes (InfiniBand gradient reduce, as h100_cluster).
+    "h100_ep_node": HardwareProfile("h100_ep_node", 495e12, 2.3e12, 200e9, 80e9, 30e-6, 1.5e-3,
+                                    80 * 2**30),
     # Uncalibrated guess for fake CPU devices (2 cores); run `python -m moejax.calibrate`.
     "cpu": HardwareProfile("cpu", 30e9, 5e9, 2e9, 2e9, 50e-6, 5e-3, 8 * 2**30, 2.0),
 }
@@ -98,10 +102,12 @@ class Workload:
   expert_d_ff: int
   moe_every: int
   act_bytes: int = 4
+  first_dense: int = 0           # dense first layers (moe.first_dense)
+  shared_d_ff: int = 0           # all shared experts' width together, per MoE layer
 
   @property
   def moe_layers(self) -> int:
-    return self.num_layers // self.moe_every
+    return (self.num_layers - self.first_dense) // self.moe_every
 
   @property
   def dense_params(self) -> int:
@@ -109,7 +115,8 @@ class Workload:
     d = self.d_model
     dense_mlps = self.num_layers - self.moe_layers
     return (2 * self.vocab_size * d + self.num_layers * (4 * d * d + 2 * d) +
-            dense_mlps * 3 * d * self.d_ff + self.moe_layers * d * self.num_experts)
+            dense_mlps * 3 * d * self.d_ff + self.moe_layers * d * self.num_experts +
+            self.moe_layers * 3 * d * self.shared_d_ff)
 
   @property
   def expert_params(self) -> int:

@@ -49,7 +49,9 @@ def workload_of(cfg: Config) -> Workload:
   m, moe = cfg.model, cfg.moe
   return Workload(m.d_model, m.num_layers, m.num_heads, m.d_ff, m.vocab_size, cfg.data.seq_len,
                   cfg.data.global_batch_size, moe.num_experts, moe.top_k, moe.d_ff,
-                  moe.moe_every, act_bytes=4 if m.dtype == "float32" else 2)
+                  moe.moe_every, act_bytes=4 if m.dtype == "float32" else 2,
+                  first_dense=moe.first_dense,
+                  shared_d_ff=moe.num_shared_experts * (moe.shared_d_ff or moe.d_ff))
 
 
 @dataclasses.dataclass

@@ -48,7 +48,8 @@ LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(Layout))
 # capacity) may change on resume, these may not.
 MODEL_FIELDS = (("model", "vocab_size"), ("model", "d_model"), ("model", "num_layers"),
                 ("model", "num_heads"), ("model", "d_ff"), ("model", "max_seq_len"),
-                ("moe", "num_experts"), ("moe", "d_ff"), ("moe", "moe_every"))
+                ("moe", "num_experts"), ("moe", "d_ff"), ("moe", "moe_every"),
+                ("moe", "first_dense"), ("moe", "num_shared_experts"), ("moe", "shared_d_ff"))
 
 
 def model_fields(cfg: Config) -> dict[str, int]:

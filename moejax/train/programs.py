@@ -22,7 +22,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from moejax.config import Config, MoEConfig, default_fsep_slots
+from moejax.config import Config, MoEConfig, default_fsep_slots, num_moe_layers
 from moejax.layout.convert import convert_tree
 from moejax.layout.leaves import gather_slots, is_fsep_expert_leaf
 from moejax.layout.migrate import migrate
@@ -76,7 +76,7 @@ def initial_layout(moe: MoEConfig, num_layers: int, num_devices: int) -> Layout:
 
 
 def start_layout(cfg: Config, num_devices: int) -> Layout:
-  return initial_layout(cfg.moe, cfg.model.num_layers // cfg.moe.moe_every, num_devices)
+  return initial_layout(cfg.moe, num_moe_layers(cfg.model, cfg.moe), num_devices)
 
 
 @dataclasses.dataclass

@@ -20,6 +20,10 @@ class TrainState:
   step: jax.Array
   params: Any
   opt_state: Any
+  # float32 [MoE layers, E], expert-id order: the aux-loss-free balancing bias, updated by
+  # the step from the load (not a gradient). Expert-indexed, so it follows an expert through
+  # migrations and is the same under ep and fsep; the model adds it to the layout's bias.
+  router_bias_LxE: jax.Array
 
 
 def _init_variables(model: nn.Module, layout: Layout, batch: int, seq_len: int, seed: int):
@@ -37,7 +41,7 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
   rep = NamedSharding(mesh, P())
   opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_sh,
                                  transform_non_params=lambda _: rep)
-  return TrainState(step=rep, params=param_sh, opt_state=opt_sh)
+  return TrainState(step=rep, params=param_sh, opt_state=opt_sh, router_bias_LxE=rep)
 
 
 def abstract(tree: Any, shardings: Any = None) -> Any:
@@ -53,5 +57,6 @@ def init_state(model: nn.Module, tx: optax.GradientTransformation, shardings: Tr
                layout: Layout, batch: int, seq_len: int, seed: int) -> TrainState:
   def init():
     params = nn.meta.unbox(_init_variables(model, layout, batch, seq_len, seed))["params"]
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                      router_bias_LxE=jnp.zeros(layout.router_bias_LxE.shape, jnp.float32))
   return jax.jit(init, out_shardings=shardings)()

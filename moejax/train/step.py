@@ -32,12 +32,26 @@ def loss_fn(params, model: nn.Module, moe_cfg: MoEConfig, batch_BxQ1: jax.Array,
                 "received_LxWxN": stats.received_WxN, "overflow_LxW": stats.overflow_W}
 
 
+def biased_layout(layout: Layout, router_bias_LxE: jax.Array) -> Layout:
+  """The layout the model routes with: the train state's balancing bias added to the
+  layout's own (zeros, or a benchmark's load injection)."""
+  return layout.replace(router_bias_LxE=layout.router_bias_LxE + router_bias_LxE)
+
+
+def update_bias(bias_LxE: jax.Array, counts_LxWxE: jax.Array, rate: float) -> jax.Array:
+  """Aux-loss-free balancing: bias_e += rate * sign(mean load - load_e), per layer, the load
+  being the (token, k) choices of the global batch."""
+  load_LxE = jnp.sum(counts_LxWxE, axis=1).astype(jnp.float32)
+  return bias_LxE + rate * jnp.sign(jnp.mean(load_LxE, axis=-1, keepdims=True) - load_LxE)
+
+
 def train_step(state: TrainState, batch_BxQ1: jax.Array, layout: Layout, *, model: nn.Module,
                tx: optax.GradientTransformation, moe_cfg: MoEConfig, lr_schedule):
   """One AdamW step. A non-finite loss or gradient norm keeps the old params and optimizer
   state (a data-dependent select, same program) and reports `skipped`; `step` advances."""
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-  (loss, aux), grads = grad_fn(state.params, model, moe_cfg, batch_BxQ1, layout)
+  (loss, aux), grads = grad_fn(state.params, model, moe_cfg, batch_BxQ1,
+                               biased_layout(layout, state.router_bias_LxE))
   grad_norm = optax.tree.norm(grads)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
@@ -45,9 +59,12 @@ def train_step(state: TrainState, batch_BxQ1: jax.Array, layout: Layout, *, mode
   keep_new = lambda new, old: jnp.where(finite, new, old)
   params = jax.tree.map(keep_new, params, state.params)
   opt_state = jax.tree.map(keep_new, opt_state, state.opt_state)
+  bias = keep_new(update_bias(state.router_bias_LxE, aux["counts_LxWxE"], moe_cfg.bias_rate),
+                  state.router_bias_LxE)
   metrics = dict(aux, loss=loss, grad_norm=grad_norm, lr=lr_schedule(state.step),
                  skipped=jnp.logical_not(finite))
-  return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+  return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
+                    router_bias_LxE=bias), metrics
 
 
 def eval_step(params, batch_BxQ1: jax.Array, layout: Layout, *, model: nn.Module,

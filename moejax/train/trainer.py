@@ -11,11 +11,17 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from moejax.config import Config
+from moejax.config import Config, num_moe_layers
 from moejax.placement.trace import TraceRecorder
 from moejax.runtime import distributed
 from moejax.strategy import memory
-from moejax.train import data as data_lib, faults, metrics as metrics_lib, preempt
+from moejax.train import (
+  data as data_lib,
+  faults,
+  metrics as metrics_lib,
+  preempt,
+  step as step_lib,
+)
 from moejax.train.balance import BalanceTally
 from moejax.train.checkpoint import Checkpointer, model_fields
 from moejax.train.controllers import Hook, LayoutReplanning, StrategySwitching
@@ -170,7 +176,9 @@ class Trainer:
     for i in range(self.cfg.train.eval_batches):
       batch = data_lib.make_global_batch(self.val_loader.batch_at(i), prog.batch_sharding,
                                          self.cfg.data.global_batch_size)
-      losses.append(prog.eval_step(self.state.params, batch, prog.layout))
+      losses.append(prog.eval_step(self.state.params, batch,
+                                   step_lib.biased_layout(prog.layout,
+                                                          self.state.router_bias_LxE)))
     return float(np.mean([float(x) for x in losses]))
 
   def run(self, hooks: list[Hook] = (), stop: preempt.StopRequest | None = None,
@@ -275,7 +283,7 @@ class Trainer:
              ", ".join(f"{k} {v}" for k, v in xla_memory(member.train_step).items())
              for member in self.pool.programs]
     lines.append("arithmetic model, " + memory.report(
-        cfg.model.num_layers // cfg.moe.moe_every, cfg.moe.num_experts, cfg.model.d_model,
+        num_moe_layers(cfg.model, cfg.moe), cfg.moe.num_experts, cfg.model.d_model,
         cfg.moe.d_ff, prog.mesh.shape["expert"], prog.mesh.shape["model"],
         prog.cfg.moe.slots_per_device or None))
     files = {**run_files, "config.json": json.dumps(cfg.to_dict(), indent=2),

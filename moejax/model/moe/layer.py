@@ -148,6 +148,11 @@ def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
     cap = pooled.device_capacity(num_tokens, cfg.top_k, num_dev, cfg.capacity_factor)
   else:
     cap = dispatch_lib.capacity(num_tokens, cfg.top_k, num_slots, cfg.capacity_factor)
+  if cfg.device_limit and not (cfg.device_limit <= num_dev and
+                               cfg.device_limit * slots >= cfg.top_k):
+    raise ConfigError(f"moe.device_limit={cfg.device_limit} needs <= mesh.expert={num_dev} "
+                      f"devices holding >= moe.top_k={cfg.top_k} experts ({slots} per device); "
+                      f"use a device_limit in [{-(-cfg.top_k // slots)}, {num_dev}] or 0.")
   # Chosen when the program is built: ep layouts have one replica per expert.
   pick_slots = _ep_slots if layout.expert_slots_LxExR.shape[-1] == 1 else _replica_slots
   platform = mesh.devices.flat[0].platform
@@ -164,7 +169,9 @@ def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
   def local(x, w_router, w_gate, w_up, w_down, expert_slots, expert_parts, local_parts, bias):
     x_TxD = x.reshape(-1, d_model)
     r = route(x_TxD, w_router, cfg.top_k, normalize_top_k=cfg.normalize_top_k,
-              token_axes=BATCH_AXES, bias_E=bias)
+              token_axes=BATCH_AXES, bias_E=bias, gate=cfg.gate, route_scale=cfg.route_scale,
+              seq_len=length, hosts_ExN=hosting_devices(expert_slots, num_dev, slots),
+              device_limit=cfg.device_limit)
     slot_A = pick_slots(r.expert_TxK.reshape(-1), expert_slots, expert_parts, local_parts, slots)
     y_TxD, dropped, slot_counts, kept = pipeline(x_TxD, slot_A, r.gate_TxK,
                                                  (w_gate, w_up, w_down), ops, num_dev, slots,
@@ -188,6 +195,12 @@ def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
       layout.router_bias_LxE)
   received, overflow = realised_load(slot_counts, kept, num_dev)
   return y, MoEStats(counts, dropped, slot_counts, bal, z, received, overflow)
+
+
+def hosting_devices(expert_slots_ExR: jax.Array, num_dev: int, slots: int) -> jax.Array:
+  """bool [E, N]: device n holds a replica of expert e under this layout row (data)."""
+  device_ExR = jnp.where(expert_slots_ExR >= 0, expert_slots_ExR // slots, -1)
+  return jnp.any(jax.nn.one_hot(device_ExR, num_dev, dtype=jnp.bool_), axis=1)
 
 
 def realised_load(slot_counts_WxS: jax.Array, kept_WxS: jax.Array,

@@ -13,12 +13,15 @@ from moejax.model.moe.route import route
 
 
 def moe_reference(params: dict, x_BxQxD: jax.Array, top_k: int, normalize_top_k: bool = True,
-                  bias_E: jax.Array | None = None, keep_TxK: jax.Array | None = None):
-  """Returns (y_BxQxD, counts_E, balance_loss, z_loss); `bias_E` as in `route`; `keep_TxK`
-  (bool, optional) drops the choices it marks False (a capacity rule's outcome)."""
+                  bias_E: jax.Array | None = None, keep_TxK: jax.Array | None = None,
+                  **route_kwargs):
+  """Returns (y_BxQxD, counts_E, balance_loss, z_loss); `bias_E` and `route_kwargs` (gate,
+  route_scale, hosts_ExN, device_limit) as in `route`; `keep_TxK` (bool, optional) drops the
+  choices it marks False (a capacity rule's outcome)."""
   d_model = x_BxQxD.shape[-1]
   x_TxD = x_BxQxD.reshape(-1, d_model).astype(jnp.float32)
-  r = route(x_TxD, params["router"], top_k, normalize_top_k=normalize_top_k, bias_E=bias_E)
+  r = route(x_TxD, params["router"], top_k, normalize_top_k=normalize_top_k, bias_E=bias_E,
+            seq_len=x_BxQxD.shape[1], **route_kwargs)
   gate_h = jnp.einsum("td,edf->etf", x_TxD, params["w_gate"])
   up_h = jnp.einsum("td,edf->etf", x_TxD, params["w_up"])
   out_ExTxD = jnp.einsum("etf,efd->etd", jax.nn.silu(gate_h) * up_h, params["w_down"])

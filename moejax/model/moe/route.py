@@ -3,6 +3,10 @@
 Works on one device's tokens. The aux losses are means over the *global* batch:
 pass the names of the mesh axes the tokens are sharded over and the sums are
 reduced across them, so the sharded layer equals the single-device reference.
+
+Two gates (`moe.gate`): "softmax" scores with the switch balance loss over the batch, and
+"sigmoid" scores (DeepSeek-V3) with a sequence-wise balance loss. Either way a bias added to
+the scores chooses the experts and the gates are the unbiased scores of the chosen ones.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ class Routing(NamedTuple):
   expert_TxK: jax.Array      # int32 chosen experts
   gate_TxK: jax.Array        # float32 combine weights
   counts_E: jax.Array        # int32 (token, k) choices per expert, this device's tokens
-  balance_loss: jax.Array    # scalar, switch load-balance loss (global)
+  balance_loss: jax.Array    # scalar, load-balance loss (global)
   z_loss: jax.Array          # scalar, router z-loss (global)
 
 
@@ -29,29 +33,71 @@ def _global_mean(x_sum: jax.Array, n: jax.Array | int, axes: Sequence[str]) -> j
   return x_sum / n
 
 
+def device_mask(choice_TxE: jax.Array, hosts_ExN: jax.Array, device_limit: int) -> jax.Array:
+  """bool [T, E]: the experts hosted on each token's `device_limit` best devices, a device
+  scoring the best `choice_TxE` among the experts it hosts (`hosts_ExN`, bool)."""
+  hosted_TxExN = jnp.where(hosts_ExN[None], choice_TxE[:, :, None], -jnp.inf)
+  _, device_TxM = jax.lax.top_k(jnp.max(hosted_TxExN, axis=1), device_limit)
+  return jnp.any(hosts_ExN.T[device_TxM], axis=1)
+
+
+def _scores(logits_TxE: jax.Array, gate: str) -> jax.Array:
+  if gate == "sigmoid":
+    return jax.nn.sigmoid(logits_TxE)
+  return jax.nn.softmax(logits_TxE, axis=-1)
+
+
+def _balance_loss(gate, scores_TxE, counts_TxE, top_k, seq_len, token_axes):
+  """softmax: the switch loss E * sum_e (share of choices to e) * (mean prob of e) over the
+  global batch. sigmoid: the same product per sequence, with scores normalised per token,
+  averaged over the sequences (DeepSeek-V3's sequence-wise loss)."""
+  num_tokens, num_experts = scores_TxE.shape
+  if gate == "softmax":
+    frac_E = _global_mean(jnp.sum(counts_TxE, 0), num_tokens * top_k, token_axes)
+    prob_E = _global_mean(jnp.sum(scores_TxE, axis=0), num_tokens, token_axes)
+    return num_experts * jnp.sum(jax.lax.stop_gradient(frac_E) * prob_E)
+  norm_TxE = scores_TxE / jnp.sum(scores_TxE, axis=-1, keepdims=True)
+  seqs = num_tokens // seq_len
+  frac_BxE = jnp.sum(counts_TxE.reshape(seqs, seq_len, num_experts), 1) / (seq_len * top_k)
+  prob_BxE = jnp.mean(norm_TxE.reshape(seqs, seq_len, num_experts), 1)
+  per_seq_B = num_experts * jnp.sum(jax.lax.stop_gradient(frac_BxE) * prob_BxE, -1)
+  return _global_mean(jnp.sum(per_seq_B), seqs, token_axes)
+
+
 def route(x_TxD: jax.Array, w_router_DxE: jax.Array, top_k: int, *, normalize_top_k: bool,
-          token_axes: Sequence[str] = (), bias_E: jax.Array | None = None) -> Routing:
-  """`bias_E` (probability units) is added to the router probabilities for the *choice* of
-  experts only; the gates stay the unbiased probabilities (aux-loss-free balancing, or load
-  injection). A zero bias chooses exactly as no bias."""
+          token_axes: Sequence[str] = (), bias_E: jax.Array | None = None,
+          gate: str = "softmax", route_scale: float = 1.0, seq_len: int = 0,
+          hosts_ExN: jax.Array | None = None, device_limit: int = 0) -> Routing:
+  """`bias_E` (score units) is added to the scores for the *choice* of experts only; the
+  gates stay the unbiased scores (aux-loss-free balancing, or load injection). A zero bias
+  chooses exactly as no bias. `seq_len`: tokens per sequence for the sigmoid gate's
+  sequence-wise loss (0: this device's tokens are one sequence). `hosts_ExN` with
+  `device_limit` = M > 0: choose among the experts of the token's M best devices only."""
   num_tokens = x_TxD.shape[0]
   num_experts = w_router_DxE.shape[1]
   logits_TxE = jnp.dot(x_TxD.astype(jnp.float32), w_router_DxE.astype(jnp.float32))
-  probs_TxE = jax.nn.softmax(logits_TxE, axis=-1)
-  if bias_E is None:
-    gate_TxK, expert_TxK = jax.lax.top_k(probs_TxE, top_k)
+  scores_TxE = _scores(logits_TxE, gate)
+  if bias_E is None and not device_limit:
+    gate_TxK, expert_TxK = jax.lax.top_k(scores_TxE, top_k)
   else:
-    _, expert_TxK = jax.lax.top_k(probs_TxE + jax.lax.stop_gradient(bias_E), top_k)
-    gate_TxK = jnp.take_along_axis(probs_TxE, expert_TxK, axis=-1)
-  if normalize_top_k and top_k > 1:   # a single gate renormalised to 1 would cut the router
+    choice_TxE = jax.lax.stop_gradient(scores_TxE)
+    if bias_E is not None:
+      choice_TxE = choice_TxE + jax.lax.stop_gradient(bias_E)
+    if device_limit:
+      allowed_TxE = device_mask(choice_TxE, hosts_ExN, device_limit)
+      choice_TxE = jnp.where(allowed_TxE, choice_TxE, -jnp.inf)
+    _, expert_TxK = jax.lax.top_k(choice_TxE, top_k)
+    gate_TxK = jnp.take_along_axis(scores_TxE, expert_TxK, axis=-1)
+  # A single softmax gate renormalised to 1 would cut the router's gradient; a sigmoid one
+  # keeps it (s / s is 1 too), so sigmoid normalises only for k > 1 as well.
+  if normalize_top_k and top_k > 1:
     gate_TxK = gate_TxK / jnp.sum(gate_TxK, axis=-1, keepdims=True)
+  gate_TxK = gate_TxK * route_scale
 
-  onehot_TxKxE = jax.nn.one_hot(expert_TxK, num_experts, dtype=jnp.int32)
-  counts_E = jnp.sum(onehot_TxKxE, axis=(0, 1))
-  # Switch balance loss: E * sum_e (fraction of choices to e) * (mean prob of e).
-  frac_E = _global_mean(counts_E.astype(jnp.float32), num_tokens * top_k, token_axes)
-  prob_E = _global_mean(jnp.sum(probs_TxE, axis=0), num_tokens, token_axes)
-  balance_loss = num_experts * jnp.sum(jax.lax.stop_gradient(frac_E) * prob_E)
+  counts_TxE = jnp.sum(jax.nn.one_hot(expert_TxK, num_experts, dtype=jnp.float32), axis=1)
+  counts_E = jnp.sum(counts_TxE, axis=0).astype(jnp.int32)
+  balance_loss = _balance_loss(gate, scores_TxE, counts_TxE, top_k, seq_len or num_tokens,
+                               token_axes)
   z_loss = _global_mean(jnp.sum(jax.nn.logsumexp(logits_TxE, axis=-1) ** 2), num_tokens,
                         token_axes)
   return Routing(expert_TxK.astype(jnp.int32), gate_TxK, counts_E, balance_loss, z_loss)
