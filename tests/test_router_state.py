@@ -144,3 +144,25 @@ def test_first_dense_and_shared_experts_on_mesh_match_one_device():
   np.testing.assert_array_equal(aux["counts_LxWxE"].sum(1), ref_aux["counts_LxWxE"].sum(1))
   assert_close(loss, ref_loss, loss_len, err_msg="loss")
   assert_trees_close(grads, ref_grads, grad_len)
+
+
+@pytest.mark.slow
+def test_checkpoint_from_before_the_bias_restores_with_a_zero_bias(tmp_path):
+  """A run dir written before the bias was train state (no router_bias_LxE in the saved tree)
+  resumes: weights and step as saved, the bias at zero, as a fresh run would start."""
+  _, _, _, layout, _, state = cached_setup((2, 4, 1), SMALL_MODEL, SMALL_MOE)
+  trained_like = state.replace(step=state.step + 5,
+                               router_bias_LxE=state.router_bias_LxE + 1.0)
+  legacy = {"step": trained_like.step, "params": trained_like.params,
+            "opt_state": trained_like.opt_state}
+  ckpt = Checkpointer(str(tmp_path / "ck"), CheckpointConfig())
+  ckpt.save(5, legacy, layout, {"data_position": 5}, "ep")
+  ckpt.wait()
+  back = ckpt.restore(trained_like, layout, "ep")
+  ckpt.close()
+  assert back.step == 5 and int(back.state.step) == 5
+  np.testing.assert_array_equal(back.state.router_bias_LxE,
+                                np.zeros(state.router_bias_LxE.shape, np.float32))
+  assert back.state.router_bias_LxE.sharding == trained_like.router_bias_LxE.sharding
+  for a, b in zip(jax.tree.leaves(back.state.params), jax.tree.leaves(trained_like.params)):
+    np.testing.assert_array_equal(a, b)

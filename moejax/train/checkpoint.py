@@ -39,11 +39,12 @@ from moejax.layout.placement import SHARE_PARTS
 from moejax.layout.tables import Layout
 from moejax.runtime import distributed
 from moejax.train import digest as digest_lib, faults
-from moejax.train.state import abstract
+from moejax.train.state import TrainState, abstract
 
 __all__ = ["Checkpointer", "CheckpointError", "Restored", "check_layout", "from_canonical",
            "model_fields", "to_canonical"]
 LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(Layout))
+BIAS = "router_bias_LxE"   # the train state's field that checkpoints before 2026-11-24 lack
 # The fields that give the saved arrays their shapes; strategy fields (mesh, expert mode,
 # capacity) may change on resume, these may not.
 MODEL_FIELDS = (("model", "vocab_size"), ("model", "d_model"), ("model", "num_layers"),
@@ -235,6 +236,12 @@ class Checkpointer:
     saved = _saved_arrays(self._mngr, step)
     src_mode = "fsep" if any(n.startswith("params/fsep_experts/") for n in saved["state"]) else "ep"
     target_state = convert_tree(abstract(state_like), expert_mode, src_mode)
+    # A checkpoint from before the balancing bias was train state holds no router_bias_LxE: it
+    # restores with the zero bias a fresh run starts from, rather than as another model's.
+    without_bias = BIAS not in saved["state"]
+    if without_bias:
+      target_state = {f.name: getattr(target_state, f.name)
+                      for f in dataclasses.fields(target_state) if f.name != BIAS}
     _check_compatible(saved["state"], target_state, self.directory, step)
     rep = jax.tree.leaves(layout_like)[0].sharding
     target_layout = {n: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=rep)
@@ -263,7 +270,12 @@ class Checkpointer:
           f"checkpoint {self.directory}/{step} was saved in {src_mode} mode with a layout that "
           f"does not fit this {expert_mode} strategy; experts keep their weights (canonical "
           "order) and start from this strategy's initial layout")
-    state = convert_tree(item["state"], src_mode, expert_mode)
+    state = item["state"]
+    if without_bias:
+      bias = state_like.router_bias_LxE
+      state = TrainState(**state, router_bias_LxE=jax.device_put(
+          np.zeros(bias.shape, bias.dtype), bias.sharding))
+    state = convert_tree(state, src_mode, expert_mode)
     state = from_canonical_state(state, layout, expert_mode)
     meta["expert_mode_saved"] = src_mode
     return Restored(int(meta.get("step", step)), state, layout, meta, warnings)
