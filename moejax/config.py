@@ -52,10 +52,20 @@ class MeshConfig:
   # With no XLA_FLAGS set, train.py exposes this many CPU host devices before JAX starts
   # (set 1 on GPU hosts; the flag only affects the CPU platform).
   host_device_count: int = 8
+  # Pipeline stages P: the layer groups split into P stages of whole groups (moejax.model.
+  # pipeline); data * expert * model are the devices of one stage.
+  stage: int = 1
+  # ZeRO-3: parameters and optimizer moments sharded over `data` on their embed dim
+  # (moejax.model.mesh.FSDP_RULES); XLA gathers them where a layer uses them.
+  fsdp: bool = False
 
   def resolve(self, num_devices: int) -> tuple[int, int, int]:
     """(data, expert, model) with a single -1 replaced by the remaining factor; the product
-    must be `num_devices`."""
+    times mesh.stage must be `num_devices`."""
+    if self.stage < 1 or num_devices % self.stage:
+      raise ConfigError(f"mesh.stage={self.stage} does not divide the {num_devices} devices; "
+                        f"use a divisor of {num_devices} (1: no pipeline).")
+    num_devices //= self.stage
     names = ("data", "expert", "model")
     sizes = [self.data, self.expert, self.model]
     bad = [(n, s) for n, s in zip(names, sizes) if s == 0 or s < -1]
@@ -72,10 +82,23 @@ class MeshConfig:
             f"{num_devices} is not divisible by {known}.")
       sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
+      per_stage = f" per stage (mesh.stage={self.stage})" if self.stage > 1 else ""
       raise ConfigError(
           f"mesh sizes {dict(zip(names, sizes))} multiply to {math.prod(sizes)} but there are "
-          f"{num_devices} devices; make the product {num_devices} or set one axis to -1.")
+          f"{num_devices} devices{per_stage}; make the product {num_devices} or set one axis "
+          "to -1.")
     return tuple(sizes)
+
+
+def microbatch_split_error(batch: int, microbatches: int, shards: int) -> str | None:
+  """Why a microbatch of batch / microbatches rows cannot split over `shards` = data*expert
+  devices (None: it can)."""
+  rows = batch // microbatches
+  if rows % shards:
+    return (f"train.microbatches={microbatches} leaves {rows} rows per microbatch of "
+            f"data.global_batch_size={batch}, not divisible by data*expert={shards} devices; "
+            f"use a global batch that is a multiple of {microbatches * shards}")
+  return None
 
 
 def default_fsep_slots(num_experts: int, num_devices: int) -> int:
@@ -225,6 +248,9 @@ class TrainConfig:
   # Take the run dir even when its lock names a live run on another host (which cannot be
   # checked from here); only for a lock left by a host that is gone.
   force_unlock: bool = False
+  # Each step's batch in M microbatches (rows i with i % M == m), run one after another
+  # (gradient accumulation) or, with mesh.stage > 1, through the pipeline.
+  microbatches: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,6 +341,7 @@ class Config:
     self.planner.validate(self.moe.expert_mode)
     self.strategy.validate()
     self.model.validate(self.moe)
+    self._validate_pipeline()
     if self.data.seq_len > self.model.max_seq_len:
       raise ConfigError(
           f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}.")
@@ -329,6 +356,28 @@ class Config:
       if value < 1:
         raise ConfigError(f"{name}={value} must be >= 1; use e.g. {name} = 1.")
     return self
+
+  def _validate_pipeline(self) -> None:
+    stage, micro = self.mesh.stage, self.train.microbatches
+    groups = self.model.num_layers // self.moe.moe_every
+    if stage < 1:
+      raise ConfigError(f"mesh.stage={stage} must be >= 1 (1: no pipeline).")
+    if groups % stage:
+      raise ConfigError(
+          f"model.num_layers={self.model.num_layers} makes {groups} layer groups of "
+          f"moe.moe_every={self.moe.moe_every}, not divisible by mesh.stage={stage}; use "
+          f"model.num_layers = {stage * self.moe.moe_every * max(1, groups // stage)} or a "
+          f"mesh.stage dividing {groups}.")
+    if micro < 1 or self.data.global_batch_size % micro:
+      raise ConfigError(
+          f"train.microbatches={micro} does not divide data.global_batch_size="
+          f"{self.data.global_batch_size}; use a divisor of {self.data.global_batch_size}.")
+    if stage > 1 and self.moe.expert_mode != "ep":
+      raise ConfigError(f"mesh.stage={stage} runs only moe.expert_mode='ep' so far; set "
+                        "moe.expert_mode = 'ep' or mesh.stage = 1.")
+    if stage > 1 and self.strategy.pool:
+      raise ConfigError(f"mesh.stage={stage} with strategy.pool={list(self.strategy.pool)} is "
+                        "not supported yet; set strategy.pool = [] or mesh.stage = 1.")
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
