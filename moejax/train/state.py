@@ -28,10 +28,11 @@ def _init_variables(model: nn.Module, layout: Layout, batch: int, seq_len: int, 
 
 
 def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh,
-                    layout: Layout, batch: int, seq_len: int) -> TrainState:
-  """Shardings of every state leaf, from the logical axis names of the params."""
+                    layout: Layout, batch: int, seq_len: int, rules=RULES) -> TrainState:
+  """Shardings of every state leaf, from the logical axis names of the params under `rules`
+  (moejax.model.mesh.param_rules: RULES, or with the FSDP / stage overrides)."""
   boxed = jax.eval_shape(lambda: _init_variables(model, layout, batch, seq_len, 0))
-  param_sh = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, RULES)["params"]
+  param_sh = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)["params"]
   abstract_params = nn.meta.unbox(boxed)["params"]
   abstract_opt = jax.eval_shape(tx.init, abstract_params)
   rep = NamedSharding(mesh, P())
