@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import pytest
 
 from moejax.config import OptimConfig
 from moejax.model.mesh import mesh_of_shape, param_rules
@@ -10,7 +11,7 @@ from moejax.model.transformer import Transformer
 from moejax.train import step as step_lib
 from moejax.train.optim import optimizer
 from moejax.train.programs import initial_layout
-from moejax.train.state import init_state, state_shardings
+from moejax.train.state import init_state, per_device_bytes, state_shardings
 from tests.helpers import BATCH, SEQ, TINY_MODEL, TINY_MOE, tokens
 from tests.moe_helpers import model_lengths
 from tests.numerics import assert_close, assert_trees_close
@@ -41,6 +42,26 @@ def _step_parts(fsdp: bool):
   return state, float(loss), grads
 
 
+def test_fsdp_shards_every_state_leaf_over_data():
+  """Shapes only (no compile): with FSDP every parameter and Adam moment has its embed dim
+  over `data`, so on 2x4x1 a device holds half the train state it holds without."""
+  mesh = mesh_of_shape(SHAPE)
+  model = Transformer(TINY_MODEL, TINY_MOE, mesh)
+  layout = initial_layout(TINY_MOE, 2, SHAPE[1])
+  tx = optimizer(OptimConfig(), 10)
+  shapes = jax.eval_shape(lambda: init_state(model, tx, None, layout, BATCH, SEQ, 0))
+  per_device = {}
+  for fsdp in (False, True):
+    sh = state_shardings(model, tx, mesh, layout, BATCH, SEQ, param_rules(fsdp=fsdp))
+    per_device[fsdp] = (per_device_bytes(shapes.params, sh.params),
+                        per_device_bytes(shapes, sh))
+    specs = jax.tree.leaves(jax.tree.map(lambda s: s.spec, sh.params))
+    assert all(("data" in tuple(s)) == fsdp for s in specs), specs
+  assert per_device[True][0] * 2 == per_device[False][0], per_device     # params
+  assert abs(per_device[True][1] / per_device[False][1] - 0.5) < 0.01, per_device  # + Adam
+
+
+@pytest.mark.slow
 def test_fsdp_on_and_off_give_the_same_step():
   """Loss and every gradient equal with and without FSDP; with it, the dense weights, their
   gradients and their Adam moments are split over data (2 devices) on the embed dim."""

@@ -8,6 +8,7 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -39,6 +40,16 @@ def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
   opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_sh,
                                  transform_non_params=lambda _: rep)
   return TrainState(step=rep, params=param_sh, opt_state=opt_sh)
+
+
+def per_device_bytes(shapes: Any, shardings: Any) -> int:
+  """Bytes the most loaded device holds of `shapes` (ShapeDtypeStructs or arrays) laid out
+  by `shardings` (a matching tree), from each leaf's shard shape: no array is allocated."""
+  total = 0
+  for x, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings)):
+    shard = s.shard_shape(x.shape)
+    total += int(np.prod(shard, dtype=np.int64)) * jnp.dtype(x.dtype).itemsize
+  return total
 
 
 def abstract(tree: Any, shardings: Any = None) -> Any:
