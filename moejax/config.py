@@ -375,6 +375,10 @@ class Config:
     if stage > 1 and self.moe.expert_mode != "ep":
       raise ConfigError(f"mesh.stage={stage} runs only moe.expert_mode='ep' so far; set "
                         "moe.expert_mode = 'ep' or mesh.stage = 1.")
+    if stage > 1 and self.moe.capacity != "slot":
+      raise ConfigError(f"mesh.stage={stage} runs only moe.capacity='slot' so far (the pooled "
+                        "dispatch fails shard_map's replication check under the stage vmap); "
+                        "set moe.capacity = 'slot' or mesh.stage = 1.")
     if stage > 1 and self.strategy.pool:
       raise ConfigError(f"mesh.stage={stage} with strategy.pool={list(self.strategy.pool)} is "
                         "not supported yet; set strategy.pool = [] or mesh.stage = 1.")

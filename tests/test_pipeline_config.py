@@ -61,6 +61,13 @@ def test_stages_need_ep():
   assert_one_line(e, "mesh.stage=2", "expert_mode='ep'")
 
 
+def test_stages_need_slot_capacity():
+  cfg = Config(mesh=MeshConfig(stage=2), moe=MoEConfig(capacity="device"))
+  with pytest.raises(ConfigError) as e:
+    cfg.validate()
+  assert_one_line(e, "mesh.stage=2", "moe.capacity='slot'")
+
+
 def test_param_rules_override_only_embed_and_layers():
   assert param_rules() == RULES
   both = dict(param_rules(fsdp=True, stage=True))
