@@ -15,7 +15,13 @@ from moejax.config import (
   microbatch_split_error,
 )
 from moejax.model.mesh import RULES, param_rules
-from tests.test_errors import assert_one_line
+
+
+def assert_one_line(excinfo, *needles: str) -> None:
+  msg = str(excinfo.value)
+  assert msg and "\n" not in msg and msg == msg.strip(), repr(msg)
+  for needle in needles:
+    assert needle in msg, f"{needle!r} not in {msg!r}"
 
 
 def test_layer_groups_not_divisible_by_stages():
