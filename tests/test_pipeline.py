@@ -68,7 +68,10 @@ def test_pipeline_matches_one_device(stages, shape, micro, moe_cfg):
   f = jax.jit(jax.value_and_grad(
       lambda p, b: step_lib.loss_fn(p, Pipelined(model, micro), moe_cfg, b, layout),
       has_aux=True))
-  (loss, aux), grads = f(state.params, tokens())
+  compiled = f.lower(state.params, tokens()).compile()
+  (loss, aux), grads = compiled(state.params, tokens())
+  # The stage boundary is a collective permute in the compiled program (forward and back).
+  assert "collective-permute" in compiled.as_text()
   loss_len, grad_len = model_lengths(TINY_MODEL, moe_cfg)
   assert int(np.sum(aux["dropped_LxW"])) == 0
   assert_close(float(loss), ref_loss, loss_len, err_msg="loss")
