@@ -38,8 +38,9 @@ def _step_parts(fsdp: bool):
   loss_fn = lambda p, b, lay: step_lib.loss_fn(p, model, TINY_MOE, b, lay)
   f = jax.jit(jax.value_and_grad(loss_fn, has_aux=True),
       in_shardings=(shardings.params, None, None), out_shardings=(None, shardings.params))
-  (loss, _), grads = f(state.params, tokens(), layout)
-  return state, float(loss), grads
+  compiled = f.lower(state.params, tokens(), layout).compile()
+  (loss, _), grads = compiled(state.params, tokens(), layout)
+  return state, float(loss), grads, compiled.as_text()
 
 
 def test_fsdp_shards_every_state_leaf_over_data():
@@ -65,8 +66,10 @@ def test_fsdp_shards_every_state_leaf_over_data():
 def test_fsdp_on_and_off_give_the_same_step():
   """Loss and every gradient equal with and without FSDP; with it, the dense weights, their
   gradients and their Adam moments are split over data (2 devices) on the embed dim."""
-  off_state, off_loss, off_grads = _step_parts(False)
-  on_state, on_loss, on_grads = _step_parts(True)
+  off_state, off_loss, off_grads, off_hlo = _step_parts(False)
+  on_state, on_loss, on_grads, on_hlo = _step_parts(True)
+  # The partitioner gathers the data-sharded weights: all-gathers only FSDP has.
+  assert on_hlo.count("all-gather") > off_hlo.count("all-gather"), "no FSDP all-gathers"
   assert_close(on_loss, off_loss, LOSS_LEN, err_msg="loss")
   assert_trees_close(jax.device_get(on_grads), jax.device_get(off_grads), GRAD_LEN)
   wq = on_state.params["layers"]["attn_0"]["wq"]          # [layers, D, H, J]
