@@ -52,10 +52,16 @@ class MeshConfig:
   # With no XLA_FLAGS set, train.py exposes this many CPU host devices before JAX starts
   # (set 1 on GPU hosts; the flag only affects the CPU platform).
   host_device_count: int = 8
+  stage: int = 1   # pipeline stages of whole layer groups; data*expert*model devices each
+  fsdp: bool = False   # ZeRO-3: params and Adam moments sharded over `data` (mesh.FSDP_RULES)
 
   def resolve(self, num_devices: int) -> tuple[int, int, int]:
     """(data, expert, model) with a single -1 replaced by the remaining factor; the product
-    must be `num_devices`."""
+    times mesh.stage must be `num_devices`."""
+    if self.stage < 1 or num_devices % self.stage:
+      raise ConfigError(f"mesh.stage={self.stage} does not divide the {num_devices} devices; "
+                        f"use a divisor of {num_devices} (1: no pipeline).")
+    num_devices //= self.stage
     names = ("data", "expert", "model")
     sizes = [self.data, self.expert, self.model]
     bad = [(n, s) for n, s in zip(names, sizes) if s == 0 or s < -1]
@@ -72,10 +78,23 @@ class MeshConfig:
             f"{num_devices} is not divisible by {known}.")
       sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
+      per_stage = f" per stage (mesh.stage={self.stage})" if self.stage > 1 else ""
       raise ConfigError(
           f"mesh sizes {dict(zip(names, sizes))} multiply to {math.prod(sizes)} but there are "
-          f"{num_devices} devices; make the product {num_devices} or set one axis to -1.")
+          f"{num_devices} devices{per_stage}; make the product {num_devices} or set one axis "
+          "to -1.")
     return tuple(sizes)
+
+
+def microbatch_split_error(batch: int, microbatches: int, shards: int) -> str | None:
+  """Why a microbatch of batch / microbatches rows cannot split over `shards` = data*expert
+  devices (None: it can)."""
+  rows = batch // microbatches
+  if rows % shards:
+    return (f"train.microbatches={microbatches} leaves {rows} rows per microbatch of "
+            f"data.global_batch_size={batch}, not divisible by data*expert={shards} devices; "
+            f"use a global batch that is a multiple of {microbatches * shards}")
+  return None
 
 
 def default_fsep_slots(num_experts: int, num_devices: int) -> int:
@@ -121,8 +140,9 @@ class MoEConfig:
   first_dense: int = 0            # dense (non-MoE) first layers before the scanned groups
 
   def validate(self) -> None:
-    if self.num_experts < 1:
-      raise ConfigError(f"moe.num_experts={self.num_experts} must be >= 1.")
+    for name in ("num_experts", "d_ff", "moe_every", "exchange_chunks"):
+      if getattr(self, name) < 1:
+        raise ConfigError(f"moe.{name}={getattr(self, name)} must be >= 1.")
     if not 1 <= self.top_k <= self.num_experts:
       raise ConfigError(
           f"moe.top_k={self.top_k} must be in [1, moe.num_experts={self.num_experts}]; "
@@ -131,37 +151,25 @@ class MoEConfig:
       raise ConfigError(
           f"moe.capacity_factor={self.capacity_factor} must be > 0; use e.g. 1.25 "
           "(1.0 = exactly the balanced share per expert).")
-    if self.d_ff < 1:
-      raise ConfigError(f"moe.d_ff={self.d_ff} must be >= 1.")
-    if self.moe_every < 1:
-      raise ConfigError(f"moe.moe_every={self.moe_every} must be >= 1.")
-    if self.expert_mode not in ("ep", "fsep"):
-      raise ConfigError(f"moe.expert_mode={self.expert_mode!r} is not supported; use 'ep' or "
-                        "'fsep'.")
+    for name, allowed, hint in (
+        ("expert_mode", ("ep", "fsep"), ""),
+        ("dispatch", ("dense", "ragged"), " ('ragged': dropless, GPU/TPU only)"),
+        ("kernels", ("xla", "pallas"), ""),
+        ("pallas_backend", PALLAS_BACKENDS, " ('auto' picks by platform and GPU)"),
+        ("capacity", ("slot", "device"),
+         " ('slot': per (source, slot) buffers; 'device': pooled per (source, device))"),
+        ("gate", ("softmax", "sigmoid"), "")):
+      if getattr(self, name) not in allowed:
+        raise ConfigError(f"moe.{name}={getattr(self, name)!r} is not supported; use one of "
+                          f"{', '.join(map(repr, allowed))}{hint}.")
     if self.slots_per_device < 0:
       raise ConfigError(f"moe.slots_per_device={self.slots_per_device} must be >= 0.")
-    if self.dispatch not in ("dense", "ragged"):
-      raise ConfigError(f"moe.dispatch={self.dispatch!r} is not supported; use 'dense' or "
-                        "'ragged' (dropless, GPU/TPU only).")
-    if self.kernels not in ("xla", "pallas"):
-      raise ConfigError(f"moe.kernels={self.kernels!r} is not supported; use 'xla' or 'pallas'.")
-    if self.pallas_backend not in PALLAS_BACKENDS:
-      raise ConfigError(f"moe.pallas_backend={self.pallas_backend!r} is not supported; use one "
-                        f"of {PALLAS_BACKENDS} ('auto' picks by platform and GPU).")
-    if self.capacity not in ("slot", "device"):
-      raise ConfigError(f"moe.capacity={self.capacity!r} is not supported; use 'slot' (per "
-                        "(source, slot) buffers) or 'device' (pooled per (source, device)).")
-    if self.exchange_chunks < 1:
-      raise ConfigError(f"moe.exchange_chunks={self.exchange_chunks} must be >= 1 (1: one "
-                        "exchange per layer).")
     if self.ragged_buffer_factor < 0:
       raise ConfigError(f"moe.ragged_buffer_factor={self.ragged_buffer_factor} must be >= 0; "
                         "use e.g. 2.0 (0: size the buffer for the worst case, N x the send rows).")
     self.validate_router()
 
   def validate_router(self) -> None:
-    if self.gate not in ("softmax", "sigmoid"):
-      raise ConfigError(f"moe.gate={self.gate!r} is not supported; use 'softmax' or 'sigmoid'.")
     if not self.route_scale > 0:
       raise ConfigError(f"moe.route_scale={self.route_scale} must be > 0; use e.g. 1.0.")
     if self.bias_rate < 0:
@@ -255,9 +263,8 @@ class TrainConfig:
   tensorboard: bool = True        # event files (tensorboardX) beside metrics.jsonl, process 0
   # A step with a non-finite loss or gradient is skipped; this many in a row stop the run.
   max_consecutive_nonfinite: int = 5
-  # Take the run dir even when its lock names a live run on another host (which cannot be
-  # checked from here); only for a lock left by a host that is gone.
-  force_unlock: bool = False
+  force_unlock: bool = False      # take a run dir locked by another host (one that is gone)
+  microbatches: int = 1           # rows i % M == m; accumulated, or piped with mesh.stage > 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,8 +272,7 @@ class PlannerConfig:
   """Online expert placement (dyn.X): re-plan every `every` steps from finished steps."""
   policy: str = "static"          # "static" or "smartmoe" in ep mode (replay has more)
   every: int = 50                 # re-plan period in steps; 0 = never
-  fsep_every: int = 0             # the period in fsep mode (layouts there move no weights);
-                                  # 0 = `every`
+  fsep_every: int = 0             # the period in fsep mode (moves no weights); 0 = `every`
   window: int = 10                # finished steps averaged into the predicted load
   min_gain: float = 0.05          # hysteresis: min relative drop of predicted max device load
   # Read each step's metrics before dispatching the next: the re-planner and the online stage
@@ -295,12 +301,10 @@ class PlannerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class StrategyConfig:
-  """Two-stage strategy planning, online stage: the trainer compiles every pool member ahead
-  of time and, every `every` steps, switches to the member predicted fastest under the
-  current load (among those dropping at most `max_drop` of the choices, or about as little
-  as the fewest: moejax.strategy.switcher) when the predicted gain over the next `horizon` steps
-  beats the measured switch cost. Pool specs such as
-  'ep/2x4x1/cf1.25' come from `python -m moejax.plan`; the first member starts."""
+  """The online stage: every `every` steps, switch to the compiled pool member predicted
+  fastest under the current load among those dropping at most `max_drop` (moejax.strategy.
+  switcher) when its gain over `horizon` steps beats the measured switch cost. Pool specs
+  ('ep/2x4x1/cf1.25') come from `python -m moejax.plan`; the first member starts."""
   pool: tuple = ()                # empty: the single strategy given by mesh.* and moe.*
   every: int = 0                  # decision period in steps; 0 = never switch
   profile: str = "cpu"            # hardware profile: a preset name or a calibrated JSON
@@ -348,6 +352,7 @@ class Config:
     self.planner.validate(self.moe.expert_mode)
     self.strategy.validate()
     self.model.validate(self.moe)
+    self._validate_pipeline()
     if self.data.seq_len > self.model.max_seq_len:
       raise ConfigError(
           f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}.")
@@ -362,6 +367,34 @@ class Config:
       if value < 1:
         raise ConfigError(f"{name}={value} must be >= 1; use e.g. {name} = 1.")
     return self
+
+  def _validate_pipeline(self) -> None:
+    stage, micro, moe = self.mesh.stage, self.train.microbatches, self.moe
+    groups = num_moe_layers(self.model, moe)
+    if stage < 1:
+      raise ConfigError(f"mesh.stage={stage} must be >= 1 (1: no pipeline).")
+    if groups % stage:
+      fix = moe.first_dense + stage * moe.moe_every * max(1, groups // stage)
+      raise ConfigError(
+          f"model.num_layers={self.model.num_layers} makes {groups} layer groups, not "
+          f"divisible by mesh.stage={stage}; use model.num_layers = {fix} or a mesh.stage "
+          f"dividing {groups}.")
+    if micro < 1 or self.data.global_batch_size % micro:
+      raise ConfigError(
+          f"train.microbatches={micro} does not divide data.global_batch_size="
+          f"{self.data.global_batch_size}; use a divisor of {self.data.global_batch_size}.")
+    piped = f"mesh.stage={stage}, train.microbatches={micro}"   # what model/pipeline.py lacks:
+    for bad, what, fix in (
+        (stage > 1 and moe.expert_mode != "ep", "fsep", "moe.expert_mode='ep'"),
+        (stage > 1 and moe.capacity != "slot",
+         "pooled capacity (it fails shard_map's replication check under the stage vmap)",
+         "moe.capacity='slot'"),
+        (stage > 1 and bool(self.strategy.pool), "a strategy pool", "strategy.pool=[]"),
+        ((stage > 1 or micro > 1) and (moe.first_dense > 0 or moe.num_shared_experts > 0),
+         "dense first layers or shared experts", "moe.first_dense=0, moe.num_shared_experts=0")):
+      if bad:
+        raise ConfigError(f"{piped} does not run {what} yet; set {fix}, or mesh.stage = 1 and "
+                          "train.microbatches = 1.")
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)

@@ -22,12 +22,20 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from moejax.config import Config, MoEConfig, default_fsep_slots, num_moe_layers
+from moejax.config import (
+  Config,
+  ConfigError,
+  MoEConfig,
+  default_fsep_slots,
+  microbatch_split_error,
+  num_moe_layers,
+)
 from moejax.layout.convert import convert_tree
 from moejax.layout.leaves import gather_slots, is_fsep_expert_leaf
 from moejax.layout.migrate import migrate
 from moejax.layout.tables import Layout, round_robin_layout, static_layout
-from moejax.model.mesh import batch_sharding, build_mesh, replicated
+from moejax.model.mesh import batch_sharding, build_mesh, param_rules, replicated
+from moejax.model.pipeline import Pipelined
 from moejax.model.transformer import Transformer
 from moejax.strategy.spec import Strategy
 from moejax.train import step as step_lib
@@ -85,7 +93,7 @@ class Program:
   strategy: Strategy
   cfg: Config
   mesh: Mesh
-  model: Transformer
+  model: Transformer | Pipelined   # Pipelined: mesh.stage > 1 or train.microbatches > 1
   shardings: TrainState
   batch_sharding: Any
   layout_sharding: Any
@@ -112,11 +120,15 @@ def build_program(cfg: Config, strategy: Strategy, tx: optax.GradientTransformat
   """Mesh, model, shardings and (AOT) train step of `strategy` applied to `cfg`."""
   cfg = strategy.apply(cfg)
   mesh = build_mesh(cfg.mesh, devices)
+  _check_split(cfg, mesh)
   model = Transformer(cfg.model, cfg.moe, mesh)
+  if cfg.mesh.stage > 1 or cfg.train.microbatches > 1:
+    model = Pipelined(model, cfg.train.microbatches)
   layout_sh = replicated(mesh)
   layout = jax.device_put(start_layout(cfg, mesh.shape["expert"]), layout_sh)
   b, length = cfg.data.global_batch_size, cfg.data.seq_len
-  shardings = state_shardings(model, tx, mesh, layout, b, length)
+  shardings = state_shardings(model, tx, mesh, layout, b, length,
+                              param_rules(cfg.mesh.fsdp, cfg.mesh.stage > 1))
   prog = Program(strategy, cfg, mesh, model, shardings, batch_sharding(mesh), layout_sh, layout)
   step = jax.jit(
       functools.partial(step_lib.train_step, model=model, tx=tx, moe_cfg=cfg.moe,
@@ -132,6 +144,17 @@ def build_program(cfg: Config, strategy: Strategy, tx: optax.GradientTransformat
   else:
     prog.train_step = step
   return prog
+
+
+def _check_split(cfg: Config, mesh: Mesh) -> None:
+  """Microbatches and FSDP shards must split evenly over the mesh (one-line errors)."""
+  if why := microbatch_split_error(cfg.data.global_batch_size, cfg.train.microbatches,
+                                   mesh.shape["data"] * mesh.shape["expert"]):
+    raise ConfigError(why + ".")
+  if cfg.mesh.fsdp and cfg.model.d_model % mesh.shape["data"]:
+    raise ConfigError(f"mesh.fsdp shards every parameter's d_model={cfg.model.d_model} over "
+                      f"data={mesh.shape['data']} devices, which does not divide it; set "
+                      "mesh.fsdp = False or a data axis dividing model.d_model.")
 
 
 def _move(state: TrainState, src_layout: Layout, dst_layout: Layout, *, src_mode: str,

@@ -8,6 +8,7 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -32,16 +33,27 @@ def _init_variables(model: nn.Module, layout: Layout, batch: int, seq_len: int, 
 
 
 def state_shardings(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh,
-                    layout: Layout, batch: int, seq_len: int) -> TrainState:
-  """Shardings of every state leaf, from the logical axis names of the params."""
+                    layout: Layout, batch: int, seq_len: int, rules=RULES) -> TrainState:
+  """Shardings of every state leaf, from the logical axis names of the params under `rules`
+  (moejax.model.mesh.param_rules: RULES, or with the FSDP / stage overrides)."""
   boxed = jax.eval_shape(lambda: _init_variables(model, layout, batch, seq_len, 0))
-  param_sh = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, RULES)["params"]
+  param_sh = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)["params"]
   abstract_params = nn.meta.unbox(boxed)["params"]
   abstract_opt = jax.eval_shape(tx.init, abstract_params)
   rep = NamedSharding(mesh, P())
   opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_sh,
                                  transform_non_params=lambda _: rep)
   return TrainState(step=rep, params=param_sh, opt_state=opt_sh, router_bias_LxE=rep)
+
+
+def per_device_bytes(shapes: Any, shardings: Any) -> int:
+  """Bytes the most loaded device holds of `shapes` (ShapeDtypeStructs or arrays) laid out
+  by `shardings` (a matching tree), from each leaf's shard shape: no array is allocated."""
+  total = 0
+  for x, s in zip(jax.tree.leaves(shapes), jax.tree.leaves(shardings)):
+    shard = s.shard_shape(x.shape)
+    total += int(np.prod(shard, dtype=np.int64)) * jnp.dtype(x.dtype).itemsize
+  return total
 
 
 def abstract(tree: Any, shardings: Any = None) -> Any:

@@ -1,0 +1,98 @@
+"""The pipeline over `stage` equals one device (loss and every gradient).
+
+The reference runs the unpipelined Transformer on one device, microbatch by microbatch
+(rows i % M == m), and averages their losses and gradients: the pipeline's definition of the
+step. Each case compiles a pipelined program (minutes on this 2-core VM), hence `slow`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+from moejax.config import OptimConfig
+from moejax.model.mesh import mesh_of_shape, param_rules
+from moejax.model.pipeline import Pipelined
+from moejax.model.transformer import Transformer
+from moejax.train import step as step_lib
+from moejax.train.optim import optimizer
+from moejax.train.programs import initial_layout
+from moejax.train.state import init_state, state_shardings
+from tests.helpers import BATCH, SEQ, TINY_MODEL, TINY_MOE, tokens
+from tests.moe_helpers import model_lengths
+from tests.numerics import assert_close, assert_trees_close
+
+# Four layer groups (one MoE layer each) so that four stages get one group each.
+FOUR_GROUPS = dataclasses.replace(TINY_MOE, moe_every=1)
+
+
+def _setup(shape, stages, moe_cfg):
+  mesh = mesh_of_shape(shape, stage=stages)
+  model = Transformer(TINY_MODEL, moe_cfg, mesh)
+  groups = TINY_MODEL.num_layers // moe_cfg.moe_every
+  layout = jax.device_put(initial_layout(moe_cfg, groups, shape[1]),
+                          jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  tx = optimizer(OptimConfig(learning_rate=1e-2, warmup_steps=1), 10)
+  shardings = state_shardings(model, tx, mesh, layout, BATCH, SEQ, param_rules(stage=stages > 1))
+  return model, layout, init_state(model, tx, shardings, layout, BATCH, SEQ, 0)
+
+
+@functools.cache
+def _reference(moe_cfg, micro):
+  """Mean loss and gradients of the one-device Transformer over the microbatches."""
+  model, layout, state = _setup((1, 1, 1), 1, moe_cfg)
+  f = jax.jit(jax.value_and_grad(
+      lambda p, b: step_lib.loss_fn(p, model, moe_cfg, b, layout), has_aux=True))
+  outs = [f(state.params, tokens()[m::micro]) for m in range(micro)]
+  loss = np.mean([float(loss) for (loss, _), _ in outs])
+  grads = jax.tree.map(lambda *g: np.mean(np.stack(g), axis=0), *[g for _, g in outs])
+  counts = sum(np.asarray(aux["counts_LxWxE"]).sum(1) for (_, aux), _ in outs)
+  return loss, jax.device_get(grads), counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages, shape, micro, moe_cfg", [
+    (2, (1, 4, 1), 2, TINY_MOE),
+    (2, (2, 2, 1), 2, TINY_MOE),
+    (4, (1, 2, 1), 4, FOUR_GROUPS),
+], ids=["p2_e4", "p2_d2_e2", "p4_e2"])
+def test_pipeline_matches_one_device(stages, shape, micro, moe_cfg):
+  ref_loss, ref_grads, ref_counts = _reference(moe_cfg, micro)
+  model, layout, state = _setup(shape, stages, moe_cfg)
+  assert state.params["layers"]["moe"]["w_gate"].sharding.spec[:2] == ("stage", "expert")
+  f = jax.jit(jax.value_and_grad(
+      lambda p, b: step_lib.loss_fn(p, Pipelined(model, micro), moe_cfg, b, layout),
+      has_aux=True))
+  compiled = f.lower(state.params, tokens()).compile()
+  (loss, aux), grads = compiled(state.params, tokens())
+  # The stage boundary is a collective permute in the compiled program (forward and back).
+  assert "collective-permute" in compiled.as_text()
+  loss_len, grad_len = model_lengths(TINY_MODEL, moe_cfg)
+  assert int(np.sum(aux["dropped_LxW"])) == 0
+  assert_close(float(loss), ref_loss, loss_len, err_msg="loss")
+  np.testing.assert_array_equal(np.asarray(aux["counts_LxWxE"]).sum(1), ref_counts)
+  assert_trees_close(jax.device_get(grads), ref_grads, grad_len)
+  assert all(np.abs(g).max() > 0 for g in jax.tree.leaves(jax.device_get(grads))), \
+      "every parameter gets a gradient through the pipeline"
+
+
+@pytest.mark.slow
+def test_one_stage_one_microbatch_is_the_transformer():
+  """P = 1, M = 1: the pipeline's program computes the Transformer's own logits and stats."""
+  small = dataclasses.replace(TINY_MODEL, num_layers=2)
+  moe_cfg = dataclasses.replace(TINY_MOE, moe_every=1)
+  mesh = mesh_of_shape((1, 1, 1))
+  model = Transformer(small, moe_cfg, mesh)
+  layout = initial_layout(moe_cfg, 2, 1)
+  params = nn.meta.unbox(model.init(jax.random.key(0), tokens()[:, :-1], layout))["params"]
+  want = jax.jit(lambda p, t: model.apply({"params": p}, t, layout))(params, tokens()[:, :-1])
+  got = jax.jit(lambda p, t: Pipelined(model, 1).apply({"params": p}, t, layout))(
+      params, tokens()[:, :-1])
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+  for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
