@@ -45,6 +45,7 @@ def _train_one_step(trainer) -> float:
   return float(m["loss"])
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_restore_on_4_devices_and_in_fsep_mode_then_train_on(tmp_path, reference_losses):  # noqa: F811
   cfg = tiny_config(tmp_path / "a", num_steps=4, every=4)   # the reference run's first 4 steps
   with Trainer(cfg) as a:   # 8 devices, data=2 x expert=4, ep

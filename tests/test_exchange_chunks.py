@@ -42,6 +42,7 @@ def _setup(cf, capacity_mode, chunks, seed=3):
   return mesh, row(layout), cfg, x
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 @pytest.mark.parametrize("capacity_mode", capacity.MODES)
 def test_chunks_equal_the_reference_when_nothing_drops(capacity_mode):
   mesh, layout, cfg, x = _setup(8.0, capacity_mode, 2)

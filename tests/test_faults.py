@@ -24,6 +24,7 @@ from tests.run_config import checkpoint_steps, read_jsonl, step_losses, tiny_con
 from tests.run_helpers import reference_losses  # noqa: F401  (fixture)
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_sigkill_then_the_same_command_continues_exactly(tmp_path, reference_losses):  # noqa: F811
   """kill -9 at whatever point the run has reached past step 11 (a step, an async checkpoint
   write, ...), then run the same command again: the losses of all steps equal the
@@ -69,6 +70,7 @@ def test_sigint_finishes_the_step_saves_and_returns(tmp_path, monkeypatch):
   assert signal.getsignal(signal.SIGINT) is before   # handlers restored
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_nonfinite_steps_are_skipped_then_too_many_stop_the_run(tmp_path, monkeypatch, capsys):
   """A corrupt record in the data (a target token id past the vocabulary: its log-probability
   reads as NaN) makes steps 2, 3, 4 non-finite; the compiled step is the normal one."""
@@ -147,6 +149,7 @@ def _silently_change_one_array(step_dir) -> None:
     json.dump(meta, f)
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_damaged_checkpoints_fall_back_to_the_last_intact_one(tmp_path, caplog,
                                                            reference_losses):  # noqa: F811
   run_dir, all_bad = tmp_path / "run", tmp_path / "all_bad"

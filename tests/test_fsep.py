@@ -97,6 +97,7 @@ reference_value_and_grad = jax.jit(jax.value_and_grad(_reference_objective, argn
 
 @pytest.mark.parametrize("shape,slots", [((1, 8, 1), 2), ((2, 4, 1), 4)],
                          ids=["1x8x1", "2x4x1"])
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_fsep_layer_matches_reference_for_random_replicated_layouts(shape, slots):
   mesh = mesh_of_shape(shape)
   n = shape[1]
@@ -215,6 +216,7 @@ def test_in_graph_proportional_split_matches_host(seed):
   np.testing.assert_array_equal(got, placement_lib.split_loads(placement, counts_WxE))
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_whole_fsep_model_on_mesh_matches_one_device():
   """fsep on (2,4,1) (4 slots per device, replicas) == fsep on one device (8 slots)."""
   out = {}

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax.config import MoEConfig
@@ -91,6 +92,7 @@ def _while_bodies(hlo: str, comps) -> tuple[str, str]:
   return forward[0], backward[0]
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_next_layers_restore_does_not_wait_for_this_layers_compute():
   """In the compiled loss-and-grad of an 8-MoE-layer bf16 fsep model, the forward loop body
   restores (all_to_all, named `fsep_restore`) the next layer's weights, and no such exchange
@@ -120,6 +122,7 @@ def test_next_layers_restore_does_not_wait_for_this_layers_compute():
       assert waits_for is None, f"{loop}: {name} waits for {waits_for}"
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_restored_weights_held_do_not_grow_with_depth():
   """XLA's compiled memory analysis (temp bytes) of the bf16 fsep loss-and-grad, 2 and 8 MoE
   layers, each at expert widths F = 512 and F = 64. Subtracting the F = 64 growth removes
@@ -141,6 +144,7 @@ def test_restored_weights_held_do_not_grow_with_depth():
   assert per_layer <= 0.5, (temp, per_layer)
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_bf16_restore_equals_fp32_restore():
   """The restore in bf16 (cast before the exchange) gives the fp32 restore rounded to bf16,
   and the MoE layer on it (computing in fp32) the fp32 layer's outputs and gradients within
@@ -173,6 +177,7 @@ def test_bf16_restore_equals_fp32_restore():
   assert_trees_close(grads16, grads32, GRAD_LEN, eps=EPS_BF16)
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_fsep_remat_equals_no_remat():
   """Under remat, fsep checkpoints the dense blocks one by one (the MoE layer recomputes in
   its own backward pass): loss and gradients equal the unrematerialised model's (the

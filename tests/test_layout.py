@@ -27,6 +27,7 @@ def test_non_permutation_is_rejected():
     from_slot_expert(np.array([[0, 0, 1, 2]]), 4)
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_canonical_roundtrip_under_permuted_layout():
   _, _, _, _, _, state = cached_setup((2, 4, 1))
   rng = np.random.default_rng(0)
@@ -46,6 +47,7 @@ def test_canonical_roundtrip_under_permuted_layout():
                                 np.asarray(state.params["layers"]["moe"]["router"]))
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_layout_change_compiles_nothing_new():
   mesh, model, tx, layout, shardings, state = cached_setup((2, 4, 1))
   traces = []

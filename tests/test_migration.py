@@ -24,6 +24,7 @@ def _random_layout(rng, layers=2, experts=8):
   return from_slot_expert(np.stack([rng.permutation(experts) for _ in range(layers)]), experts)
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 @pytest.mark.parametrize("shape", [(2, 4, 1), (1, 8, 1)], ids=lambda s: "x".join(map(str, s)))
 def test_training_with_migrations_matches_training_without(shape):
   mesh, model, tx, layout0, shardings, state0 = cached_setup(shape)

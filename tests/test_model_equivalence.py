@@ -33,6 +33,7 @@ def single_device():
 
 @pytest.mark.parametrize("shape", [(2, 4, 1), (2, 2, 2)],
                          ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_model_on_mesh_matches_one_device(single_device, shape):
   ref_loss, ref_grads, ref_aux = single_device
   loss, grads, aux = _loss_and_grads(shape)
@@ -42,6 +43,7 @@ def test_model_on_mesh_matches_one_device(single_device, shape):
   assert_trees_close(grads, ref_grads, GRAD_LEN)
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_train_step_matches_one_device():
   """One optimizer step on the mesh gives the same moments and parameters as on one device.
 
@@ -83,6 +85,7 @@ def test_model_is_causal():
   assert np.abs(a[:, j:] - b[:, j:]).max() > 0
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_remat_equals_no_remat():
   import dataclasses
 

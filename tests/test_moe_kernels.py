@@ -60,6 +60,7 @@ def positive_tokens(seed=2):
   return jnp.abs(jax.random.normal(jax.random.key(seed), (8, 8, D))) + 0.1
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_dense_pallas_equals_dense_xla_with_drops():
   """(data, expert, model) = (2, 2, 2): 4 slots per device, F split over model; capacity
   factor 1 with half the tokens on two experts, so both drop the same choices."""
@@ -82,6 +83,7 @@ def test_dense_pallas_equals_dense_xla_with_drops():
   assert_trees_close(grads, ref_grads, GRAD_LEN)
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 @pytest.mark.parametrize("kernels", ["xla", "pallas"])
 def test_ragged_is_dropless_and_matches_reference(kernels, emulated_collective):
   """All tokens on experts 0 and 1: a dense dispatch at capacity factor 1 drops most choices;

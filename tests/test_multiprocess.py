@@ -17,6 +17,7 @@ from tests.run_config import checkpoint_steps, read_jsonl, step_losses, tiny_con
 from tests.run_helpers import reference_losses  # noqa: F401  (fixture)
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_two_processes_match_one_stop_together_and_resume(tmp_path, reference_losses):  # noqa: F811
   run_dir = tmp_path / "run"
   log = tmp_path / "launch.log"

@@ -80,6 +80,7 @@ def test_propose_balances_skewed_history_and_round_trips_state():
   np.testing.assert_array_equal(clone.propose(static)[0][0].slot_expert, new[0].slot_expert)
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_training_switches_layouts_records_trace_and_resumes_layout(tmp_path):
   trace_path = str(tmp_path / "trace.npz")
   base = tiny_config(tmp_path, num_steps=6, every=6, warmup_steps=2)
@@ -112,6 +113,7 @@ def test_training_switches_layouts_records_trace_and_resumes_layout(tmp_path):
       np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_fresh_planning_sees_the_step_just_finished(tmp_path):
   """planner.fresh: before step s is dispatched the re-planner holds the counts of steps
   0..s-1, so with every=1 the first re-plan comes at step 1 (without it, step s sees up to
@@ -146,6 +148,7 @@ def test_fresh_planning_sees_the_step_just_finished(tmp_path):
   assert lagged_switches and lagged_switches[0] == 2
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_fsep_training_relayouts_without_migration_or_recompiling(tmp_path):
   base = tiny_config(tmp_path, num_steps=6, every=3, warmup_steps=2)
   cfg = dataclasses.replace(

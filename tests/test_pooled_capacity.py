@@ -95,6 +95,7 @@ def _routed_per_device(st):
 @pytest.mark.parametrize("shape,kernels", [((1, 8, 1), "xla"), ((2, 4, 1), "xla"),
                                            ((2, 4, 1), "pallas")],
                          ids=["1x8x1-xla", "2x4x1-xla", "2x4x1-pallas"])
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_pooled_ep_matches_reference_under_its_drop_rule(shape, kernels):
   mesh = mesh_of_shape(shape)
   n = shape[1]
@@ -115,6 +116,7 @@ def test_pooled_ep_matches_reference_under_its_drop_rule(shape, kernels):
 
 @pytest.mark.parametrize("shape,slots", [((1, 8, 1), 2), ((2, 4, 1), 4)],
                          ids=["1x8x1", "2x4x1"])
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_pooled_fsep_with_replicas_matches_reference(shape, slots):
   mesh = mesh_of_shape(shape)
   n = shape[1]

@@ -66,6 +66,7 @@ def _assert_identical(a, b):
     np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_switching_compiles_nothing_and_round_trip_is_identical(pool):
   progs, moves = pool
   state = _init(progs[0])
@@ -111,6 +112,7 @@ def test_training_continues_with_the_same_losses(pool):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale)
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_trainer_switches_online_under_a_drifting_load_and_resumes_on_that_member(tmp_path):
   """A pool of two: from step 4 a router bias makes every token's top-2 experts 0 and 1; the
   ep member (capacity 1.5x) then drops 1 - 2 x 1.5 / 8 = 0.625 of the choices, far over the

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from moejax.config import (
   Config,
@@ -84,6 +85,7 @@ def _run(cfg: Config) -> tuple[int, list[dict]]:
   return summary["start_step"], read_jsonl(os.path.join(cfg.train.run_dir, "metrics.jsonl"))
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_resume_is_exact(tmp_path):
   # warmup_steps > num_steps keeps the LR schedule identical for num_steps=3 and 6.
   dir_a, dir_b = tmp_path / "a", tmp_path / "b"
@@ -113,6 +115,7 @@ def test_resume_is_exact(tmp_path):
     assert [m["expert_counts"] for m in moe_b[s]] == [m["expert_counts"] for m in moe_a[s]]
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_cli_smoke(tmp_path):
   run_dir = tmp_path / "run"
   bindings = [
