@@ -52,6 +52,7 @@ def test_sigkill_then_the_same_command_continues_exactly(tmp_path, reference_los
       reference_losses[s] for s in range(run_helpers.STEPS)]
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_sigint_finishes_the_step_saves_and_returns(tmp_path, monkeypatch):
   cfg = tiny_config(tmp_path, num_steps=8, every=100)
   with Trainer(cfg) as trainer:

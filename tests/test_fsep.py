@@ -231,6 +231,7 @@ def test_whole_fsep_model_on_mesh_matches_one_device():
   assert_trees_close(g8, g1, grad_len)
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_first_layers_restore_is_scheduled_before_the_layer_loop():
   """The compiled forward and backward pass (the train step's program less the optimizer
   update) issues the first MoE layer's restore all_to_alls before the scanned layer loop; the

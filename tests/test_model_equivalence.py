@@ -73,6 +73,7 @@ def test_train_step_matches_one_device():
     assert np.abs(b - init).max() > 0, "the first optimizer step must update every parameter"
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_model_is_causal():
   """Changing token j leaves the logits of every position before j unchanged."""
   _, model, _, layout, _, state = cached_setup((2, 4, 1), TINY_MODEL, TINY_MOE)

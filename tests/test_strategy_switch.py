@@ -89,6 +89,7 @@ def test_switching_compiles_nothing_and_round_trip_is_identical(pool):
   assert compiles.count == 0, f"{compiles.count} compilations after warm-up"
 
 
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_training_continues_with_the_same_losses(pool):
   progs, moves = pool
   rows = _batches(6)
