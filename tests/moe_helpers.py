@@ -14,7 +14,7 @@ from moejax.model.moe.fsep_experts import restore_slot_weights
 from moejax.model.moe.layer import moe_apply
 from moejax.model.moe.reference import moe_reference
 from moejax.train import step as step_lib
-from tests.helpers import BATCH, SEQ, TINY_MODEL, TINY_MOE, tiny_setup
+from tests.helpers import BATCH, SEQ, TINY_MODEL, TINY_MOE, tiny_setup, tokens
 
 E, D, F = 8, 16, 32
 MESHES = [(1, 8, 1), (2, 4, 1), (2, 2, 2), (1, 4, 2)]
@@ -135,6 +135,17 @@ def fsep_value_and_grad_fn(cfg, mesh):
 
 
 FSEP_MOE = dataclasses.replace(SMALL_MOE, expert_mode="fsep", slots_per_device=4)
+
+
+@functools.cache
+def model_loss_and_grads(shape, model_cfg=TINY_MODEL, moe_cfg=TINY_MOE):
+  """(loss, grads, aux, state) of a whole model on the `tokens()` batch on mesh `shape`,
+  computed once per process."""
+  _, model, _, layout, _, state = cached_setup(shape, model_cfg, moe_cfg)
+  f = jax.jit(jax.value_and_grad(
+      functools.partial(step_lib.loss_fn, model=model, moe_cfg=moe_cfg), has_aux=True))
+  (loss, aux), grads = f(state.params, batch_BxQ1=tokens(), layout=layout)
+  return float(loss), jax.device_get(grads), jax.device_get(aux), state
 
 
 @functools.cache

@@ -10,20 +10,15 @@ import pytest
 
 from moejax.train import step as step_lib
 from tests.helpers import TINY_MODEL, TINY_MOE, tokens
-from tests.moe_helpers import cached_setup, model_lengths
+from tests.moe_helpers import cached_setup, model_lengths, model_loss_and_grads
 from tests.numerics import assert_close, assert_trees_close
 
 LOSS_LEN, GRAD_LEN = model_lengths()
 
 
-@functools.cache
 def _loss_and_grads(shape):
   """(loss, grads, aux) of the tiny model on `shape`, computed once per process."""
-  _, model, _, layout, _, state = cached_setup(shape, TINY_MODEL, TINY_MOE)
-  f = jax.jit(jax.value_and_grad(
-      functools.partial(step_lib.loss_fn, model=model, moe_cfg=TINY_MOE), has_aux=True))
-  (loss, aux), grads = f(state.params, batch_BxQ1=tokens(), layout=layout)
-  return float(loss), jax.device_get(grads), jax.device_get(aux)
+  return model_loss_and_grads(shape)[:3]
 
 
 @pytest.fixture(scope="module")
@@ -91,10 +86,7 @@ def test_remat_equals_no_remat():
   import dataclasses
 
   base = _loss_and_grads((2, 4, 1))
-  _, model, _, layout, _, state = cached_setup(
+  loss, grads, _, _ = model_loss_and_grads(
       (2, 4, 1), dataclasses.replace(TINY_MODEL, remat=True), TINY_MOE)
-  f = jax.jit(jax.value_and_grad(
-      functools.partial(step_lib.loss_fn, model=model, moe_cfg=TINY_MOE), has_aux=True))
-  (loss, _), grads = f(state.params, batch_BxQ1=tokens(), layout=layout)
   assert_close(loss, base[0], LOSS_LEN, err_msg="loss")
-  assert_trees_close(jax.device_get(grads), base[1], GRAD_LEN)
+  assert_trees_close(grads, base[1], GRAD_LEN)

@@ -22,7 +22,13 @@ from moejax.layout.tables import from_slot_expert
 from moejax.train import step as step_lib
 from moejax.train.checkpoint import Checkpointer
 from tests.helpers import TINY_MODEL, tokens
-from tests.moe_helpers import SMALL_MODEL, SMALL_MOE, cached_setup, model_lengths
+from tests.moe_helpers import (
+  SMALL_MODEL,
+  SMALL_MOE,
+  cached_setup,
+  model_lengths,
+  model_loss_and_grads,
+)
 from tests.numerics import assert_close, assert_trees_close
 
 RATE = 0.01
@@ -118,22 +124,13 @@ FAMILY_MOE = MoEConfig(num_experts=8, top_k=2, capacity_factor=8.0, d_ff=32, moe
                        route_scale=2.0)
 
 
-@functools.cache
-def _family_loss_and_grads(shape):
-  _, model, _, layout, _, state = cached_setup(shape, FAMILY_MODEL, FAMILY_MOE)
-  f = jax.jit(jax.value_and_grad(
-      functools.partial(step_lib.loss_fn, model=model, moe_cfg=FAMILY_MOE), has_aux=True))
-  (loss, aux), grads = f(state.params, batch_BxQ1=tokens(), layout=layout)
-  return float(loss), jax.device_get(grads), jax.device_get(aux), state
-
-
 @pytest.mark.slow
 def test_first_dense_and_shared_experts_on_mesh_match_one_device():
   """Layer 0 dense, then one scanned group (a dense block and an MoE block with 2 shared
   experts of width 16 beside it); tensor-parallel over 'model' = 2 on the mesh."""
   loss_len, grad_len = model_lengths(FAMILY_MODEL, FAMILY_MOE)
-  ref_loss, ref_grads, ref_aux, _ = _family_loss_and_grads((1, 1, 1))
-  loss, grads, aux, state = _family_loss_and_grads((2, 2, 2))
+  ref_loss, ref_grads, ref_aux, _ = model_loss_and_grads((1, 1, 1), FAMILY_MODEL, FAMILY_MOE)
+  loss, grads, aux, state = model_loss_and_grads((2, 2, 2), FAMILY_MODEL, FAMILY_MOE)
   assert sorted(k for k in grads if k.startswith("first_")) == [
       "first_attn_0", "first_ln_attn_0", "first_ln_mlp_0", "first_mlp_0"]
   shared = state.params["layers"]["shared"]["w_gate"]

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from moejax.config import num_moe_layers
 from moejax.layout.tables import Layout
 from moejax.model.mesh import BATCH_AXES, STAGE, logical_to_spec, num_stages
 from moejax.model.moe.layer import MoEStats
@@ -83,7 +84,7 @@ def pipelined_apply(model: Transformer, microbatches: int, params, tokens_BxQ: j
     return jax.lax.scan(one_group, x, (stage_params, stage_layout, stage_layers))
 
   run_stages = jax.vmap(run_stage, spmd_axis_name=STAGE if stages > 1 else None)
-  num_groups = cfg.num_layers // moe_cfg.moe_every
+  num_groups = num_moe_layers(cfg, moe_cfg)
   stage_args = (_split(params["layers"], stages), _split(layout, stages),
                 jnp.arange(num_groups).reshape(stages, -1))
   rotate = _rotate(mesh, stages)

@@ -173,12 +173,11 @@ class Trainer:
 
   def evaluate(self) -> float:
     prog, losses = self.pool.program, []
+    layout = step_lib.biased_layout(prog.layout, self.state.router_bias_LxE)   # routes as trained
     for i in range(self.cfg.train.eval_batches):
       batch = data_lib.make_global_batch(self.val_loader.batch_at(i), prog.batch_sharding,
                                          self.cfg.data.global_batch_size)
-      losses.append(prog.eval_step(self.state.params, batch,
-                                   step_lib.biased_layout(prog.layout,
-                                                          self.state.router_bias_LxE)))
+      losses.append(prog.eval_step(self.state.params, batch, layout))
     return float(np.mean([float(x) for x in losses]))
 
   def run(self, hooks: list[Hook] = (), stop: preempt.StopRequest | None = None,
