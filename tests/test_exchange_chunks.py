@@ -55,6 +55,7 @@ def test_chunks_equal_the_reference_when_nothing_drops(capacity_mode):
   assert_trees_close(grads, ref_grads, GRAD_LEN)
 
 
+@pytest.mark.slow   # with the fresh venv's install, over the 8-minute budget
 @pytest.mark.parametrize("capacity_mode", capacity.MODES)
 def test_each_piece_has_its_own_buffers(capacity_mode):
   """At a tight factor the layer drops exactly what buffers sized for 4-token pieces drop,

@@ -60,6 +60,7 @@ def test_training_with_migrations_matches_training_without(shape):
   assert step._cache_size() == 1, "a layout change recompiled the train step"
 
 
+@pytest.mark.slow   # with the fresh venv's install, over the 8-minute budget
 def test_migration_moves_adam_moments_with_the_expert():
   _, _, _, layout0, _, state = cached_setup((2, 4, 1))
   # Mark every expert's first moment with its expert id so we can follow it.

@@ -133,6 +133,7 @@ def test_pooled_fsep_with_replicas_matches_reference(shape, slots):
   _check(got, _ref_value_and_grad(params, x, jnp.asarray(keep)), keep, got[0][1][1])
 
 
+@pytest.mark.slow   # with the fresh venv's install, over the 8-minute budget
 def test_no_drops_pooled_equals_per_slot():
   mesh = mesh_of_shape((2, 4, 1))
   slot_expert = np.arange(E, dtype=np.int32)
@@ -158,6 +159,7 @@ def _layer_fn(cfg, mesh):
                                                 mesh))
 
 
+@pytest.mark.slow   # with the fresh venv's install, over the 8-minute budget
 def test_pairing_hot_with_cold_drops_fewer_only_under_pooled_capacity():
   """Experts 0 and 1 are hot (router bias). Placing them on one device overflows it under
   pooled capacity; pairing each with a cold expert does not. Per-slot capacity cannot tell
@@ -185,6 +187,7 @@ def test_pairing_hot_with_cold_drops_fewer_only_under_pooled_capacity():
   assert drops["device", "apart"] < drops["device", "together"], drops
 
 
+@pytest.mark.slow   # with the fresh venv's install, over the 8-minute budget
 def test_tiled_gmm_matches_per_group_matmul_with_gradients():
   tile, sizes = 8, np.array([5, 0, 13], np.int32)
   groups, width, out_w = len(sizes), 4, 3

@@ -129,6 +129,7 @@ def test_a_second_run_on_a_live_run_dir_stops_at_once_and_touches_nothing(
     ("moe.num_experts = 16", "moe.num_experts", 8, 16),
     ("model.vocab_size = 512", "model.vocab_size", 256, 512),
 ])
+@pytest.mark.slow   # with the fresh venv's install, over the 8-minute budget
 def test_a_checkpoint_of_another_model_stops_with_one_line(tmp_path, monkeypatch, capsys,
                                                           binding, field, theirs, ours,
                                                           reference_losses):  # noqa: F811

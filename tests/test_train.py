@@ -28,6 +28,7 @@ from tests.run_config import (
 )
 
 
+@pytest.mark.slow   # with the fresh venv's install, over the 8-minute budget
 def test_run_writes_metrics_checkpoints_and_learns(tmp_path):
   cfg = tiny_config(tmp_path, num_steps=8, every=3, keep=2, eval_every=4, warmup_steps=2)
   with Trainer(cfg) as trainer:
