@@ -74,6 +74,7 @@ def test_each_piece_has_its_own_buffers(capacity_mode):
   assert int(np.sum(st.dropped_W)) == expected > 0
 
 
+@pytest.mark.slow   # over the 8-minute budget of the README test command: .ci/run's slow pass
 def test_a_pieces_exchange_does_not_wait_for_another_pieces_matmuls():
   """Compiled forward of the pooled layer (tiled XLA grouped matmul) in 2 pieces: each piece's
   all_to_alls depend on no matmul of the other piece (named scopes exchange_chunk0/1)."""

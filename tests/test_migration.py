@@ -80,6 +80,7 @@ def test_migration_moves_adam_moments_with_the_expert():
       assert np.all(got[layer, s] == slot_expert[layer, s])
 
 
+@pytest.mark.slow   # over the 8-minute budget of the README test command: .ci/run's slow pass
 def test_migration_compiles_once_for_many_layouts():
   mesh, _, _, layout, _, state = cached_setup((2, 4, 1))
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

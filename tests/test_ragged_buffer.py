@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from moejax.config import MoEConfig
 from moejax.layout.tables import static_layout
@@ -36,6 +37,7 @@ def test_buffer_rows():
   assert ragged.buffer_rows(16, 2, 4, 9.0) == 4 * 32           # never above the worst case
 
 
+@pytest.mark.slow   # over the 8-minute budget of the README test command: .ci/run's slow pass
 def test_overflow_is_dropped_by_its_rule_and_matches_the_reference(emulated_collective):
   """(2, 2, 2) mesh, expert 0 favoured, buffer = 1x the balanced share: device 0 overflows.
   Drops per source equal the numpy rule; the layer equals the reference with exactly those

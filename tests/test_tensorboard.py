@@ -45,6 +45,7 @@ def test_hook_writes_scalars_eval_and_heatmaps(tmp_path):
   assert png.shape == (4 * 8, 3 * 8, 3) and png[-1, -1].tolist() == [255, 255, 255]
 
 
+@pytest.mark.slow   # over the 8-minute budget of the README test command: .ci/run's slow pass
 def test_run_writes_events_beside_metrics(reference_losses):
   """The shared tiny run (tests/run_helpers.py) with the default train.tensorboard = True."""
   run_dir = shared_dir("reference_run")
