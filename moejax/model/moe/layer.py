@@ -80,7 +80,8 @@ def _replica_slots(expert_A, expert_slots_ExR, expert_parts_ExR, local_parts_S, 
 
 def _adaptive_slots(cap):
   """`moe.fsep_shares = 'adaptive'`: shares levelled on the step's own counts; a device keeps
-  at most `cap` rows on its own replica (the dense per-(source, slot) capacity; None: none)."""
+  at most `cap` rows on its own replica (the dense per-(source, slot) rows, also under pooled
+  capacity, where a device's own C slots share C of them; None: ragged, no cap)."""
   def pick(expert_A, expert_slots_ExR, expert_parts_ExR, local_parts_S, slots):
     del local_parts_S      # the kept rows follow the levelled quotas, not the planned parts
     return adaptive_slots(expert_A, expert_slots_ExR, expert_parts_ExR, "expert", slots, cap)
@@ -165,9 +166,10 @@ def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
   # Chosen when the program is built: ep layouts have one replica per expert.
   if layout.expert_slots_LxExR.shape[-1] == 1:
     pick_slots = _ep_slots
-  elif cfg.fsep_shares == "adaptive":
-    pick_slots = _adaptive_slots(cap if cfg.dispatch == "dense" and cfg.capacity == "slot"
-                                 else None)
+  elif cfg.fsep_shares == "adaptive":   # kept rows within a (source, slot)'s dense share
+    pick_slots = _adaptive_slots(
+        dispatch_lib.capacity(num_tokens, cfg.top_k, num_slots, cfg.capacity_factor)
+        if cfg.dispatch == "dense" else None)
   else:
     pick_slots = _replica_slots
   platform = mesh.devices.flat[0].platform
