@@ -122,8 +122,8 @@ class MoEConfig:
   pallas_backend: str = "auto"
   capacity: str = "slot"          # dense: "slot" (cap per (source, slot)) or "device" (pooled)
   exchange_chunks: int = 1        # dense: split each layer's dispatch into K independent pieces
-  ragged_buffer_factor: float = 2.0   # ragged: receive rows = factor * T * K per device
-                                      # (0: N * T * K, the never-dropping worst case)
+  ragged_buffer_factor: float = 2.0   # ragged: receive rows = factor*T*K per device (0: N*T*K)
+  fsep_shares: str = "planned"    # or "adaptive": levelled on each step's counts (layout.adaptive)
   # Router family (moejax.model.moe.route). "softmax": softmax scores, switch balance loss
   # over the batch. "sigmoid": sigmoid scores, gates normalised over the chosen k, a
   # sequence-wise balance loss (DeepSeek-V3's; balance_loss_weight scales it, 0 = off).
@@ -158,7 +158,7 @@ class MoEConfig:
         ("pallas_backend", PALLAS_BACKENDS, " ('auto' picks by platform and GPU)"),
         ("capacity", ("slot", "device"),
          " ('slot': per (source, slot) buffers; 'device': pooled per (source, device))"),
-        ("gate", ("softmax", "sigmoid"), "")):
+        ("gate", ("softmax", "sigmoid"), ""), ("fsep_shares", ("planned", "adaptive"), "")):
       if getattr(self, name) not in allowed:
         raise ConfigError(f"moe.{name}={getattr(self, name)!r} is not supported; use one of "
                           f"{', '.join(map(repr, allowed))}{hint}.")

@@ -30,6 +30,10 @@ def main(argv=None) -> None:
   ap.add_argument("--fsep", action="append", default=[], metavar="NAME=VALUE",
                   help="an fsep planner option (FsepOptions), e.g. plan_for='mean' or "
                        "locality=False; repeatable; also used by the oracle")
+  ap.add_argument("--shares", default="planned", choices=("planned", "adaptive"),
+                  help="fsep token shares: the planned ones, held between decisions, or "
+                       "re-levelled every step from the step's own counts (the layer's "
+                       "moe.fsep_shares='adaptive'); for every fsep row and the oracle")
   ap.add_argument("--no_oracle", action="store_true",
                   help="skip the oracle row (it plans every step of every layer)")
   ap.add_argument("--window_oracle", action="store_true",
@@ -44,18 +48,21 @@ def main(argv=None) -> None:
     fsep_options = make_options("fsep", **dict(_option(text) for text in a.fsep))
     counts = load_trace(a.trace)["counts"]
     results = {name: replay(counts, a.devices, a.slots, name, a.every, a.window,
-                            options=fsep_options if name == "fsep" else None)
+                            options=fsep_options if name == "fsep" else None, shares=a.shares)
                for name in policy_names(a.policy)}
-    bound = None if a.no_oracle else oracle(counts, a.devices, a.slots, options=fsep_options)
+    bound = None if a.no_oracle else oracle(counts, a.devices, a.slots, options=fsep_options,
+                                            shares=a.shares)
     ahead = (replay(counts, a.devices, a.slots, "fsep", a.every, a.window,
-                    options=fsep_options, lookahead=True) if a.window_oracle else None)
+                    options=fsep_options, lookahead=True, shares=a.shares)
+             if a.window_oracle else None)
   except ConfigError as e:
     raise SystemExit(f"error: {e}") from None
   if bound is not None:
     with_regret({**results, **({"window_oracle": ahead} if ahead else {})}, bound)
   steps, layers, sources, experts = counts.shape
   print(f"{a.trace}: steps={steps} layers={layers} sources={sources} experts={experts} | "
-        f"devices={a.devices} slots={a.slots} every={a.every} window={a.window}")
+        f"devices={a.devices} slots={a.slots} every={a.every} window={a.window} "
+        f"shares={a.shares}")
   print("max/mean device load over steps x layers (realized on each step's actual counts); "
         "pred med = median max/mean of each decision on the load it was planned from; "
         "crossing = (token, k) rows sent off their source device")
@@ -65,8 +72,8 @@ def main(argv=None) -> None:
     print(report(a.layers, experts, a.d_model, a.d_ff, a.devices, fsep_slots=a.slots))
   if a.json:
     out = {"trace": a.trace, "devices": a.devices, "slots": a.slots, "every": a.every,
-           "window": a.window, "sources": sources, "experts": experts, "steps": steps,
-           "layers": layers, "fsep_options": dict(_option(text) for text in a.fsep),
+           "window": a.window, "shares": a.shares, "sources": sources, "experts": experts,
+           "steps": steps, "layers": layers, "fsep_options": dict(_option(text) for text in a.fsep),
            "policies": results, "oracle": bound, **extra}
     with open(a.json, "w") as f:
       json.dump(out, f, indent=1)

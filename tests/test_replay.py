@@ -166,3 +166,21 @@ def test_cli_all_policies_json(tmp_path):
   bad = subprocess.run([sys.executable, "-m", "moejax.replay", str(trace), "--devices", "3",
                         "--slots", "6"], cwd=ROOT, capture_output=True, text=True)
   assert bad.returncode != 0 and "error:" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_adaptive_shares_hold_the_layout_and_re_level_each_step(skewed):
+  """--shares adaptive replays the same fsep decisions (same layouts, moves, decision count)
+  and routes every row; re-levelling each step's shares lowers the busiest device."""
+  planned = replay(skewed, 4, 8, "fsep", every=5, window=5)
+  levelled = replay(skewed, 4, 8, "fsep", every=5, window=5, shares="adaptive")
+  assert levelled["experts_moved"] == planned["experts_moved"]
+  assert levelled["decisions"] == planned["decisions"]
+  after = np.s_[5:]                                     # the static layout runs steps 0-4
+  np.testing.assert_array_equal(np.asarray(levelled["series"])[:5],
+                                np.asarray(planned["series"])[:5])
+  assert np.mean(np.asarray(levelled["series"])[after]) < \
+      np.mean(np.asarray(planned["series"])[after])
+  assert np.percentile(np.asarray(levelled["series"])[after], 90) < \
+      np.percentile(np.asarray(planned["series"])[after], 90)
+  with pytest.raises(ConfigError, match="--shares='held'"):
+    replay(skewed, 4, 8, "fsep", shares="held")

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from moejax.layout import placement as placement_lib
+from moejax.layout import adaptive, placement as placement_lib
 
 
 class Flow(NamedTuple):
@@ -17,9 +17,17 @@ class Flow(NamedTuple):
 
 def flow(p: placement_lib.Placement, counts_WxE: np.ndarray,
          src_dev_W: np.ndarray) -> Flow:
+  """Routes counts_WxE by `p.routing`; "adaptive" (fsep with `moe.fsep_shares='adaptive'`)
+  sums each device's sources first, as the layer routes one source per device."""
   counts = np.rint(np.asarray(counts_WxE)).astype(np.int64)
-  slot_load, sent_WxN = placement_lib.route(p, counts, src_dev_W)
   n = p.num_devices
+  if p.routing == "adaptive":
+    counts = placement_lib.device_counts(counts, src_dev_W, n).astype(np.int64)
+    src_dev_W = np.arange(n)
+    loads_NxS = adaptive.split_adaptive(p, counts)
+    slot_load, sent_WxN = loads_NxS.sum(0), loads_NxS.reshape(n, n, -1).sum(-1)
+  else:
+    slot_load, sent_WxN = placement_lib.route(p, counts, src_dev_W)
   offdev_WxN = sent_WxN.copy()
   offdev_WxN[np.arange(len(src_dev_W)), src_dev_W] = 0
   sent_N = np.zeros(n, np.int64)

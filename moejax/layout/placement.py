@@ -2,7 +2,7 @@
 
 A `Placement` describes one MoE layer on N devices with C slots each: which
 expert each slot hosts (-1 = empty) and the share of that expert's tokens the
-slot is planned to serve. Two token rules (`Placement.routing`):
+slot is planned to serve. Three token rules (`Placement.routing`):
 - "local_first" (shadow experts): a source device's tokens for expert e go to a
   replica of e on the same device while that replica's quota (share x the
   expert's actual tokens) lasts; the rest fill the remaining quotas in slot order.
@@ -14,6 +14,8 @@ slot is planned to serve. Two token rules (`Placement.routing`):
   count: with cumulative parts P_r, replica r gets floor((P_r c' + phase) / 1024) -
   floor((P_{r-1} c' + phase) / 1024), where a source on device d of N uses phase
   d * 1024 // N, so rounding leftovers do not all land on the same replica.
+- "adaptive" (fsep with `moe.fsep_shares = 'adaptive'`): the held layout with its shares
+  re-levelled from each step's own counts (`moejax.layout.adaptive`; routed by `flow`).
 Planners return Placements; replay evaluates them; the trainer turns them into
 JAX `Layout`s.
 """
@@ -176,6 +178,9 @@ def route(placement: Placement, counts_WxE: np.ndarray, src_dev_W: np.ndarray):
   num_sources, num_experts = counts_WxE.shape
   se, dev = placement.slot_expert, placement.device_of_slot
   n = placement.num_devices
+  if placement.routing == "adaptive":
+    raise ConfigError("placement.route cannot apply adaptive shares: they need the per-device "
+                      "counts; route it with moejax.layout.flow.flow.")
   sent_WxN = np.zeros((num_sources, n), np.int64)
   if placement.routing == "split":
     loads_WxS = split_loads(placement, counts_WxE, src_dev_W)

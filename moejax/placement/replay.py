@@ -24,6 +24,7 @@ it will serve: the per-step noise floor of a layout held for `every` steps.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -50,10 +51,12 @@ def effective_slots(policy: str, num_experts: int, devices: int, slots: int) -> 
 
 def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int = 10,
            window: int = 10, cost: CostModel | None = None, options=None,
-           lookahead: bool = False) -> dict:
+           lookahead: bool = False, shares: str = "planned") -> dict:
   """Replays counts[steps, L, W, E] through one policy (with its `options` dataclass, or its
-  defaults); returns the per-policy result dict. `lookahead` (the `window_oracle` row): each
-  decision, from step 0 on, is given the `every` steps it will serve (their mean and the
+  defaults); returns the per-policy result dict. `shares="adaptive"`: fsep layouts split
+  each step's tokens by shares re-levelled from that step's counts (`moejax.layout.adaptive`)
+  instead of the planned ones. `lookahead` (the `window_oracle` row): each decision, from
+  step 0 on, is given the `every` steps it will serve (their mean and the
   steps, not which comes when) instead of the finished ones: what a layout held for `every`
   steps can reach when only the per-step noise inside them is unknown."""
   counts = np.asarray(counts)
@@ -61,6 +64,7 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
     raise ConfigError(f"counts must be [steps, layers, sources, experts], got {counts.shape}.")
   if every < 1 or window < 1 or devices < 1:
     raise ConfigError(f"--every={every}, --window={window} and --devices={devices} must be >= 1.")
+  check_shares(shares)
   steps, layers, sources, experts = counts.shape
   place = get_policy(policy)
   if options is not None:
@@ -82,15 +86,32 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
                     num_devices=devices, samples_ZxWxE=seen[:, layer])
         times.append(time.perf_counter() - t0)
         new.validate(experts)
-        predicted.append(max_over_mean(flow(new, pred[layer], src_dev).device_load_N))
+        planned = flow(held(new, shares), pred[layer], src_dev)
+        predicted.append(max_over_mean(planned.device_load_N))
         old_NxE = placement_lib.presence(current[layer], experts)
         moved += int((placement_lib.presence(new, experts) & ~old_NxE).sum())
         current[layer] = new
     for layer in range(layers):
-      f = flow(current[layer], counts[t, layer], src_dev)
+      f = flow(held(current[layer], shares), counts[t, layer], src_dev)
       series[t, layer] = max_over_mean(f.device_load_N)
       crossing += f.crossing
   return _result(series, predicted, crossing, int(counts.sum()), moved, times)
+
+
+SHARES = ("planned", "adaptive")
+
+
+def check_shares(shares: str) -> None:
+  if shares not in SHARES:
+    raise ConfigError(f"--shares={shares!r} is unknown; choose one of {SHARES}.")
+
+
+def held(p: placement_lib.Placement, shares: str) -> placement_lib.Placement:
+  """The layout as the router applies it: fsep ("split") layouts re-level their shares every
+  step under shares="adaptive"; one-copy and shadow layouts have nothing to split."""
+  if shares == "adaptive" and p.routing == "split":
+    return dataclasses.replace(p, routing="adaptive")
+  return p
 
 
 def _result(series, predicted, crossing, total, moved, times) -> dict:
@@ -113,7 +134,7 @@ def _result(series, predicted, crossing, total, moved, times) -> dict:
 
 
 def oracle(counts: np.ndarray, devices: int, slots: int, cost: CostModel | None = None,
-           options=None) -> dict:
+           options=None, shares: str = "planned") -> dict:
   """The fsep planner given each step's own counts, every step (what no lagged planner can
   know): the same result dict as `replay`; experts moved counts every step's change."""
   counts = np.asarray(counts)
@@ -136,7 +157,7 @@ def oracle(counts: np.ndarray, devices: int, slots: int, cost: CostModel | None 
       old_NxE = placement_lib.presence(current[layer], experts)
       moved += int((placement_lib.presence(new, experts) & ~old_NxE).sum())
       current[layer] = new
-      f = flow(new, counts[t, layer], src_dev)
+      f = flow(held(new, shares), counts[t, layer], src_dev)
       series[t, layer] = max_over_mean(f.device_load_N)
       crossing += f.crossing
   return _result(series, [], crossing, int(counts.sum()), moved, times)

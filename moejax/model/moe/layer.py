@@ -43,7 +43,7 @@ from moejax.model.moe import (
 )
 from moejax.model.moe.experts import grouped_ffn, swiglu
 from moejax.model.moe.ops import ops_for
-from moejax.model.moe.replicas import local_replicas, split_slots
+from moejax.model.moe.replicas import adaptive_slots, local_replicas, split_slots
 from moejax.model.moe.route import route
 from pallas_kernels import compat
 
@@ -76,6 +76,16 @@ def _replica_slots(expert_A, expert_slots_ExR, expert_parts_ExR, local_parts_S, 
   phase = device * SHARE_PARTS // jax.lax.axis_size("expert")
   kept_E, local_E = local_replicas(expert_slots_ExR, local_parts_S, device, slots)
   return split_slots(expert_A, expert_slots_ExR, expert_parts_ExR, phase, kept_E, local_E)
+
+
+def _adaptive_slots(cap):
+  """`moe.fsep_shares = 'adaptive'`: shares levelled on the step's own counts; a device keeps
+  at most `cap` rows on its own replica (the dense per-(source, slot) rows, also under pooled
+  capacity, where a device's own C slots share C of them; None: ragged, no cap)."""
+  def pick(expert_A, expert_slots_ExR, expert_parts_ExR, local_parts_S, slots):
+    del local_parts_S      # the kept rows follow the levelled quotas, not the planned parts
+    return adaptive_slots(expert_A, expert_slots_ExR, expert_parts_ExR, "expert", slots, cap)
+  return pick
 
 
 def _dense_einsum(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, dtype):
@@ -154,7 +164,14 @@ def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
                       f"devices holding >= moe.top_k={cfg.top_k} experts ({slots} per device); "
                       f"use a device_limit in [{-(-cfg.top_k // slots)}, {num_dev}] or 0.")
   # Chosen when the program is built: ep layouts have one replica per expert.
-  pick_slots = _ep_slots if layout.expert_slots_LxExR.shape[-1] == 1 else _replica_slots
+  if layout.expert_slots_LxExR.shape[-1] == 1:
+    pick_slots = _ep_slots
+  elif cfg.fsep_shares == "adaptive":   # kept rows within a (source, slot)'s dense share
+    pick_slots = _adaptive_slots(
+        dispatch_lib.capacity(num_tokens, cfg.top_k, num_slots, cfg.capacity_factor)
+        if cfg.dispatch == "dense" else None)
+  else:
+    pick_slots = _replica_slots
   platform = mesh.devices.flat[0].platform
   if cfg.dispatch == "ragged":
     ragged.check_platform(platform)

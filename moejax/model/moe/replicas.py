@@ -4,7 +4,9 @@
 its own device's replica (per-source shares), then splits the rest over the expert's replicas
 by the planned shares, so every (source, slot) pair carries about share x count and the dense
 dispatch's fixed per-pair capacity suffices. The device-side twin of the host's "split" rule
-(`moejax.layout.placement.split_loads`).
+(`moejax.layout.placement.split_loads`). `adaptive_slots` (`moe.fsep_shares = 'adaptive'`)
+keeps the layout but levels the shares on the step's own counts first: the device-side twin
+of `moejax.layout.adaptive.split_adaptive`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moejax.layout.placement import SHARE_PARTS
+from moejax.layout import adaptive
+from moejax.layout.adaptive import scaled_floor
 
 
 def rank_within_expert(expert_A: jax.Array, num_experts: int) -> jax.Array:
@@ -23,12 +26,6 @@ def rank_within_expert(expert_A: jax.Array, num_experts: int) -> jax.Array:
   starts = jnp.cumsum(counts) - counts
   ranks_sorted = jnp.arange(n, dtype=jnp.int32) - starts[expert_A[order]]
   return jnp.zeros((n,), jnp.int32).at[order].set(ranks_sorted)
-
-
-def _scaled_floor(parts: jax.Array, count: jax.Array, phase: jax.Array | int = 0) -> jax.Array:
-  """floor((parts * count + phase) / SHARE_PARTS) without int32 overflow of parts * count."""
-  q, r = count // SHARE_PARTS, count % SHARE_PARTS
-  return parts * q + (parts * r + phase) // SHARE_PARTS
 
 
 def local_replicas(expert_slots_ExR: jax.Array, slot_local_parts_S: jax.Array,
@@ -43,6 +40,28 @@ def local_replicas(expert_slots_ExR: jax.Array, slot_local_parts_S: jax.Array,
   return kept_E, slot_E
 
 
+def _counts(expert_A: jax.Array, num_experts: int) -> jax.Array:
+  return jnp.zeros((num_experts,), jnp.int32).at[expert_A].add(1)
+
+
+def _split(expert_A, expert_slots_ExR, expert_parts_ExR, phase, kept_E, local_slot_E):
+  """The first kept_E[e] choices of e (token order) to local_slot_E[e], the rest by the
+  cumulative parts with `phase` (see split_slots); kept_E None keeps nothing."""
+  num_experts = expert_slots_ExR.shape[0]
+  counts_E = _counts(expert_A, num_experts)
+  rank_A = rank_within_expert(expert_A, num_experts)
+  cum_ExR = jnp.cumsum(expert_parts_ExR, axis=1)
+  bounds_ExR = scaled_floor(cum_ExR, (counts_E - (0 if kept_E is None else kept_E))[:, None],
+                            phase)
+  rest_A = rank_A - (0 if kept_E is None else kept_E[expert_A])
+  r_A = jnp.sum(bounds_ExR[expert_A] <= rest_A[:, None], axis=1)
+  r_A = jnp.minimum(r_A, jnp.sum(expert_slots_ExR >= 0, axis=1)[expert_A] - 1)
+  slot_A = jnp.take_along_axis(expert_slots_ExR[expert_A], r_A[:, None], axis=1)[:, 0]
+  if kept_E is None:
+    return slot_A
+  return jnp.where(rest_A < 0, local_slot_E[expert_A], slot_A)
+
+
 def split_slots(expert_A: jax.Array, expert_slots_ExR: jax.Array,
                 expert_parts_ExR: jax.Array, phase: jax.Array,
                 kept_parts_E: jax.Array | None = None,
@@ -55,16 +74,37 @@ def split_slots(expert_A: jax.Array, expert_slots_ExR: jax.Array,
   index * 1024 // sources spreads the rounding over replicas. Every (source, slot) pair then
   carries ~ share x count, so fixed per-pair capacity suffices. Same rule as
   `moejax.layout.placement.split_loads`."""
+  kept_E = None
+  if kept_parts_E is not None:
+    kept_E = scaled_floor(kept_parts_E, _counts(expert_A, expert_slots_ExR.shape[0]))
+  return _split(expert_A, expert_slots_ExR, expert_parts_ExR, phase, kept_E, local_slot_E)
+
+
+def adaptive_slots(expert_A: jax.Array, expert_slots_ExR: jax.Array,
+                   expert_parts_ExR: jax.Array, axis: str, slots_per_device: int,
+                   cap: int | None) -> jax.Array:
+  """Adaptive shares (`moejax.layout.adaptive`) for this device's choices expert_A, inside
+  shard_map over `axis` (the expert axis: the devices that exchange tokens). One psum of the
+  int32 [E] counts and one all_gather of the [C] counts of the experts this device hosts give
+  every device the group's counts and each replica's own count, from which each computes the
+  same kept rows and remote parts (`adaptive.shares`). No gradient flows through these integer
+  choices: every replica holds the same restored weights, so which one computes a row
+  changes no value."""
+  device = jax.lax.axis_index(axis)
+  num_devices = jax.lax.axis_size(axis)
   num_experts = expert_slots_ExR.shape[0]
-  counts_E = jnp.zeros((num_experts,), jnp.int32).at[expert_A].add(1)
-  rank_A = rank_within_expert(expert_A, num_experts)
-  kept_E = 0 if kept_parts_E is None else _scaled_floor(kept_parts_E, counts_E)
-  cum_ExR = jnp.cumsum(expert_parts_ExR, axis=1)
-  bounds_ExR = _scaled_floor(cum_ExR, (counts_E - kept_E)[:, None], phase)
-  rest_A = rank_A - (0 if kept_parts_E is None else kept_E[expert_A])
-  r_A = jnp.sum(bounds_ExR[expert_A] <= rest_A[:, None], axis=1)
-  r_A = jnp.minimum(r_A, jnp.sum(expert_slots_ExR >= 0, axis=1)[expert_A] - 1)
-  slot_A = jnp.take_along_axis(expert_slots_ExR[expert_A], r_A[:, None], axis=1)[:, 0]
-  if kept_parts_E is None:
-    return slot_A
-  return jnp.where(rest_A < 0, local_slot_E[expert_A], slot_A)
+  counts_E = _counts(expert_A, num_experts)
+  total_E = jax.lax.psum(counts_E, axis)
+  valid = expert_slots_ExR >= 0
+  mine = valid & (expert_slots_ExR // slots_per_device == device)
+  local_C = jnp.where(mine, expert_slots_ExR - device * slots_per_device, slots_per_device)
+  own_C = jnp.zeros((slots_per_device,), jnp.int32).at[local_C.ravel()].add(
+      jnp.where(mine, counts_E[:, None], 0).ravel(), mode="drop")
+  own_S = jax.lax.all_gather(own_C, axis, tiled=True)
+  own_ExR = jnp.where(valid, own_S[jnp.maximum(expert_slots_ExR, 0)], 0)
+  _, kept_ExR, remote = adaptive.shares(jnp, expert_slots_ExR, expert_parts_ExR, total_E,
+                                        own_ExR, num_devices, slots_per_device, cap)
+  phase = device * adaptive.SHARE_PARTS // num_devices
+  kept_E = jnp.sum(jnp.where(mine, kept_ExR, 0), axis=1)
+  local_slot_E = jnp.max(jnp.where(mine, expert_slots_ExR, -1), axis=1)
+  return _split(expert_A, expert_slots_ExR, remote, phase, kept_E, local_slot_E)
