@@ -49,9 +49,7 @@ class MeshConfig:
   data: int = -1
   expert: int = 4
   model: int = 1
-  # With no XLA_FLAGS set, train.py exposes this many CPU host devices before JAX starts
-  # (set 1 on GPU hosts; the flag only affects the CPU platform).
-  host_device_count: int = 8
+  host_device_count: int = 8      # CPU devices train.py fakes with no XLA_FLAGS (GPU hosts: 1)
   stage: int = 1   # pipeline stages of whole layer groups; data*expert*model devices each
   fsdp: bool = False   # ZeRO-3: params and Adam moments sharded over `data` (mesh.FSDP_RULES)
 
@@ -87,8 +85,7 @@ class MeshConfig:
 
 
 def microbatch_split_error(batch: int, microbatches: int, shards: int) -> str | None:
-  """Why a microbatch of batch / microbatches rows cannot split over `shards` = data*expert
-  devices (None: it can)."""
+  """Why batch / microbatches rows cannot split over `shards` = data*expert devices (None: can)."""
   rows = batch // microbatches
   if rows % shards:
     return (f"train.microbatches={microbatches} leaves {rows} rows per microbatch of "
@@ -98,8 +95,7 @@ def microbatch_split_error(batch: int, microbatches: int, shards: int) -> str | 
 
 
 def default_fsep_slots(num_experts: int, num_devices: int) -> int:
-  """fsep C when moe.slots_per_device = 0: room for about one extra replica per expert, at
-  most E per device."""
+  """fsep C when moe.slots_per_device = 0: about one extra replica per expert, <= E per device."""
   return min(num_experts, 2 * -(-num_experts // num_devices))
 
 
@@ -265,6 +261,8 @@ class TrainConfig:
   max_consecutive_nonfinite: int = 5
   force_unlock: bool = False      # take a run dir locked by another host (one that is gone)
   microbatches: int = 1           # rows i % M == m; accumulated, or piped with mesh.stage > 1
+  pipeline_schedule: str = "gpipe"   # or "circular": virtual_stages layer chunks per stage
+  virtual_stages: int = 1         # V (moejax.model.pipeline): 1 for gpipe, >= 2 for circular
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,27 +367,29 @@ class Config:
     return self
 
   def _validate_pipeline(self) -> None:
-    stage, micro, moe = self.mesh.stage, self.train.microbatches, self.moe
-    groups = num_moe_layers(self.model, moe)
+    stage, micro, moe, t = self.mesh.stage, self.train.microbatches, self.moe, self.train
+    groups, virtual = num_moe_layers(self.model, moe), t.virtual_stages
     if stage < 1:
       raise ConfigError(f"mesh.stage={stage} must be >= 1 (1: no pipeline).")
-    if groups % stage:
-      fix = moe.first_dense + stage * moe.moe_every * max(1, groups // stage)
+    if (t.pipeline_schedule, min(virtual, 2)) not in (("gpipe", 1), ("circular", 2)):
+      raise ConfigError(f"train.pipeline_schedule={t.pipeline_schedule!r} with train.virtual_"
+                        f"stages={virtual}: use 'gpipe' with 1, or 'circular' with 2 or more.")
+    if groups % (stage * virtual):
+      fix = moe.first_dense + stage * virtual * moe.moe_every * max(1, groups // stage // virtual)
       raise ConfigError(
-          f"model.num_layers={self.model.num_layers} makes {groups} layer groups, not "
-          f"divisible by mesh.stage={stage}; use model.num_layers = {fix} or a mesh.stage "
-          f"dividing {groups}.")
+          f"model.num_layers={self.model.num_layers} makes {groups} layer groups, not divisible "
+          f"by mesh.stage={stage} x train.virtual_stages={virtual}; use model.num_layers = {fix} "
+          f"or a mesh.stage x train.virtual_stages dividing {groups}.")
     if micro < 1 or self.data.global_batch_size % micro:
       raise ConfigError(
           f"train.microbatches={micro} does not divide data.global_batch_size="
           f"{self.data.global_batch_size}; use a divisor of {self.data.global_batch_size}.")
+    if virtual > 1 and micro < stage:    # stage 0 re-reads a microbatch M ticks after it
+      raise ConfigError(f"train.pipeline_schedule='circular' needs train.microbatches={micro} "
+                        f">= mesh.stage={stage}; use train.microbatches = {stage} or more.")
     piped = f"mesh.stage={stage}, train.microbatches={micro}"   # what model/pipeline.py lacks:
     for bad, what, fix in (
-        (stage > 1 and moe.expert_mode != "ep", "fsep", "moe.expert_mode='ep'"),
-        (stage > 1 and moe.capacity != "slot",
-         "pooled capacity (it fails shard_map's replication check under the stage vmap)",
-         "moe.capacity='slot'"),
-        (stage > 1 and bool(self.strategy.pool), "a strategy pool", "strategy.pool=[]"),
+        (stage * virtual > 1 and bool(self.strategy.pool), "a strategy pool", "strategy.pool=[]"),
         ((stage > 1 or micro > 1) and (moe.first_dense > 0 or moe.num_shared_experts > 0),
          "dense first layers or shared experts", "moe.first_dense=0, moe.num_shared_experts=0")):
       if bad:

@@ -1,17 +1,28 @@
-"""The transformer's layer groups as a pipeline over the `stage` mesh axis (GPipe).
+"""The transformer's layer groups as a pipeline over the `stage` mesh axis: GPipe, or circular.
 
-The scanned layer groups [G, ...] split into P stages of G/P whole groups: stage s holds
-groups s*G/P .. (s+1)*G/P - 1 (the `layers` parameter axis is sharded over `stage`,
-moejax.model.mesh.STAGE_RULES, so the split moves no data). The batch splits into M
-microbatches, microbatch m being the rows i with i % M == m, so that each device's rows of a
-microbatch are rows it already holds.
+The G scanned layer groups split into P stages x V chunks (V: `train.virtual_stages`; 1 for
+GPipe) of K = G/(P*V) whole groups. Chunk c = r*P + s (the r-th chunk of stage s) computes
+groups c*K .. c*K + K - 1, so with V > 1 a stage holds V non-adjacent chunks and a microbatch
+goes V times around the ring of stages. The parameters of stage s's chunks are stored
+together in the `layers` axis sharded over `stage` (moejax.model.layer_order: the identity for
+V = 1), so the split moves no data. The batch splits into M microbatches, microbatch m being
+the rows i with i % M == m, so that each device's rows of a microbatch are rows it holds.
 
-The schedule is fill-drain: M + P - 1 ticks; at tick t stage s runs microbatch t - s (idle,
-on values nobody reads, outside 0 <= t - s < M), then every stage's output moves to the next
-stage with one `ppermute` over `stage` (in `shard_map`). Every stage runs the same program:
-the stages are one `vmap` over the stage axis whose `spmd_axis_name` is `stage`, so each MoE
-layer's `shard_map` keeps its expert parallelism over `expert` inside each stage. The
-backward pass is the ticks' autodiff, which runs them in reverse: the drain, then the fill.
+One schedule serves both: V*M + P - 1 ticks; at tick t stage s runs step j = t - s, i.e.
+microbatch j % M through its chunk j // M (idle, on values nobody reads, outside
+0 <= j < V*M). Stage 0 reads microbatch j % M from the loop buffer, which starts as the
+microbatches and into which the last stage writes what it finishes; the other stages read
+what the previous stage computed at the tick before, moved by one `ppermute` over `stage`
+(in `shard_map`). A microbatch the last stage finishes at tick r*M + m + P - 1 is read back by
+stage 0 at tick (r+1)*M + m, which needs M >= P when V > 1. With V = 1 this is GPipe's
+fill-drain (bubble (P-1)/(M+P-1)); with V > 1 each tick runs one chunk, 1/V of a stage's
+layers, and the bubble is (P-1)/(V*M+P-1) of the step.
+
+Every stage runs the same program: the stages are one `vmap` over the stage axis whose
+`spmd_axis_name` is `stage`, so each MoE layer's `shard_map` keeps its expert parallelism over
+`expert` inside each stage. In fsep mode a stage restores only its chunk's experts, layer by
+layer as the Transformer does (the first before the chunk's scan, the next in each step). The
+backward pass is the ticks' autodiff, which runs them in reverse.
 
 The embedding and the head (final norm, unembedding, loss) are replicated over `stage` and
 computed by every stage, as SPMD makes them; only the layer groups are split.
@@ -27,22 +38,34 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax.config import num_moe_layers
 from moejax.layout.tables import Layout
+from moejax.model import layer_order
 from moejax.model.mesh import BATCH_AXES, STAGE, logical_to_spec, num_stages
+from moejax.model.moe.fsep_experts import restore_layer
 from moejax.model.moe.layer import MoEStats
 from moejax.model.transformer import LayerGroup, RMSNorm, Transformer
 
 
-def _split(tree, stages: int):
-  """Every leaf [G, ...] -> [stages, G / stages, ...]: stage s gets G/stages whole groups."""
-  return jax.tree.map(lambda a: a.reshape((stages, a.shape[0] // stages) + a.shape[1:]), tree)
+def _split(tree, stages: int, virtual: int):
+  """Every leaf [G, ...] in storage order -> [stages, virtual, K, ...]."""
+  return jax.tree.map(lambda a: a.reshape((stages, virtual, -1) + a.shape[1:]), tree)
 
 
-def _merge(tree):
-  return jax.tree.map(lambda a: a.reshape((a.shape[0] * a.shape[1],) + a.shape[2:]), tree)
+def _canonical_split(tree, stages: int, virtual: int):
+  """Every leaf [G, ...] in canonical order -> [stages, virtual, K, ...] (chunk r*P + s)."""
+  def split(a):
+    a = a.reshape((virtual, stages, -1) + a.shape[1:])
+    return jnp.swapaxes(a, 0, 1)
+  return jax.tree.map(split, tree)
+
+
+def _canonical_merge(tree):
+  """[stages, virtual, K, ...] -> [G, ...] in canonical order."""
+  return jax.tree.map(lambda a: jnp.swapaxes(a, 0, 1).reshape((-1,) + a.shape[3:]), tree)
 
 
 def _rotate(mesh, stages: int):
@@ -56,11 +79,44 @@ def _rotate(mesh, stages: int):
                        in_specs=spec, out_specs=spec)
 
 
-def pipelined_apply(model: Transformer, microbatches: int, params, tokens_BxQ: jax.Array,
-                    layout: Layout) -> tuple[jax.Array, MoEStats]:
-  """The Transformer's (logits_BxQxV, stats) with its layer groups run as a GPipe pipeline
-  over the mesh's stages (one stage: the microbatches one after another)."""
+def _chunk_runner(model: Transformer, virtual: int):
+  """run(stage_args, chunk, x) -> (x, stats): one stage's chunk `chunk` of K groups on x.
+  `stage_args` = (layer params, fsep stored experts or None, layout rows), each [V, K, ...]."""
   cfg, moe_cfg, mesh = model.cfg, model.moe_cfg, model.mesh
+  group = LayerGroup(cfg, moe_cfg, mesh, rerestore=num_stages(mesh) == 1)   # 0047 says why
+  fsep = moe_cfg.expert_mode == "fsep"
+  dtype = jnp.dtype(cfg.dtype)
+
+  def one_group(carry, xs, stored):
+    group_params, layout_row, layer = xs
+    return group.apply({"params": group_params}, carry, (layout_row, layer), *stored)
+
+  if cfg.remat and not fsep:    # fsep remats its dense blocks inside LayerGroup
+    one_group = jax.checkpoint(one_group)
+
+  def run(stage_args, chunk, x):
+    pick = ((lambda a: a[0]) if virtual == 1 else
+            (lambda a: jax.lax.dynamic_index_in_dim(a, chunk, 0, keepdims=False)))
+    params, stored, layout = jax.tree.map(pick, stage_args)
+    layers = jnp.arange(jax.tree.leaves(layout)[0].shape[0])
+    if not fsep:
+      return jax.lax.scan(lambda c, xs: one_group(c, xs, ()), x, (params, layout, layers))
+    # This chunk's experts only: the first layer now, the scan the next one in each step.
+    table = layout.slot_expert_LxS
+    first = restore_layer(stored, table, 0, mesh, dtype)
+    (x, _), stats = jax.lax.scan(lambda c, xs: one_group(c, xs, ((stored, table),)),
+                                 (x, first), (params, layout, layers))
+    return x, stats
+
+  return run
+
+
+def pipelined_apply(model: Transformer, microbatches: int, params, tokens_BxQ: jax.Array,
+                    layout: Layout, virtual: int = 1) -> tuple[jax.Array, MoEStats]:
+  """The Transformer's (logits_BxQxV, stats) with its layer groups run as a pipeline over the
+  mesh's stages, V = `virtual` chunks per stage (`params`' layer groups in
+  layer_order.storage_order; `layout` and the stats in canonical order)."""
+  cfg, mesh = model.cfg, model.mesh
   stages, micro = num_stages(mesh), microbatches
   dtype = jnp.dtype(cfg.dtype)
   batch, length = tokens_BxQ.shape
@@ -71,69 +127,76 @@ def pipelined_apply(model: Transformer, microbatches: int, params, tokens_BxQ: j
   # [micro, rows, Q, D]: microbatch m = the rows i with i % micro == m
   feed = x_BxQxD.reshape(rows, micro, length, d_model).transpose(1, 0, 2, 3)
 
-  group = LayerGroup(cfg, moe_cfg, mesh)
-
-  def one_group(x, xs):
-    group_params, layout_row, layer = xs
-    return group.apply({"params": group_params}, x, (layout_row, layer))
-
-  if cfg.remat:
-    one_group = jax.checkpoint(one_group)
-
-  def run_stage(stage_params, stage_layout, stage_layers, x):
-    return jax.lax.scan(one_group, x, (stage_params, stage_layout, stage_layers))
-
-  run_stages = jax.vmap(run_stage, spmd_axis_name=STAGE if stages > 1 else None)
-  num_groups = num_moe_layers(cfg, moe_cfg)
-  stage_args = (_split(params["layers"], stages), _split(layout, stages),
-                jnp.arange(num_groups).reshape(stages, -1))
+  run_chunk = _chunk_runner(model, virtual)
+  run_stages = jax.vmap(run_chunk, spmd_axis_name=STAGE if stages > 1 else None)
+  stored = params.get("fsep_experts")
+  stage_args = (_split(params["layers"], stages, virtual),
+                None if stored is None else _split(stored, stages, virtual),
+                _canonical_split(layout, stages, virtual))
   rotate = _rotate(mesh, stages)
   stage_ids = jnp.arange(stages)
+  steps = virtual * micro
   state = jnp.zeros((stages, rows, length, d_model), dtype)      # what each stage runs next
-  stats_shape = jax.eval_shape(run_stages, *stage_args, state)[1]
-  zero_stats = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shape)
+  stats_shape = jax.eval_shape(run_stages, stage_args, stage_ids, state)[1]
+  # per (stage, chunk): the sums over microbatches of each group's statistics
+  zero_stats = jax.tree.map(lambda s: jnp.zeros(s.shape[:1] + (virtual,) + s.shape[1:], s.dtype),
+                            stats_shape)
 
   def tick(carry, t):
-    state, outputs, stats_sum = carry
+    state, loop, stats_sum = carry
+    step = t - stage_ids                                              # [stages]
+    busy = (step >= 0) & (step < steps)
+    chunk = jnp.clip(step, 0, steps - 1) // micro
     first = (stage_ids == 0)[:, None, None, None]
-    state = jnp.where(first, feed[jnp.minimum(t, micro - 1)][None], rotate(state))
-    state, stats = run_stages(*stage_args, state)
-    # The last stage finishes microbatch t - (stages - 1); before the first one finishes it
-    # writes slot 0, which microbatch 0 overwrites at tick stages - 1.
-    done = jnp.clip(t - (stages - 1), 0, micro - 1)
-    outputs = jax.lax.dynamic_update_index_in_dim(outputs, state[stages - 1], done, 0)
-    busy = (t >= stage_ids) & (t - stage_ids < micro)                  # [stages]
+    state = jnp.where(first, loop[t % micro][None], rotate(state))
+    state, stats = run_stages(stage_args, chunk, state)
+    # The last stage's finished microbatch goes to the loop buffer (stage 0's next input, or
+    # the output after the last chunk); an idle tick writes back what is there.
+    last = t - (stages - 1)
+    slot = jnp.maximum(last, 0) % micro
+    done = jnp.where((last >= 0) & (last < steps), state[stages - 1], loop[slot])
+    loop = jax.lax.dynamic_update_index_in_dim(loop, done, slot, 0)
+    where = (jax.nn.one_hot(chunk, virtual, dtype=jnp.bool_) & busy[:, None])   # [stages, V]
     stats_sum = jax.tree.map(
-        lambda acc, s: acc + jnp.where(busy.reshape((stages,) + (1,) * (s.ndim - 1)), s, 0),
+        lambda acc, s: acc + jnp.where(where.reshape(where.shape + (1,) * (s.ndim - 1)),
+                                       s[:, None], 0),
         stats_sum, stats)
-    return (state, outputs, stats_sum), None
+    return (state, loop, stats_sum), None
 
-  outputs = jnp.zeros((micro, rows, length, d_model), dtype)
-  (_, outputs, stats_sum), _ = jax.lax.scan(tick, (state, outputs, zero_stats),
-                                            jnp.arange(micro + stages - 1))
+  (_, outputs, stats_sum), _ = jax.lax.scan(tick, (state, feed, zero_stats),
+                                            jnp.arange(steps + stages - 1))
   x_BxQxD = jax.lax.with_sharding_constraint(
       outputs.transpose(1, 0, 2, 3).reshape(batch, length, d_model), act)
   x_BxQxD = RMSNorm(cfg.norm_eps).apply({"params": params["ln_final"]}, x_BxQxD)
   logits_BxQxV = jnp.einsum("bqd,dv->bqv", x_BxQxD.astype(jnp.float32), params["unembed"])
-  stats = _merge(stats_sum)
+  stats = _canonical_merge(stats_sum)
   stats = stats._replace(balance_loss=stats.balance_loss / micro, z_loss=stats.z_loss / micro)
   return logits_BxQxV, stats
 
 
 @dataclasses.dataclass(frozen=True)
 class Pipelined:
-  """`model` run as a pipeline of the mesh's stages over `microbatches` microbatches; the
-  same parameters (and parameter tree) as `model`."""
+  """`model` run as a pipeline of the mesh's stages, `virtual` chunks each, over
+  `microbatches` microbatches; the parameter tree of `model`, its layer groups stored in
+  `layer_order` (the identity for virtual = 1)."""
   model: Transformer
   microbatches: int
+  virtual: int = 1
 
   @property
   def mesh(self):
     return self.model.mesh
 
+  @property
+  def layer_order(self) -> np.ndarray:
+    """Canonical layer group of each storage row (moejax.model.layer_order)."""
+    groups = num_moe_layers(self.model.cfg, self.model.moe_cfg)
+    return layer_order.storage_order(groups, num_stages(self.mesh), self.virtual)
+
   def init(self, rng, tokens_BxQ: jax.Array, layout: Layout):
-    return self.model.init(rng, tokens_BxQ, layout)
+    variables = self.model.init(rng, tokens_BxQ, layout)
+    return dict(variables, params=layer_order.params_to(variables["params"], self.layer_order))
 
   def apply(self, variables, tokens_BxQ: jax.Array, layout: Layout):
     return pipelined_apply(self.model, self.microbatches, variables["params"], tokens_BxQ,
-                           layout)
+                           layout, self.virtual)

@@ -121,6 +121,9 @@ class LayerGroup(nn.Module):
   cfg: ModelConfig
   moe_cfg: MoEConfig
   mesh: Mesh
+  # fsep: the backward pass restores the weights again (False: keeps the forward's; the
+  # pipeline's stage vmap, where jax 0.10 cannot batch the re-restoring vjp's shard_map)
+  rerestore: bool = True
 
   @nn.compact
   def __call__(self, carry, xs, fsep=None):
@@ -148,7 +151,7 @@ class LayerGroup(nn.Module):
                                                             name="ln_attn_moe")(x_BxQxD))
     moe = MoELayer(self.moe_cfg, self.mesh, jnp.dtype(cfg.dtype), name="moe")
     h_BxQxD = RMSNorm(cfg.norm_eps, name="ln_moe")(x_BxQxD)
-    if fsep is None:
+    if fsep is None or not self.rerestore:
       y, stats = moe(h_BxQxD, layout, slot_weights)
     else:
       y, stats = _rerestoring_moe(moe)(moe, h_BxQxD, layout, slot_weights, stored,

@@ -80,7 +80,8 @@ class LayoutReplanning(Hook):
       new_layout = jax.device_put(
           from_slot_expert(np.stack([p.slot_expert for p in new]), num_experts).replace(
               router_bias_LxE=bias), prog.layout_sharding)
-      trainer.state = migrate(trainer.state, layout, new_layout)
+      trainer.state = migrate(trainer.state, prog.state_layout(layout),
+                              prog.state_layout(new_layout))
     else:                          # fsep: the next step restores the new slots
       new_layout = jax.device_put(from_placements(new, num_experts, n).replace(
           router_bias_LxE=bias), prog.layout_sharding)

@@ -98,11 +98,12 @@ class StrategyPool:
 
   def saved_form(self, state: TrainState) -> tuple[TrainState, Layout, str]:
     """(state, layout, expert mode) as a checkpoint holds them: member 0's form (an exact
-    move from the active member); `active` is left as it is."""
+    move from the active member), layer groups in canonical order; `active` is left as it
+    is."""
     if self.active:
       state = self.transfers[(self.active, 0)](state)
     first = self.programs[0]
-    return state, first.layout, first.expert_mode
+    return first.canonical_state(state), first.layout, first.expert_mode
 
   def state_dict(self) -> dict:
     """The checkpoint's "strategy" block: the pool, the active member, every member's

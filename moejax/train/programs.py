@@ -34,6 +34,7 @@ from moejax.layout.convert import convert_tree
 from moejax.layout.leaves import gather_slots, is_fsep_expert_leaf
 from moejax.layout.migrate import migrate
 from moejax.layout.tables import Layout, round_robin_layout, static_layout
+from moejax.model import layer_order
 from moejax.model.mesh import batch_sharding, build_mesh, param_rules, replicated
 from moejax.model.pipeline import Pipelined
 from moejax.model.transformer import Transformer
@@ -93,13 +94,14 @@ class Program:
   strategy: Strategy
   cfg: Config
   mesh: Mesh
-  model: Transformer | Pipelined   # Pipelined: mesh.stage > 1 or train.microbatches > 1
+  model: Transformer | Pipelined   # Pipelined: mesh.stage, train.microbatches or V > 1
   shardings: TrainState
   batch_sharding: Any
   layout_sharding: Any
   layout: Layout
   train_step: Any = None          # AOT-compiled (state, batch, layout) -> (state, metrics)
   eval_step: Any = None           # jitted (params, batch, layout) -> ce
+  _reorders: dict = dataclasses.field(default_factory=dict)
 
   @property
   def expert_mode(self) -> str:
@@ -114,6 +116,31 @@ class Program:
   def abstract_layout(self) -> Layout:
     return abstract(self.layout, jax.tree.map(lambda _: self.layout_sharding, self.layout))
 
+  @property
+  def layer_order(self) -> np.ndarray:
+    """The canonical layer group at each row of the state's layer axis (identity but for the
+    circular schedule: moejax.model.layer_order)."""
+    if isinstance(self.model, Pipelined):
+      return self.model.layer_order
+    return np.arange(num_moe_layers(self.cfg.model, self.cfg.moe))
+
+  def state_layout(self, layout: Layout) -> Layout:
+    """`layout` (canonical rows) with its rows in the state's layer order: what a migration of
+    the state's expert slots reads."""
+    return layer_order.reorder(layout, self.layer_order)
+
+  def canonical_state(self, state: TrainState, back: bool = False) -> TrainState:
+    """`state` with its layer groups in canonical order, as checkpoints hold them (`back`:
+    from canonical order to this program's); compiled once per direction."""
+    order = self.layer_order
+    if layer_order.is_identity(order):
+      return state
+    if back not in self._reorders:
+      rows = order if back else layer_order.inverse(order)
+      self._reorders[back] = jax.jit(functools.partial(layer_order.reorder_state, order=rows),
+                                     out_shardings=self.shardings)
+    return self._reorders[back](state)
+
 
 def build_program(cfg: Config, strategy: Strategy, tx: optax.GradientTransformation,
                   lr_schedule, devices=None, compile_now: bool = True) -> Program:
@@ -122,8 +149,8 @@ def build_program(cfg: Config, strategy: Strategy, tx: optax.GradientTransformat
   mesh = build_mesh(cfg.mesh, devices)
   _check_split(cfg, mesh)
   model = Transformer(cfg.model, cfg.moe, mesh)
-  if cfg.mesh.stage > 1 or cfg.train.microbatches > 1:
-    model = Pipelined(model, cfg.train.microbatches)
+  if cfg.mesh.stage > 1 or cfg.train.microbatches > 1 or cfg.train.virtual_stages > 1:
+    model = Pipelined(model, cfg.train.microbatches, cfg.train.virtual_stages)
   layout_sh = replicated(mesh)
   layout = jax.device_put(start_layout(cfg, mesh.shape["expert"]), layout_sh)
   b, length = cfg.data.global_batch_size, cfg.data.seq_len

@@ -126,7 +126,7 @@ class Trainer:
     if restored is None:
       return 0
     meta = restored.meta
-    self.state = restored.state
+    self.state = self.pool.program.canonical_state(restored.state, back=True)
     self.pool.set_layout(self.pool.active, restored.layout)
     self.restore_warnings = restored.warnings
     self.loader.position = int(meta["data_position"])

@@ -32,7 +32,7 @@ from moejax.config import ConfigError, MoEConfig, batch_split_error
 from moejax.layout.leaves import EXPERT_WEIGHTS
 from moejax.layout.placement import SHARE_PARTS
 from moejax.layout.tables import Layout
-from moejax.model.mesh import BATCH_AXES, logical_to_spec
+from moejax.model.mesh import BATCH_AXES, logical_to_spec, num_stages
 from moejax.model.moe import (
   chunks,
   combine as combine_lib,
@@ -181,7 +181,10 @@ def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
   # Pallas's interpreter (jax 0.10) fails shard_map's varying-axes check inside its kernels
   # ("Primitive pad requires varying manual axes to match"), so interpreted kernels run with
   # the check off; values and gradients do not depend on it (pallas == xla is tested).
-  check_vma = ops.backend != "interpret"
+  # Vmapped over pipeline stages (spmd_axis_name) pooled capacity and fsep's replica split
+  # fail it too: jax 0.10's batching leaves the stage axis out of some values' types
+  # (jnp.searchsorted's loop, lax.cond, custom_vjp, comparisons; docs/decisions/0046).
+  check_vma = ops.backend != "interpret" and num_stages(mesh) == 1
 
   def local(x, w_router, w_gate, w_up, w_down, expert_slots, expert_parts, local_parts, bias):
     x_TxD = x.reshape(-1, d_model)
