@@ -67,10 +67,10 @@ def test_stage_work_is_its_layers_stretched_by_the_bubble():
   hot[1] = [0.65] + [0.05] * 7
   skew = predict_step(parse("ep/1x4x1/p2/m4/cf1/ragged"), w, FREE, hot)
   assert skew.expert_s > two.expert_s * 1.5
-  # Stage sends: per tick the permute and the output, forward and backward.
+  # Stage sends: per tick a few transfers of one device's microbatch rows.
   tokens = 16 * 128 / 4
   send = tokens / 4 * w.d_model * w.act_bytes / FREE.a2a_bytes_per_s
-  assert two.pipe_s == pytest.approx(4 * stages.ticks(2, 4) * send)
+  assert two.pipe_s == pytest.approx(stages.SENDS_PER_TICK * stages.ticks(2, 4) * send)
   assert one.pipe_s == 0.0
 
 
@@ -142,3 +142,20 @@ def test_pool_members_share_the_pipeline():
   with pytest.raises(ConfigError, match="mesh.stage=1"):
     check_pool([parse("ep/1x4x1/p2/m4/cf1.25")], CFG, 8)
   check_pool([parse("ep/2x4x1/cf1.25"), parse("fsep/1x8x1/c2/cf1.25")], CFG, 8)
+
+
+def test_plan_pool_shares_one_pipeline_and_prints_how_to_train_it(capsys):
+  from moejax import plan as plan_cli
+  from moejax.strategy import offline
+  rows = offline.rank(CFG, PRESETS["h100_node"], 8)
+  assert {r.strategy.stage for r in rows if r.rejected is None} == {1, 2}
+  pool = offline.pick_pool(rows, 4, 0.01)
+  assert len({offline.pipeline_of(s) for s in pool}) == 1
+  piped = [parse("ep/1x4x1/p2/m4/cf1.25/fsdp")]
+  assert offline.train_bindings(piped)[:3] == ["mesh.stage = 2", "train.microbatches = 4",
+                                               "mesh.fsdp = True"]
+  assert not [b for b in offline.train_bindings(piped) if b.startswith("strategy.pool")]
+  assert plan_cli.main(["--profile", "h100_node", "--pool", "2",
+                        "--gin_bindings", "moe.capacity = 'slot'"]) == 0
+  printed = capsys.readouterr().out
+  assert "state MiB" in printed and "/p2/m" in printed

@@ -167,6 +167,9 @@ def pick_pool(rows: list[Row], k: int, max_drop: float, regimes=REGIMES) -> list
     devices = rows[0].strategy.num_devices if rows else 0
     raise ConfigError(f"no strategy fits this model on {devices} devices; the lines above say "
                       "why and what would make one fit.")
+  # Members share the first pick's pipeline and FSDP choice (spec.check_pool, decision 0045).
+  first = min(ok, key=lambda r: r.score(regimes[0], max_drop)).strategy
+  ok = [r for r in ok if pipeline_of(r.strategy) == pipeline_of(first)]
   ordered = {g: sorted(ok, key=lambda r, g=g: r.score(g, max_drop)) for g in regimes}
   pool: list[Strategy] = []
   for depth in range(len(ok)):
@@ -179,6 +182,25 @@ def pick_pool(rows: list[Row], k: int, max_drop: float, regimes=REGIMES) -> list
   for r in rows:
     r.in_pool = r.strategy in pool
   return pool
+
+
+def pipeline_of(s: Strategy) -> tuple:
+  """What pool members share: stages, virtual stages, microbatches, FSDP."""
+  return s.stage, s.virtual, s.microbatches, s.fsdp
+
+
+def train_bindings(pool: list[Strategy]) -> list[str]:
+  """The gin bindings that train `pool`: the pipeline and FSDP fields its members share,
+  then the pool; under stages the trainer runs no pool yet, so the first member alone."""
+  s = pool[0]
+  out = [f"{name} = {value!r}" for name, value, default in (
+      ("mesh.stage", s.stage, 1), ("train.microbatches", s.microbatches, 1),
+      ("train.virtual_stages", s.virtual, 1), ("mesh.fsdp", s.fsdp, False)) if value != default]
+  if s.stage > 1:
+    return out + [f"mesh.data = {s.data}", f"mesh.expert = {s.expert}",
+                  f"mesh.model = {s.model}", f"moe.capacity_factor = {s.capacity_factor:g}",
+                  f"moe.dispatch = {s.dispatch!r}"]
+  return out + ["strategy.pool = [" + ", ".join(repr(m.spec) for m in pool) + "]"]
 
 
 def table(rows: list[Row], regimes=REGIMES) -> str:
