@@ -11,13 +11,20 @@
    strategies of every kind (ep/fsep, with/without expert and model axes) timed the
    same way, then predicts each pool member (never seen by the fit) under the expert
    load its timed steps really had: error and MAPE, also for the micro-benchmarks
-   alone and the uncalibrated preset.
-Writes benchmarks/results/cost_model_<platform>.json. Default: 8 fake CPU devices.
+   alone and the uncalibrated preset. The fit sees no pipeline or FSDP strategy, so pool
+   members with stages (`ep/1x4x1/p2/m4/cf1.25`) test the bubble and stage terms; members
+   differing only in M are also compared side by side (step time over the smallest M's).
+Writes benchmarks/results/cost_model_<platform>.json (`--out` elsewhere). Default: 8 fake
+CPU devices. The pipeline run of the README:
+
+    python -m benchmarks.cost_model --gin_bindings="moe.capacity = 'slot'" \
+      --gin_bindings="moe.moe_every = 1" --pool ep/1x4x1/p2/m2/cf1.25 ...
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 
@@ -47,7 +54,7 @@ def calibration_strategies(rows, pool, k: int) -> list:
 
   taken = {program_kind(s) for s in pool}
   kinds: dict = {}
-  for r in sorted((r for r in rows if r.rejected is None and
+  for r in sorted((r for r in rows if r.rejected is None and _plain(r.strategy) and
                    program_kind(r.strategy) not in taken),
                   key=lambda r: r.costs["uniform"].total_s):
     s = r.strategy
@@ -60,6 +67,33 @@ def calibration_strategies(rows, pool, k: int) -> list:
       if len(picks) < k and s not in picks:
         picks.append(s)
   return picks
+
+
+def _plain(s) -> bool:
+  """No pipeline, no microbatches, no FSDP: the fit never sees the terms those add, so the
+  pipeline members' errors test the bubble and stage terms, not a fit to them."""
+  return s.stage == 1 and s.microbatches == 1 and not s.fsdp
+
+
+def bubble_table(out: list[dict]) -> list[dict]:
+  """Pool members that differ only in M, side by side: step time over the smallest M's,
+  measured and predicted (the bubble shrinks as M grows; per-tick costs grow)."""
+  groups: dict = {}
+  for o in out:
+    if o["role"] == "pool":
+      s = parse(o["strategy"])
+      groups.setdefault(dataclasses.replace(s, microbatches=1), []).append((s.microbatches, o))
+  rows = []
+  for key, members in groups.items():
+    members.sort(key=lambda mo: mo[0])
+    m0, base = members[0]
+    for mb, o in members:
+      rows.append({"strategy": o["strategy"], "stages": key.stage, "microbatches": mb,
+                   "bubble": o["predicted"]["bubble"],
+                   "measured_ratio": o["measured_s"] / base["measured_s"],
+                   "predicted_ratio": o["predicted"]["total_s"] / base["predicted"]["total_s"],
+                   "vs_microbatches": m0})
+  return rows
 
 
 def main(argv=None) -> int:
@@ -121,7 +155,7 @@ def main(argv=None) -> int:
         f"{fitted.compute_scale:.2f}, collectives x{fitted.comm_scale:.2f}, tensor-parallel "
         f"psums x{fitted.tp_scale:.2f}, fixed {fitted.overhead_s * 1e3:.1f} ms")
   out, errors, errors_micro, errors_preset = [], [], [], []
-  print(f"\n{'strategy':<24}{'role':>7}{'measured ms':>13}{'predicted ms':>14}{'error':>9}"
+  print(f"\n{'strategy':<28}{'role':>7}{'measured ms':>13}{'predicted ms':>14}{'error':>9}"
         f"{'micro only':>12}{'cpu preset':>12}{'drop pred':>11}")
   for i, mem in enumerate(members):
     s, measured, share = mem["prog"].strategy, mem["measured"], mem["share"]
@@ -134,7 +168,7 @@ def main(argv=None) -> int:
       errors.append(abs(err))
       errors_micro.append(abs(micro.total_s - measured) / measured)
       errors_preset.append(abs(preset.total_s - measured) / measured)
-    print(f"{s.spec:<24}{role:>7}{measured * 1e3:13.1f}{pred.total_s * 1e3:14.1f}{err:9.1%}"
+    print(f"{s.spec:<28}{role:>7}{measured * 1e3:13.1f}{pred.total_s * 1e3:14.1f}{err:9.1%}"
           f"{micro.total_s * 1e3:12.1f}{preset.total_s * 1e3:12.1f}{pred.drop_fraction:11.2%}")
     out.append({"strategy": s.spec, "role": role, "measured_s": measured,
                 "predicted": pred.to_dict(), "micro_only": micro.to_dict(),
@@ -144,12 +178,20 @@ def main(argv=None) -> int:
   mape_micro, mape_preset = float(np.mean(errors_micro)), float(np.mean(errors_preset))
   print(f"\npool MAPE: calibrated (micro-benchmarks + whole-step fit) {mape:.1%} (goal <= 10%);"
         f" micro-benchmarks only {mape_micro:.1%}; uncalibrated cpu preset {mape_preset:.1%}")
+  bubble = bubble_table(out)
+  if any(b["stages"] > 1 for b in bubble):
+    print(f"\n{'strategy':<28}{'P':>3}{'M':>4}{'bubble':>8}{'measured / M0':>15}"
+          f"{'predicted / M0':>16}")
+    for b in bubble:
+      print(f"{b['strategy']:<28}{b['stages']:>3}{b['microbatches']:>4}{b['bubble']:8.1%}"
+            f"{b['measured_ratio']:15.3f}{b['predicted_ratio']:16.3f}")
   result = {"device": f"{devices[0].platform} x{len(devices)} ({devices[0].device_kind})",
             "command": command("cost_model", argv),
             "profile_micro": profile.to_dict(), "profile": fitted.to_dict(),
             "calibration_s": calib_s, "members": out, "mape": mape,
             "mape_micro_only": mape_micro, "mape_cpu_preset": mape_preset,
-            "rounds": args.rounds, "steps_per_round": args.steps}
+            "rounds": args.rounds, "steps_per_round": args.steps, "bubble": bubble,
+            "jax": jax.__version__}
   write_result(result, args.out or os.path.join(RESULTS, f"cost_model_{devices[0].platform}.json"))
   return 0
 

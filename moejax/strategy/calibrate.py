@@ -129,7 +129,7 @@ def fit_steps(profile: HardwareProfile, costs: list, measured_s: list[float]) ->
   has (e.g. no model axis) is not fitted: t then follows b, a and b stay 1."""
   cols = {"overhead_s": [1.0] * len(costs),   # in the order they are kept with few points
           "compute_scale": [c.compute_s + c.expert_s + c.memory_s for c in costs],
-          "comm_scale": [c.a2a_s + c.restore_s + c.reduce_s for c in costs],
+          "comm_scale": [c.a2a_s + c.restore_s + c.reduce_s + c.pipe_s for c in costs],
           "tp_scale": [c.tp_s for c in costs]}
   y = np.asarray(measured_s, np.float64)
   active = [k for k, v in cols.items() if np.max(np.abs(v)) > 0]

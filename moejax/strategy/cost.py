@@ -17,7 +17,14 @@ import numpy as np
 
 from moejax.config import ConfigError
 from moejax.placement.fsep import dhondt_counts
-from moejax.strategy.memory import activation_bytes, expert_bytes, expert_params, step_bytes
+from moejax.strategy import stages
+from moejax.strategy.memory import (
+  FP32,
+  activation_bytes,
+  expert_bytes,
+  expert_params,
+  step_bytes,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +46,11 @@ class HardwareProfile:
   compute_scale: float = 1.0
   comm_scale: float = 1.0
   tp_scale: float = 1.0          # tensor-parallel psums, fitted apart from other collectives
+  # The gradient reduce and FSDP's gathers run beside the backward pass's matmuls (async
+  # collectives under XLA's latency-hiding scheduler on GPU, moejax.runtime.xla_flags): only
+  # what the matmuls cannot cover is step time. Not on fake CPU devices, which share cores.
+  overlap_param_comm: bool = False
+  p2p_bytes_per_s: float = 0.0   # stage-boundary sends (0: the all_to_all rate)
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -71,17 +83,18 @@ def load_profile(name_or_path: str) -> HardwareProfile:
 # H100: 400 Gb/s per GPU).
 PRESETS = {
     "a100_node": HardwareProfile("a100_node", 156e12, 1.4e12, 120e9, 150e9, 25e-6, 2e-3,
-                                 80 * 2**30),
+                                 80 * 2**30, overlap_param_comm=True),
     "a100_cluster": HardwareProfile("a100_cluster", 156e12, 1.4e12, 20e9, 40e9, 40e-6, 2e-3,
-                                    80 * 2**30),
+                                    80 * 2**30, overlap_param_comm=True),
     "h100_node": HardwareProfile("h100_node", 495e12, 2.3e12, 200e9, 250e9, 20e-6, 1.5e-3,
-                                 80 * 2**30),
+                                 80 * 2**30, overlap_param_comm=True),
     "h100_cluster": HardwareProfile("h100_cluster", 495e12, 2.3e12, 40e9, 80e9, 30e-6, 1.5e-3,
-                                    80 * 2**30),
+                                    80 * 2**30, overlap_param_comm=True),
     # Nodes of 8 H100s with the expert axis inside a node (NVLink all_to_all, as h100_node)
-    # and the data axis across nodes (InfiniBand gradient reduce, as h100_cluster).
+    # and the data and stage axes across nodes (InfiniBand gradient reduce and stage sends,
+    # as h100_cluster's reduce and all_to_all rates).
     "h100_ep_node": HardwareProfile("h100_ep_node", 495e12, 2.3e12, 200e9, 80e9, 30e-6, 1.5e-3,
-                                    80 * 2**30),
+                                    80 * 2**30, overlap_param_comm=True, p2p_bytes_per_s=40e9),
     # Uncalibrated guess for fake CPU devices (2 cores); run `python -m moejax.calibrate`.
     "cpu": HardwareProfile("cpu", 30e9, 5e9, 2e9, 2e9, 50e-6, 5e-3, 8 * 2**30, 2.0),
 }
@@ -104,6 +117,7 @@ class Workload:
   act_bytes: int = 4
   first_dense: int = 0           # dense first layers (moe.first_dense)
   shared_d_ff: int = 0           # all shared experts' width together, per MoE layer
+  remat: bool = False            # model.remat: each layer group's forward runs again
 
   @property
   def moe_layers(self) -> int:
@@ -135,11 +149,15 @@ class StepCost:
   overhead_s: float
   drop_fraction: float           # predicted share of (token, k) choices dropped
   memory_bytes: float            # per device
+  pipe_s: float = 0.0            # stage-boundary transfers (pipeline)
+  hidden_s: float = 0.0          # parameter collectives hidden behind matmuls (not in total)
+  bubble: float = 0.0            # the pipeline schedule's idle share of the ticks
+  state_bytes: float = 0.0       # parameters + Adam moments per device
 
   @property
   def total_s(self) -> float:
     return (self.compute_s + self.expert_s + self.memory_s + self.a2a_s + self.restore_s +
-            self.reduce_s + self.tp_s + self.overhead_s)
+            self.reduce_s + self.tp_s + self.pipe_s + self.overhead_s)
 
   def to_dict(self) -> dict:
     return dict(dataclasses.asdict(self), total_s=self.total_s)
@@ -197,65 +215,102 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
                  load_LxE: np.ndarray | None = None, dispersion: float = 1.0) -> StepCost:
   """Predicted step time of `strategy` (moejax.strategy.Strategy) on `profile` when the MoE
   layers' expert shares are `load_LxE` (rows sum to 1; None = uniform) and a source's count
-  to an expert varies `dispersion` times more than independent tokens would."""
+  to an expert varies `dispersion` times more than independent tokens would. With P stages a
+  device runs its stage's layers for every tick (moejax.strategy.stages): the layer terms are
+  the busiest stage's, stretched by the bubble; embedding and head run on every stage."""
   d, f, e = w.d_model, w.expert_d_ff, w.num_experts
   dd, n, m = strategy.data, strategy.expert, strategy.model
-  devices = dd * n * m
+  p, mb, v = strategy.stage, strategy.microbatches, strategy.virtual
+  fs = dd if strategy.fsdp else 1                 # FSDP splits parameters over data
+  devices = strategy.num_devices
   scale = max(1.0, devices / profile.concurrency) if profile.concurrency else 1.0
   tokens = w.global_batch * w.seq_len / (dd * n)   # per device (model axis shares them)
   if load_LxE is None:
-    load_LxE = np.full((w.moe_layers, e), 1.0 / e)
+    load_LxE = np.full((1, e), 1.0 / e)
   load_LxE = np.asarray(load_LxE, np.float64)
   load_LxE = load_LxE / np.maximum(load_LxE.sum(-1, keepdims=True), 1e-12)
-  load_LxE = np.broadcast_to(load_LxE, (w.moe_layers, e))
   c = strategy.slots(e)
+  per_row = {}                                     # one evaluation per distinct load row
+  for row in np.broadcast_to(load_LxE, (w.moe_layers, e)):
+    key = row.tobytes()
+    if key not in per_row:
+      rows, dropped = _expert_rows(strategy, w, row, tokens / mb, dispersion)
+      per_row[key] = (rows * mb, dropped)         # capacity is per microbatch
+  rows_L, drops_L = (np.array([per_row[r.tobytes()][i] for r in np.broadcast_to(
+      load_LxE, (w.moe_layers, e))]) for i in (0, 1))
+  stage_rows = stages.busiest_stage(rows_L, p, v)  # the stage's expert rows, all microbatches
+  stretch = stages.stretch(p, mb, v)               # ticks / busy ticks: the bubble
+  layers = w.num_layers / p                        # a stage's layers, moe layers, groups
+  moe_layers = w.moe_layers / p
+  runs = moe_layers * mb * stretch                 # MoE layer runs per device (every tick)
+  recompute = 4 / 3 if w.remat else 1.0            # remat runs the forward twice
 
   attn_flops = 2 * 2 * w.seq_len * d / 2           # causal QK^T and AV per token
-  dense_flops = 6 * tokens * (w.dense_params - w.vocab_size * d) / m + \
-      3 * tokens * w.num_layers * attn_flops / m
-  rows, drops = zip(*(_expert_rows(strategy, w, p, tokens, dispersion) for p in load_LxE))
-  expert_flops = 6 * sum(rows) * 3 * d * f / m
+  layer_dense = w.dense_params - 2 * w.vocab_size * d
+  dense_flops = ((6 * tokens * layer_dense / p + 3 * tokens * layers * attn_flops) / m *
+                 stretch * recompute + 6 * tokens * w.vocab_size * d / m)
+  expert_flops = 6 * stage_rows * 3 * d * f / m * stretch * recompute
   compute_s = dense_flops * scale / profile.flops_per_s
   expert_s = expert_flops * scale / profile.flops_per_s
 
-  ep_local = expert_params(strategy.expert_mode, w.moe_layers, e, d, f, n, m)
-  params_dev = w.dense_params / m + ep_local
-  act_bytes = (40 * tokens * d * w.num_layers + 12 * sum(rows) * d) * w.act_bytes / m
+  ep_local = expert_params(strategy.expert_mode, w.moe_layers, e, d, f, n, m) / p
+  dense_dev = (layer_dense / p + 2 * w.vocab_size * d) / m     # before FSDP
+  params_dev = (dense_dev + ep_local) / fs
+  act_bytes = (40 * tokens * d * layers + 12 * stage_rows * d) * w.act_bytes / m * stretch
   opt_bytes = 7 * 4 * params_dev                   # read p, g, mu, nu; write p, mu, nu
   memory_s = (act_bytes + opt_bytes) * scale / profile.mem_bytes_per_s
 
   call = profile.call_s
   a2a_s = 0.0
   if n > 1:        # dispatch + combine, forward and backward
-    buf = sum(rows) / w.moe_layers * d * w.act_bytes / m      # bytes per exchange and layer
-    a2a_s = w.moe_layers * 4 * (call(n) + buf * (n - 1) / n / profile.a2a_bytes_per_s) * scale
+    buf = stage_rows * stretch * d * w.act_bytes / m          # bytes over all runs
+    a2a_s = 4 * (runs * call(n) + buf * (n - 1) / n / profile.a2a_bytes_per_s) * scale
   restore_s = 0.0
   if strategy.expert_mode == "fsep" and n > 1:   # 3 weights, restore + gradient return
     per_layer = c * 3 * d * f / m * 4             # fp32 slot weights restored per device
-    restore_s = w.moe_layers * 2 * (3 * call(n) + per_layer * (n - 1) / n /
-                                    profile.a2a_bytes_per_s) * scale
-  reduce_s = 0.0
-  shards = dd * n
+    restore_s = runs * 2 * (3 * call(n) + per_layer * (n - 1) / n /
+                            profile.a2a_bytes_per_s) * scale
+  reduce_s = param_bytes = 0.0                   # param_bytes: gradient reduce + FSDP gathers
+  shards, leaves = dd * n, 6 + 9 * w.moe_every     # one collective call per leaf
   if shards > 1:
-    # Router statistics: about 6 small psums per MoE layer forward, 6 backward.
-    reduce_s += 12 * w.moe_layers * call(shards) * scale
-    # Gradients: dense leaves over data*expert, expert leaves over data; one call per leaf.
-    leaves = 6 + 9 * w.moe_every
-    volume = 4 * (w.dense_params / m * 2 * (shards - 1) / shards +
-                  ep_local * 2 * (dd - 1) / dd)
-    reduce_s += (leaves * call(shards) + volume / profile.reduce_bytes_per_s) * scale
+    # Router statistics: about 6 small psums per MoE layer run forward, 6 backward.
+    reduce_s += (12 * runs + leaves) * call(shards) * scale
+    # Gradients: dense leaves over data*expert, expert leaves over data. Under FSDP the
+    # data part is a reduce-scatter (half an all-reduce's volume).
+    param_bytes = 4 * (dense_dev * 2 * (shards - 1) / shards + ep_local * 2 * (dd - 1) / dd) / (
+        2 if strategy.fsdp else 1)
+  if p > 1:        # embedding and head live on every stage: their gradients sum over stage
+    reduce_s += 3 * call(p) * scale
+    param_bytes += 4 * 2 * w.vocab_size * d / m / fs * 2 * (p - 1) / p
+  if strategy.fsdp and dd > 1:
+    reduce_s += (3 if w.remat else 2) * leaves * call(dd) * scale
+    param_bytes += stages.fsdp_gather_bytes(4 * (dense_dev + ep_local), dd, w.remat)
+  param_s = param_bytes / profile.reduce_bytes_per_s * scale
+  hidden = 0.0
+  if profile.overlap_param_comm:   # their volume hides behind the backward's matmuls
+    hidden = min(param_s, 2 / 3 * (compute_s + expert_s) * profile.compute_scale /
+                 profile.comm_scale)
+  reduce_s += param_s - hidden
   tp_s = 0.0
   if m > 1:        # two activation psums per layer, forward and backward
-    volume = 4 * w.num_layers * tokens * d * w.act_bytes * 2 * (m - 1) / m
-    tp_s = (4 * w.num_layers * call(m) + volume / profile.reduce_bytes_per_s) * scale
+    volume = 4 * layers * tokens * stretch * d * w.act_bytes * 2 * (m - 1) / m
+    tp_s = (4 * layers * mb * stretch * call(m) + volume / profile.reduce_bytes_per_s) * scale
+  pipe_s = stages.transfer_seconds(p, mb, v, tokens, d, w.act_bytes, call(2),
+                                   profile.p2p_bytes_per_s or profile.a2a_bytes_per_s) * scale
 
+  experts = expert_bytes(strategy.expert_mode, w.moe_layers // p, e, d, f, n, m, c,
+                         w.act_bytes, fs)
   memory_bytes = step_bytes(
-      w.dense_params / m, expert_bytes(strategy.expert_mode, w.moe_layers, e, d, f, n, m, c),
-      activation_bytes(tokens, d, w.num_layers, w.vocab_size, sum(rows), w.act_bytes, m))
+      dense_dev / fs, experts,
+      activation_bytes(tokens, d, layers, w.vocab_size, stage_rows, w.act_bytes, m,
+                       groups=round(moe_layers), remat=w.remat, microbatches=mb,
+                       stretch=stretch))
   cs, ms = profile.compute_scale, profile.comm_scale
   return StepCost(compute_s * cs, expert_s * cs, memory_s * cs, a2a_s * ms, restore_s * ms,
                   reduce_s * ms, tp_s * profile.tp_scale, profile.overhead_s,
-                  float(np.mean(drops)), float(memory_bytes))
+                  float(np.mean(drops_L)), float(memory_bytes), pipe_s=pipe_s * ms,
+                  hidden_s=hidden * ms, bubble=stages.bubble_fraction(p, mb, v),
+                  state_bytes=3 * FP32 * dense_dev / fs + experts["persistent"])
 
 
 def expert_shares(counts_ZxLxWxE: np.ndarray) -> np.ndarray:

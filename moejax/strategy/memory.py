@@ -11,6 +11,9 @@ Experts, per device, for `ep` and `fsep`:
               (what grows is the stored shards' fp32 gradient; tests/test_fsep_prefetch.py).
 `step_bytes` adds the dense parameters (with gradients and Adam moments) and the activations:
 the peak the strategy cost model reports and the offline stage checks against the device.
+Under P pipeline stages a device holds 1/P of the layer groups (their parameters, moments and
+activations; embedding and head are on every stage); under FSDP every parameter, gradient and
+moment is further split over the data axis (`param_shards`).
 The trainer writes `report` into the run dir; `python -m moejax.replay ... --d_model D --d_ff F
 --layers L` prints it beside the planner results.
 """
@@ -45,11 +48,13 @@ def expert_params(mode: str, layers: int, experts: int, d_model: int, d_ff: int,
 
 def expert_bytes(mode: str, layers: int, experts: int, d_model: int, d_ff: int, devices: int,
                  model_shards: int = 1, slots_per_device: int | None = None,
-                 compute_bytes: int = FP32) -> dict:
-  """Per-device expert bytes; `devices` = N (expert axis), `model_shards` = M;
-  `compute_bytes`: bytes per element of the compute dtype (`model.dtype`)."""
+                 compute_bytes: int = FP32, param_shards: int = 1) -> dict:
+  """Per-device expert bytes; `devices` = N (expert axis), `model_shards` = M, `layers` the
+  MoE layers this device holds (all of them, or a pipeline stage's); `compute_bytes`: bytes
+  per element of the compute dtype (`model.dtype`); `param_shards`: FSDP's data axis, which
+  splits the stored weights, their moments and gradients but not the restored slot weights."""
   slots = expert_slots(mode, experts, devices, slots_per_device)
-  params = expert_params(mode, layers, experts, d_model, d_ff, devices, model_shards)
+  params = expert_params(mode, layers, experts, d_model, d_ff, devices, model_shards) / param_shards
   live = min(layers, LIVE_RESTORED_LAYERS)
   restored = live * slots * 3 * d_model * d_ff / model_shards if mode == "fsep" else 0
   return {"mode": mode, "slots_per_device": slots,
@@ -59,11 +64,28 @@ def expert_bytes(mode: str, layers: int, experts: int, d_model: int, d_ff: int, 
 
 
 def activation_bytes(tokens: float, d_model: int, num_layers: int, vocab_size: int,
-                     expert_rows: float, act_bytes: int, model_shards: int = 1) -> float:
+                     expert_rows: float, act_bytes: int, model_shards: int = 1, *,
+                     groups: int = 0, remat: bool = False, microbatches: int = 1,
+                     stretch: float = 1.0) -> float:
   """Activations kept for the backward pass: per token and layer, plus the expert rows (summed
-  over MoE layers) and the fp32 logits with their gradient."""
-  return ((20 * tokens * d_model * num_layers + 6 * expert_rows * d_model) * act_bytes /
-          model_shards + 2 * tokens * vocab_size / model_shards * FP32)
+  over MoE layers) and the fp32 logits with their gradient. `num_layers`, `groups` (scanned
+  layer groups) and `expert_rows` are this device's (a pipeline stage's). A pipelined step is
+  one scan over ticks whose autodiff keeps every tick's residuals, idle ticks' too: `stretch`
+  = ticks / (V*M) times the busy ticks'. Under `model.remat` a group keeps only its input,
+  and one group of one microbatch is recomputed at a time. With M > 1 the step also holds
+  the embedded batch and the finished outputs (two [T, D] buffers)."""
+  rows_per_layer = expert_rows / max(groups, 1)
+  if remat and groups:
+    kept = tokens * d_model * groups * stretch     # group inputs: not split over `model`
+    layers_per_group = num_layers / groups
+    work = (20 * tokens * d_model * layers_per_group + 6 * rows_per_layer * d_model) / (
+        microbatches * model_shards)
+    layers_b = (kept + work) * act_bytes
+  else:
+    layers_b = ((20 * tokens * d_model * num_layers + 6 * expert_rows * d_model) * stretch *
+                act_bytes / model_shards)
+  buffers = 2 * tokens * d_model * act_bytes if microbatches > 1 else 0.0
+  return layers_b + buffers + 2 * tokens * vocab_size / model_shards * FP32
 
 
 def step_bytes(dense_params: float, experts: dict, activations: float) -> float:

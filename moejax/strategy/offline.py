@@ -51,7 +51,8 @@ def workload_of(cfg: Config) -> Workload:
                   cfg.data.global_batch_size, moe.num_experts, moe.top_k, moe.d_ff,
                   moe.moe_every, act_bytes=4 if m.dtype == "float32" else 2,
                   first_dense=moe.first_dense,
-                  shared_d_ff=moe.num_shared_experts * (moe.shared_d_ff or moe.d_ff))
+                  shared_d_ff=moe.num_shared_experts * (moe.shared_d_ff or moe.d_ff),
+                  remat=m.remat)
 
 
 @dataclasses.dataclass
@@ -166,6 +167,9 @@ def pick_pool(rows: list[Row], k: int, max_drop: float, regimes=REGIMES) -> list
     devices = rows[0].strategy.num_devices if rows else 0
     raise ConfigError(f"no strategy fits this model on {devices} devices; the lines above say "
                       "why and what would make one fit.")
+  # Members share the first pick's pipeline and FSDP choice (spec.check_pool, decision 0045).
+  first = min(ok, key=lambda r: r.score(regimes[0], max_drop)).strategy
+  ok = [r for r in ok if pipeline_of(r.strategy) == pipeline_of(first)]
   ordered = {g: sorted(ok, key=lambda r, g=g: r.score(g, max_drop)) for g in regimes}
   pool: list[Strategy] = []
   for depth in range(len(ok)):
@@ -180,17 +184,40 @@ def pick_pool(rows: list[Row], k: int, max_drop: float, regimes=REGIMES) -> list
   return pool
 
 
+def pipeline_of(s: Strategy) -> tuple:
+  """What pool members share: stages, virtual stages, microbatches, FSDP."""
+  return s.stage, s.virtual, s.microbatches, s.fsdp
+
+
+def train_bindings(pool: list[Strategy]) -> list[str]:
+  """The gin bindings that train `pool`: the pipeline and FSDP fields its members share,
+  then the pool; under stages the trainer runs no pool yet, so the first member alone."""
+  s = pool[0]
+  out = [f"{name} = {value!r}" for name, value, default in (
+      ("mesh.stage", s.stage, 1), ("train.microbatches", s.microbatches, 1),
+      ("train.virtual_stages", s.virtual, 1), ("mesh.fsdp", s.fsdp, False)) if value != default]
+  if s.stage > 1:
+    return out + [f"mesh.data = {s.data}", f"mesh.expert = {s.expert}",
+                  f"mesh.model = {s.model}", f"moe.capacity_factor = {s.capacity_factor:g}",
+                  f"moe.dispatch = {s.dispatch!r}"]
+  return out + ["strategy.pool = [" + ", ".join(repr(m.spec) for m in pool) + "]"]
+
+
 def table(rows: list[Row], regimes=REGIMES) -> str:
-  head = f"{'strategy':<24}" + "".join(f"{g + ' ms':>13}{'drop':>7}" for g in regimes)
-  head += f"{'MiB/dev':>10}  status"
+  """One line per strategy: predicted ms and drops per regime, the peak bytes per device
+  (`MiB/dev`), the parameters + Adam moments per device (`state MiB`), the status."""
+  width = max([24] + [len(r.strategy.spec) + 2 for r in rows])
+  head = f"{'strategy':<{width}}" + "".join(f"{g + ' ms':>13}{'drop':>7}" for g in regimes)
+  head += f"{'MiB/dev':>10}{'state MiB':>11}  status"
   lines = [head, "-" * len(head)]
   for r in sorted(rows, key=lambda r: (r.rejected is not None, not r.in_pool,
                                       r.costs[regimes[0]].total_s if r.costs else 0.0)):
     cells = "".join(f"{r.costs[g].total_s * 1e3:13.2f}{r.costs[g].drop_fraction:7.1%}"
                     if r.costs else f"{'-':>13}{'-':>7}" for g in regimes)
     mem = max(c.memory_bytes for c in r.costs.values()) / 2**20 if r.costs else float("nan")
+    state = next(iter(r.costs.values())).state_bytes / 2**20 if r.costs else float("nan")
     status = "POOL" if r.in_pool else ("ok" if r.rejected is None else f"rejected: {r.rejected}")
-    lines.append(f"{r.strategy.spec:<24}{cells}{mem:10.1f}  {status}")
+    lines.append(f"{r.strategy.spec:<{width}}{cells}{mem:10.1f}{state:11.1f}  {status}")
   return "\n".join(lines)
 
 

@@ -1,0 +1,71 @@
+"""The pipeline's and FSDP's terms of the step cost model (pure arithmetic).
+
+moejax runs a pipelined step as one scan over V*M + P - 1 ticks (moejax/model/pipeline.py):
+at every tick every stage runs 1/V of its layer groups on one microbatch, idle stages on
+values nobody reads, so a stage's work is its busy ticks' times ticks / (V*M); the
+difference, the bubble, is (P-1) / (V*M + P-1) of the step (GPipe: V = 1; the circular
+schedule: V chunks per stage). Between ticks each stage's microbatch moves to the next stage
+(a collective permute over `stage`) and the last stage's output is collected; the backward
+pass sends both back. Under FSDP the parameters are gathered over `data` where they
+are used (forward, backward and, under remat, the recomputed forward) and the gradients are
+reduce-scattered instead of all-reduced.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Read from the compiled program (ep/1x4x1/p2/m4 on 8 CPU devices): the forward tick loop
+# has 2 collective-permutes and an all-reduce of one microbatch's rows per iteration, the
+# backward loop 2 permutes and one more all-reduce of that size.
+SENDS_PER_TICK = 6
+
+
+def ticks(stages: int, microbatches: int, virtual: int = 1) -> int:
+  """Ticks of one pipelined step: V*M + P - 1 (M with no pipeline)."""
+  return virtual * microbatches + stages - 1
+
+
+def bubble_fraction(stages: int, microbatches: int, virtual: int = 1) -> float:
+  """Share of the ticks a stage spends on no microbatch: (P-1) / (V*M + P-1); GPipe is V=1,
+  the circular schedule V > 1 (Megatron's interleaved figure, (P-1) / (V*M), counts the
+  bubble against the busy ticks instead of all of them)."""
+  return (stages - 1) / ticks(stages, microbatches, virtual)
+
+
+def stretch(stages: int, microbatches: int, virtual: int = 1) -> float:
+  """A stage's step time over its busy ticks': ticks / (V*M) = 1 / (1 - bubble)."""
+  return ticks(stages, microbatches, virtual) / (virtual * microbatches)
+
+
+def stage_of_group(groups: int, stages: int, virtual: int = 1) -> np.ndarray:
+  """[groups] the stage each scanned layer group runs on: P*V chunks of consecutive groups,
+  chunk c on stage c % P (V = 1: stage s holds groups s*G/P .. (s+1)*G/P - 1)."""
+  chunk = max(groups // (stages * virtual), 1)
+  return (np.arange(groups) // chunk) % stages
+
+
+def busiest_stage(per_group: np.ndarray, stages: int, virtual: int = 1) -> float:
+  """The largest per-stage sum of a per-group quantity (the stage the others wait for)."""
+  per_group = np.asarray(per_group, np.float64)
+  owner = stage_of_group(len(per_group), stages, virtual)
+  return float(np.bincount(owner, per_group, minlength=stages).max())
+
+
+def transfer_seconds(stages: int, microbatches: int, virtual: int, tokens: float,
+                     d_model: int, act_bytes: int, call_s: float, bytes_per_s: float) -> float:
+  """Stage-boundary traffic of one step: per tick SENDS_PER_TICK transfers of one device's
+  microbatch rows (the permute to the next stage, the last stage's output, forward and
+  backward)."""
+  if stages == 1:
+    return 0.0
+  send = tokens / microbatches * d_model * act_bytes
+  return SENDS_PER_TICK * ticks(stages, microbatches, virtual) * (call_s + send / bytes_per_s)
+
+
+def fsdp_gather_bytes(param_bytes: float, shards: int, remat: bool) -> float:
+  """Bytes a device receives gathering its parameters over `shards` data devices: once for
+  the forward, once for the backward, once more for the recomputed forward under remat."""
+  if shards == 1:
+    return 0.0
+  return (3 if remat else 2) * param_bytes * (shards - 1) / shards

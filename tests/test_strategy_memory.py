@@ -1,0 +1,34 @@
+"""The memory model's parameters + Adam moments per device against the shard shapes of the
+state the trainer builds for the same strategy (shapes only: nothing compiled or allocated)."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from moejax.config import Config
+from moejax.strategy.cost import PRESETS, predict_step
+from moejax.strategy.offline import workload_of
+from moejax.strategy.spec import parse
+from moejax.train.optim import optimizer, schedule
+from moejax.train.programs import build_program
+from moejax.train.state import init_state, per_device_bytes
+
+CFG = Config()   # the default model with slot capacity: 2 layer groups, batch 16
+
+
+@pytest.mark.slow   # 13-28 s per case on the loaded 2-core VM (tracing the model's init)
+@pytest.mark.parametrize("spec", ["ep/2x4x1/cf1.25", "ep/2x4x1/cf1.25/fsdp",
+                                  "ep/1x4x1/p2/m2/cf1.25", "ep/2x2x1/p2/m2/cf1.25/fsdp"])
+def test_state_bytes_match_the_trainers_shardings(spec):
+  s = parse(spec)
+  tx, lr = optimizer(CFG.optim, 10), schedule(CFG.optim, 10)
+  prog = build_program(CFG, s, tx, lr, jax.devices()[:8], compile_now=False)
+  b, length = CFG.data.global_batch_size, CFG.data.seq_len
+  shapes = jax.eval_shape(lambda: init_state(prog.model, tx, prog.shardings, prog.layout, b,
+                                             length, 0))
+  held = per_device_bytes((shapes.params, shapes.opt_state),
+                          (prog.shardings.params, prog.shardings.opt_state))
+  predicted = predict_step(s, workload_of(CFG), PRESETS["cpu"]).state_bytes
+  # The model counts the weights; the trainer also holds norms' scales and optax counters.
+  assert predicted == pytest.approx(held, rel=0.03), (predicted, held)
