@@ -140,6 +140,7 @@ def test_errors(skewed):
     replay(skewed, 4, 8, "static", every=0)
 
 
+@pytest.mark.slow   # over the 8-minute budget of the README test command: .ci/run's slow pass
 def test_cli_all_policies_json(tmp_path):
   trace = tmp_path / "tiny.npz"
   save_trace(trace, synthetic_trace(12, 2, 4, 8, tokens_per_source=64, seed=3))
