@@ -9,11 +9,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moejax.config import OptimConfig, num_moe_layers
 from moejax.layout import placement as placement_lib
+from moejax.model.mesh import mesh_of_shape, param_rules
 from moejax.model.moe.fsep_experts import restore_slot_weights
 from moejax.model.moe.layer import moe_apply
 from moejax.model.moe.reference import moe_reference
+from moejax.model.transformer import Transformer
 from moejax.train import step as step_lib
+from moejax.train.optim import optimizer
+from moejax.train.programs import initial_layout
+from moejax.train.state import init_state, state_shardings
 from tests.helpers import BATCH, SEQ, TINY_MODEL, TINY_MOE, tiny_setup, tokens
 
 E, D, F = 8, 16, 32
@@ -184,3 +190,15 @@ def ragged_keep(slot_WxA: np.ndarray, slots: int, rows: int) -> np.ndarray:
       keep_WxA[w, a] = filled.get(dev, 0) < rows
       filled[dev] = filled.get(dev, 0) + keep_WxA[w, a]
   return keep_WxA
+
+
+def stage_setup(model_cfg, moe_cfg, shape, stages=1):
+  """(model, layout, train state) on a (data, expert, model) x `stages` mesh: what the
+  pipeline tests build for each side of a comparison, parameters in canonical layer order."""
+  mesh = mesh_of_shape(shape, stage=stages)
+  model = Transformer(model_cfg, moe_cfg, mesh)
+  layout = jax.device_put(initial_layout(moe_cfg, num_moe_layers(model_cfg, moe_cfg), shape[1]),
+                          jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  tx = optimizer(OptimConfig(learning_rate=1e-2, warmup_steps=1), 10)
+  shardings = state_shardings(model, tx, mesh, layout, BATCH, SEQ, param_rules(stage=stages > 1))
+  return model, layout, init_state(model, tx, shardings, layout, BATCH, SEQ, 0)

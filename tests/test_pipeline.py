@@ -15,37 +15,23 @@ import jax
 import numpy as np
 import pytest
 
-from moejax.config import OptimConfig
-from moejax.model.mesh import mesh_of_shape, param_rules
+from moejax.model.mesh import mesh_of_shape
 from moejax.model.pipeline import Pipelined
 from moejax.model.transformer import Transformer
 from moejax.train import step as step_lib
-from moejax.train.optim import optimizer
 from moejax.train.programs import initial_layout
-from moejax.train.state import init_state, state_shardings
-from tests.helpers import BATCH, SEQ, TINY_MODEL, TINY_MOE, tokens
-from tests.moe_helpers import model_lengths
+from tests.helpers import TINY_MODEL, TINY_MOE, tokens
+from tests.moe_helpers import model_lengths, stage_setup
 from tests.numerics import assert_close, assert_trees_close
 
 # Four layer groups (one MoE layer each) so that four stages get one group each.
 FOUR_GROUPS = dataclasses.replace(TINY_MOE, moe_every=1)
 
 
-def _setup(shape, stages, moe_cfg):
-  mesh = mesh_of_shape(shape, stage=stages)
-  model = Transformer(TINY_MODEL, moe_cfg, mesh)
-  groups = TINY_MODEL.num_layers // moe_cfg.moe_every
-  layout = jax.device_put(initial_layout(moe_cfg, groups, shape[1]),
-                          jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-  tx = optimizer(OptimConfig(learning_rate=1e-2, warmup_steps=1), 10)
-  shardings = state_shardings(model, tx, mesh, layout, BATCH, SEQ, param_rules(stage=stages > 1))
-  return model, layout, init_state(model, tx, shardings, layout, BATCH, SEQ, 0)
-
-
 @functools.cache
 def _reference(moe_cfg, micro):
   """Mean loss and gradients of the one-device Transformer over the microbatches."""
-  model, layout, state = _setup((1, 1, 1), 1, moe_cfg)
+  model, layout, state = stage_setup(TINY_MODEL, moe_cfg, (1, 1, 1))
   f = jax.jit(jax.value_and_grad(
       lambda p, b: step_lib.loss_fn(p, model, moe_cfg, b, layout), has_aux=True))
   outs = [f(state.params, tokens()[m::micro]) for m in range(micro)]
@@ -63,7 +49,7 @@ def _reference(moe_cfg, micro):
 ], ids=["p2_e4", "p2_d2_e2", "p4_e2"])
 def test_pipeline_matches_one_device(stages, shape, micro, moe_cfg):
   ref_loss, ref_grads, ref_counts = _reference(moe_cfg, micro)
-  model, layout, state = _setup(shape, stages, moe_cfg)
+  model, layout, state = stage_setup(TINY_MODEL, moe_cfg, shape, stages)
   assert state.params["layers"]["moe"]["w_gate"].sharding.spec[:2] == ("stage", "expert")
   f = jax.jit(jax.value_and_grad(
       lambda p, b: step_lib.loss_fn(p, Pipelined(model, micro), moe_cfg, b, layout),

@@ -15,17 +15,11 @@ import jax
 import numpy as np
 import pytest
 
-from moejax.config import OptimConfig
 from moejax.model import layer_order
-from moejax.model.mesh import mesh_of_shape, param_rules
 from moejax.model.pipeline import Pipelined
-from moejax.model.transformer import Transformer
 from moejax.train import step as step_lib
-from moejax.train.optim import optimizer
-from moejax.train.programs import initial_layout
-from moejax.train.state import init_state, state_shardings
-from tests.helpers import BATCH, SEQ, TINY_MODEL, TINY_MOE, tokens
-from tests.moe_helpers import model_lengths
+from tests.helpers import TINY_MODEL, TINY_MOE, tokens
+from tests.moe_helpers import model_lengths, stage_setup
 from tests.numerics import assert_close, assert_trees_close
 
 ONLY_MOE = dataclasses.replace(TINY_MOE, moe_every=1)
@@ -34,22 +28,11 @@ POOLED = dataclasses.replace(ONLY_MOE, capacity="device")
 FSEP = dataclasses.replace(ONLY_MOE, expert_mode="fsep")
 
 
-def _setup(model_cfg, moe_cfg, shape, stages=1):
-  """(model, layout, params) on a (data, expert, model) x `stages` mesh, params canonical."""
-  mesh = mesh_of_shape(shape, stage=stages)
-  model = Transformer(model_cfg, moe_cfg, mesh)
-  groups = model_cfg.num_layers // moe_cfg.moe_every
-  layout = jax.device_put(initial_layout(moe_cfg, groups, shape[1]),
-                          jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-  tx = optimizer(OptimConfig(learning_rate=1e-2, warmup_steps=1), 10)
-  sh = state_shardings(model, tx, mesh, layout, BATCH, SEQ, param_rules(stage=stages > 1))
-  return model, layout, init_state(model, tx, sh, layout, BATCH, SEQ, 0).params
-
-
 @functools.cache
 def _reference(model_cfg, moe_cfg, micro):
   """Mean loss and gradients of the one-device Transformer over the microbatches."""
-  model, layout, params = _setup(model_cfg, moe_cfg, (1, 1, 1))
+  model, layout, state = stage_setup(model_cfg, moe_cfg, (1, 1, 1))
+  params = state.params
   f = jax.jit(jax.value_and_grad(
       lambda p, b: step_lib.loss_fn(p, model, moe_cfg, b, layout), has_aux=True))
   outs = [f(params, tokens()[m::micro]) for m in range(micro)]
@@ -61,7 +44,8 @@ def _reference(model_cfg, moe_cfg, micro):
 
 def _check_pipeline(model_cfg, moe_cfg, shape, stages, micro, virtual=1):
   ref_loss, ref_grads, ref_counts = _reference(model_cfg, moe_cfg, micro)
-  model, layout, params = _setup(model_cfg, moe_cfg, shape, stages)
+  model, layout, state = stage_setup(model_cfg, moe_cfg, shape, stages)
+  params = state.params
   piped = Pipelined(model, micro, virtual)
   order = piped.layer_order
   stored = jax.jit(lambda p: layer_order.params_to(p, order))(params)   # circular storage
