@@ -47,8 +47,10 @@ class GmmTuning:
     128 x 64 x 64                 8       2         91 / 0
     128 x 32 x 128                4       2        255 / 456      spills
     128 x 32 x 128                8       2        163 / 0
-  No tiling's speed has been measured (no GPU); mosaic_gpu takes block_m/k/n as JAX's
-  ragged_dot tiles (I and O must be multiples of block_k and block_n * grid_block_n).
+  mosaic_gpu takes block_m/k/n as JAX's ragged_dot tiles (block_m a multiple of 64; I and O
+  multiples of block_k and block_n * grid_block_n); the MoE layer gives it
+  gmm_mosaic.hopper_tuning, the fastest of a sweep on one H100. Triton's tiles were timed on
+  that H100 too (`benchmarks/results/gmm_tiles_h100.json`); the default stays 64 x 64 x 64.
   """
   block_m: int = 64         # rows per tile (power of two)
   block_k: int = 64         # contraction tile: largest power of two <= this dividing the dim

@@ -209,7 +209,8 @@ def test_gmm_bf16(backend, gmm_backend):
   m, i, o, sizes = 37, 64, 64, jnp.asarray([5, 0, 13, 9], jnp.int32)
   x, x32 = _bf16(rng, (m, i), 1 / np.sqrt(i))
   w, w32 = _bf16(rng, (len(sizes), i, o))
-  tuning = GmmTuning(block_m=gpu_block(8, backend), block_k=64, block_n=64,
+  block_m = gpu_block(8, backend) if gmm_backend == "same" else 64     # Mosaic: wgmma rows
+  tuning = GmmTuning(block_m=block_m, block_k=64, block_n=64,
                      backend=backend if gmm_backend == "same" else gmm_backend)
   got = value_and_grads(lambda x, w: gmm(x, w, sizes, tuning), x, w)
   want = value_and_grads(lambda x, w: gmm_reference(x, w, sizes), x32, w32)
@@ -233,6 +234,9 @@ def test_gmm_bf16(backend, gmm_backend):
      "cast both"),
     (lambda: gmm(jnp.ones((4, 8)), jnp.ones((2, 8, 4)), jnp.ones((2,), jnp.int32),
                  GmmTuning(block_m=24)), "power of two"),
+    (lambda: gmm(jnp.ones((4, 64), jnp.bfloat16), jnp.ones((2, 64, 64), jnp.bfloat16),
+                 jnp.ones((2,), jnp.int32), GmmTuning(block_m=16, backend="mosaic_gpu")),
+     "block_m=16 is not a multiple of 64"),
     (lambda: gmm(jnp.ones((4, 8)), jnp.ones((2, 8, 4)), jnp.ones((2,), jnp.int32),
                  GmmTuning(backend="cuda")), "unknown"),
     (lambda: gmm(jnp.ones((4, 16)), jnp.ones((2, 16, 16)), jnp.ones((2,), jnp.int32),

@@ -24,7 +24,7 @@ import jax
 from moejax.config import ConfigError
 from moejax.model.moe.combine import combine_rows
 from moejax.model.moe.dispatch import gather_rows
-from pallas_kernels import backend as backend_lib
+from pallas_kernels import backend as backend_lib, gmm_mosaic
 from pallas_kernels.gmm import GmmTuning
 from pallas_kernels.grouped_matmul import gmm as pallas_gmm
 from pallas_kernels.permute import PermuteTuning, permute as pallas_permute
@@ -51,9 +51,12 @@ def ops_for(kernels: str, platform: str, capability: str | None = None, dtype=No
     requested = "triton" if pallas_backend == "mosaic_gpu" else pallas_backend
     backend = backend_lib.resolve(requested, platform)
     gmm_backend = backend_lib.resolve_gmm(pallas_backend, platform, capability, dtype)
+    gmm_tuning = GmmTuning(backend=gmm_backend)
+    if gmm_backend == "mosaic_gpu":
+      gmm_tuning = gmm_mosaic.hopper_tuning(gmm_tuning)
     return ExpertOps(
         "pallas", gmm_backend,
         functools.partial(pallas_permute, tuning=PermuteTuning(backend=backend)),
         functools.partial(pallas_combine, tuning=CombineTuning(backend=backend)),
-        functools.partial(pallas_gmm, tuning=GmmTuning(backend=gmm_backend)))
+        functools.partial(pallas_gmm, tuning=gmm_tuning))
   raise ConfigError(f"moe.kernels={kernels!r} is not supported; use 'xla' or 'pallas'.")
