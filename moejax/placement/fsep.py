@@ -194,50 +194,56 @@ def place(r_YxE: np.ndarray, load_E: np.ndarray, n: int, rounds: int) -> np.ndar
   per_YxE = load_E[None, :] / r_YxE
   reps = np.empty((k, rounds, n), np.int64)
   per = np.empty((k, rounds, n))                          # per-replica load of each replica
-  for i in range(k):                                      # Y <= 3
+  held_from = np.full((k, rounds), n)      # round j - 1's first position holding round j's
+  for i in range(k):                       # first expert (n: none); Y <= 3
     order = np.argsort(-per_YxE[i], kind="stable")        # per-replica load desc, then id
     r_sorted = r_YxE[i].take(order)
     reps[i] = np.repeat(order, r_sorted).reshape(rounds, n)
     per[i] = np.repeat(per_YxE[i].take(order), r_sorted).reshape(rounds, n)
-  straddles = np.zeros((k, rounds), bool)
-  straddles[:, 1:] = reps[:, 1:, 0] == reps[:, :-1, -1]
-  any_straddle = straddles.any(0).tolist()
+    ends = np.cumsum(r_sorted)
+    bounds = np.arange(1, rounds) * n                     # where rounds 1.. start
+    at = np.searchsorted(ends, bounds, side="right")      # their first experts
+    start = ends.take(at) - r_sorted.take(at)
+    held_from[i, 1:] = np.where(start < bounds, start - bounds + n, n)
   last = 2.0 * float(np.einsum("kjn->k", per).max()) + 1.0  # more than any device load
-  offs = (np.arange(k) * n)[:, None]
+  held = [[(i, int(held_from[i, j])) for i in range(k) if held_from[i, j] < n]
+          for j in range(rounds)]
+  cols = np.arange(n)
   # Devices are kept in the order of the round's deal (position i takes the round's i-th
   # largest replica), so a round is one add, one sort and one write of its experts.
   perm = np.tile(np.arange(n), (k, 1))                  # device at each position
   load = np.zeros((k, n))                                # its load so far
-  dealt = np.empty((rounds, k * n), np.int64)    # [rounds, Y*N]: expert of each (round, device)
-  packed = np.empty((k, n), np.int64)
+  grid = np.empty((k, n, rounds), np.int64)
+  rows = np.arange(k)[:, None]
   for j in range(rounds):
-    dealt[j].put(perm if k == 1 else perm + offs, reps[:, j])
+    for i in range(k):
+      grid[i, :, j][perm[i]] = reps[i, j]
     load += per[:, j]
     if j + 1 == rounds:
       break
     key = load
-    if any_straddle[j + 1]:            # who just got the expert that goes on in round j + 1
-      held = straddles[:, j + 1, None] & (reps[:, j] == reps[:, j + 1, :1])
-      key = np.where(held, load + last, load)
-    idx = _ascending(key, packed)
-    idx = (idx if k == 1 else idx + offs).ravel()
+    if held[j + 1]:          # who just got the expert that goes on in round j + 1: a suffix
+      key = load.copy()
+      for i, start in held[j + 1]:
+        key[i, start:] += last
+    idx = _ascending(key, cols)
+    idx = (idx if k == 1 else idx + rows * n).ravel()
     perm = perm.ravel().take(idx).reshape(k, n)
     load = load.ravel().take(idx).reshape(k, n)
-  return np.ascontiguousarray(dealt.reshape(rounds, k, n).transpose(1, 2, 0))
+  return grid
 
 
-def _ascending(key_YxN: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+def _ascending(key_YxN: np.ndarray, cols: np.ndarray | None = None) -> np.ndarray:
   """Per row, the column order of non-negative keys, ascending, ties to the lower column (keys
   closer than max / 2**50 count as ties). The column is packed into the low bits of an int64
   key so that a plain sort does it: numpy's SIMD sort is about twice as fast as argsort.
-  `out`: an int64 array of the keys' shape to work in (and return)."""
+  `cols`: np.arange(N), when the caller has it."""
   bits = max(1, (key_YxN.shape[1] - 1).bit_length())
   top = float(key_YxN.max())
   scale = float(2 ** (62 - bits)) / (top * 1.001) if top > 0 else 0.0
-  packed = np.empty(key_YxN.shape, np.int64) if out is None else out
-  np.multiply(key_YxN, scale, out=packed, casting="unsafe")    # float product, truncated
+  packed = (key_YxN * scale).astype(np.int64)
   packed <<= bits
-  packed |= np.arange(key_YxN.shape[1])
+  packed |= np.arange(key_YxN.shape[1]) if cols is None else cols
   packed.sort(axis=1)
   packed &= (1 << bits) - 1
   return packed
@@ -337,11 +343,15 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
   grid = grid[best]
   share = share[best]
   if o.exact_parts:
-    share = quantise(grid[None], share[None], load_E, o.quantise_groups)[0]
-  slot_expert = np.full((n, c), -1, np.int32)
-  slot_share = np.zeros((n, c))
-  slot_expert[:, :rounds] = grid
-  slot_share[:, :rounds] = share
+    share = quantise(grid[None], share[None], load_E, o.quantise_groups,
+                     whole_YxE=coarse_E[None])[0]        # `level` kept them at 1/r_e
+  if c == rounds:
+    slot_expert, slot_share = grid.astype(np.int32), share
+  else:
+    slot_expert = np.full((n, c), -1, np.int32)
+    slot_share = np.zeros((n, c))
+    slot_expert[:, :rounds] = grid
+    slot_share[:, :rounds] = share
   local = None
   plain_E = coarse_E | (load_E < o.local_min_rows * n)
   if o.locality and not plain_E.all():   # coarse experts, and those with few rows per device,
@@ -377,7 +387,8 @@ def _deal_bound(r_YxE, coarse_YxE, load_E, load_ZxE, dev_NxE, total_N, n, rounds
     ab = np.empty(2 * rounds, np.int64)
     ab[0::2] = np.searchsorted(last_round, js)
     ab[1::2] = np.searchsorted(first_round, js, side="right")
-    padded = np.pad(fixed_ZxE, ((0, 0), (0, 1)))          # b_j may be E
+    padded = np.zeros((len(loads), num_experts + 1))      # b_j may be E
+    padded[:, :num_experts] = fixed_ZxE
     lo = np.ascontiguousarray(np.minimum.reduceat(padded, ab, axis=1)[:, 0::2])
     hi = np.maximum.reduceat(padded, ab, axis=1)[:, 0::2]
     best = (hi + lo.sum(1, keepdims=True) - lo).max(1)
