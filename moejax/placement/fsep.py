@@ -55,7 +55,7 @@ import numpy as np
 from moejax.config import ConfigError
 from moejax.layout.placement import SHARE_PARTS, Placement
 from moejax.placement.cost import CostModel
-from moejax.placement.fsep_score import estimate, fold_sources, overflow, own_counts
+from moejax.placement.fsep_score import device_load, estimate, fold_sources, overflow, own_counts
 from moejax.placement.fsep_shares import level, quantise
 from moejax.placement.locality import keep_local, local_parts
 from moejax.placement.spread import hedge_loads, mean_peak, recent_center, window_loads
@@ -322,7 +322,14 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
   bound_s = np.array([cost.compute_s(float(b)) + cost.exchange_s(float(x))
                       for b, x in zip(peak_lo, sent_lo)])
   first = [int(np.argmin(bound_s))]
-  grid, share, peak, sent = peak_of(r_YxE[first], coarse_YxE[first])
+  grid, share, peak, sent = peak_of(r_YxE[first], coarse_YxE[first], sent_too=False)
+  # A device sends at most all its tokens: if even that admits no other candidate, the rows
+  # sent by the first (the gather of every replica's own count) decide nothing.
+  most_s = cost.compute_s(float(peak[0])) + cost.exchange_s(float(total_N.max()))
+  if any(b <= most_s * (1 + TIME_SLACK) for y, b in enumerate(bound_s.tolist()) if y != first[0]):
+    sent = estimate(grid, share, dev_NxE, load_E, total_N=total_N)[1].max(1)
+  else:
+    sent = np.array([total_N.max()])               # only bounds the first candidate's score
   first_s = cost.compute_s(float(peak[0])) + cost.exchange_s(float(sent[0]))
   rest = [y for y in range(len(r_YxE)) if y != first[0]
           and bound_s[y] <= first_s * (1 + TIME_SLACK)]
@@ -398,14 +405,20 @@ def _deal_bound(r_YxE, coarse_YxE, load_E, load_ZxE, dev_NxE, total_N, n, rounds
   return peak, sent
 
 
-def _peaks(r_YxE, coarse_YxE, *, load_E, load_ZxE, dev_NxE, total_N, n, rounds, iters):
+def _peaks(r_YxE, coarse_YxE, *, load_E, load_ZxE, dev_NxE, total_N, n, rounds, iters,
+           sent_too=True):
   """(grid, shares, score load, max sent) [Y, ...] of candidate replica counts r_YxE: placed,
-  levelled, scored on the busiest device (averaged over the window's steps when given)."""
+  levelled, scored on the busiest device (averaged over the window's steps when given).
+  sent_too=False: max sent is None (not computed)."""
   grid = place(r_YxE, load_E, n, rounds)
   share = level(grid, r_YxE, load_E, iters, coarse_YxE)
-  dev_load, sent = estimate(grid, share, dev_NxE, load_E, total_N=total_N)
-  peak = mean_peak(grid, share, load_ZxE) if load_ZxE is not None else dev_load.max(1)
-  return grid, share, peak, sent.max(1)
+  if load_ZxE is not None:
+    peak = mean_peak(grid, share, load_ZxE)
+  else:
+    peak = device_load(grid, share, load_E).max(1)
+  if not sent_too:
+    return grid, share, peak, None
+  return grid, share, peak, estimate(grid, share, dev_NxE, load_E, total_N=total_N)[1].max(1)
 
 
 def _per_source(grid, share, dev_NxE, load_E, cap_N, coarse_E, o: FsepOptions):
