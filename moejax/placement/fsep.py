@@ -322,14 +322,8 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
   bound_s = np.array([cost.compute_s(float(b)) + cost.exchange_s(float(x))
                       for b, x in zip(peak_lo, sent_lo)])
   first = [int(np.argmin(bound_s))]
-  grid, share, peak, sent = peak_of(r_YxE[first], coarse_YxE[first], sent_too=False)
-  # A device sends at most all its tokens: if even that admits no other candidate, the rows
-  # sent by the first (the gather of every replica's own count) decide nothing.
-  most_s = cost.compute_s(float(peak[0])) + cost.exchange_s(float(total_N.max()))
-  if any(b <= most_s * (1 + TIME_SLACK) for y, b in enumerate(bound_s.tolist()) if y != first[0]):
-    sent = estimate(grid, share, dev_NxE, load_E, total_N=total_N)[1].max(1)
-  else:
-    sent = np.array([total_N.max()])               # only bounds the first candidate's score
+  grid, share, peak, _ = peak_of(r_YxE[first], coarse_YxE[first], sent_too=False)
+  sent = _first_sent(grid, share, peak, bound_s, first[0], cost, dev_NxE, load_E, total_N)
   first_s = cost.compute_s(float(peak[0])) + cost.exchange_s(float(sent[0]))
   rest = [y for y in range(len(r_YxE)) if y != first[0]
           and bound_s[y] <= first_s * (1 + TIME_SLACK)]
@@ -403,6 +397,17 @@ def _deal_bound(r_YxE, coarse_YxE, load_E, load_ZxE, dev_NxE, total_N, n, rounds
     keep = dev_NxE[d] * np.where(coarse_YxE[y], 1.0 / r_E, 1.0)
     sent[y] = total_N[d] - np.sort(keep)[-rounds:].sum()
   return peak, sent
+
+
+def _first_sent(grid, share, peak, bound_s, first, cost, dev_NxE, load_E, total_N):
+  """[1]: the first candidate's most rows sent by a device, or, where it cannot matter, the
+  bound it stands for. A device sends at most all its tokens: if even that admits no other
+  candidate (every other bound above the first's score + TIME_SLACK), the rows sent (a gather
+  of every replica's own count from the [N, E] counts) decide nothing, as at N = 4096."""
+  most_s = cost.compute_s(float(peak[0])) + cost.exchange_s(float(total_N.max()))
+  if any(b <= most_s * (1 + TIME_SLACK) for y, b in enumerate(bound_s.tolist()) if y != first):
+    return estimate(grid, share, dev_NxE, load_E, total_N=total_N)[1].max(1)
+  return np.array([total_N.max()])
 
 
 def _peaks(r_YxE, coarse_YxE, *, load_E, load_ZxE, dev_NxE, total_N, n, rounds, iters,
