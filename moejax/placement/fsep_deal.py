@@ -60,9 +60,10 @@ def place(r_YxE: np.ndarray, load_E: np.ndarray, n: int, rounds: int) -> np.ndar
       for i, start in held[j + 1]:
         key[i, start:] += last
     idx = ascending(key, cols)
-    idx = (idx if k == 1 else idx + rows * n).ravel()
-    perm = perm.ravel().take(idx).reshape(k, n)
-    load = load.ravel().take(idx).reshape(k, n)
+    if k > 1:
+      idx += rows * n                                   # into the flattened [Y, N] arrays
+    perm = perm.take(idx)                               # `take` flattens, keeps idx's shape
+    load = load.take(idx)
   return grid
 
 
