@@ -36,12 +36,13 @@ The best candidate's shares are then rounded to whole parts of SHARE_PARTS, the 
 unit, towards level device loads (`quantise`), so what replay and the device router realise
 is what was planned; then each device keeps its own tokens on its own replicas first
 (per-source shares, moejax.placement.locality). Before step 1 each candidate gets a lower
-bound on its score from the deal order alone (`_deal_bound`); the one with the lowest bound
-is placed and scored first, and another only if its bound comes within TIME_SLACK of that
-score, so pruning changes no choice. With plan_for='spread' and a window the load levelled
-on is each expert's median share over the window's last `center_steps` steps
-(spread.recent_center; center='mean' keeps the window mean). Python loops run only over
-candidates, the C rounds, levelling steps and rounding batches.
+bound on its score from the deal order alone (`fsep_deal.deal_bound`); the one with the
+lowest bound is placed and scored first, and another only if its bound comes within
+TIME_SLACK of that score, so pruning changes no choice (the first one's rows sent are
+scored only where they could admit another, `_first_sent`). With plan_for='spread' and a
+window the load levelled on is each expert's median share over the window's last
+`center_steps` steps (spread.recent_center; center='mean' keeps the window mean). Python
+loops run only over candidates, the C rounds, levelling steps and rounding batches.
 """
 
 from __future__ import annotations
@@ -55,7 +56,12 @@ import numpy as np
 from moejax.config import ConfigError
 from moejax.layout.placement import SHARE_PARTS, Placement
 from moejax.placement.cost import CostModel
-from moejax.placement.fsep_score import estimate, fold_sources, overflow, own_counts
+from moejax.placement.fsep_deal import (
+  ascending as _ascending,  # noqa: F401 (tests use it)
+  deal_bound as _deal_bound,
+  place,
+)
+from moejax.placement.fsep_score import device_load, estimate, fold_sources, overflow, own_counts
 from moejax.placement.fsep_shares import level, quantise
 from moejax.placement.locality import keep_local, local_parts
 from moejax.placement.spread import hedge_loads, mean_peak, recent_center, window_loads
@@ -79,16 +85,29 @@ def even_counts(load_E: np.ndarray, total: int) -> np.ndarray:
 
 def _top_values(load_E: np.ndarray, first_k: np.ndarray, cap: int, take: int) -> np.ndarray:
   """How many of each expert's next values load_e / k, k = first_k[e], first_k[e] + 1, ...
-  (k <= cap) are among the `take` largest of all of them; ties to the lower expert id."""
+  (k <= cap) are among the `take` largest of all of them; ties to the lower expert id.
+
+  Only values at or above a lower bound on the take-th largest are built: the take-th largest
+  of the experts' first values (one per expert) is one, since those are among all the values.
+  At E = 256, N = 4096 that is ~1.3 x take values instead of E x take."""
   num_experts = len(load_E)
-  ks = first_k[:, None] + np.arange(min(take, cap))[None, :]            # [E, m]
-  vals = np.where(ks <= cap, load_E[:, None] / ks, -np.inf).ravel()
+  m = min(take, cap)
+  first = np.where(first_k <= cap, load_E / first_k, -np.inf)
+  low = np.partition(first, num_experts - take)[num_experts - take] if take <= num_experts else 0.0
+  count_E = np.minimum(cap + 1 - first_k, m)                            # values k <= cap
+  if low > 0:                            # and load_e / k >= low: k <= load_e / low (+1: slack)
+    count_E = np.minimum(count_E, np.minimum(np.floor(load_E / low), m + first_k) + 2 - first_k)
+  count_E = np.maximum(count_E, 0).astype(np.int64)
+  expert = np.repeat(np.arange(num_experts), count_E)                  # expert-major, k rising
+  starts = np.cumsum(count_E) - count_E
+  ks = first_k.take(expert) + (np.arange(len(expert)) - starts.take(expert))
+  vals = load_E.take(expert) / ks
   top = np.argpartition(-vals, take - 1)[:take]
   thresh = vals[top].min()
   chosen = vals > thresh
   ties = np.flatnonzero(vals == thresh)[:take - int(chosen.sum())]   # expert-major order
   chosen[ties] = True
-  return chosen.reshape(num_experts, -1).sum(1)
+  return np.bincount(expert[chosen], minlength=num_experts)
 
 
 def dhondt_counts(load_E: np.ndarray, total: int, cap: int) -> np.ndarray:
@@ -164,65 +183,6 @@ def snap_counts(r_E: np.ndarray, load_E: np.ndarray, total: int, cap: int,
   return out, coarse
 
 
-def place(r_YxE: np.ndarray, load_E: np.ndarray, n: int, rounds: int) -> np.ndarray:
-  """grid[Y, N, rounds] of experts for Y candidate replica counts r_YxE (each summing to
-  N * rounds, each count in [1, N]): replicas sorted by per-replica load (load_e / r_e, desc)
-  are dealt in rounds of N, the round's largest replica to the currently least-loaded device,
-  one per device per round.
-
-  Replicas of an expert are contiguous in that order and number <= N, so an expert spans at
-  most two rounds and only the first expert of a round can already sit on some devices (from
-  the round before); devices holding it go last in that round (after all others by load), so
-  its replicas land on the least-loaded devices that lack it: at most one replica of an expert
-  per device, by construction. The Y candidates are dealt together (one numpy call per round
-  and step for all of them)."""
-  r_YxE = np.atleast_2d(r_YxE)
-  k, num_experts = r_YxE.shape
-  per_YxE = load_E[None, :] / r_YxE
-  reps = np.empty((k, rounds, n), np.int64)
-  for i in range(k):                                      # Y <= 3
-    order = np.lexsort((np.arange(num_experts), -per_YxE[i]))   # per-replica load desc, id
-    reps[i] = np.repeat(order, r_YxE[i][order]).reshape(rounds, n)
-  per = per_YxE.ravel().take(reps + (np.arange(k) * num_experts)[:, None, None])
-  straddles = np.zeros((k, rounds), bool)
-  straddles[:, 1:] = reps[:, 1:, 0] == reps[:, :-1, -1]
-  any_straddle = straddles.any(0).tolist()
-  last = 2.0 * float(np.einsum("kjn->k", per).max()) + 1.0  # more than any device load
-  offs = (np.arange(k) * n)[:, None]
-  # Devices are kept in the order of the round's deal (position i takes the round's i-th
-  # largest replica), so a round is one add and one sort; the grid is written once at the end.
-  perm = np.tile(np.arange(n), (k, 1))                  # device at each position
-  load = np.zeros((k, n))                                # its load so far
-  perms = np.empty((rounds, k, n), np.int64)
-  for j in range(rounds):
-    perms[j] = perm
-    load = load + per[:, j]
-    if j + 1 == rounds:
-      break
-    key = load
-    if any_straddle[j + 1]:            # who just got the expert that goes on in round j + 1
-      held = straddles[:, j + 1, None] & (reps[:, j] == reps[:, j + 1, :1])
-      key = np.where(held, load + last, load)
-    idx = (_ascending(key) + offs).ravel()
-    perm = perm.ravel().take(idx).reshape(k, n)
-    load = load.ravel().take(idx).reshape(k, n)
-  grid = np.empty(k * n * rounds, np.int64)
-  at = (perms * rounds + np.arange(rounds)[:, None, None] + offs[None] * rounds).ravel()
-  grid.put(at, reps.transpose(1, 0, 2).ravel())
-  return grid.reshape(k, n, rounds)
-
-
-def _ascending(key_YxN: np.ndarray) -> np.ndarray:
-  """Per row, the column order of non-negative keys, ascending, ties to the lower column (keys
-  closer than max / 2**50 count as ties). The column is packed into the low bits of an int64
-  key so that a plain sort does it: numpy's SIMD sort is about twice as fast as argsort."""
-  bits = max(1, (key_YxN.shape[1] - 1).bit_length())
-  top = float(key_YxN.max())
-  scale = float(2 ** (62 - bits)) / (top * 1.001) if top > 0 else 0.0
-  packed = (key_YxN * scale).astype(np.int64) << bits | np.arange(key_YxN.shape[1])
-  return np.sort(packed, axis=1) & ((1 << bits) - 1)
-
-
 @dataclasses.dataclass(frozen=True)
 class FsepOptions:
   candidates: tuple[str, ...] = DEFAULT_CANDIDATES   # replica-count rules tried (CANDIDATES)
@@ -296,7 +256,8 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
   bound_s = np.array([cost.compute_s(float(b)) + cost.exchange_s(float(x))
                       for b, x in zip(peak_lo, sent_lo)])
   first = [int(np.argmin(bound_s))]
-  grid, share, peak, sent = peak_of(r_YxE[first], coarse_YxE[first])
+  grid, share, peak, _ = peak_of(r_YxE[first], coarse_YxE[first], sent_too=False)
+  sent = _first_sent(grid, share, peak, bound_s, first[0], cost, dev_NxE, load_E, total_N)
   first_s = cost.compute_s(float(peak[0])) + cost.exchange_s(float(sent[0]))
   rest = [y for y in range(len(r_YxE)) if y != first[0]
           and bound_s[y] <= first_s * (1 + TIME_SLACK)]
@@ -317,11 +278,15 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
   grid = grid[best]
   share = share[best]
   if o.exact_parts:
-    share = quantise(grid[None], share[None], load_E, o.quantise_groups)[0]
-  slot_expert = np.full((n, c), -1, np.int32)
-  slot_share = np.zeros((n, c))
-  slot_expert[:, :rounds] = grid
-  slot_share[:, :rounds] = share
+    share = quantise(grid[None], share[None], load_E, o.quantise_groups,
+                     whole_YxE=coarse_E[None])[0]        # `level` kept them at 1/r_e
+  if c == rounds:
+    slot_expert, slot_share = grid.astype(np.int32), share
+  else:
+    slot_expert = np.full((n, c), -1, np.int32)
+    slot_share = np.zeros((n, c))
+    slot_expert[:, :rounds] = grid
+    slot_share[:, :rounds] = share
   local = None
   plain_E = coarse_E | (load_E < o.local_min_rows * n)
   if o.locality and not plain_E.all():   # coarse experts, and those with few rows per device,
@@ -331,45 +296,31 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
   return Placement(slot_expert.ravel(), slot_share.ravel(), n, routing="split", local=local)
 
 
-def _deal_bound(r_YxE, coarse_YxE, load_E, load_ZxE, dev_NxE, total_N, n, rounds):
-  """(busiest device's load, most rows a device sends) [Y]: lower bounds on what `_peaks`
-  scores for each candidate, before it is placed. `place` deals the replicas, sorted by
-  per-replica load, in rounds of one per device, so every device carries one replica of each
-  round: the device given round j's heaviest snapped replica (its share fixed at 1/r_e)
-  carries at least that plus the lightest of every other round (unsnapped ones count as 0:
-  their shares may shrink); and the busiest carries at least the mean. With a window
-  (load_ZxE [Z, E]) per step and averaged. Rows sent: the device with the most tokens keeps
-  at most its `rounds` largest own counts (times 1/r_e where snapped)."""
-  loads = load_E[None] if load_ZxE is None else load_ZxE
-  k, num_experts = r_YxE.shape
-  peak, sent = np.empty(k), np.empty(k)
-  d = int(np.argmax(total_N))
-  mean_Z = loads.sum(1) / n
-  for y in range(k):                                      # Y <= 3
-    r_E = r_YxE[y]
-    order = np.lexsort((np.arange(num_experts), -(load_E / r_E)))   # the order `place` deals
-    ends = np.cumsum(r_E[order])                         # expert i's replicas end there
-    first_round, last_round = (ends - r_E[order]) // n, (ends - 1) // n
-    fixed_ZxE = np.where(coarse_YxE[y], loads / r_E, 0.0)[:, order]
-    lo, hi = np.empty((len(loads), rounds)), np.empty((len(loads), rounds))
-    for j in range(rounds):
-      inside = fixed_ZxE[:, (first_round <= j) & (last_round >= j)]
-      lo[:, j], hi[:, j] = inside.min(1), inside.max(1)
-    best = (hi + lo.sum(1, keepdims=True) - lo).max(1)
-    peak[y] = np.maximum(best, mean_Z).mean()
-    keep = dev_NxE[d] * np.where(coarse_YxE[y], 1.0 / r_E, 1.0)
-    sent[y] = total_N[d] - np.sort(keep)[-rounds:].sum()
-  return peak, sent
+def _first_sent(grid, share, peak, bound_s, first, cost, dev_NxE, load_E, total_N):
+  """[1]: the first candidate's most rows sent by a device, or, where it cannot matter, the
+  bound it stands for. A device sends at most all its tokens: if even that admits no other
+  candidate (every other bound above the first's score + TIME_SLACK), the rows sent (a gather
+  of every replica's own count from the [N, E] counts) decide nothing, as at N = 4096."""
+  most_s = cost.compute_s(float(peak[0])) + cost.exchange_s(float(total_N.max()))
+  if any(b <= most_s * (1 + TIME_SLACK) for y, b in enumerate(bound_s.tolist()) if y != first):
+    return estimate(grid, share, dev_NxE, load_E, total_N=total_N)[1].max(1)
+  return np.array([total_N.max()])
 
 
-def _peaks(r_YxE, coarse_YxE, *, load_E, load_ZxE, dev_NxE, total_N, n, rounds, iters):
+def _peaks(r_YxE, coarse_YxE, *, load_E, load_ZxE, dev_NxE, total_N, n, rounds, iters,
+           sent_too=True):
   """(grid, shares, score load, max sent) [Y, ...] of candidate replica counts r_YxE: placed,
-  levelled, scored on the busiest device (averaged over the window's steps when given)."""
+  levelled, scored on the busiest device (averaged over the window's steps when given).
+  sent_too=False: max sent is None (not computed)."""
   grid = place(r_YxE, load_E, n, rounds)
   share = level(grid, r_YxE, load_E, iters, coarse_YxE)
-  dev_load, sent = estimate(grid, share, dev_NxE, load_E, total_N=total_N)
-  peak = mean_peak(grid, share, load_ZxE) if load_ZxE is not None else dev_load.max(1)
-  return grid, share, peak, sent.max(1)
+  if load_ZxE is not None:
+    peak = mean_peak(grid, share, load_ZxE)
+  else:
+    peak = device_load(grid, share, load_E).max(1)
+  if not sent_too:
+    return grid, share, peak, None
+  return grid, share, peak, estimate(grid, share, dev_NxE, load_E, total_N=total_N)[1].max(1)
 
 
 def _per_source(grid, share, dev_NxE, load_E, cap_N, coarse_E, o: FsepOptions):

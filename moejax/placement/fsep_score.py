@@ -26,11 +26,15 @@ def estimate(grid: np.ndarray, share: np.ndarray, dev_NxE: np.ndarray,
   fraction kept[Y, N, rounds] of a device's own tokens and the shares `remote` of the rest
   (`locality.keep_local`), it keeps kept x own + remote x (1 - kept) x own. `own`
   (own_counts) and `total_N` (dev_NxE's row sums) may be passed when already computed."""
-  quota = share * load_E.take(grid)
   own = own_counts(grid, dev_NxE) if own is None else own
   total_N = np.einsum("ne->n", dev_NxE) if total_N is None else total_N
   local = own * share if kept is None else own * (kept + remote * (1.0 - kept))
-  return np.einsum("knr->kn", quota), total_N[None, :] - np.einsum("knr->kn", local)
+  return device_load(grid, share, load_E), total_N[None, :] - np.einsum("knr->kn", local)
+
+
+def device_load(grid: np.ndarray, share: np.ndarray, load_E: np.ndarray) -> np.ndarray:
+  """[Y, N]: each device's quota load, the first half of `estimate`."""
+  return np.einsum("knr->kn", share * load_E.take(grid))
 
 
 def overflow(grid: np.ndarray, share: np.ndarray, dev_NxE: np.ndarray,

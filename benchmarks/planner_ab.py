@@ -1,0 +1,138 @@
+"""The fsep planner of this tree against the one of an earlier commit, in one process: the same
+plans (every returned array bit for bit) and the time per decision, interleaved call by call.
+
+Times taken minutes apart on a shared VM move with what else runs; a ratio taken call by call
+in one process holds up better (decision 0035). The earlier planner is moejax/placement at
+--base (a git revision), copied by `git archive` into a temporary package whose imports point
+at itself; both run on the benchmark load of `benchmarks.planner_time` (one lognormal step,
+top-2, 2048 tokens per source, sources = N, C = 8, default options). Each row: --rounds rounds,
+each `--calls` calls of the base planner then as many of this one; median wall (perf_counter)
+and CPU (process_time) ms, and their ratio new / base. The 1-minute load average is recorded
+before and after. Needs git and the repository's history.
+
+Run (from the repository root):
+
+  python -m benchmarks.planner_ab --base c2974b0
+  python -m benchmarks.planner_ab --base c2974b0 --rounds 11 \
+      --json benchmarks/results/planner_ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+
+import numpy as np
+
+from benchmarks.common import command, write_result
+from benchmarks.planner_time import FSEP_CONFIGS, _any_layout
+from moejax.placement import fsep
+from moejax.placement.cost import CostModel
+from moejax.placement.workloads import synthetic_trace
+
+DEFAULT_JSON = "benchmarks/results/planner_ab.json"
+
+
+def load_base(rev: str, into: str):
+  """moejax.placement's fsep module as it was at git revision `rev`, as package `base_placement`
+  under folder `into` (its own imports rewritten to point at that copy)."""
+  archive = os.path.join(into, "base.tar")
+  subprocess.run(["git", "archive", "-o", archive, rev, "moejax/placement"], check=True)
+  with tarfile.open(archive) as tar:
+    tar.extractall(into, filter="data")
+  pkg = os.path.join(into, "base_placement")
+  os.rename(os.path.join(into, "moejax", "placement"), pkg)
+  for name in os.listdir(pkg):
+    if name.endswith(".py"):
+      path = os.path.join(pkg, name)
+      with open(path) as f:
+        text = f.read()
+      text = re.sub(r"\bmoejax\.placement\b", "base_placement", text)
+      with open(path, "w") as f:
+        f.write(text)
+  sys.path.insert(0, into)
+  return importlib.import_module("base_placement.fsep")
+
+
+def _plan(mod, pred, current, n):
+  return mod.place_replicas(pred, current, slots=8, src_dev_W=np.arange(n), cost=CostModel(),
+                            num_devices=n, options=mod.FsepOptions())
+
+
+def _same(a, b) -> bool:
+  arrays = [(a.slot_expert, b.slot_expert), (a.share, b.share)]
+  if a.local is not None and b.local is not None:
+    arrays.append((a.local, b.local))
+  return ((a.local is None) == (b.local is None)
+          and all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in arrays))
+
+
+def compare(base, experts: int, devices: int, rounds: int, calls: int, seed: int) -> dict:
+  pred = synthetic_trace(1, 1, devices, experts, kind="lognormal",
+                         seed=seed)["counts"][0, 0].astype(np.float64)
+  current = _any_layout(experts, devices, 8)
+  same = _same(_plan(base, pred, current, devices), _plan(fsep, pred, current, devices))
+  wall = {"base": [], "new": []}
+  cpu = {"base": [], "new": []}
+  for _ in range(rounds):
+    for name, mod in (("base", base), ("new", fsep)):
+      for _ in range(calls):
+        t0, c0 = time.perf_counter(), time.process_time()
+        _plan(mod, pred, current, devices)
+        cpu[name].append(time.process_time() - c0)
+        wall[name].append(time.perf_counter() - t0)
+  med = {f"{kind}_{k}_ms": 1e3 * statistics.median(v[k])
+         for kind, v in (("wall", wall), ("cpu", cpu)) for k in v}
+  return {"experts": experts, "devices": devices, "slots": 8, "same_plan": same, **med,
+          "wall_ratio": med["wall_new_ms"] / med["wall_base_ms"],
+          "cpu_ratio": med["cpu_new_ms"] / med["cpu_base_ms"]}
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.planner_ab",
+                               description=__doc__.split("\n\n")[0],
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--base", required=True, help="git revision of the planner to compare with")
+  ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds per row")
+  ap.add_argument("--calls", type=int, default=5, help="calls of each planner per round")
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--json", default=DEFAULT_JSON, help=f"output JSON (default {DEFAULT_JSON})")
+  a = ap.parse_args(argv)
+  if a.rounds < 1 or a.calls < 1:
+    ap.error(f"--rounds {a.rounds} and --calls {a.calls} must be >= 1")
+  load_before = os.getloadavg()[0]
+  with tempfile.TemporaryDirectory() as tmp:
+    base = load_base(a.base, tmp)
+    rows = [compare(base, e, n, a.rounds, a.calls, a.seed) for e, n in FSEP_CONFIGS]
+  load_after = os.getloadavg()[0]
+  print(f"fsep planner, this tree vs {a.base} (C=8; median ms over {a.rounds} x {a.calls} calls)")
+  head = (f"{'E':>4} {'N':>5} {'same plan':>9} {'wall base':>9} {'wall new':>9} {'ratio':>6} "
+          f"{'cpu base':>9} {'cpu new':>8} {'ratio':>6}")
+  print(head)
+  print("-" * len(head))
+  for r in rows:
+    print(f"{r['experts']:>4} {r['devices']:>5} {str(r['same_plan']):>9} "
+          f"{r['wall_base_ms']:>9.2f} {r['wall_new_ms']:>9.2f} {r['wall_ratio']:>6.3f} "
+          f"{r['cpu_base_ms']:>9.2f} {r['cpu_new_ms']:>8.2f} {r['cpu_ratio']:>6.3f}")
+  print(f"1-minute load average: {load_before:.2f} before, {load_after:.2f} after "
+        f"({os.cpu_count()} cores)")
+  write_result({"benchmark": "planner_ab", "command": command("planner_ab", argv),
+                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                "base": a.base, "numpy": np.__version__, "rounds": a.rounds, "calls": a.calls,
+                "seed": a.seed, "load": "lognormal sigma=1.0, top_k=2, 2048 tokens per source",
+                "load_average_1min": {"before": load_before, "after": load_after},
+                "cpu_count": os.cpu_count(), "rows": rows}, a.json)
+  return 0 if all(r["same_plan"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
