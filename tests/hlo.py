@@ -1,9 +1,12 @@
 """Reading XLA's optimised HLO text: computations, instructions, operands, and what a
-computation calls; for the tests that check which collectives wait for which matmuls."""
+computation calls; for the tests that check which collectives wait for which matmuls and how
+many messages a pipeline's tick loops send."""
 
 from __future__ import annotations
 
 import re
+
+import numpy as np
 
 # Computations an instruction runs: fusions, reductions, loop bodies and conditions.
 CALLS = r"(?:calls|to_apply|body|condition)=%([\w.\-]+)"
@@ -78,3 +81,108 @@ def depends_on(comp: dict[str, str], name: str, pred) -> str | None:
       return comp[op]
     stack.extend(operands(comp[op]))
   return None
+
+
+def group_size(line: str) -> int:
+  """Devices in one group of a collective: its replica groups in any of XLA's three spellings
+  ({{0,4},{1,5}}, [4,2]<=[8], mesh['axis_0'=2,...] {'axis_0'}, the last also with
+  device_ids=(...) before its reduced axes); a collective permute's is 2 when it moves data
+  between devices, 1 when every pair is a device to itself."""
+  if m := re.search(r"source_target_pairs=\{(.*?)\}\}", line):
+    pairs = re.findall(r"\{(\d+),(\d+)", m.group(1) + "}")
+    return 2 if any(a != b for a, b in pairs) else 1
+  if m := re.search(r"replica_groups=\{\{([\d,]*)\}", line):
+    return len(m.group(1).split(","))
+  if m := re.search(r"replica_groups=\[\d+,(\d+)\]<=", line):
+    return int(m.group(1))
+  if m := re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", line):
+    sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+    return int(np.prod([int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2))]))
+  raise ValueError(f"no replica groups read in: {line[:200]}")
+
+
+def array_dims(line: str) -> list[tuple[int, ...]]:
+  """The dimensions of the arrays of an instruction's result (a tuple's each), leading 1s
+  dropped (a stage's slice of a stage-batched array is [1, ...])."""
+  shape = line.split(" = ", 1)[1].split(opcode(line) + "(", 1)[0]
+  out = []
+  for dims in re.findall(r"[a-z]\w*\[([\d,]*)\]", shape):
+    d = [int(x) for x in dims.split(",") if x]
+    while d and d[0] == 1:
+      d = d[1:]
+    out.append(tuple(d))
+  return out
+
+
+STAGE_COLLECTIVES = ("collective-permute", "all-reduce", "all-gather", "reduce-scatter")
+
+
+def loop_sends(hlo: str, trip_count: int, dims: tuple[int, ...]) -> list[int]:
+  """For each while loop of the entry computation with `trip_count` iterations (a pipeline's
+  forward and backward tick loops; loops inside them, such as a layer's, may have as many),
+  how many collectives between devices its body runs per iteration that move an array
+  of dimensions `dims` (one device's rows of one microbatch: rows, Q, D; leading 1s dropped
+  as array_dims drops them). Loops nested in the body (a stage's layer scan) are not looked
+  into; all-to-alls (the MoE exchange) are not counted."""
+  comps = computations(hlo)
+  dims = tuple(dims)
+  while dims and dims[0] == 1:
+    dims = dims[1:]
+  counts = []
+  for line in comps[entry(hlo)].values():
+    trip = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
+    if opcode(line) != "while" or trip is None or int(trip.group(1)) != trip_count:
+      continue
+    body = re.search(r"body=%([\w.\-]+)", line).group(1)
+    counts.append(_sends(comps, body, dims, set()))
+  return counts
+
+
+def entry(hlo: str) -> str:
+  """The name of the module's entry computation."""
+  return re.search(r"\nENTRY %([\w.\-]+)", hlo).group(1)
+
+
+def _sends(comps, name: str, dims: tuple[int, ...], seen: set) -> int:
+  if name in seen or name not in comps:
+    return 0
+  seen.add(name)
+  total = 0
+  for line in comps[name].values():
+    op = opcode(line)
+    if op == "while":
+      continue
+    if (op.startswith(STAGE_COLLECTIVES) and not op.endswith("-done") and
+        dims in array_dims(line) and group_size(line) > 1):
+      total += 1
+    total += sum(_sends(comps, c, dims, seen) for c in callees(line))
+  return total
+
+
+def collective_calls(hlo: str) -> dict[str, int]:
+  """{opcode: calls per run of the entry computation} of the collectives between devices
+  (groups of one device left out): each instruction counted once per iteration of the while
+  loops around it (their known trip counts)."""
+  comps = computations(hlo)
+  runs: dict[str, int] = {}
+
+  def walk(name, times):
+    if name not in comps or runs.get(name, 0) >= times:
+      return
+    runs[name] = times
+    for line in comps[name].values():
+      trip = re.search(r'known_trip_count":\{"n":"(\d+)"', line)
+      inner = times * (int(trip.group(1)) if opcode(line) == "while" and trip else 1)
+      for callee in callees(line):
+        walk(callee, inner)
+
+  walk(entry(hlo), 1)
+  calls: dict[str, int] = {}
+  for name, comp in comps.items():
+    for line in comp.values():
+      op = opcode(line)
+      if (op.startswith(STAGE_COLLECTIVES + ("all-to-all",)) and not op.endswith("-done") and
+          group_size(line) > 1):
+        key = op.removesuffix("-start")
+        calls[key] = calls.get(key, 0) + runs.get(name, 0)
+  return calls

@@ -202,3 +202,9 @@ def stage_setup(model_cfg, moe_cfg, shape, stages=1):
   tx = optimizer(OptimConfig(learning_rate=1e-2, warmup_steps=1), 10)
   shardings = state_shardings(model, tx, mesh, layout, BATCH, SEQ, param_rules(stage=stages > 1))
   return model, layout, init_state(model, tx, shardings, layout, BATCH, SEQ, 0)
+
+
+def microbatch_dims(shape, micro, model_cfg=TINY_MODEL):
+  """(rows, Q, D) of one device's share of one microbatch of tests.helpers' batch on a
+  (data, expert, model) stage shape: what a pipeline's stage send moves."""
+  return (BATCH // micro // (shape[0] * shape[1]), SEQ, model_cfg.d_model)

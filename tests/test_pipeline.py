@@ -18,10 +18,12 @@ import pytest
 from moejax.model.mesh import mesh_of_shape
 from moejax.model.pipeline import Pipelined
 from moejax.model.transformer import Transformer
+from moejax.strategy import stages as stage_cost
 from moejax.train import step as step_lib
 from moejax.train.programs import initial_layout
+from tests import hlo
 from tests.helpers import TINY_MODEL, TINY_MOE, tokens
-from tests.moe_helpers import model_lengths, stage_setup
+from tests.moe_helpers import microbatch_dims, model_lengths, stage_setup
 from tests.numerics import assert_close, assert_trees_close
 
 # Four layer groups (one MoE layer each) so that four stages get one group each.
@@ -56,8 +58,9 @@ def test_pipeline_matches_one_device(stages, shape, micro, moe_cfg):
       has_aux=True))
   compiled = f.lower(state.params, tokens()).compile()
   (loss, aux), grads = compiled(state.params, tokens())
-  # The stage boundary is a collective permute in the compiled program (forward and back).
-  assert "collective-permute" in compiled.as_text()
+  sends = hlo.loop_sends(compiled.as_text(), stage_cost.ticks(stages, micro),
+                         microbatch_dims(shape, micro))
+  assert sends == [stage_cost.SENDS_PER_TICK // 2] * 2, sends   # forward, backward loop
   loss_len, grad_len = model_lengths(TINY_MODEL, moe_cfg)
   assert int(np.sum(aux["dropped_LxW"])) == 0
   assert_close(float(loss), ref_loss, loss_len, err_msg="loss")

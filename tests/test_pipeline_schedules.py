@@ -17,9 +17,11 @@ import pytest
 
 from moejax.model import layer_order
 from moejax.model.pipeline import Pipelined
+from moejax.strategy import stages as stage_cost
 from moejax.train import step as step_lib
+from tests import hlo
 from tests.helpers import TINY_MODEL, TINY_MOE, tokens
-from tests.moe_helpers import model_lengths, stage_setup
+from tests.moe_helpers import microbatch_dims, model_lengths, stage_setup
 from tests.numerics import assert_close, assert_trees_close
 
 ONLY_MOE = dataclasses.replace(TINY_MOE, moe_every=1)
@@ -51,7 +53,12 @@ def _check_pipeline(model_cfg, moe_cfg, shape, stages, micro, virtual=1):
   stored = jax.jit(lambda p: layer_order.params_to(p, order))(params)   # circular storage
   f = jax.jit(jax.value_and_grad(
       lambda p, b: step_lib.loss_fn(p, piped, moe_cfg, b, layout), has_aux=True))
-  (loss, aux), grads = f(stored, tokens())
+  compiled = f.lower(stored, tokens()).compile()
+  (loss, aux), grads = compiled(stored, tokens())
+  # One send per tick each way (the rotation and its transpose), circular as GPipe.
+  sends = hlo.loop_sends(compiled.as_text(), stage_cost.ticks(stages, micro, virtual),
+                         microbatch_dims(shape, micro))
+  assert sends == [stage_cost.SENDS_PER_TICK // 2] * 2, sends
   grads = layer_order.params_to(jax.device_get(grads), layer_order.inverse(order))
   loss_len, grad_len = model_lengths(model_cfg, moe_cfg)
   assert int(np.sum(aux["dropped_LxW"])) == 0

@@ -10,13 +10,17 @@ the rows i with i % M == m, so that each device's rows of a microbatch are rows 
 
 One schedule serves both: V*M + P - 1 ticks; at tick t stage s runs step j = t - s, i.e.
 microbatch j % M through its chunk j // M (idle, on values nobody reads, outside
-0 <= j < V*M). Stage 0 reads microbatch j % M from the loop buffer, which starts as the
-microbatches and into which the last stage writes what it finishes; the other stages read
-what the previous stage computed at the tick before, moved by one `ppermute` over `stage`
-(in `shard_map`). A microbatch the last stage finishes at tick r*M + m + P - 1 is read back by
-stage 0 at tick (r+1)*M + m, which needs M >= P when V > 1. With V = 1 this is GPipe's
-fill-drain (bubble (P-1)/(M+P-1)); with V > 1 each tick runs one chunk, 1/V of a stage's
-layers, and the bubble is (P-1)/(V*M+P-1) of the step.
+0 <= j < V*M). Each tick's one stage transfer is a rotation, one `ppermute` over `stage` (in
+`shard_map`): stage s receives what stage s - 1 computed at the tick before, and stage 0
+what the last stage finished at step t - P. Every stage keeps its own loop buffer of M
+microbatch slots (sharded over `stage`; only stage 0's is read), which starts as the
+microbatches: stage 0 stores what the rotation brings into the slot of its microbatch and runs
+slot t % M. A microbatch the last stage finishes at tick r*M + m + P - 1 arrives at stage 0 at
+r*M + m + P and is read at (r+1)*M + m, which needs M >= P when V > 1. After the last tick one
+more rotation brings the last output to stage 0, and its slots, every microbatch's last chunk,
+go to every stage's head in one all-reduce over `stage` (the other stages add zeros). With
+V = 1 this is GPipe's fill-drain (bubble (P-1)/(M+P-1)); with V > 1 each tick runs one chunk,
+1/V of a stage's layers, and the bubble is (P-1)/(V*M+P-1) of the step.
 
 Every stage runs the same program: the stages are one `vmap` over the stage axis whose
 `spmd_axis_name` is `stage`, so each MoE layer's `shard_map` keeps its expert parallelism over
@@ -25,7 +29,10 @@ layer as the Transformer does (the first before the chunk's scan, the next in ea
 backward pass is the ticks' autodiff, which runs them in reverse.
 
 The embedding and the head (final norm, unembedding, loss) are replicated over `stage` and
-computed by every stage, as SPMD makes them; only the layer groups are split.
+computed by every stage, as SPMD makes them; only the layer groups are split. Hence the one
+collection of the outputs per step, not a head on the last stage alone: it costs one
+all-reduce of the batch's activations a step (and in the backward one more, the embedding
+output's cotangent summed over the stages' copies), against 2 (V*M + P - 1) rotations.
 
 `Pipelined` has the Transformer's `init` and `apply`, so the train and eval steps take it as
 the model. Its loss is the step's loss over the whole batch with each MoE layer's balance and
@@ -77,6 +84,19 @@ def _rotate(mesh, stages: int):
   pairs = [(s, (s + 1) % stages) for s in range(stages)]
   return jax.shard_map(lambda x: jax.lax.ppermute(x, STAGE, pairs), mesh=mesh,
                        in_specs=spec, out_specs=spec)
+
+
+def _collect(mesh, stages: int):
+  """[stages, M, rows, ...] -> stage 0's [M, rows, ...] on every stage: one all-reduce in which
+  the other stages add zeros (its transpose sends nothing: the head's gradient is the same on
+  every stage, and stage 0 keeps it)."""
+  if stages == 1:
+    return lambda loop: loop[0]
+
+  def first(loop):
+    return jax.lax.psum(jnp.where(jax.lax.axis_index(STAGE) == 0, loop[0], 0), STAGE)
+  return jax.shard_map(first, mesh=mesh, in_specs=P(STAGE, None, BATCH_AXES),
+                       out_specs=P(None, BATCH_AXES))
 
 
 def _chunk_runner(model: Transformer, virtual: int):
@@ -133,29 +153,41 @@ def pipelined_apply(model: Transformer, microbatches: int, params, tokens_BxQ: j
   stage_args = (_split(params["layers"], stages, virtual),
                 None if stored is None else _split(stored, stages, virtual),
                 _canonical_split(layout, stages, virtual))
-  rotate = _rotate(mesh, stages)
+  rotate, collect = _rotate(mesh, stages), _collect(mesh, stages)
   stage_ids = jnp.arange(stages)
   steps = virtual * micro
   state = jnp.zeros((stages, rows, length, d_model), dtype)      # what each stage runs next
+  # Each stage's own loop buffer [M, rows, Q, D]; only stage 0's is read. It starts as the
+  # microbatches (every stage computed the embedding, so the copy moves nothing).
+  loop_spec = NamedSharding(mesh, P(STAGE if stages > 1 else None, None, BATCH_AXES))
+  loop = jax.lax.with_sharding_constraint(jnp.broadcast_to(feed, (stages,) + feed.shape),
+                                          loop_spec)
   stats_shape = jax.eval_shape(run_stages, stage_args, stage_ids, state)[1]
   # per (stage, chunk): the sums over microbatches of each group's statistics
   zero_stats = jax.tree.map(lambda s: jnp.zeros(s.shape[:1] + (virtual,) + s.shape[1:], s.dtype),
                             stats_shape)
+
+  def keep(loop, received, t):
+    """Stage 0's rotated input is the last stage's output of step t - P (microbatch
+    (t - P) % M): it goes to that microbatch's slot, read at tick t - P + M >= t. Before tick P
+    nothing has arrived, and slot (t - P) % M still holds a microbatch not yet read."""
+    back = t - stages
+    slot = jnp.maximum(back, 0) % micro
+    received = jnp.where(back >= 0, received, loop[:, slot])
+    loop = jax.lax.dynamic_update_index_in_dim(loop, received, slot, 1)
+    return jax.lax.with_sharding_constraint(loop, loop_spec)
 
   def tick(carry, t):
     state, loop, stats_sum = carry
     step = t - stage_ids                                              # [stages]
     busy = (step >= 0) & (step < steps)
     chunk = jnp.clip(step, 0, steps - 1) // micro
+    received = rotate(state)                  # the tick's one send: stage s - 1's output
+    loop = keep(loop, received, t)
     first = (stage_ids == 0)[:, None, None, None]
-    state = jnp.where(first, loop[t % micro][None], rotate(state))
+    state = jnp.where(first, jax.lax.dynamic_index_in_dim(loop, t % micro, 1, keepdims=False),
+                      received)
     state, stats = run_stages(stage_args, chunk, state)
-    # The last stage's finished microbatch goes to the loop buffer (stage 0's next input, or
-    # the output after the last chunk); an idle tick writes back what is there.
-    last = t - (stages - 1)
-    slot = jnp.maximum(last, 0) % micro
-    done = jnp.where((last >= 0) & (last < steps), state[stages - 1], loop[slot])
-    loop = jax.lax.dynamic_update_index_in_dim(loop, done, slot, 0)
     where = (jax.nn.one_hot(chunk, virtual, dtype=jnp.bool_) & busy[:, None])   # [stages, V]
     stats_sum = jax.tree.map(
         lambda acc, s: acc + jnp.where(where.reshape(where.shape + (1,) * (s.ndim - 1)),
@@ -163,8 +195,11 @@ def pipelined_apply(model: Transformer, microbatches: int, params, tokens_BxQ: j
         stats_sum, stats)
     return (state, loop, stats_sum), None
 
-  (_, outputs, stats_sum), _ = jax.lax.scan(tick, (state, feed, zero_stats),
-                                            jnp.arange(steps + stages - 1))
+  ticks = steps + stages - 1
+  (state, loop, stats_sum), _ = jax.lax.scan(tick, (state, loop, zero_stats), jnp.arange(ticks))
+  # The last step's output is still on the last stage: one more rotation brings it to stage 0,
+  # whose slots then hold every microbatch's last chunk; one collection hands them to the head.
+  outputs = collect(keep(loop, rotate(state), ticks))
   x_BxQxD = jax.lax.with_sharding_constraint(
       outputs.transpose(1, 0, 2, 3).reshape(batch, length, d_model), act)
   x_BxQxD = RMSNorm(cfg.norm_eps).apply({"params": params["ln_final"]}, x_BxQxD)

@@ -5,20 +5,31 @@ at every tick every stage runs 1/V of its layer groups on one microbatch, idle s
 values nobody reads, so a stage's work is its busy ticks' times ticks / (V*M); the
 difference, the bubble, is (P-1) / (V*M + P-1) of the step (GPipe: V = 1; the circular
 schedule: V chunks per stage). Between ticks each stage's microbatch moves to the next stage
-(a collective permute over `stage`) and the last stage's output is collected; the backward
-pass sends both back. Under FSDP the parameters are gathered over `data` where they
-are used (forward, backward and, under remat, the recomputed forward) and the gradients are
-reduce-scattered instead of all-reduced.
+(a collective permute over `stage`, whose wrap-around pair hands the last stage's output to
+stage 0); the backward pass sends it back. Once per step the last output makes one more
+rotation and stage 0's finished microbatches go to every stage's head. Under FSDP the
+parameters are gathered over `data` where they are used (forward, backward and, under
+remat, the recomputed forward) and the gradients are reduce-scattered instead of
+all-reduced.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-# Read from the compiled program (ep/1x4x1/p2/m4 on 8 CPU devices): the forward tick loop
-# has 2 collective-permutes and an all-reduce of one microbatch's rows per iteration, the
-# backward loop 2 permutes and one more all-reduce of that size.
-SENDS_PER_TICK = 6
+# Read from the compiled loss-and-gradient programs on 8 CPU devices (tests/hlo.py's
+# loop_sends, asserted by tests/test_pipeline.py and tests/test_pipeline_schedules.py: GPipe
+# at P=2 x expert 4 and P=4 x expert 2, circular V=2 at P=2 x expert 2): the forward tick loop
+# has one collective permute of one microbatch's rows per iteration (the rotation), the
+# backward loop one (its transpose); the same for both schedules. (Before decision 0050 it was
+# 6: the last stage's output was also broadcast to every stage each tick, forward and back.)
+SENDS_PER_TICK = 2
+# Once per step, outside the loops: the last rotation, forward and back, and two all-reduces
+# over `stage` of all M microbatches' rows: the collection of stage 0's outputs, and in the
+# backward the sum over stages of the embedding output's cotangent (every stage holds a copy
+# of the microbatches; only stage 0's is read).
+SENDS_PER_STEP = 2
+REDUCES_PER_STEP = 2
 
 
 def ticks(stages: int, microbatches: int, virtual: int = 1) -> int:
@@ -55,12 +66,14 @@ def busiest_stage(per_group: np.ndarray, stages: int, virtual: int = 1) -> float
 def transfer_seconds(stages: int, microbatches: int, virtual: int, tokens: float,
                      d_model: int, act_bytes: int, call_s: float, bytes_per_s: float) -> float:
   """Stage-boundary traffic of one step: per tick SENDS_PER_TICK transfers of one device's
-  microbatch rows (the permute to the next stage, the last stage's output, forward and
-  backward)."""
+  microbatch rows (the rotation, forward and backward), and once per step SENDS_PER_STEP more
+  and REDUCES_PER_STEP ring all-reduces over the P stages of all M microbatches' rows."""
   if stages == 1:
     return 0.0
   send = tokens / microbatches * d_model * act_bytes
-  return SENDS_PER_TICK * ticks(stages, microbatches, virtual) * (call_s + send / bytes_per_s)
+  sends = SENDS_PER_TICK * ticks(stages, microbatches, virtual) + SENDS_PER_STEP
+  reduce = call_s + 2 * (stages - 1) / stages * microbatches * send / bytes_per_s
+  return sends * (call_s + send / bytes_per_s) + REDUCES_PER_STEP * reduce
 
 
 def fsdp_gather_bytes(param_bytes: float, shards: int, remat: bool) -> float:
