@@ -3,9 +3,11 @@
 Under circular stages (V = 2) the state's layer axis is stored stage-major
 (moejax.model.layer_order), while layouts and the planner's placements are canonical. The
 re-planning controller migrates with the layouts put in the state's order
-(`Program.state_layout`); these tests check that call against the one-stage program: the same
+(`Program.state_layout`); this test checks that call against the one-stage program: the same
 canonical state, migrated to the same SmartMoE placements, is the same canonical state after.
-No train step is compiled (`compile_now=False`): only the init and the permutation run.
+To stay cheap it compiles no step and no init (`compile_now=False`, the state's shapes from
+`abstract_state`) and permutes on one device; the sharded migrations of a circular run,
+checked against one device's losses, are in test_pipeline_pool.py (slow).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from moejax.placement.replanner import OnlinePlanner
 from moejax.strategy.spec import parse
 from moejax.train.optim import optimizer, schedule
 from moejax.train.programs import build_program
-from moejax.train.state import init_state
 
 # Four MoE layers: at P = 2, V = 2 stage 0 stores canonical groups 0 and 2, stage 1 1 and 3.
 CFG = Config(model=ModelConfig(d_model=32, num_layers=4, num_heads=2, d_ff=64, max_seq_len=16),
@@ -35,19 +36,19 @@ TX = optimizer(CFG.optim, 10)
 
 
 @pytest.fixture(scope="module")
-def programs():
-  lr = schedule(CFG.optim, 10)
-  return [build_program(CFG, parse(spec), TX, lr, compile_now=False)
-          for spec in ("ep/2x4x1/cf4", "ep/1x4x1/p2/v2/m2/cf4")]
+def circular():
+  """The P = 2, V = 2 program (expert axis 4): its state's shapes, order and layouts."""
+  return build_program(CFG, parse("ep/1x4x1/p2/v2/m2/cf4"), TX, schedule(CFG.optim, 10),
+                       compile_now=False)
 
 
 def _random_state(prog):
   """A train state of `prog`'s shapes whose every float leaf (weights, Adam moments) is
   random, canonical layer order, on the host."""
   rng = np.random.default_rng(0)
-  state = jax.device_get(init_state(prog.model, TX, prog.shardings, prog.layout, 8, 16, 0))
   return jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(a.dtype)
-                      if jnp.issubdtype(a.dtype, jnp.floating) else np.asarray(a), state)
+                      if jnp.issubdtype(a.dtype, jnp.floating) else np.zeros(a.shape, a.dtype),
+                      prog.abstract_state(TX))
 
 
 def _smartmoe_layout(prog):
@@ -72,21 +73,25 @@ def _assert_identical(a, b):
     np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
 
 
-def test_migration_under_the_circular_order_equals_one_stage(programs):
-  flat, circular = programs
-  assert not layer_order.is_identity(circular.layer_order)
-  host = _random_state(flat)
-  new = _smartmoe_layout(flat)
-  want = migrate(jax.device_put(host, flat.shardings), flat.layout, new)
-  stored = circular.canonical_state(host, back=True)   # the circular run's own storage
-  got = migrate(stored, circular.state_layout(circular.layout), circular.state_layout(new))
-  _assert_identical(circular.canonical_state(got), want)
+def test_migration_under_the_circular_order_equals_one_stage(circular):
+  """The one-stage state is the canonical one (P = 1 stores canonical rows); both migrate on
+  one device, so only the layer order differs."""
+  order = circular.layer_order
+  assert not layer_order.is_identity(order)
+  host = _random_state(circular)
+  new = jax.device_get(_smartmoe_layout(circular))
+  start = jax.device_get(circular.layout)
+  want = jax.device_get(migrate(jax.device_put(host), start, new))
+  stored = layer_order.reorder_state(host, order)   # the circular run's own storage
+  got = migrate(jax.device_put(stored), circular.state_layout(start),
+                circular.state_layout(new))
+  _assert_identical(layer_order.reorder_state(jax.device_get(got), layer_order.inverse(order)),
+                    want)
   # The migration moved expert weights and Adam moments, and the reordering is what made it
   # right: the canonical layouts applied to the stored rows give another state.
-  moved = jax.device_get(want.opt_state)
-  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(moved),
+  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(want.opt_state),
                                                       jax.tree.leaves(host.opt_state)))
-  wrong = migrate(circular.canonical_state(host, back=True), circular.layout, new)
+  wrong = jax.device_get(migrate(jax.device_put(stored), start, new))
   assert any(not np.array_equal(a, b) for a, b in zip(
-      jax.tree.leaves(jax.device_get(circular.canonical_state(wrong).params)),
-      jax.tree.leaves(jax.device_get(want.params))))
+      jax.tree.leaves(layer_order.reorder_state(wrong, layer_order.inverse(order)).params),
+      jax.tree.leaves(want.params)))
