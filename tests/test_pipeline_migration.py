@@ -95,3 +95,28 @@ def test_migration_under_the_circular_order_equals_one_stage(circular):
   assert any(not np.array_equal(a, b) for a, b in zip(
       jax.tree.leaves(layer_order.reorder_state(wrong, layer_order.inverse(order)).params),
       jax.tree.leaves(want.params)))
+
+
+def test_a_pool_move_reads_the_layouts_in_the_stored_order(circular):
+  """A switch between members (`programs._move_ordered`, what `Transfer` compiles) from a
+  SmartMoE-placed circular member to an ep member in expert order: the same canonical state
+  as the move at one stage, both when the target shares the circular order (a pool's case)
+  and when it stores canonical rows (via canonical order)."""
+  from moejax.train.programs import _move, _move_ordered
+
+  order, flat = circular.layer_order, np.arange(4)
+  host = _random_state(circular)
+  placed = jax.device_get(_smartmoe_layout(circular))
+  target = jax.device_get(circular.layout)
+  move = dict(src_mode="ep", dst_mode="ep", dst_shardings=None)
+  want = jax.device_get(_move(jax.device_put(host), placed, target, **move))
+  stored = jax.device_put(layer_order.reorder_state(host, order))
+  same = jax.device_get(_move_ordered(stored, placed, target, src_order=order, dst_order=order,
+                                      **move))
+  _assert_identical(layer_order.reorder_state(same, layer_order.inverse(order)), want)
+  to_flat = _move_ordered(stored, placed, target, src_order=order, dst_order=flat, **move)
+  _assert_identical(to_flat, want)
+  wrong = jax.device_get(_move(stored, placed, target, **move))   # canonical rows on storage
+  assert any(not np.array_equal(a, b) for a, b in zip(
+      jax.tree.leaves(layer_order.reorder_state(wrong, layer_order.inverse(order)).params),
+      jax.tree.leaves(want.params)))
