@@ -11,16 +11,19 @@ import numpy as np
 
 from moejax.config import OptimConfig, num_moe_layers
 from moejax.layout import placement as placement_lib
+from moejax.model import layer_order
 from moejax.model.mesh import mesh_of_shape, param_rules
 from moejax.model.moe.fsep_experts import restore_slot_weights
 from moejax.model.moe.layer import moe_apply
 from moejax.model.moe.reference import moe_reference
+from moejax.model.pipeline import Pipelined
 from moejax.model.transformer import Transformer
 from moejax.train import step as step_lib
 from moejax.train.optim import optimizer
 from moejax.train.programs import initial_layout
 from moejax.train.state import init_state, state_shardings
 from tests.helpers import BATCH, SEQ, TINY_MODEL, TINY_MOE, tiny_setup, tokens
+from tests.numerics import assert_close, assert_trees_close
 
 E, D, F = 8, 16, 32
 MESHES = [(1, 8, 1), (2, 4, 1), (2, 2, 2), (1, 4, 2)]
@@ -202,3 +205,38 @@ def stage_setup(model_cfg, moe_cfg, shape, stages=1):
   tx = optimizer(OptimConfig(learning_rate=1e-2, warmup_steps=1), 10)
   shardings = state_shardings(model, tx, mesh, layout, BATCH, SEQ, param_rules(stage=stages > 1))
   return model, layout, init_state(model, tx, shardings, layout, BATCH, SEQ, 0)
+
+
+@functools.cache
+def pipeline_reference(model_cfg, moe_cfg, micro):
+  """Mean loss, gradients and summed counts of the one-device Transformer run microbatch by
+  microbatch (rows i % micro == m): the pipeline's definition of the step."""
+  model, layout, state = stage_setup(model_cfg, moe_cfg, (1, 1, 1))
+  f = jax.jit(jax.value_and_grad(
+      lambda p, b: step_lib.loss_fn(p, model, moe_cfg, b, layout), has_aux=True))
+  outs = [f(state.params, tokens()[m::micro]) for m in range(micro)]
+  loss = np.mean([float(loss) for (loss, _), _ in outs])
+  grads = jax.tree.map(lambda *g: np.mean(np.stack(g), axis=0), *[g for _, g in outs])
+  counts = sum(np.asarray(aux["counts_LxWxE"]).sum(1) for (_, aux), _ in outs)
+  return loss, jax.device_get(grads), counts
+
+
+def check_pipeline(model_cfg, moe_cfg, shape, stages, micro, virtual=1):
+  """The pipeline on a (data, expert, model) x `stages` mesh, V = `virtual`, gives
+  `pipeline_reference`'s loss, counts and every gradient (compared in canonical order)."""
+  ref_loss, ref_grads, ref_counts = pipeline_reference(model_cfg, moe_cfg, micro)
+  model, layout, state = stage_setup(model_cfg, moe_cfg, shape, stages)
+  piped = Pipelined(model, micro, virtual)
+  order = piped.layer_order
+  stored = jax.jit(lambda p: layer_order.params_to(p, order))(state.params)   # circular storage
+  f = jax.jit(jax.value_and_grad(
+      lambda p, b: step_lib.loss_fn(p, piped, moe_cfg, b, layout), has_aux=True))
+  (loss, aux), grads = f(stored, tokens())
+  grads = layer_order.params_to(jax.device_get(grads), layer_order.inverse(order))
+  loss_len, grad_len = model_lengths(model_cfg, moe_cfg)
+  assert int(np.sum(aux["dropped_LxW"])) == 0
+  assert_close(float(loss), ref_loss, loss_len, err_msg="loss")
+  np.testing.assert_array_equal(np.asarray(aux["counts_LxWxE"]).sum(1), ref_counts)
+  assert_trees_close(grads, ref_grads, grad_len)
+  assert all(np.abs(g).max() > 0 for g in jax.tree.leaves(grads)), \
+      "every parameter gets a gradient through the pipeline"
