@@ -92,7 +92,9 @@ def test_pool_under_stages_switches_and_each_step_equals_one_device(tmp_path):
   pooled = _config(
       tmp_path / "pool", MeshConfig(stage=2, data=1, expert=4),
       dict(pipeline_schedule="circular", virtual_stages=2),
-      strategy=StrategyConfig(pool=POOL, every=2, horizon=10**6),
+      # max_drop 0.1: the cf4 member's predicted drops under the tiny router's load (0.65%
+      # here) stay far under it on any CPU; the real drops are zero (module docstring).
+      strategy=StrategyConfig(pool=POOL, every=2, horizon=10**6, max_drop=0.1),
       planner=PlannerConfig(policy="smartmoe", every=1, window=1, min_gain=0.0, fresh=True))
   with Trainer(pooled) as trainer:
     trainer.run()
