@@ -16,6 +16,7 @@ minutes on the 2-core VM, hence `slow`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -107,7 +108,16 @@ def test_pool_under_stages_switches_and_each_step_equals_one_device(tmp_path):
   moves = [r for r in records if r.get("event") == "layout_switch"]
   assert {r["step"] for r in moves} >= {1, 2}, "SmartMoE re-placed both members' experts"
 
+  _assert_steps_equal_one_device(tmp_path, pooled, records)
+
+
+def _assert_steps_equal_one_device(tmp_path, pooled: Config, records: list[dict],
+                                   expert_mode: str = "ep") -> None:
+  """Every step's loss of the pooled run equals a one-device run's over the same batches
+  (P = 1, M = 2), and no choice was dropped. `expert_mode`: the first member's, whose fresh
+  state the run starts from (an fsep model initialises its experts apart from an ep one)."""
   one = _config(tmp_path / "one", MeshConfig(data=1, expert=1, model=1), {})
+  one = dataclasses.replace(one, moe=dataclasses.replace(one.moe, expert_mode=expert_mode))
   with Trainer(one, devices=jax.devices()[:1]) as reference:
     reference.run()
   want = {r["step"]: r["loss"] for r in _records(tmp_path / "one") if "loss" in r}
@@ -117,3 +127,26 @@ def test_pool_under_stages_switches_and_each_step_equals_one_device(tmp_path):
   for step in range(STEPS):   # each step's loss sits on every earlier step's gradient
     assert_close(got[step], want[step], grad_len * (step + 1), err_msg=f"step {step}")
   assert all(r["moe"][0]["dropped_fraction"] == 0 for r in records if "loss" in r)
+
+
+@pytest.mark.slow
+def test_pool_under_stages_switches_from_fsep_to_ep_and_equals_one_device(tmp_path):
+  """The same run with an fsep member first (4 slots per device, each expert twice; cf8
+  cannot drop: 16 slots x 16 tokens hold every choice), which the CPU profile predicts slower
+  than the ep member: the switch moves the fsep state (every expert sharded over the stage's
+  4 devices, stored stage-major) to ep slots."""
+  pool = ("fsep/1x4x1/p2/v2/m2/c4/cf8", "ep/1x4x1/p2/v2/m2/cf4")
+  pooled = _config(
+      tmp_path / "pool", MeshConfig(stage=2, data=1, expert=4),
+      dict(pipeline_schedule="circular", virtual_stages=2),
+      strategy=StrategyConfig(pool=pool, every=2, horizon=10**6, max_drop=0.1),
+      planner=PlannerConfig(policy="smartmoe", every=1, window=1, min_gain=0.0, fresh=True))
+  with Trainer(pooled) as trainer:
+    trainer.run()
+  records = _records(tmp_path / "pool")
+  switches = [r for r in records if r.get("event") == "strategy_switch"]
+  assert [(r["step"], r["from"], r["to"], r["reason"]) for r in switches] == [
+      (2, pool[0], pool[1], "time")]
+  ran = {r["step"]: r["strategy"] for r in records if "loss" in r}
+  assert ran == {0: pool[0], 1: pool[0], 2: pool[1], 3: pool[1]}
+  _assert_steps_equal_one_device(tmp_path, pooled, records, expert_mode="fsep")
