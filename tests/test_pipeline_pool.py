@@ -20,6 +20,7 @@ import dataclasses
 import json
 
 import jax
+import numpy as np
 import pytest
 
 from moejax.config import (
@@ -143,6 +144,15 @@ def test_pool_under_stages_switches_from_fsep_to_ep_and_equals_one_device(tmp_pa
       planner=PlannerConfig(policy="smartmoe", every=1, window=1, min_gain=0.0, fresh=True))
   with Trainer(pooled) as trainer:
     trainer.run()
+    final = jax.device_get(trainer.state)
+  # The last checkpoint (member 0's form, canonical rows) resumes on the member that ran last,
+  # in that member's stored order, bit for bit.
+  with Trainer(pooled) as resumed:
+    assert resumed.maybe_restore() == STEPS
+    assert resumed.pool.program.strategy.spec == pool[1]
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(jax.device_get(resumed.state)),
+                            jax.tree.leaves(final), strict=True):
+      np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
   records = _records(tmp_path / "pool")
   switches = [r for r in records if r.get("event") == "strategy_switch"]
   assert [(r["step"], r["from"], r["to"], r["reason"]) for r in switches] == [
