@@ -79,9 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   print(table(rows, regimes))
   print("pool: " + ", ".join(s.spec for s in pool))
-  print("train with: " + " ".join(f'--gin_bindings="{b}"' for b in train_bindings(pool)) +
-        (" (a pipeline trains one strategy: no strategy pool under mesh.stage > 1 yet)"
-         if pool[0].stage > 1 else ""))
+  print("train with: " + " ".join(f'--gin_bindings="{b}"' for b in train_bindings(pool)))
   if args.json:
     with open(args.json, "w") as f:
       json.dump(to_json(rows, pool, profile), f, indent=2)

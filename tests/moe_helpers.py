@@ -11,16 +11,21 @@ import numpy as np
 
 from moejax.config import OptimConfig, num_moe_layers
 from moejax.layout import placement as placement_lib
+from moejax.model import layer_order
 from moejax.model.mesh import mesh_of_shape, param_rules
 from moejax.model.moe.fsep_experts import restore_slot_weights
 from moejax.model.moe.layer import moe_apply
 from moejax.model.moe.reference import moe_reference
+from moejax.model.pipeline import Pipelined
 from moejax.model.transformer import Transformer
+from moejax.strategy import stages as stage_cost
 from moejax.train import step as step_lib
 from moejax.train.optim import optimizer
 from moejax.train.programs import initial_layout
 from moejax.train.state import init_state, state_shardings
+from tests import hlo
 from tests.helpers import BATCH, SEQ, TINY_MODEL, TINY_MOE, tiny_setup, tokens
+from tests.numerics import assert_close, assert_trees_close
 
 E, D, F = 8, 16, 32
 MESHES = [(1, 8, 1), (2, 4, 1), (2, 2, 2), (1, 4, 2)]
@@ -208,3 +213,43 @@ def microbatch_dims(shape, micro, model_cfg=TINY_MODEL):
   """(rows, Q, D) of one device's share of one microbatch of tests.helpers' batch on a
   (data, expert, model) stage shape: what a pipeline's stage send moves."""
   return (BATCH // micro // (shape[0] * shape[1]), SEQ, model_cfg.d_model)
+
+
+@functools.cache
+def pipeline_reference(model_cfg, moe_cfg, micro):
+  """Mean loss, gradients and summed counts of the one-device Transformer run microbatch by
+  microbatch (rows i % micro == m): the pipeline's definition of the step."""
+  model, layout, state = stage_setup(model_cfg, moe_cfg, (1, 1, 1))
+  f = jax.jit(jax.value_and_grad(
+      lambda p, b: step_lib.loss_fn(p, model, moe_cfg, b, layout), has_aux=True))
+  outs = [f(state.params, tokens()[m::micro]) for m in range(micro)]
+  loss = np.mean([float(loss) for (loss, _), _ in outs])
+  grads = jax.tree.map(lambda *g: np.mean(np.stack(g), axis=0), *[g for _, g in outs])
+  counts = sum(np.asarray(aux["counts_LxWxE"]).sum(1) for (_, aux), _ in outs)
+  return loss, jax.device_get(grads), counts
+
+
+def check_pipeline(model_cfg, moe_cfg, shape, stages, micro, virtual=1):
+  """The pipeline on a (data, expert, model) x `stages` mesh, V = `virtual`, gives
+  `pipeline_reference`'s loss, counts and every gradient (compared in canonical order)."""
+  ref_loss, ref_grads, ref_counts = pipeline_reference(model_cfg, moe_cfg, micro)
+  model, layout, state = stage_setup(model_cfg, moe_cfg, shape, stages)
+  piped = Pipelined(model, micro, virtual)
+  order = piped.layer_order
+  stored = jax.jit(lambda p: layer_order.params_to(p, order))(state.params)   # circular storage
+  f = jax.jit(jax.value_and_grad(
+      lambda p, b: step_lib.loss_fn(p, piped, moe_cfg, b, layout), has_aux=True))
+  compiled = f.lower(stored, tokens()).compile()
+  (loss, aux), grads = compiled(stored, tokens())
+  # One send per tick each way (the rotation and its transpose), circular as GPipe.
+  sends = hlo.loop_sends(compiled.as_text(), stage_cost.ticks(stages, micro, virtual),
+                         microbatch_dims(shape, micro, model_cfg))
+  assert sends == [stage_cost.SENDS_PER_TICK // 2] * 2, sends
+  grads = layer_order.params_to(jax.device_get(grads), layer_order.inverse(order))
+  loss_len, grad_len = model_lengths(model_cfg, moe_cfg)
+  assert int(np.sum(aux["dropped_LxW"])) == 0
+  assert_close(float(loss), ref_loss, loss_len, err_msg="loss")
+  np.testing.assert_array_equal(np.asarray(aux["counts_LxWxE"]).sum(1), ref_counts)
+  assert_trees_close(grads, ref_grads, grad_len)
+  assert all(np.abs(g).max() > 0 for g in jax.tree.leaves(grads)), \
+      "every parameter gets a gradient through the pipeline"

@@ -191,12 +191,13 @@ def pipeline_of(s: Strategy) -> tuple:
 
 def train_bindings(pool: list[Strategy]) -> list[str]:
   """The gin bindings that train `pool`: the pipeline and FSDP fields its members share,
-  then the pool; under stages the trainer runs no pool yet, so the first member alone."""
+  then the pool (a lone member under stages: its mesh and capacity, nothing to switch)."""
   s = pool[0]
   out = [f"{name} = {value!r}" for name, value, default in (
       ("mesh.stage", s.stage, 1), ("train.microbatches", s.microbatches, 1),
+      ("train.pipeline_schedule", "circular" if s.virtual > 1 else "gpipe", "gpipe"),
       ("train.virtual_stages", s.virtual, 1), ("mesh.fsdp", s.fsdp, False)) if value != default]
-  if s.stage > 1:
+  if s.stage > 1 and len(pool) == 1:
     return out + [f"mesh.data = {s.data}", f"mesh.expert = {s.expert}",
                   f"mesh.model = {s.model}", f"moe.capacity_factor = {s.capacity_factor:g}",
                   f"moe.dispatch = {s.dispatch!r}"]

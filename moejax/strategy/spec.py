@@ -258,7 +258,8 @@ def check_pool(pool: list[Strategy], cfg: Config, num_devices: int) -> None:
                         cfg.train.microbatches, cfg.mesh.fsdp):
       raise ConfigError(
           f"strategy {s.spec} has p{s.stage}/v{s.virtual}/m{s.microbatches}/fsdp={s.fsdp} but "
-          f"the config has mesh.stage={cfg.mesh.stage}, train.microbatches="
+          f"the config has mesh.stage={cfg.mesh.stage}, train.virtual_stages="
+          f"{getattr(cfg.train, 'virtual_stages', 1)}, train.microbatches="
           f"{cfg.train.microbatches}, mesh.fsdp={cfg.mesh.fsdp}; pool members share one "
           "pipeline and FSDP choice: give every spec the same and set those fields to it.")
     reason = why_invalid(s, cfg)

@@ -200,12 +200,26 @@ def _move(state: TrainState, src_layout: Layout, dst_layout: Layout, *, src_mode
   return state
 
 
+def _move_ordered(state: TrainState, src_layout: Layout, dst_layout: Layout, *,
+                  src_order: np.ndarray, dst_order: np.ndarray, **move) -> TrainState:
+  """`_move` between programs whose state layer axes are in `src_order` / `dst_order`
+  (moejax.model.layer_order), layouts in canonical rows. Members of one pool share P and V,
+  hence one order: the layouts are put in that order and no layer row moves. Different
+  orders go through the canonical one."""
+  if np.array_equal(src_order, dst_order):
+    return _move(state, layer_order.reorder(src_layout, src_order),
+                 layer_order.reorder(dst_layout, dst_order), **move)
+  state = layer_order.reorder_state(state, layer_order.inverse(src_order))
+  return layer_order.reorder_state(_move(state, src_layout, dst_layout, **move), dst_order)
+
+
 class Transfer:
   """The compiled state move from `src` to `dst` (weights and every optimizer leaf)."""
 
   def __init__(self, src: Program, dst: Program, tx: optax.GradientTransformation):
-    fn = jax.jit(functools.partial(_move, src_mode=src.expert_mode, dst_mode=dst.expert_mode,
-                                   dst_shardings=dst.shardings),
+    fn = jax.jit(functools.partial(_move_ordered, src_mode=src.expert_mode,
+                                   dst_mode=dst.expert_mode, dst_shardings=dst.shardings,
+                                   src_order=src.layer_order, dst_order=dst.layer_order),
                  out_shardings=dst.shardings)
     self.src, self.dst = src, dst
     self.compiled = fn.lower(src.abstract_state(tx), src.abstract_layout(),
@@ -248,6 +262,7 @@ def warm_up_pool(programs: list[Program], state: TrainState, tx: optax.GradientT
     if a:
       copy, _ = prog.train_step(states.pop(a), _zero_batch(prog), prog.layout)
     if prog.expert_mode == "ep" and replans[a]:
-      copy = migrate(copy if a else transfers[(1, 0)](states[1]), prog.layout, prog.layout)
+      copy = migrate(copy if a else transfers[(1, 0)](states[1]),
+                     prog.state_layout(prog.layout), prog.state_layout(prog.layout))
     jax.block_until_ready(copy)
   return transfers, switch_cost_s
