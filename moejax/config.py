@@ -387,12 +387,6 @@ class Config:
     if virtual > 1 and micro < stage:    # stage 0 re-reads a microbatch M ticks after it
       raise ConfigError(f"train.pipeline_schedule='circular' needs train.microbatches={micro} "
                         f">= mesh.stage={stage}; use train.microbatches = {stage} or more.")
-    # What model/pipeline.py lacks: the dense first blocks sit outside the layer groups. (Pools
-    # and shared experts run: docs/decisions/0052, 0053.)
-    if (stage > 1 or micro > 1) and moe.first_dense > 0:
-      raise ConfigError(f"mesh.stage={stage}, train.microbatches={micro} does not run dense first "
-                        f"layers yet (moe.first_dense={moe.first_dense}); set moe.first_dense = 0, "
-                        "or mesh.stage = 1 and train.microbatches = 1.")
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)

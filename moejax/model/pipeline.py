@@ -28,11 +28,12 @@ Every stage runs the same program: the stages are one `vmap` over the stage axis
 layer as the Transformer does (the first before the chunk's scan, the next in each step). The
 backward pass is the ticks' autodiff, which runs them in reverse.
 
-The embedding and the head (final norm, unembedding, loss) are replicated over `stage` and
-computed by every stage, as SPMD makes them; only the layer groups are split. Hence the one
-collection of the outputs per step, not a head on the last stage alone: it costs one
-all-reduce of the batch's activations a step (and in the backward one more, the embedding
-output's cotangent summed over the stages' copies), against 2 (V*M + P - 1) rotations.
+The embedding, the dense first blocks (`moe.first_dense`) and the head (final norm,
+unembedding, loss) are replicated over `stage` and computed by every stage, as SPMD makes
+them; only the layer groups are split. Hence the one collection of the outputs per step, not
+a head on the last stage alone: it costs one all-reduce of the batch's activations a step
+(and in the backward one more, the embedding output's cotangent summed over the stages'
+copies), against 2 (V*M + P - 1) rotations.
 
 `Pipelined` has the Transformer's `init` and `apply`, so the train and eval steps take it as
 the model. Its loss is the step's loss over the whole batch with each MoE layer's balance and
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,7 +56,7 @@ from moejax.model import layer_order
 from moejax.model.mesh import BATCH_AXES, STAGE, logical_to_spec, num_stages
 from moejax.model.moe.fsep_experts import restore_layer
 from moejax.model.moe.layer import MoEStats
-from moejax.model.transformer import LayerGroup, RMSNorm, Transformer
+from moejax.model.transformer import Attention, DenseMLP, LayerGroup, RMSNorm, Transformer
 
 
 def _split(tree, stages: int, virtual: int):
@@ -131,6 +133,21 @@ def _chunk_runner(model: Transformer, virtual: int):
   return run
 
 
+def _first_dense(model: Transformer, params, x_BxQxD, act):
+  """The Transformer's `moe.first_dense` dense first blocks (same modules, same parameter
+  names), applied like the embedding: on the whole batch by every stage, before the pipeline."""
+  cfg = model.cfg
+  attn, mlp = (nn.remat(Attention), nn.remat(DenseMLP)) if cfg.remat else (Attention, DenseMLP)
+  norm = RMSNorm(cfg.norm_eps)
+  for i in range(model.moe_cfg.first_dense):
+    h = norm.apply({"params": params[f"first_ln_attn_{i}"]}, x_BxQxD)
+    x_BxQxD = x_BxQxD + attn(cfg).apply({"params": params[f"first_attn_{i}"]}, h)
+    h = norm.apply({"params": params[f"first_ln_mlp_{i}"]}, x_BxQxD)
+    x_BxQxD = x_BxQxD + mlp(cfg).apply({"params": params[f"first_mlp_{i}"]}, h)
+    x_BxQxD = jax.lax.with_sharding_constraint(x_BxQxD, act)
+  return x_BxQxD
+
+
 def pipelined_apply(model: Transformer, microbatches: int, params, tokens_BxQ: jax.Array,
                     layout: Layout, virtual: int = 1) -> tuple[jax.Array, MoEStats]:
   """The Transformer's (logits_BxQxV, stats) with its layer groups run as a pipeline over the
@@ -143,6 +160,7 @@ def pipelined_apply(model: Transformer, microbatches: int, params, tokens_BxQ: j
   rows = batch // micro
   act = NamedSharding(mesh, logical_to_spec(("batch", "length", "embed")))
   x_BxQxD = jax.lax.with_sharding_constraint(params["embed"][tokens_BxQ].astype(dtype), act)
+  x_BxQxD = _first_dense(model, params, x_BxQxD, act)
   d_model = x_BxQxD.shape[-1]
   # [micro, rows, Q, D]: microbatch m = the rows i with i % micro == m
   feed = x_BxQxD.reshape(rows, micro, length, d_model).transpose(1, 0, 2, 3)

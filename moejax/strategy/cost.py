@@ -240,21 +240,25 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
       load_LxE, (w.moe_layers, e))]) for i in (0, 1))
   stage_rows = stages.busiest_stage(rows_L, p, v)  # the stage's expert rows, all microbatches
   stretch = stages.stretch(p, mb, v)               # ticks / busy ticks: the bubble
-  layers = w.num_layers / p                        # a stage's layers, moe layers, groups
+  # A device's layers: 1/P of the groups, and every dense first layer, which each stage
+  # computes on the whole batch like the embedding (moejax.model.pipeline).
+  layers = (w.num_layers - w.first_dense) / p + w.first_dense
   moe_layers = w.moe_layers / p
   runs = moe_layers * mb * stretch                 # MoE layer runs per device (every tick)
   recompute = 4 / 3 if w.remat else 1.0            # remat runs the forward twice
 
   attn_flops = 2 * 2 * w.seq_len * d / 2           # causal QK^T and AV per token
-  layer_dense = w.dense_params - 2 * w.vocab_size * d
-  dense_flops = ((6 * tokens * layer_dense / p + 3 * tokens * layers * attn_flops) / m *
-                 stretch * recompute + 6 * tokens * w.vocab_size * d / m)
+  first = w.first_dense * (4 * d * d + 2 * d + 3 * d * w.d_ff)   # on every stage, no bubble
+  layer_dense = w.dense_params - 2 * w.vocab_size * d - first      # split over the stages
+  dense_flops = ((6 * tokens * layer_dense / p + 3 * tokens * (layers - w.first_dense) *
+                  attn_flops) / m * stretch * recompute + 6 * tokens * w.vocab_size * d / m +
+                 (6 * tokens * first + 3 * tokens * w.first_dense * attn_flops) / m * recompute)
   expert_flops = 6 * stage_rows * 3 * d * f / m * stretch * recompute
   compute_s = dense_flops * scale / profile.flops_per_s
   expert_s = expert_flops * scale / profile.flops_per_s
 
   ep_local = expert_params(strategy.expert_mode, w.moe_layers, e, d, f, n, m) / p
-  dense_dev = (layer_dense / p + 2 * w.vocab_size * d) / m     # before FSDP
+  dense_dev = (layer_dense / p + first + 2 * w.vocab_size * d) / m     # before FSDP
   params_dev = (dense_dev + ep_local) / fs
   act_bytes = (40 * tokens * d * layers + 12 * stage_rows * d) * w.act_bytes / m * stretch
   opt_bytes = 7 * 4 * params_dev                   # read p, g, mu, nu; write p, mu, nu

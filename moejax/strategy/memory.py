@@ -12,8 +12,8 @@ Experts, per device, for `ep` and `fsep`:
 `step_bytes` adds the dense parameters (with gradients and Adam moments) and the activations:
 the peak the strategy cost model reports and the offline stage checks against the device.
 Under P pipeline stages a device holds 1/P of the layer groups (their parameters, moments and
-activations; embedding and head are on every stage); under FSDP every parameter, gradient and
-moment is further split over the data axis (`param_shards`).
+activations; embedding, head and dense first layers are on every stage); under FSDP every
+parameter, gradient and moment is further split over the data axis (`param_shards`).
 The trainer writes `report` into the run dir; `python -m moejax.replay ... --d_model D --d_ff F
 --layers L` prints it beside the planner results.
 """
