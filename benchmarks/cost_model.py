@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
+import shlex
 import time
 
 import jax
@@ -35,7 +37,7 @@ from benchmarks.common import RESULTS, command, write_result
 from moejax.frontend import DEFAULT_GIN, parse_config
 from moejax.strategy import offline as plan
 from moejax.strategy.calibrate import calibrate, fit_steps
-from moejax.strategy.cost import PRESETS, predict_step
+from moejax.strategy.cost import PRESETS, HardwareProfile, predict_step
 from moejax.strategy.spec import parse
 from moejax.strategy.switcher import expert_shares
 from moejax.train.data import BatchLoader, load_tokens
@@ -96,7 +98,72 @@ def bubble_table(out: list[dict]) -> list[dict]:
   return rows
 
 
-def main(argv=None) -> int:
+def evaluate(profile, w, members: list[dict]) -> dict:
+  """Fits the whole-step scales on the "fit" members (strategy, measured seconds, expert
+  shares), predicts every member, prints the table; the result's profile, members and MAPEs."""
+  fit_members = [m for m in members if m["role"] == "fit"]
+  fitted = fit_steps(profile, [predict_step(m["strategy"], w, profile, m["share"])
+                               for m in fit_members], [m["measured"] for m in fit_members])
+  print(f"whole-step fit on {len(fit_members)} calibration strategies: compute x"
+        f"{fitted.compute_scale:.2f}, collectives x{fitted.comm_scale:.2f}, tensor-parallel "
+        f"psums x{fitted.tp_scale:.2f}, fixed {fitted.overhead_s * 1e3:.1f} ms")
+  out, errors, errors_micro, errors_preset = [], [], [], []
+  print(f"\n{'strategy':<28}{'role':>7}{'measured ms':>13}{'predicted ms':>14}{'error':>9}"
+        f"{'micro only':>12}{'cpu preset':>12}{'drop pred':>11}")
+  for mem in members:
+    s, measured, share, role = mem["strategy"], mem["measured"], mem["share"], mem["role"]
+    pred = predict_step(s, w, fitted, share)
+    micro = predict_step(s, w, profile, share)
+    preset = predict_step(s, w, PRESETS["cpu"], share)
+    err = (pred.total_s - measured) / measured
+    if role == "pool":
+      errors.append(abs(err))
+      errors_micro.append(abs(micro.total_s - measured) / measured)
+      errors_preset.append(abs(preset.total_s - measured) / measured)
+    print(f"{s.spec:<28}{role:>7}{measured * 1e3:13.1f}{pred.total_s * 1e3:14.1f}{err:9.1%}"
+          f"{micro.total_s * 1e3:12.1f}{preset.total_s * 1e3:12.1f}{pred.drop_fraction:11.2%}")
+    out.append({"strategy": s.spec, "role": role, "measured_s": measured,
+                "predicted": pred.to_dict(), "micro_only": micro.to_dict(),
+                "micro_only_total_s": micro.total_s, "expert_share_LxE": np.asarray(share).tolist(),
+                "cpu_preset_total_s": preset.total_s, "error": err})
+  mape = float(np.mean(errors))
+  mape_micro, mape_preset = float(np.mean(errors_micro)), float(np.mean(errors_preset))
+  print(f"\npool MAPE: calibrated (micro-benchmarks + whole-step fit) {mape:.1%} (goal <= 10%);"
+        f" micro-benchmarks only {mape_micro:.1%}; uncalibrated cpu preset {mape_preset:.1%}")
+  bubble = bubble_table(out)
+  if any(b["stages"] > 1 for b in bubble):
+    print(f"\n{'strategy':<28}{'P':>3}{'M':>4}{'bubble':>8}{'measured / M0':>15}"
+          f"{'predicted / M0':>16}")
+    for b in bubble:
+      print(f"{b['strategy']:<28}{b['stages']:>3}{b['microbatches']:>4}{b['bubble']:8.1%}"
+            f"{b['measured_ratio']:15.3f}{b['predicted_ratio']:16.3f}")
+  return {"profile": fitted.to_dict(), "members": out, "mape": mape,
+          "mape_micro_only": mape_micro, "mape_cpu_preset": mape_preset, "bubble": bubble}
+
+
+def refit(path: str, argv) -> int:
+  """Re-fits and re-predicts a stored run from its own measurements (step times, expert
+  shares, micro-benchmark profile) with the cost model as it is now; nothing is re-timed.
+  The model and batch come from the stored command's gin flags."""
+  with open(path) as f:
+    stored = json.load(f)
+  words = shlex.split(stored["command"])
+  first = next(i for i, x in enumerate(words) if "cost_model" in x) + 1
+  args = _parser().parse_args(words[first:])
+  w = plan.workload_of(parse_config(args.gin_file or [DEFAULT_GIN], args.gin_bindings))
+  profile = HardwareProfile(**stored["profile_micro"])
+  members = [{"strategy": parse(m["strategy"]), "measured": m["measured_s"], "role": m["role"],
+              "share": np.asarray(m["expert_share_LxE"])} for m in stored["members"]]
+  print(f"refit of {path} ({stored['command']}): {len(members)} stored step times")
+  result = dict(stored, **evaluate(profile, w, members))
+  result["refit"] = {"command": command("cost_model", argv), "mape_before": stored["mape"],
+                     "note": "re-fitted and re-predicted from the stored measurements with "
+                             "the cost model of this commit; no step was re-timed"}
+  write_result(result, path)
+  return 0
+
+
+def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m benchmarks.cost_model",
                               description=__doc__.splitlines()[0])
   p.add_argument("--gin_file", action="append", default=None)
@@ -107,7 +174,15 @@ def main(argv=None) -> int:
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--out", default=None)
-  args = p.parse_args(argv)
+  p.add_argument("--refit", default=None, metavar="JSON",
+                 help="re-fit a stored result from its measurements (no timing) and rewrite it")
+  return p
+
+
+def main(argv=None) -> int:
+  args = _parser().parse_args(argv)
+  if args.refit:
+    return refit(args.refit, argv)
   cfg = parse_config(args.gin_file or [DEFAULT_GIN], args.gin_bindings)
   devices = jax.devices()
 
@@ -148,50 +223,13 @@ def main(argv=None) -> int:
   for mem in members:
     mem["measured"] = float(np.min(np.concatenate(mem["times"][1:])))   # contention only adds
     mem["share"] = expert_shares(np.stack(mem["counts"]))
-  fit_members = members[:len(calib)]
-  fitted = fit_steps(profile, [predict_step(m["prog"].strategy, w, profile, m["share"])
-                               for m in fit_members], [m["measured"] for m in fit_members])
-  print(f"whole-step fit on {len(calib)} calibration strategies: compute x"
-        f"{fitted.compute_scale:.2f}, collectives x{fitted.comm_scale:.2f}, tensor-parallel "
-        f"psums x{fitted.tp_scale:.2f}, fixed {fitted.overhead_s * 1e3:.1f} ms")
-  out, errors, errors_micro, errors_preset = [], [], [], []
-  print(f"\n{'strategy':<28}{'role':>7}{'measured ms':>13}{'predicted ms':>14}{'error':>9}"
-        f"{'micro only':>12}{'cpu preset':>12}{'drop pred':>11}")
+    mem["strategy"] = mem["prog"].strategy
   for i, mem in enumerate(members):
-    s, measured, share = mem["prog"].strategy, mem["measured"], mem["share"]
-    role = "fit" if i < len(calib) else "pool"
-    pred = predict_step(s, w, fitted, share)
-    micro = predict_step(s, w, profile, share)
-    preset = predict_step(s, w, PRESETS["cpu"], share)
-    err = (pred.total_s - measured) / measured
-    if role == "pool":
-      errors.append(abs(err))
-      errors_micro.append(abs(micro.total_s - measured) / measured)
-      errors_preset.append(abs(preset.total_s - measured) / measured)
-    print(f"{s.spec:<28}{role:>7}{measured * 1e3:13.1f}{pred.total_s * 1e3:14.1f}{err:9.1%}"
-          f"{micro.total_s * 1e3:12.1f}{preset.total_s * 1e3:12.1f}{pred.drop_fraction:11.2%}")
-    out.append({"strategy": s.spec, "role": role, "measured_s": measured,
-                "predicted": pred.to_dict(), "micro_only": micro.to_dict(),
-                "micro_only_total_s": micro.total_s, "expert_share_LxE": share.tolist(),
-                "cpu_preset_total_s": preset.total_s, "error": err})
-  mape = float(np.mean(errors))
-  mape_micro, mape_preset = float(np.mean(errors_micro)), float(np.mean(errors_preset))
-  print(f"\npool MAPE: calibrated (micro-benchmarks + whole-step fit) {mape:.1%} (goal <= 10%);"
-        f" micro-benchmarks only {mape_micro:.1%}; uncalibrated cpu preset {mape_preset:.1%}")
-  bubble = bubble_table(out)
-  if any(b["stages"] > 1 for b in bubble):
-    print(f"\n{'strategy':<28}{'P':>3}{'M':>4}{'bubble':>8}{'measured / M0':>15}"
-          f"{'predicted / M0':>16}")
-    for b in bubble:
-      print(f"{b['strategy']:<28}{b['stages']:>3}{b['microbatches']:>4}{b['bubble']:8.1%}"
-            f"{b['measured_ratio']:15.3f}{b['predicted_ratio']:16.3f}")
+    mem["role"] = "fit" if i < len(calib) else "pool"
   result = {"device": f"{devices[0].platform} x{len(devices)} ({devices[0].device_kind})",
-            "command": command("cost_model", argv),
-            "profile_micro": profile.to_dict(), "profile": fitted.to_dict(),
-            "calibration_s": calib_s, "members": out, "mape": mape,
-            "mape_micro_only": mape_micro, "mape_cpu_preset": mape_preset,
-            "rounds": args.rounds, "steps_per_round": args.steps, "bubble": bubble,
-            "jax": jax.__version__}
+            "command": command("cost_model", argv), "profile_micro": profile.to_dict(),
+            "calibration_s": calib_s, **evaluate(profile, w, members),
+            "rounds": args.rounds, "steps_per_round": args.steps, "jax": jax.__version__}
   write_result(result, args.out or os.path.join(RESULTS, f"cost_model_{devices[0].platform}.json"))
   return 0
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from moejax.config import ConfigError
 from moejax.placement.fsep import dhondt_counts
-from moejax.strategy import stages
+from moejax.strategy import calls, stages
 from moejax.strategy.memory import (
   FP32,
   activation_bytes,
@@ -266,28 +266,30 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
 
   call = profile.call_s
   a2a_s = 0.0
-  if n > 1:        # dispatch + combine, forward and backward
+  if n > 1:        # dispatch + combine, forward and backward (fsep: its backward twice)
     buf = stage_rows * stretch * d * w.act_bytes / m          # bytes over all runs
-    a2a_s = 4 * (runs * call(n) + buf * (n - 1) / n / profile.a2a_bytes_per_s) * scale
+    a2a_s = calls.A2A_PER_RUN[strategy.expert_mode] * (
+        runs * call(n) + buf * (n - 1) / n / profile.a2a_bytes_per_s) * scale
   restore_s = 0.0
-  if strategy.expert_mode == "fsep" and n > 1:   # 3 weights, restore + gradient return
+  if strategy.expert_mode == "fsep" and n > 1:   # 3 weights: restore twice, gradient return
     per_layer = c * 3 * d * f / m * 4             # fp32 slot weights restored per device
-    restore_s = runs * 2 * (3 * call(n) + per_layer * (n - 1) / n /
-                            profile.a2a_bytes_per_s) * scale
-  reduce_s = param_bytes = 0.0                   # param_bytes: gradient reduce + FSDP gathers
-  shards, leaves = dd * n, 6 + 9 * w.moe_every     # one collective call per leaf
+    moved = per_layer * (n - 1) / n / profile.a2a_bytes_per_s
+    restore_s = (runs * (calls.RESTORE_PER_RUN * call(n) + 3 * moved) +
+                 calls.RESTORE_PER_STEP * call(n) + 2 * moved) * scale
+  # Gradients: dense leaves over data*expert, expert leaves over data; under FSDP the data
+  # part is a reduce-scatter (half an all-reduce's volume). Calls: combined buckets per
+  # layer group run (moejax.strategy.calls). The embedding's and head's gradients need no
+  # sum over stages: every stage computes them from the same collected outputs.
+  shards, groups = dd * n, max(w.moe_layers, 1)
+  group_bytes = 4 * (layer_dense / groups / m + (ep_local * p / groups if n == 1 else 0)) / fs
+  param_bytes = 0.0
   if shards > 1:
-    # Router statistics: about 6 small psums per MoE layer run forward, 6 backward.
-    reduce_s += (12 * runs + leaves) * call(shards) * scale
-    # Gradients: dense leaves over data*expert, expert leaves over data. Under FSDP the
-    # data part is a reduce-scatter (half an all-reduce's volume).
     param_bytes = 4 * (dense_dev * 2 * (shards - 1) / shards + ep_local * 2 * (dd - 1) / dd) / (
         2 if strategy.fsdp else 1)
-  if p > 1:        # embedding and head live on every stage: their gradients sum over stage
-    reduce_s += 3 * call(p) * scale
-    param_bytes += 4 * 2 * w.vocab_size * d / m / fs * 2 * (p - 1) / p
+  passes = (3 if w.remat else 2) if strategy.fsdp else 0
+  reduce_s = sum(k * call(g) for k, g in calls.reduce_calls(
+      strategy, runs, group_bytes, 4 * ep_local * p / groups / fs, passes)) * scale
   if strategy.fsdp and dd > 1:
-    reduce_s += (3 if w.remat else 2) * leaves * call(dd) * scale
     param_bytes += stages.fsdp_gather_bytes(4 * (dense_dev + ep_local), dd, w.remat)
   param_s = param_bytes / profile.reduce_bytes_per_s * scale
   hidden = 0.0
@@ -298,7 +300,8 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
   tp_s = 0.0
   if m > 1:        # two activation psums per layer, forward and backward
     volume = 4 * layers * tokens * stretch * d * w.act_bytes * 2 * (m - 1) / m
-    tp_s = (4 * layers * mb * stretch * call(m) + volume / profile.reduce_bytes_per_s) * scale
+    tp_s = (calls.tp_calls(layers, moe_layers, mb * stretch) * call(m) +
+            volume / profile.reduce_bytes_per_s) * scale
   pipe_s = stages.transfer_seconds(p, mb, v, tokens, d, w.act_bytes, call(2),
                                    profile.p2p_bytes_per_s or profile.a2a_bytes_per_s) * scale
 

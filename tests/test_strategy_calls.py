@@ -1,0 +1,74 @@
+"""The cost model's collective call counts against the compiled train steps' own."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from moejax.config import Config
+from moejax.strategy import calls, offline
+from moejax.strategy.cost import PRESETS, predict_step
+from moejax.strategy.spec import parse
+from tests.hlo import collective_calls
+
+CFG = Config()
+W = offline.workload_of(CFG)
+# {spec: (all-reduce + all-gather + reduce-scatter, all-to-all, collective-permute)} per step
+# of build_program(Config(), spec).train_step on 8 CPU devices, jax 0.10.2 (the slow test
+# below reads them again from the compiler): flat ep, fsep, a model-parallel one, two P=2.
+PROGRAM = {"ep/8x1x1/cf1.5": (11, 0, 0), "fsep/1x8x1/c2/cf1.5": (14, 36, 0),
+           "ep/2x2x2/cf1.25": (41, 8, 0), "ep/1x4x1/p2/m2/cf1.25": (29, 12, 8),
+           "ep/1x1x4/p2/m2/cf1.25": (43, 0, 8)}
+
+
+def _close(predicted: float, program: int) -> bool:
+  """Within one call, or 10% of many: XLA may merge or split a small reduce differently."""
+  return abs(predicted - program) <= max(1.0, 0.1 * program)
+
+
+@pytest.mark.parametrize("spec", sorted(PROGRAM))
+def test_counts_are_the_compiled_programs(spec):
+  got = calls.collective_counts(parse(spec), W)
+  reduce, a2a, sends = PROGRAM[spec]
+  assert _close(got["reduce"], reduce), (spec, got, PROGRAM[spec])
+  assert got["all-to-all"] == a2a and got["collective-permute"] == sends, (spec, got)
+
+
+def test_gradients_reduce_in_combined_buckets_per_group_run():
+  assert calls.buckets(1.0) == 1 and calls.buckets(calls.COMBINE_BYTES) == 1
+  assert calls.buckets(calls.COMBINE_BYTES + 1) == 2
+  flat = parse("ep/8x1x1/cf1.5")   # data only: statistics + bucket per run, once-a-step calls
+  assert calls.reduce_calls(flat, 2, 1e6, 1e6) == [(2 * 2 + calls.STEP_SHARD_CALLS, 8)]
+  big = calls.reduce_calls(flat, 2, 3.5 * calls.COMBINE_BYTES, 0)
+  assert big == [(2 * (1 + 4) + calls.STEP_SHARD_CALLS, 8)]
+  assert calls.reduce_calls(parse("ep/1x1x8/cf1"), 2, 1e6, 1e6) == []   # nothing to reduce
+  fsdp = calls.reduce_calls(parse("ep/2x4x1/cf1.25/fsdp"), 2, 1e6, 1e6, fsdp_passes=2)
+  assert (2 * 3, 2) in fsdp and (2 * 1, 2) in fsdp   # gathers per pass; expert bucket
+
+
+def test_reduce_term_prices_the_programs_calls():
+  """The call count decides a latency-bound step: ep/8x1x1's reduce is its 11 calls, not
+  the 48 (12 per MoE layer run + one per gradient leaf) of the model before decision 0055."""
+  prof = PRESETS["h100_node"]
+  cost = predict_step(parse("ep/8x1x1/cf1.5"), W, prof)
+  latency = 11 * prof.call_s(8)
+  assert latency <= cost.reduce_s <= latency + 0.2e-3   # + the volume beyond the matmuls'
+  p2 = predict_step(parse("ep/1x1x4/p2/m2/cf1.25"), W, prof)
+  assert p2.total_s > cost.total_s
+
+
+@pytest.mark.slow
+def test_counts_read_from_the_compiler():
+  """Compiles the five strategies' train steps (about a minute each on the 2-core VM) and
+  compares the model's counts with the compiler's, as the fast test does with the table."""
+  from moejax.train.optim import optimizer, schedule
+  from moejax.train.programs import build_program
+  tx, lr = optimizer(CFG.optim, 10), schedule(CFG.optim, 10)
+  for spec in PROGRAM:
+    hlo = build_program(CFG, parse(spec), tx, lr, jax.devices()).train_step.as_text()
+    got = collective_calls(hlo)
+    read = (got.get("all-reduce", 0) + got.get("all-gather", 0) + got.get("reduce-scatter", 0),
+            got.get("all-to-all", 0), got.get("collective-permute", 0))
+    predicted = calls.collective_counts(parse(spec), W)
+    assert _close(predicted["reduce"], read[0]), (spec, got, predicted)
+    assert (predicted["all-to-all"], predicted["collective-permute"]) == read[1:], (spec, got)
