@@ -17,7 +17,9 @@ import pytest
 from moejax.config import Config, ConfigError, MeshConfig, ModelConfig, MoEConfig, TrainConfig
 from tests.moe_helpers import SMALL_MODEL, SMALL_MOE, check_pipeline
 
-SHARED = dataclasses.replace(SMALL_MOE, num_shared_experts=1, shared_d_ff=16)
+# shared_d_ff 8, not 16: a [16, 32] weight gradient would have a microbatch's per-device
+# shape (16 positions x d_model 32), and check_pipeline counts sends by shape.
+SHARED = dataclasses.replace(SMALL_MOE, num_shared_experts=1, shared_d_ff=8)
 
 
 @pytest.mark.slow
