@@ -104,6 +104,7 @@ def test_a_pieces_exchange_does_not_wait_for_another_pieces_matmuls():
       assert waits is None, f"piece {piece}'s {name} waits for piece {other}: {waits}"
 
 
+@pytest.mark.slow     # 12 s on the 2-core VM: over the README test command's 8-minute budget
 def test_pieces_must_divide_the_tokens():
   mesh, layout, cfg, x = _setup(2.0, "slot", 3)
   with pytest.raises(ConfigError, match="exchange_chunks=3 does not divide the 8 tokens"):
