@@ -8,7 +8,6 @@ step. Each case compiles a pipelined program (minutes on this 2-core VM), hence 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import flax.linen as nn
 import jax
@@ -23,24 +22,11 @@ from moejax.train import step as step_lib
 from moejax.train.programs import initial_layout
 from tests import hlo
 from tests.helpers import TINY_MODEL, TINY_MOE, tokens
-from tests.moe_helpers import microbatch_dims, model_lengths, stage_setup
+from tests.moe_helpers import microbatch_dims, model_lengths, pipeline_reference, stage_setup
 from tests.numerics import assert_close, assert_trees_close
 
 # Four layer groups (one MoE layer each) so that four stages get one group each.
 FOUR_GROUPS = dataclasses.replace(TINY_MOE, moe_every=1)
-
-
-@functools.cache
-def _reference(moe_cfg, micro):
-  """Mean loss and gradients of the one-device Transformer over the microbatches."""
-  model, layout, state = stage_setup(TINY_MODEL, moe_cfg, (1, 1, 1))
-  f = jax.jit(jax.value_and_grad(
-      lambda p, b: step_lib.loss_fn(p, model, moe_cfg, b, layout), has_aux=True))
-  outs = [f(state.params, tokens()[m::micro]) for m in range(micro)]
-  loss = np.mean([float(loss) for (loss, _), _ in outs])
-  grads = jax.tree.map(lambda *g: np.mean(np.stack(g), axis=0), *[g for _, g in outs])
-  counts = sum(np.asarray(aux["counts_LxWxE"]).sum(1) for (_, aux), _ in outs)
-  return loss, jax.device_get(grads), counts
 
 
 @pytest.mark.slow
@@ -50,7 +36,7 @@ def _reference(moe_cfg, micro):
     (4, (1, 2, 1), 4, FOUR_GROUPS),
 ], ids=["p2_e4", "p2_d2_e2", "p4_e2"])
 def test_pipeline_matches_one_device(stages, shape, micro, moe_cfg):
-  ref_loss, ref_grads, ref_counts = _reference(moe_cfg, micro)
+  ref_loss, ref_grads, ref_counts = pipeline_reference(TINY_MODEL, moe_cfg, micro)
   model, layout, state = stage_setup(TINY_MODEL, moe_cfg, shape, stages)
   assert state.params["layers"]["moe"]["w_gate"].sharding.spec[:2] == ("stage", "expert")
   f = jax.jit(jax.value_and_grad(
