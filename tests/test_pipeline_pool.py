@@ -89,15 +89,21 @@ def test_plan_prints_the_bindings_that_train_a_pipelined_pool():
   check_pool([parse(s) for s in cfg.strategy.pool], cfg, 8)
 
 
-@pytest.mark.slow
-def test_pool_under_stages_switches_and_each_step_equals_one_device(tmp_path):
-  pooled = _config(
+def _pooled_config(tmp_path, pool) -> Config:
+  """The run of `pool` on P = 2 circular stages (V = 2) of expert 4, switching every 2 steps
+  and SmartMoE re-placing every step. max_drop 0.1: the cf4 member's predicted drops under
+  the tiny router's load (0.65% here) stay far under it on any CPU; the real drops are zero
+  (module docstring)."""
+  return _config(
       tmp_path / "pool", MeshConfig(stage=2, data=1, expert=4),
       dict(pipeline_schedule="circular", virtual_stages=2),
-      # max_drop 0.1: the cf4 member's predicted drops under the tiny router's load (0.65%
-      # here) stay far under it on any CPU; the real drops are zero (module docstring).
-      strategy=StrategyConfig(pool=POOL, every=2, horizon=10**6, max_drop=0.1),
+      strategy=StrategyConfig(pool=pool, every=2, horizon=10**6, max_drop=0.1),
       planner=PlannerConfig(policy="smartmoe", every=1, window=1, min_gain=0.0, fresh=True))
+
+
+@pytest.mark.slow
+def test_pool_under_stages_switches_and_each_step_equals_one_device(tmp_path):
+  pooled = _pooled_config(tmp_path, POOL)
   with Trainer(pooled) as trainer:
     trainer.run()
   records = _records(tmp_path / "pool")
@@ -137,11 +143,7 @@ def test_pool_under_stages_switches_from_fsep_to_ep_and_equals_one_device(tmp_pa
   than the ep member: the switch moves the fsep state (every expert sharded over the stage's
   4 devices, stored stage-major) to ep slots."""
   pool = ("fsep/1x4x1/p2/v2/m2/c4/cf8", "ep/1x4x1/p2/v2/m2/cf4")
-  pooled = _config(
-      tmp_path / "pool", MeshConfig(stage=2, data=1, expert=4),
-      dict(pipeline_schedule="circular", virtual_stages=2),
-      strategy=StrategyConfig(pool=pool, every=2, horizon=10**6, max_drop=0.1),
-      planner=PlannerConfig(policy="smartmoe", every=1, window=1, min_gain=0.0, fresh=True))
+  pooled = _pooled_config(tmp_path, pool)
   with Trainer(pooled) as trainer:
     trainer.run()
     final = jax.device_get(trainer.state)
