@@ -20,6 +20,11 @@ one node's NVLink and the data and stage axes on InfiniBand, as that mapping doe
 GPU presets overlap the gradient reduce with the backward pass (Megatron's
 --overlap-grad-reduce; for moejax, what the latency-hiding scheduler its GPU XLA flags turn
 on is for, not measured here: decision 0044).
+The H100 presets price dense dots and moejax's grouped kernel (ragged dispatch) at the two
+rates one H100 measured (decision 0058); the row `h100_ep_node, grouped at dot rate` prices
+the ragged layout's expert matmuls at the dense rate, which is what a grouped GEMM as fast as
+a dense one (the kind Megatron runs) would give, and the `capacity cf1.25` layout is moejax's
+dense dispatch (a batched dense dot over fixed capacity buffers; even load drops nothing).
 Rows with remat off price the work the published figure counts; moejax's own program needs
 remat at this layout (its pipeline scan keeps all 16 microbatches' activations), which adds
 the recomputed forward. Decision 0038's layout (data 8 x expert 8, no stages) is kept as a
@@ -54,11 +59,21 @@ def megatron_flops_per_token(w, query_groups: int) -> float:
   return 12 * layers * d * d * (attn + mlp) + 6 * d * w.vocab_size
 
 
+MEGATRON = "PP4 VP8 EP8 DP2 (Megatron's)"
 LAYOUTS = {
-    "PP4 VP8 EP8 DP2 (Megatron's)": Strategy(2, 8, 1, dispatch="ragged", stage=4,
+    MEGATRON: Strategy(2, 8, 1, dispatch="ragged", stage=4, microbatches=16, virtual=8),
+    MEGATRON + ", capacity cf1.25": Strategy(2, 8, 1, capacity_factor=1.25, stage=4,
                                              microbatches=16, virtual=8),
     "data 8 x expert 8 (0038)": Strategy(8, 8, 1, dispatch="ragged"),
 }
+DOT_RATE = "h100_ep_node, grouped at dot rate"
+
+
+def profiles(layout: str) -> dict:
+  out = {name: PRESETS[name] for name in ("h100_ep_node", "h100_cluster")}
+  if layout == MEGATRON:
+    out[DOT_RATE] = dataclasses.replace(PRESETS["h100_ep_node"], grouped_flops_per_s=0.0)
+  return out
 
 
 def compare() -> dict:
@@ -70,14 +85,15 @@ def compare() -> dict:
       w = dataclasses.replace(workload_of(cfg), remat=remat)
       flops = tokens * megatron_flops_per_token(w, QUERY_GROUPS)
       published_s = flops / (GPUS * PUBLISHED_TFLOPS * 1e12)
-      for profile in ("h100_ep_node", "h100_cluster"):
-        cost = predict_step(strategy, w, PRESETS[profile])
+      for profile, hardware in profiles(layout).items():
+        cost = predict_step(strategy, w, hardware)
         rows.append({"layout": layout, "profile": profile, "strategy": strategy.spec,
                      "remat": remat, "predicted_step_s": cost.total_s,
                      "predicted_tflops_per_gpu": flops / (GPUS * cost.total_s) / 1e12,
                      "error": cost.total_s / published_s - 1,
                      "memory_gib": cost.memory_bytes / 2**30,
-                     "fits_80gib": cost.memory_bytes <= PRESETS[profile].memory_bytes,
+                     "fits_80gib": cost.memory_bytes <= hardware.memory_bytes,
+                     "dropped": cost.drop_fraction,
                      "bubble": cost.bubble,
                      "terms_s": {k: v for k, v in cost.to_dict().items() if k.endswith("_s")}})
   return {"published": {"tflops_per_gpu": PUBLISHED_TFLOPS, "step_s": published_s,

@@ -32,7 +32,7 @@ class HardwareProfile:
   """Sustained rates per device. `concurrency` = devices that really run at once (0 = all;
   fake CPU devices share the host's cores)."""
   name: str
-  flops_per_s: float             # matmul FLOP/s
+  flops_per_s: float             # matmul FLOP/s (dense dots)
   mem_bytes_per_s: float         # elementwise / memory-bound work
   a2a_bytes_per_s: float         # all_to_all: bytes a device sends per second
   reduce_bytes_per_s: float      # all-reduce / reduce-scatter bus bandwidth
@@ -51,9 +51,18 @@ class HardwareProfile:
   # what the matmuls cannot cover is step time. Not on fake CPU devices, which share cores.
   overlap_param_comm: bool = False
   p2p_bytes_per_s: float = 0.0   # stage-boundary sends (0: the all_to_all rate)
+  # Ragged dispatch runs the experts as one grouped matmul over uneven groups (a Pallas
+  # kernel on GPU), which runs well below a dense dot of the same size (decision 0058).
+  grouped_flops_per_s: float = 0.0   # 0: flops_per_s
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
+
+  def expert_flops_per_s(self, dispatch: str) -> float:
+    """The expert matmuls' rate: dense dispatch's capacity buffers are a batched dense dot."""
+    if dispatch == "ragged" and self.grouped_flops_per_s:
+      return self.grouped_flops_per_s
+    return self.flops_per_s
 
   def call_s(self, group: int) -> float:
     """Fixed cost of one collective over `group` devices."""
@@ -77,24 +86,31 @@ def load_profile(name_or_path: str) -> HardwareProfile:
                       "`python -m moejax.calibrate --out profile.json`.") from None
 
 
-# Public peak specs x a sustained fraction (0.5 for bf16 dense matmul, 0.7 for HBM,
-# about half the per-direction link bandwidth for all_to_all). "node": 8 GPUs on NVLink;
-# "cluster": the expert all_to_all crosses nodes on InfiniBand (A100: 200 Gb/s per GPU,
-# H100: 400 Gb/s per GPU).
+# Public peak specs x a sustained fraction (0.7 for HBM, about half the per-direction link
+# bandwidth for all_to_all). Matmuls: H100 SXM's 989 TFLOP/s bf16 peak x the fractions one
+# H100 measured (benchmarks/results/gmm_tiles_h100.json, jax 0.11.2, tokens 131072, d 1024,
+# expert width 2048): 0.65 for XLA's dense dot (635-653 TFLOP/s), 0.40 for moejax's grouped
+# kernel with its Hopper tiles (353-438). The A100 presets keep an assumed 0.5 (not measured).
+# "node": 8 GPUs on NVLink; "cluster": the expert all_to_all crosses nodes on InfiniBand
+# (A100: 200 Gb/s per GPU, H100: 400 Gb/s per GPU).
+_H100_DOT, _H100_GROUPED = 0.65 * 989e12, 0.40 * 989e12
 PRESETS = {
     "a100_node": HardwareProfile("a100_node", 156e12, 1.4e12, 120e9, 150e9, 25e-6, 2e-3,
                                  80 * 2**30, overlap_param_comm=True),
     "a100_cluster": HardwareProfile("a100_cluster", 156e12, 1.4e12, 20e9, 40e9, 40e-6, 2e-3,
                                     80 * 2**30, overlap_param_comm=True),
-    "h100_node": HardwareProfile("h100_node", 495e12, 2.3e12, 200e9, 250e9, 20e-6, 1.5e-3,
-                                 80 * 2**30, overlap_param_comm=True),
-    "h100_cluster": HardwareProfile("h100_cluster", 495e12, 2.3e12, 40e9, 80e9, 30e-6, 1.5e-3,
-                                    80 * 2**30, overlap_param_comm=True),
+    "h100_node": HardwareProfile("h100_node", _H100_DOT, 2.3e12, 200e9, 250e9, 20e-6, 1.5e-3,
+                                 80 * 2**30, overlap_param_comm=True,
+                                 grouped_flops_per_s=_H100_GROUPED),
+    "h100_cluster": HardwareProfile("h100_cluster", _H100_DOT, 2.3e12, 40e9, 80e9, 30e-6,
+                                    1.5e-3, 80 * 2**30, overlap_param_comm=True,
+                                    grouped_flops_per_s=_H100_GROUPED),
     # Nodes of 8 H100s with the expert axis inside a node (NVLink all_to_all, as h100_node)
     # and the data and stage axes across nodes (InfiniBand gradient reduce and stage sends,
     # as h100_cluster's reduce and all_to_all rates).
-    "h100_ep_node": HardwareProfile("h100_ep_node", 495e12, 2.3e12, 200e9, 80e9, 30e-6, 1.5e-3,
-                                    80 * 2**30, overlap_param_comm=True, p2p_bytes_per_s=40e9),
+    "h100_ep_node": HardwareProfile("h100_ep_node", _H100_DOT, 2.3e12, 200e9, 80e9, 30e-6,
+                                    1.5e-3, 80 * 2**30, overlap_param_comm=True,
+                                    p2p_bytes_per_s=40e9, grouped_flops_per_s=_H100_GROUPED),
     # Uncalibrated guess for fake CPU devices (2 cores); run `python -m moejax.calibrate`.
     "cpu": HardwareProfile("cpu", 30e9, 5e9, 2e9, 2e9, 50e-6, 5e-3, 8 * 2**30, 2.0),
 }
@@ -255,7 +271,7 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
                  (6 * tokens * first + 3 * tokens * w.first_dense * attn_flops) / m * recompute)
   expert_flops = 6 * stage_rows * 3 * d * f / m * stretch * recompute
   compute_s = dense_flops * scale / profile.flops_per_s
-  expert_s = expert_flops * scale / profile.flops_per_s
+  expert_s = expert_flops * scale / profile.expert_flops_per_s(strategy.dispatch)
 
   ep_local = expert_params(strategy.expert_mode, w.moe_layers, e, d, f, n, m) / p
   dense_dev = (layer_dense / p + first + 2 * w.vocab_size * d) / m     # before FSDP
