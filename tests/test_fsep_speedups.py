@@ -80,8 +80,8 @@ def _deal_bound_ref(r_YxE, coarse_YxE, load_E, load_ZxE, dev_NxE, total_N, n, ro
   return peak, sent
 
 
-def _quantise_ref(grid, share, load_E, groups=8, base_YxN=None, whole_YxE=None):
-  del whole_YxE                                         # the reference counts every replica
+def _quantise_ref(grid, share, load_E, groups=8, base_YxN=None, whole_YxE=None, live=None):
+  del whole_YxE, live                     # the reference counts and rounds every replica
   k, n, rounds = grid.shape
   num_experts = len(load_E)
   gflat = (grid + (np.arange(k) * num_experts)[:, None, None]).ravel()

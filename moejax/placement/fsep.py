@@ -256,12 +256,15 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
   bound_s = np.array([cost.compute_s(float(b)) + cost.exchange_s(float(x))
                       for b, x in zip(peak_lo, sent_lo)])
   first = [int(np.argmin(bound_s))]
-  grid, share, peak, _ = peak_of(r_YxE[first], coarse_YxE[first], sent_too=False)
+  live = []                                 # the first candidate's replicas `quantise` rounds
+  grid, share, peak, _ = peak_of(r_YxE[first], coarse_YxE[first], sent_too=False,
+                                 live_out=live)
   sent = _first_sent(grid, share, peak, bound_s, first[0], cost, dev_NxE, load_E, total_N)
   first_s = cost.compute_s(float(peak[0])) + cost.exchange_s(float(sent[0]))
   rest = [y for y in range(len(r_YxE)) if y != first[0]
           and bound_s[y] <= first_s * (1 + TIME_SLACK)]
   if rest:
+    live = []
     more = peak_of(r_YxE[rest], coarse_YxE[rest])
     order = np.argsort(first + rest, kind="stable")           # candidates in their given order
     grid, share, peak, sent = (np.concatenate([a, b])[order]
@@ -278,8 +281,8 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
   grid = grid[best]
   share = share[best]
   if o.exact_parts:
-    share = quantise(grid[None], share[None], load_E, o.quantise_groups,
-                     whole_YxE=coarse_E[None])[0]        # `level` kept them at 1/r_e
+    share = quantise(grid[None], share[None], load_E, o.quantise_groups,  # `level` kept
+                     whole_YxE=coarse_E[None], live=live[0] if live else None)[0]  # them 1/r_e
   if c == rounds:
     slot_expert, slot_share = grid.astype(np.int32), share
   else:
@@ -308,12 +311,12 @@ def _first_sent(grid, share, peak, bound_s, first, cost, dev_NxE, load_E, total_
 
 
 def _peaks(r_YxE, coarse_YxE, *, load_E, load_ZxE, dev_NxE, total_N, n, rounds, iters,
-           sent_too=True):
+           sent_too=True, live_out=None):
   """(grid, shares, score load, max sent) [Y, ...] of candidate replica counts r_YxE: placed,
   levelled, scored on the busiest device (averaged over the window's steps when given).
-  sent_too=False: max sent is None (not computed)."""
+  sent_too=False: max sent is None (not computed). `live_out`: see `level`."""
   grid = place(r_YxE, load_E, n, rounds)
-  share = level(grid, r_YxE, load_E, iters, coarse_YxE)
+  share = level(grid, r_YxE, load_E, iters, coarse_YxE, live_out=live_out)
   if load_ZxE is not None:
     peak = mean_peak(grid, share, load_ZxE)
   else:

@@ -14,9 +14,17 @@ import numpy as np
 from moejax.layout.placement import SHARE_PARTS
 
 
+def expert_index(grid: np.ndarray, num_experts: int) -> np.ndarray:
+  """[Y * N * rounds]: each replica's expert, offset by E per candidate (one table of all Y)."""
+  k = grid.shape[0]
+  if k == 1:                                 # the common case: no offsets to add
+    return grid.reshape(-1)
+  return (grid + (np.arange(k) * num_experts)[:, None, None]).ravel()
+
+
 def level(grid: np.ndarray, r_YxE: np.ndarray, load_E: np.ndarray, iters: int,
           frozen_YxE: np.ndarray | None = None, alpha: float = 1.5,
-          tol: float = 1e-3) -> np.ndarray:
+          tol: float = 1e-3, live_out: list | None = None) -> np.ndarray:
   """Token shares [Y, N, rounds] of the replicas in grid[Y, N, rounds]. They start even
   (1/r_e); the replicas of experts not frozen (see snap_counts) are levelled towards equal
   device loads by up to `iters` Sinkhorn steps: each share is scaled by (its device's target /
@@ -25,11 +33,12 @@ def level(grid: np.ndarray, r_YxE: np.ndarray, load_E: np.ndarray, iters: int,
   few steps where plain Sinkhorn needs tens), then renormalised per expert. Each step starts
   from the candidate's best shares so far (lowest busiest device), and a candidate whose step
   did not improve falls back to alpha = 1; stops early once every candidate is within `tol`
-  of the mean or none improves any more."""
+  of the mean or none improves any more. `live_out`: a list that receives the flat indices of
+  the replicas of experts not frozen, when there are frozen ones (what `quantise` rounds)."""
   r_YxE = np.atleast_2d(r_YxE)
   k, n, rounds = grid.shape
   num_experts = len(load_E)
-  gflat = (grid + (np.arange(k) * num_experts)[:, None, None]).ravel()  # expert id per cand.
+  gflat = expert_index(grid, num_experts)
   share = (1.0 / r_YxE.ravel()).take(gflat)
   mean = load_E.sum() / n
   if mean <= 0 or iters < 1:
@@ -41,6 +50,8 @@ def level(grid: np.ndarray, r_YxE: np.ndarray, load_E: np.ndarray, iters: int,
     per_E = np.where(frozen_E, np.tile(load_E, k) / r_YxE.ravel(), 0.0)
     fixed = np.einsum("ir->i", per_E.take(gflat).reshape(k * n, rounds))  # stay 1/r_e
     live = np.flatnonzero((~frozen_E).take(gflat))
+    if live_out is not None:
+      live_out.append(live)
   if live is None:
     live = np.arange(len(gflat))
   g = gflat.take(live)
@@ -73,7 +84,8 @@ def level(grid: np.ndarray, r_YxE: np.ndarray, load_E: np.ndarray, iters: int,
 
 def quantise(grid: np.ndarray, share: np.ndarray, load_E: np.ndarray,
              groups: int = 8, base_YxN: np.ndarray | None = None,
-             whole_YxE: np.ndarray | None = None) -> np.ndarray:
+             whole_YxE: np.ndarray | None = None, live: np.ndarray | None = None
+             ) -> np.ndarray:
   """Shares [Y, N, rounds] rounded to whole parts of SHARE_PARTS, the unit in which the
   router (`placement.share_parts` / `quotas`) splits an expert's tokens, keeping device loads
   level: floor every share, then give each expert's missing parts one each to its replicas on
@@ -89,18 +101,24 @@ def quantise(grid: np.ndarray, share: np.ndarray, load_E: np.ndarray,
   already carry (the tokens replicas keep locally), levelled together with these parts.
   `whole_YxE`: experts whose shares are known to be whole parts summing to SHARE_PARTS (the
   snapped ones, 1/r_e with r_e a power of two <= SHARE_PARTS): their replicas are skipped
-  when counting the parts still missing (at N = 4096, 86% of them)."""
+  when counting the parts still missing (at N = 4096, 86% of them), and their parts are
+  their shares x SHARE_PARTS already. `live`: the flat indices of the other replicas, when
+  the caller has them (`level`'s `live_out` for the same grid and mask)."""
   k, n, rounds = grid.shape
   num_experts = len(load_E)
-  gflat = (grid + (np.arange(k) * num_experts)[:, None, None]).ravel()
+  gflat = expert_index(grid, num_experts)
   exact = share.ravel() * SHARE_PARTS
-  parts = np.floor(exact + 1e-9)
   if whole_YxE is None:
+    parts = np.floor(exact + 1e-9)
     live = np.arange(len(gflat))
     short = SHARE_PARTS - np.bincount(gflat, weights=parts, minlength=k * num_experts)
   else:              # parts are whole numbers, so their sums are exact in any order
-    live = np.flatnonzero((~np.atleast_2d(whole_YxE).ravel()).take(gflat))
-    short = SHARE_PARTS - np.bincount(gflat.take(live), weights=parts.take(live),
+    if live is None:
+      live = np.flatnonzero((~np.atleast_2d(whole_YxE).ravel()).take(gflat))
+    parts = exact.copy()          # whole experts: 1024 / r_e, an integer, which floor keeps
+    parts_live = np.floor(exact.take(live) + 1e-9)
+    parts[live] = parts_live
+    short = SHARE_PARTS - np.bincount(gflat.take(live), weights=parts_live,
                                       minlength=k * num_experts)
   unit = load_E / SHARE_PARTS                                   # tokens per part
   unit_flat = unit.take(grid.ravel())
