@@ -52,14 +52,17 @@ def test_levelled_by_products_match_a_second_pass():
   np.testing.assert_array_equal(fast.share[0][frozen], (1.0 / r_YxE[0])[grid[0]][frozen])
 
 
-def test_packed_order_is_expert_then_key_then_position():
+def test_packed_order_is_expert_then_key_then_tie_rank():
   rng = np.random.default_rng(0)
   for _ in range(30):
     m = int(rng.integers(2, 5000))
     e_sel = rng.integers(0, int(rng.integers(1, 300)), m)
     key = rng.integers(-3, 4, m) * rng.choice([1e-3, 1.0, 7e5])     # many exact ties
     order = fsep_shares._by_expert_then(e_sel, key)
-    np.testing.assert_array_equal(order, np.lexsort((np.arange(m), key, e_sel)))
+    tie = fsep_shares.tie_rank(e_sel, max(1, (m - 1).bit_length()))
+    np.testing.assert_array_equal(order, np.lexsort((tie, key, e_sel)))
+    for e in np.unique(e_sel)[:5]:                      # ranks are distinct within an expert
+      assert len(np.unique(tie[e_sel == e])) == (e_sel == e).sum()
 
 
 @pytest.mark.parametrize("n", [64, 255, 256, 4096])

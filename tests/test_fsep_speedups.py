@@ -4,9 +4,9 @@ plain reference of the same arithmetic bit for bit, in the same process (numpy o
 The references are the straightforward forms the shortcuts replaced: all E x take D'Hondt
 values, a lexsort deal that writes the grid once at the end (and sums each device's load),
 one min/max per round for the bound, quantise counting and rounding every replica (its order
-a lexsort of the quantised key from LARGE_MESH devices on). The whole planner is then run
-twice, with the package's helpers and with the references, and every array it returns must
-be equal. What the large-mesh arithmetic changes against the one below it:
+a lexsort of the quantised key and tie rank from LARGE_MESH devices on). The whole planner
+is then run twice, with the package's helpers and with the references, and every array it
+returns must be equal. What the large-mesh arithmetic changes against the one below it:
 tests/test_fsep_large_mesh.py.
 """
 
@@ -91,12 +91,14 @@ def _deal_bound_ref(r_YxE, coarse_YxE, load_E, load_ZxE, dev_NxE, total_N, n, ro
 
 
 def _order_ref(e_sel, key):
-  """By expert, then key quantised as `fsep_shares._by_expert_then` does, then position."""
+  """By expert, then key quantised as `fsep_shares._by_expert_then` does, then tie rank."""
   m = len(e_sel)
-  key_bits = 62 - max(1, (m - 1).bit_length()) - max(1, int(e_sel.max()).bit_length())
+  pos_bits = max(1, (m - 1).bit_length())
+  key_bits = 62 - pos_bits - max(1, int(e_sel.max()).bit_length())
   width = float(key.max()) - float(key.min())
   scale = float(2 ** key_bits - 1) / width if width > 0 else 0.0
-  return np.lexsort((np.arange(m), ((key - float(key.min())) * scale).astype(np.int64), e_sel))
+  return np.lexsort((fsep_shares.tie_rank(e_sel, pos_bits),
+                     ((key - float(key.min())) * scale).astype(np.int64), e_sel))
 
 
 def _quantise_ref(grid, share, load_E, groups=8, base_YxN=None, whole_YxE=None, live=None,
