@@ -44,7 +44,7 @@ window the load levelled on is each expert's median share over the window's last
 `center_steps` steps (spread.recent_center; center='mean' keeps the window mean). Python
 loops run only over candidates, the C rounds, levelling steps and rounding batches. From
 fsep_deal.LARGE_MESH devices on, some sums run in other orders and exact ties in rounding
-go to the lower position (decision 0056); below it the plans are decision 0049's bit for bit.
+go by a stated rank (decision 0056); below it the plans are decision 0049's bit for bit.
 """
 
 from __future__ import annotations
