@@ -1,6 +1,12 @@
 """The fsep planner of this tree against the one of an earlier commit, in one process: the same
 plans (every returned array bit for bit) and the time per decision, interleaved call by call.
 
+From fsep_deal.LARGE_MESH devices on (decision 0056) the planner's sums run in other orders
+and exact ties in rounding go to the lower position, so plans there may differ from a base
+before it; each row also reports both plans' planned balance (the busiest device's quota load
+over the mean, on the load planned for), and the exit status is 1 only when a plan below
+LARGE_MESH differs.
+
 Times taken minutes apart on a shared VM move with what else runs; a ratio taken call by call
 in one process holds up better (decision 0035). The earlier planner is moejax/placement at
 --base (a git revision), copied by `git archive` into a temporary package whose imports point
@@ -35,8 +41,10 @@ import numpy as np
 
 from benchmarks.common import command, write_result
 from benchmarks.planner_time import FSEP_CONFIGS, _any_layout
+from moejax.layout.flow import max_over_mean
 from moejax.placement import fsep
 from moejax.placement.cost import CostModel
+from moejax.placement.fsep_deal import LARGE_MESH
 from moejax.placement.workloads import synthetic_trace
 
 DEFAULT_JSON = "benchmarks/results/planner_ab.json"
@@ -80,7 +88,12 @@ def compare(base, experts: int, devices: int, rounds: int, calls: int, seed: int
   pred = synthetic_trace(1, 1, devices, experts, kind="lognormal",
                          seed=seed)["counts"][0, 0].astype(np.float64)
   current = _any_layout(experts, devices, 8)
-  same = _same(_plan(base, pred, current, devices), _plan(fsep, pred, current, devices))
+  plans = {"base": _plan(base, pred, current, devices), "new": _plan(fsep, pred, current, devices)}
+  same = _same(plans["base"], plans["new"])
+  load_E = pred.sum(0)
+  balance = {f"max_over_mean_{k}": max_over_mean(np.bincount(
+      np.arange(len(p.share)) // 8, weights=p.share * load_E[p.slot_expert], minlength=devices))
+      for k, p in plans.items()}
   wall = {"base": [], "new": []}
   cpu = {"base": [], "new": []}
   for _ in range(rounds):
@@ -92,7 +105,7 @@ def compare(base, experts: int, devices: int, rounds: int, calls: int, seed: int
         wall[name].append(time.perf_counter() - t0)
   med = {f"{kind}_{k}_ms": 1e3 * statistics.median(v[k])
          for kind, v in (("wall", wall), ("cpu", cpu)) for k in v}
-  return {"experts": experts, "devices": devices, "slots": 8, "same_plan": same, **med,
+  return {"experts": experts, "devices": devices, "slots": 8, "same_plan": same, **balance, **med,
           "wall_ratio": med["wall_new_ms"] / med["wall_base_ms"],
           "cpu_ratio": med["cpu_new_ms"] / med["cpu_base_ms"]}
 
@@ -114,13 +127,15 @@ def main(argv=None) -> int:
     base = load_base(a.base, tmp)
     rows = [compare(base, e, n, a.rounds, a.calls, a.seed) for e, n in FSEP_CONFIGS]
   load_after = os.getloadavg()[0]
-  print(f"fsep planner, this tree vs {a.base} (C=8; median ms over {a.rounds} x {a.calls} calls)")
-  head = (f"{'E':>4} {'N':>5} {'same plan':>9} {'wall base':>9} {'wall new':>9} {'ratio':>6} "
-          f"{'cpu base':>9} {'cpu new':>8} {'ratio':>6}")
+  print(f"fsep planner, this tree vs {a.base} (C=8; median ms over {a.rounds} x {a.calls} calls; "
+        "bal: planned max/mean)")
+  head = (f"{'E':>4} {'N':>5} {'same plan':>9} {'bal base':>8} {'bal new':>8} {'wall base':>9} "
+          f"{'wall new':>9} {'ratio':>6} {'cpu base':>9} {'cpu new':>8} {'ratio':>6}")
   print(head)
   print("-" * len(head))
   for r in rows:
     print(f"{r['experts']:>4} {r['devices']:>5} {str(r['same_plan']):>9} "
+          f"{r['max_over_mean_base']:>8.4f} {r['max_over_mean_new']:>8.4f} "
           f"{r['wall_base_ms']:>9.2f} {r['wall_new_ms']:>9.2f} {r['wall_ratio']:>6.3f} "
           f"{r['cpu_base_ms']:>9.2f} {r['cpu_new_ms']:>8.2f} {r['cpu_ratio']:>6.3f}")
   print(f"1-minute load average: {load_before:.2f} before, {load_after:.2f} after "
@@ -131,7 +146,7 @@ def main(argv=None) -> int:
                 "seed": a.seed, "load": "lognormal sigma=1.0, top_k=2, 2048 tokens per source",
                 "load_average_1min": {"before": load_before, "after": load_after},
                 "cpu_count": os.cpu_count(), "rows": rows}, a.json)
-  return 0 if all(r["same_plan"] for r in rows) else 1
+  return 0 if all(r["same_plan"] for r in rows if r["devices"] < LARGE_MESH) else 1
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
-"""The fsep planner's speed-ups (decision 0049) change no plan: each shortcut equals a plain
-reference bit for bit, in the same process (numpy only).
+"""The fsep planner's speed-ups (decisions 0049, 0056) change no plan: each shortcut equals a
+plain reference of the same arithmetic bit for bit, in the same process (numpy only).
 
 The references are the straightforward forms the shortcuts replaced: all E x take D'Hondt
-values, a lexsort deal that writes the grid once at the end, one min/max per round for the
-bound, quantise counting every replica's parts. The whole planner is then run twice, with
-the package's helpers and with the references, and every array it returns must be equal.
+values, a lexsort deal that writes the grid once at the end (and sums each device's load),
+one min/max per round for the bound, quantise counting and rounding every replica (its order
+a lexsort of the quantised key and tie rank from LARGE_MESH devices on). The whole planner
+is then run twice, with the package's helpers and with the references, and every array it
+returns must be equal. What the large-mesh arithmetic changes against the one below it:
+tests/test_fsep_large_mesh.py.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import pytest
 
 from moejax.layout import placement as placement_lib
 from moejax.layout.placement import SHARE_PARTS
-from moejax.placement import fsep, fsep_shares
+from moejax.placement import fsep, fsep_deal, fsep_shares
 from moejax.placement.cost import CostModel
 from moejax.placement.fsep_score import estimate
 from moejax.placement.workloads import synthetic_trace
@@ -29,7 +32,7 @@ def _top_values_ref(load_E, first_k, cap, take):
   return chosen.reshape(len(load_E), -1).sum(1)
 
 
-def _place_ref(r_YxE, load_E, n, rounds):
+def _deal_ref(r_YxE, load_E, n, rounds):
   r_YxE = np.atleast_2d(r_YxE)
   k, num_experts = r_YxE.shape
   per_YxE = load_E[None, :] / r_YxE
@@ -38,7 +41,11 @@ def _place_ref(r_YxE, load_E, n, rounds):
     order = np.lexsort((np.arange(num_experts), -per_YxE[i]))
     reps[i] = np.repeat(order, r_YxE[i][order]).reshape(rounds, n)
   per = per_YxE.ravel().take(reps + (np.arange(k) * num_experts)[:, None, None])
-  last = 2.0 * float(np.einsum("kjn->k", per).max()) + 1.0
+  if n >= fsep_deal.LARGE_MESH:                  # any bound above every device load will do
+    last = 2.0 * float(load_E.sum()) + 1.0
+    top = 2.0 * last
+  else:
+    last, top = 2.0 * float(np.einsum("kjn->k", per).max()) + 1.0, None
   offs = (np.arange(k) * n)[:, None]
   perm, load = np.tile(np.arange(n), (k, 1)), np.zeros((k, n))
   perms = np.empty((rounds, k, n), np.int64)
@@ -49,13 +56,16 @@ def _place_ref(r_YxE, load_E, n, rounds):
       break
     straddle = reps[:, j + 1, :1] == reps[:, j, -1:]
     held = straddle & (reps[:, j] == reps[:, j + 1, :1])
-    idx = (fsep._ascending(np.where(held, load + last, load)) + offs).ravel()
+    idx = (fsep._ascending(np.where(held, load + last, load), top=top) + offs).ravel()
     perm = perm.ravel().take(idx).reshape(k, n)
     load = load.ravel().take(idx).reshape(k, n)
   grid = np.empty(k * n * rounds, np.int64)
   grid.put((perms * rounds + np.arange(rounds)[:, None, None] + offs[None] * rounds).ravel(),
            reps.transpose(1, 0, 2).ravel())
-  return grid.reshape(k, n, rounds)
+  load_dev = np.empty((k, n))
+  for i in range(k):
+    load_dev[i, perm[i]] = load[i]
+  return grid.reshape(k, n, rounds), load_dev
 
 
 def _deal_bound_ref(r_YxE, coarse_YxE, load_E, load_ZxE, dev_NxE, total_N, n, rounds):
@@ -80,8 +90,20 @@ def _deal_bound_ref(r_YxE, coarse_YxE, load_E, load_ZxE, dev_NxE, total_N, n, ro
   return peak, sent
 
 
-def _quantise_ref(grid, share, load_E, groups=8, base_YxN=None, whole_YxE=None):
-  del whole_YxE                                         # the reference counts every replica
+def _order_ref(e_sel, key):
+  """By expert, then key quantised as `fsep_shares._by_expert_then` does, then tie rank."""
+  m = len(e_sel)
+  pos_bits = max(1, (m - 1).bit_length())
+  key_bits = 62 - pos_bits - max(1, int(e_sel.max()).bit_length())
+  width = float(key.max()) - float(key.min())
+  scale = float(2 ** key_bits - 1) / width if width > 0 else 0.0
+  return np.lexsort((fsep_shares.tie_rank(e_sel, pos_bits),
+                     ((key - float(key.min())) * scale).astype(np.int64), e_sel))
+
+
+def _quantise_ref(grid, share, load_E, groups=8, base_YxN=None, whole_YxE=None, live=None,
+                  fixed_YxN=None):
+  del live                                # the reference counts and rounds every replica
   k, n, rounds = grid.shape
   num_experts = len(load_E)
   gflat = (grid + (np.arange(k) * num_experts)[:, None, None]).ravel()
@@ -90,7 +112,13 @@ def _quantise_ref(grid, share, load_E, groups=8, base_YxN=None, whole_YxE=None):
   short = SHARE_PARTS - np.bincount(gflat, weights=parts, minlength=k * num_experts)
   unit = load_E / SHARE_PARTS
   unit_flat = unit.take(grid.ravel())
-  dev_load = np.einsum("ir,ir->i", parts.reshape(k * n, rounds), unit_flat.reshape(k * n, rounds))
+  if fixed_YxN is not None and whole_YxE is not None:   # whole replicas' loads as given
+    other = np.flatnonzero(~np.atleast_2d(whole_YxE).ravel()[gflat])
+    dev_load = fixed_YxN.ravel() + np.bincount(other // rounds, weights=(parts * unit_flat)[other],
+                                               minlength=k * n)
+  else:
+    dev_load = np.einsum("ir,ir->i", parts.reshape(k * n, rounds),
+                         unit_flat.reshape(k * n, rounds))
   mean = np.full(k * n, load_E.sum() / n)
   if base_YxN is not None:
     dev_load += base_YxN.ravel()
@@ -111,8 +139,11 @@ def _quantise_ref(grid, share, load_E, groups=8, base_YxN=None, whole_YxE=None):
     sel = open_.take(pick)
     e_sel = gflat.take(sel)
     gap = dev_load.take(sel // rounds) - mean.take(sel // rounds)
-    span = 2.0 * float(np.abs(gap).max()) + 1.0
-    order = np.argsort(e_sel + (gap - frac.take(pick) * 1e-6) / span)
+    if n >= fsep_deal.LARGE_MESH:
+      order = _order_ref(e_sel, gap - frac.take(pick) * 1e-6)
+    else:
+      span = 2.0 * float(np.abs(gap).max()) + 1.0
+      order = np.argsort(e_sel + (gap - frac.take(pick) * 1e-6) / span)
     sel, e_sel = sel[order], e_sel[order]
     up = sel[np.arange(len(sel)) - np.searchsorted(e_sel, e_sel) < short.take(e_sel)]
     parts[up] += 1
@@ -171,7 +202,7 @@ def test_planner_equals_its_reference_helpers(n, e, c, kind, window, opts, monke
                                samples_ZxWxE=samples)
 
   fast = plan()
-  for name, ref in (("_top_values", _top_values_ref), ("place", _place_ref),
+  for name, ref in (("_top_values", _top_values_ref), ("deal", _deal_ref),
                     ("_deal_bound", _deal_bound_ref), ("quantise", _quantise_ref),
                     ("_first_sent", _first_sent_ref)):
     monkeypatch.setattr(fsep, name, ref)

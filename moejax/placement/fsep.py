@@ -42,7 +42,9 @@ TIME_SLACK of that score, so pruning changes no choice (the first one's rows sen
 scored only where they could admit another, `_first_sent`). With plan_for='spread' and a
 window the load levelled on is each expert's median share over the window's last
 `center_steps` steps (spread.recent_center; center='mean' keeps the window mean). Python
-loops run only over candidates, the C rounds, levelling steps and rounding batches.
+loops run only over candidates, the C rounds, levelling steps and rounding batches. From
+fsep_deal.LARGE_MESH devices on, some sums run in other orders and exact ties in rounding
+go by a stated rank (decision 0056); below it the plans are decision 0049's bit for bit.
 """
 
 from __future__ import annotations
@@ -58,11 +60,19 @@ from moejax.layout.placement import SHARE_PARTS, Placement
 from moejax.placement.cost import CostModel
 from moejax.placement.fsep_deal import (
   ascending as _ascending,  # noqa: F401 (tests use it)
+  deal,
   deal_bound as _deal_bound,
-  place,
+  place,  # noqa: F401 (tests use it)
 )
-from moejax.placement.fsep_score import device_load, estimate, fold_sources, overflow, own_counts
-from moejax.placement.fsep_shares import level, quantise
+from moejax.placement.fsep_score import (
+  column_sums,
+  device_load,
+  estimate,
+  fold_sources,
+  overflow,
+  own_counts,
+)
+from moejax.placement.fsep_shares import levelled, quantise
 from moejax.placement.locality import keep_local, local_parts
 from moejax.placement.spread import hedge_loads, mean_peak, recent_center, window_loads
 
@@ -229,7 +239,7 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
   if spread and o.center == "median":
     pred = recent_center(pred, samples_ZxWxE, o.center_steps)
   dev_NxE = fold_sources(pred, src_dev_W, n)
-  load_E = dev_NxE.sum(0)
+  load_E = column_sums(dev_NxE)
   rounds = min(c, num_experts)              # more than E slots: every device holds all E
   total = n * rounds
   load_ZxE = window_loads(samples_ZxWxE, src_dev_W, n, load_E.sum()) if spread else None
@@ -256,12 +266,15 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
   bound_s = np.array([cost.compute_s(float(b)) + cost.exchange_s(float(x))
                       for b, x in zip(peak_lo, sent_lo)])
   first = [int(np.argmin(bound_s))]
-  grid, share, peak, _ = peak_of(r_YxE[first], coarse_YxE[first], sent_too=False)
+  lev = []                                  # the first candidate's levelling, for `quantise`
+  grid, share, peak, _ = peak_of(r_YxE[first], coarse_YxE[first], sent_too=False,
+                                 levelled_out=lev)
   sent = _first_sent(grid, share, peak, bound_s, first[0], cost, dev_NxE, load_E, total_N)
   first_s = cost.compute_s(float(peak[0])) + cost.exchange_s(float(sent[0]))
   rest = [y for y in range(len(r_YxE)) if y != first[0]
           and bound_s[y] <= first_s * (1 + TIME_SLACK)]
   if rest:
+    lev = []
     more = peak_of(r_YxE[rest], coarse_YxE[rest])
     order = np.argsort(first + rest, kind="stable")           # candidates in their given order
     grid, share, peak, sent = (np.concatenate([a, b])[order]
@@ -278,8 +291,9 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
   grid = grid[best]
   share = share[best]
   if o.exact_parts:
-    share = quantise(grid[None], share[None], load_E, o.quantise_groups,
-                     whole_YxE=coarse_E[None])[0]        # `level` kept them at 1/r_e
+    live, fixed = (lev[0].live, lev[0].fixed_YxN) if lev else (None, None)
+    share = quantise(grid[None], share[None], load_E, o.quantise_groups,  # `level` kept
+                     whole_YxE=coarse_E[None], live=live, fixed_YxN=fixed)[0]  # them 1/r_e
   if c == rounds:
     slot_expert, slot_share = grid.astype(np.int32), share
   else:
@@ -308,14 +322,22 @@ def _first_sent(grid, share, peak, bound_s, first, cost, dev_NxE, load_E, total_
 
 
 def _peaks(r_YxE, coarse_YxE, *, load_E, load_ZxE, dev_NxE, total_N, n, rounds, iters,
-           sent_too=True):
+           sent_too=True, levelled_out=None):
   """(grid, shares, score load, max sent) [Y, ...] of candidate replica counts r_YxE: placed,
   levelled, scored on the busiest device (averaged over the window's steps when given).
-  sent_too=False: max sent is None (not computed)."""
-  grid = place(r_YxE, load_E, n, rounds)
-  share = level(grid, r_YxE, load_E, iters, coarse_YxE)
+  sent_too=False: max sent is None (not computed). `levelled_out`: a list that receives
+  `fsep_shares.levelled`'s answer (for `quantise`). With snapped experts the busiest device
+  is `levelled`'s own figure (snapped loads + the levelled rest), not a second sum over
+  every replica."""
+  grid, even_YxN = deal(r_YxE, load_E, n, rounds)
+  lev = levelled(grid, r_YxE, load_E, iters, coarse_YxE, even_YxN=even_YxN)
+  share = lev.share
+  if levelled_out is not None:
+    levelled_out.append(lev)
   if load_ZxE is not None:
     peak = mean_peak(grid, share, load_ZxE)
+  elif lev.peak_Y is not None:
+    peak = lev.peak_Y
   else:
     peak = device_load(grid, share, load_E).max(1)
   if not sent_too:

@@ -2,6 +2,7 @@
 any candidate is placed (numpy only; moejax.placement.fsep's steps 1 and its pruning).
 
   place(r_YxE, load_E, n, rounds) -> grid[Y, N, rounds]
+  deal(r_YxE, load_E, n, rounds) -> (grid, device loads at even shares [Y, N])
   deal_bound(r_YxE, coarse_YxE, load_E, load_ZxE, dev_NxE, total_N, n, rounds) -> (peak, sent)
 """
 
@@ -9,9 +10,22 @@ from __future__ import annotations
 
 import numpy as np
 
+# From this many devices on the planner uses faster arithmetic that changes the last bits of
+# some sums and the order of exact ties (decision 0056): column sums over groups of rows,
+# a fixed key scale in the deal, a packed-key sort in `quantise`. Below it the arithmetic,
+# and so every plan replayed at N = 8 and 16, is the one before (decision 0049).
+LARGE_MESH = 256
+
 
 def place(r_YxE: np.ndarray, load_E: np.ndarray, n: int, rounds: int) -> np.ndarray:
-  """grid[Y, N, rounds] of experts for Y candidate replica counts r_YxE (each summing to
+  """`deal(...)`'s grid."""
+  return deal(r_YxE, load_E, n, rounds)[0]
+
+
+def deal(r_YxE: np.ndarray, load_E: np.ndarray, n: int, rounds: int
+         ) -> tuple[np.ndarray, np.ndarray]:
+  """(grid[Y, N, rounds] of experts, each device's load [Y, N] at even shares, summed
+  round by round) for Y candidate replica counts r_YxE (each summing to
   N * rounds, each count in [1, N]): replicas sorted by per-replica load (load_e / r_e, desc)
   are dealt in rounds of N, the round's largest replica to the currently least-loaded device,
   one per device per round.
@@ -38,7 +52,12 @@ def place(r_YxE: np.ndarray, load_E: np.ndarray, n: int, rounds: int) -> np.ndar
     at = np.searchsorted(ends, bounds, side="right")      # their first experts
     start = ends.take(at) - r_sorted.take(at)
     held_from[i, 1:] = np.where(start < bounds, start - bounds + n, n)
-  last = 2.0 * float(np.einsum("kjn->k", per).max()) + 1.0  # more than any device load
+  if n >= LARGE_MESH:          # more than any device load (its replicas' loads add up to
+    last = 2.0 * float(load_E.sum()) + 1.0    # the expert loads at most), and above any key
+    top = 2.0 * last
+  else:
+    last = 2.0 * float(np.einsum("kjn->k", per).max()) + 1.0
+    top = None                                  # each round's max
   held = [[(i, int(held_from[i, j])) for i in range(k) if held_from[i, j] < n]
           for j in range(rounds)]
   cols = np.arange(n)
@@ -59,26 +78,33 @@ def place(r_YxE: np.ndarray, load_E: np.ndarray, n: int, rounds: int) -> np.ndar
       key = load.copy()
       for i, start in held[j + 1]:
         key[i, start:] += last
-    idx = ascending(key, cols)
+    idx = ascending(key, cols, top)
     if k > 1:
       idx += rows * n                                   # into the flattened [Y, N] arrays
     perm = perm.take(idx)                               # `take` flattens, keeps idx's shape
     load = load.take(idx)
-  return grid
+  load_YxN = np.empty((k, n))
+  np.put_along_axis(load_YxN, perm, load, axis=1)       # back to device order
+  return grid, load_YxN
 
 
-def ascending(key_YxN: np.ndarray, cols: np.ndarray | None = None) -> np.ndarray:
+def ascending(key_YxN: np.ndarray, cols: np.ndarray | None = None,
+              top: float | None = None) -> np.ndarray:
   """Per row, the column order of non-negative keys, ascending, ties to the lower column (keys
-  closer than max / 2**50 count as ties). The column is packed into the low bits of an int64
-  key so that a plain sort does it: numpy's SIMD sort is about twice as fast as argsort.
+  closer than top / 2**(62 - log2 N) count as ties; `top`: at least the largest key, its
+  max by default; the deal passes a bound it knows instead of finding the max each round).
+  The column is packed into the low bits of an int64 key so that a plain sort does it (about
+  twice as fast as argsort). The keys of one round of the deal are a few dozen ascending runs
+  (devices sorted by load, each run given the same replica), which the stable sort (timsort)
+  merges faster than the default quicksort.
   `cols`: np.arange(N), when the caller has it."""
   bits = max(1, (key_YxN.shape[1] - 1).bit_length())
-  top = float(key_YxN.max())
+  top = float(key_YxN.max()) if top is None else top
   scale = float(2 ** (62 - bits)) / (top * 1.001) if top > 0 else 0.0
   packed = (key_YxN * scale).astype(np.int64)
   packed <<= bits
   packed |= np.arange(key_YxN.shape[1]) if cols is None else cols
-  packed.sort(axis=1)
+  packed.sort(axis=1, kind="stable")      # keys are unique; the deal's are sorted runs
   packed &= (1 << bits) - 1
   return packed
 
