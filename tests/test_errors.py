@@ -239,6 +239,7 @@ def test_cli_bad_input_exits_2_with_one_line(args, needle):
 
 # --- plan: nothing fits -------------------------------------------------------------------------
 
+@pytest.mark.slow   # 6.5 s: three re-rankings of the plan
 def test_plan_that_fits_nothing_prints_why_and_the_smallest_changes(capsys):
   """The GPU config's global batch of 64 cannot cover 1024 devices: the table, one line per kind
   of rejection, the changes that would make one fit; and those changes do."""

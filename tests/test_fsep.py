@@ -123,6 +123,7 @@ def test_fsep_layer_matches_reference_for_random_replicated_layouts(shape, slots
   assert fsep_value_and_grad._cache_size() == 1, "a new layout recompiled the fsep layer"
 
 
+@pytest.mark.slow   # 29 s; test_routers' relayout test keeps a compile-count check in the fast set
 def test_fsep_relayout_compiles_once():
   mesh = mesh_of_shape((2, 4, 1))
   cfg = MoEConfig(num_experts=E, top_k=2, capacity_factor=16.0, d_ff=F, expert_mode="fsep")

@@ -190,6 +190,7 @@ def _groups(attr: str, mesh) -> set[frozenset[int]]:
   return {frozenset(g.tolist()) for g in ids.reshape(-1, int(np.prod(ids.shape[-len(axes):])))}
 
 
+@pytest.mark.slow   # 12-19 s; the kernels' CUDA lowering tests stay in the fast set
 def test_gpu_config_train_step_lowers_for_cuda_with_ragged_all_to_all(as_if_gpu):
   if why := _cuda_lowering_error():
     pytest.skip(f"this jaxlib cannot lower for CUDA: {why}")

@@ -85,7 +85,8 @@ def assert_trees_close(got, want, backend, names, lengths, eps=None):
 
 # (tokens, D, output rows, copies per token, block_rows): output rows not a multiple of the
 # block, empty rows (-1 and >= T), tokens copied 0..K times, D needing a small tile.
-PERMUTE_CASES = [(11, 16, 30, 3, 8), (40, 24, 80, 2, 16), (5, 8, 3, 1, 32)]
+PERMUTE_CASES = [(11, 16, 30, 3, 8), pytest.param(40, 24, 80, 2, 16, marks=pytest.mark.slow),
+                 (5, 8, 3, 1, 32)]
 
 
 @pytest.mark.parametrize("t,d,r,k,block", PERMUTE_CASES, ids=lambda v: str(v))
@@ -135,10 +136,10 @@ def test_unpermute_combine_matches_reference(t, k, r, d, block, backend):
 
 # (M, I, O, group sizes, block_m): uneven and empty groups, rows past the last group, all
 # groups empty, sizes summing past M (clipped).
-# The last two run only in .ci/run's slow pass (the README test command's 8-minute budget).
+# The last three run only in .ci/run's slow pass (the README test command's 8-minute budget).
 GMM_CASES = [
     (37, 16, 32, [5, 0, 13, 9], 8),
-    (20, 16, 16, [0, 0, 0], 8),
+    pytest.param(20, 16, 16, [0, 0, 0], 8, marks=pytest.mark.slow),
     pytest.param(64, 32, 16, [0, 0, 64, 0], 16, marks=pytest.mark.slow),
     pytest.param(33, 16, 48, [40, 2, 1], 16, marks=pytest.mark.slow),
 ]

@@ -56,6 +56,7 @@ def test_load_metrics_splits_and_keeps_last(tmp_path):
   assert [(r["step"], r["layer"], r["policy"]) for r in metrics["switches"]] == [(2, 1, "greedy")]
 
 
+@pytest.mark.slow   # 9 s of matplotlib; test_main_out_dir keeps the CLI in the fast set
 def test_main_writes_pngs(tmp_path, capsys):
   run_dir = tmp_path / "run"
   run_dir.mkdir()
