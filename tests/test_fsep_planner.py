@@ -343,7 +343,7 @@ def test_fsep_fixes_collapse():
     assert r["median"] <= 1.05 and r["p90"] <= 1.10, (n, r["median"], r["p90"])
 
 
-@pytest.mark.parametrize("n", [8, 16])
+@pytest.mark.parametrize("n", [8, pytest.param(16, marks=pytest.mark.slow)])
 def test_fsep_on_skewed_stays_near_the_noise_floor(n):
   # Regression guard at the measured level (see the xfail below for why not lower).
   r = _replay("synthetic_skewed", n, "fsep")

@@ -55,7 +55,8 @@ def test_sharded_layer_matches_reference(shape, top_k):
   assert_trees_close(grads, ref_grads, GRAD_LEN)
 
 
-@pytest.mark.parametrize("shape", [(1, 8, 1), pytest.param((2, 4, 1), marks=pytest.mark.slow)],
+@pytest.mark.parametrize("shape", [pytest.param((1, 8, 1), marks=pytest.mark.slow),
+                                   pytest.param((2, 4, 1), marks=pytest.mark.slow)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_permuted_layout_matches_reference(shape):
   """Weights stored in slot order under a non-trivial layout give the same layer."""
@@ -102,6 +103,7 @@ def test_overflow_is_dropped_and_counted():
   assert np.all(y_tokens[:, cap:] == 0)
 
 
+@pytest.mark.slow   # 8 s; test_routers' gate tests with the bias stay in the fast set
 def test_router_bias_steers_choices_and_matches_reference():
   """A layout's router bias changes which experts are chosen (not the gates), equally in the
   sharded layer and the reference; a large bias on expert 5 makes it every token's choice."""

@@ -85,8 +85,9 @@ def assert_trees_close(got, want, backend, names, lengths, eps=None):
 
 # (tokens, D, output rows, copies per token, block_rows): output rows not a multiple of the
 # block, empty rows (-1 and >= T), tokens copied 0..K times, D needing a small tile.
-PERMUTE_CASES = [(11, 16, 30, 3, 8), pytest.param(40, 24, 80, 2, 16, marks=pytest.mark.slow),
-                 (5, 8, 3, 1, 32)]
+# Only the last runs in the README's test command; .ci/run's slow pass runs all three.
+PERMUTE_CASES = [pytest.param(11, 16, 30, 3, 8, marks=pytest.mark.slow),
+                 pytest.param(40, 24, 80, 2, 16, marks=pytest.mark.slow), (5, 8, 3, 1, 32)]
 
 
 @pytest.mark.parametrize("t,d,r,k,block", PERMUTE_CASES, ids=lambda v: str(v))
@@ -114,7 +115,9 @@ def test_invert_lists_each_tokens_rows_in_order():
 # --- unpermute-combine --------------------------------------------------------------------------
 
 # (tokens, K, rows, D, block_rows); some choices dropped (-1), rows unused, K = 1 and 3.
-COMBINE_CASES = [(13, 2, 40, 16, 8), (7, 1, 9, 32, 16), (20, 3, 64, 8, 64)]
+# The first two run only in .ci/run's slow pass (the README test command's 8-minute budget).
+COMBINE_CASES = [pytest.param(13, 2, 40, 16, 8, marks=pytest.mark.slow),
+                 pytest.param(7, 1, 9, 32, 16, marks=pytest.mark.slow), (20, 3, 64, 8, 64)]
 
 
 @pytest.mark.parametrize("t,k,r,d,block", COMBINE_CASES, ids=lambda v: str(v))
