@@ -172,6 +172,7 @@ def _bf16(rng, shape, scale=1.0):
   return x, x.astype(jnp.float32)
 
 
+@pytest.mark.slow   # the README command's budget; .ci/run's passes on both jax releases run it
 def test_permute_bf16(backend):
   rng = np.random.default_rng(1)
   t, d, k = 11, 16, 3
@@ -185,6 +186,7 @@ def test_permute_bf16(backend):
   assert_trees_close(got, want, backend, ["out", "dx"], [1, k], EPS_BF16)
 
 
+@pytest.mark.slow   # the README command's budget; .ci/run's passes on both jax releases run it
 def test_unpermute_combine_bf16(backend):
   rng = np.random.default_rng(2)
   t, k, r, d = 13, 2, 40, 16
@@ -203,6 +205,7 @@ def _hopper_gpu() -> bool:
   return backend_lib.is_hopper(compat.compute_capability(_gpu()))
 
 
+@pytest.mark.slow   # the README command's budget; .ci/run's passes on both jax releases run it
 @pytest.mark.parametrize("gmm_backend", ["same", "mosaic_gpu"])
 def test_gmm_bf16(backend, gmm_backend):
   """bf16 operands (I, O multiples of 64, as Mosaic GPU needs); 'mosaic_gpu' runs on a
@@ -320,6 +323,7 @@ def custom_calls(mlir: str, prefix: str) -> int:
 LOWERED_CALLS = {"triton": (11, 0), "mosaic_gpu": (7, 4)}
 
 
+@pytest.mark.slow   # the README command's budget; .ci/run's passes on both jax releases run it
 @pytest.mark.parametrize("gmm_backend", sorted(LOWERED_CALLS))
 def test_kernels_fwd_and_bwd_lower_for_cuda_inside_shard_map(gmm_backend):
   """All kernels, forward and backward, inside shard_map (varying-axes check on), bf16, with
