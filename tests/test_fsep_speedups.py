@@ -56,7 +56,7 @@ def _deal_ref(r_YxE, load_E, n, rounds):
       break
     straddle = reps[:, j + 1, :1] == reps[:, j, -1:]
     held = straddle & (reps[:, j] == reps[:, j + 1, :1])
-    idx = (fsep._ascending(np.where(held, load + last, load), top=top) + offs).ravel()
+    idx = (fsep_deal.ascending(np.where(held, load + last, load), top=top) + offs).ravel()
     perm = perm.ravel().take(idx).reshape(k, n)
     load = load.ravel().take(idx).reshape(k, n)
   grid = np.empty(k * n * rounds, np.int64)

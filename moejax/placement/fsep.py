@@ -58,12 +58,7 @@ import numpy as np
 from moejax.config import ConfigError
 from moejax.layout.placement import SHARE_PARTS, Placement
 from moejax.placement.cost import CostModel
-from moejax.placement.fsep_deal import (
-  ascending as _ascending,  # noqa: F401 (tests use it)
-  deal,
-  deal_bound as _deal_bound,
-  place,  # noqa: F401 (tests use it)
-)
+from moejax.placement.fsep_deal import deal, deal_bound as _deal_bound
 from moejax.placement.fsep_score import (
   column_sums,
   device_load,

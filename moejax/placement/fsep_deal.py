@@ -1,8 +1,7 @@
 """How the fsep planner deals replicas to devices, and the bound that deal order gives before
 any candidate is placed (numpy only; moejax.placement.fsep's steps 1 and its pruning).
 
-  place(r_YxE, load_E, n, rounds) -> grid[Y, N, rounds]
-  deal(r_YxE, load_E, n, rounds) -> (grid, device loads at even shares [Y, N])
+  deal(r_YxE, load_E, n, rounds) -> (grid[Y, N, rounds], device loads at even shares [Y, N])
   deal_bound(r_YxE, coarse_YxE, load_E, load_ZxE, dev_NxE, total_N, n, rounds) -> (peak, sent)
 """
 
@@ -15,11 +14,6 @@ import numpy as np
 # a fixed key scale in the deal, a packed-key sort in `quantise`. Below it the arithmetic,
 # and so every plan replayed at N = 8 and 16, is the one before (decision 0049).
 LARGE_MESH = 256
-
-
-def place(r_YxE: np.ndarray, load_E: np.ndarray, n: int, rounds: int) -> np.ndarray:
-  """`deal(...)`'s grid."""
-  return deal(r_YxE, load_E, n, rounds)[0]
 
 
 def deal(r_YxE: np.ndarray, load_E: np.ndarray, n: int, rounds: int
@@ -111,7 +105,7 @@ def ascending(key_YxN: np.ndarray, cols: np.ndarray | None = None,
 
 def deal_bound(r_YxE, coarse_YxE, load_E, load_ZxE, dev_NxE, total_N, n, rounds):
   """(busiest device's load, most rows a device sends) [Y]: lower bounds on what `fsep._peaks`
-  scores for each candidate, before it is placed. `place` deals the replicas, sorted by
+  scores for each candidate, before it is placed. `deal` deals the replicas, sorted by
   per-replica load, in rounds of one per device, so every device carries one replica of each
   round: the device given round j's heaviest snapped replica (its share fixed at 1/r_e)
   carries at least that plus the lightest of every other round (unsnapped ones count as 0:
@@ -126,7 +120,7 @@ def deal_bound(r_YxE, coarse_YxE, load_E, load_ZxE, dev_NxE, total_N, n, rounds)
   js = np.arange(rounds)
   for y in range(k):                                      # Y <= 3
     r_E = r_YxE[y]
-    order = np.argsort(-(load_E / r_E), kind="stable")   # the order `place` deals
+    order = np.argsort(-(load_E / r_E), kind="stable")   # the order `deal` deals
     r_sorted = r_E.take(order)
     ends = np.cumsum(r_sorted)                           # expert i's replicas end there
     first_round, last_round = (ends - r_sorted) // n, (ends - 1) // n

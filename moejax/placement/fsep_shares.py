@@ -33,13 +33,6 @@ class Levelled(NamedTuple):
   peak_Y: np.ndarray | None         # the busiest device's load under `share`
 
 
-def level(grid: np.ndarray, r_YxE: np.ndarray, load_E: np.ndarray, iters: int,
-          frozen_YxE: np.ndarray | None = None, alpha: float = 1.5,
-          tol: float = 1e-3) -> np.ndarray:
-  """`levelled(...).share`."""
-  return levelled(grid, r_YxE, load_E, iters, frozen_YxE, alpha, tol).share
-
-
 def levelled(grid: np.ndarray, r_YxE: np.ndarray, load_E: np.ndarray, iters: int,
              frozen_YxE: np.ndarray | None = None, alpha: float = 1.5,
              tol: float = 1e-3, even_YxN: np.ndarray | None = None) -> Levelled:
@@ -165,10 +158,10 @@ def quantise(grid: np.ndarray, share: np.ndarray, load_E: np.ndarray,
       parts_all[live] = parts
     dev_load = np.einsum("ir,ir->i", parts_all.reshape(k * n, rounds),
                          unit.take(expert).reshape(k * n, rounds))
-  mean = load_E.sum() / n
+  mean_D = np.full(k * n, load_E.sum() / n)                    # each device's level
   if base_YxN is not None:
     dev_load += base_YxN.ravel()
-    mean = mean + np.repeat(base_YxN.sum(1) / n, n)
+    mean_D += np.repeat(base_YxN.sum(1) / n, n)
   open_pos = np.flatnonzero(short.take(g_live) > 0.5)   # (in `live`) of unfinished experts
   if len(open_pos):
     frac = exact.take(open_pos) - parts.take(open_pos)
@@ -187,7 +180,7 @@ def quantise(grid: np.ndarray, share: np.ndarray, load_E: np.ndarray,
       at = open_pos.take(pick)
       e_sel = g_live.take(at)
       dev = live.take(at) // rounds
-      gap = dev_load.take(dev) - (mean.take(dev) if base_YxN is not None else mean)
+      gap = dev_load.take(dev) - mean_D.take(dev)
       key = gap - frac.take(pick) * 1e-6                         # deficit first
       if n >= LARGE_MESH:
         order = _by_expert_then(e_sel, key)
