@@ -134,6 +134,9 @@ class MoEConfig:
   # layout (by the best biased score each hosts), then its top-k among their experts (0: off).
   device_limit: int = 0
   first_dense: int = 0            # dense (non-MoE) first layers before the scanned groups
+  # Each MoE layer replaced by one dense SwiGLU of width top_k * d_ff (the active FLOPs of
+  # its k experts, no routing or exchange): the baseline that MoE overhead is measured against.
+  dense_equivalent: bool = False
 
   def validate(self) -> None:
     for name in ("num_experts", "d_ff", "moe_every", "exchange_chunks"):
@@ -188,6 +191,12 @@ class ModelConfig:
   norm_eps: float = 1e-6
   dtype: str = "float32"          # activation/compute dtype; params are float32
   remat: bool = False
+  # "auto": the fused cuDNN kernel on GPU where it applies (bf16/fp16, head dim a multiple of
+  # 8 up to 128), XLA's attention elsewhere; "xla" | "cudnn" force one (chosen at build time).
+  attention: str = "auto"
+  # Positions per tile of the tiled cross-entropy (moejax.train.loss): the [tokens, vocab]
+  # logits are never held whole; 0: plain logits (fine for small vocabularies).
+  loss_chunk: int = 0
 
   def validate(self, moe: MoEConfig) -> None:
     if self.vocab_size < 0:
@@ -195,6 +204,15 @@ class ModelConfig:
     for name in ("d_model", "num_layers", "num_heads", "d_ff", "max_seq_len"):
       if getattr(self, name) < 1:
         raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 1.")
+    if self.attention not in ("auto", "xla", "cudnn"):
+      raise ConfigError(f"model.attention={self.attention!r} is not supported; use 'auto', "
+                        "'xla' or 'cudnn'.")
+    if self.loss_chunk < 0:
+      raise ConfigError(f"model.loss_chunk={self.loss_chunk} must be >= 0; use e.g. 256 "
+                        "(0: plain logits).")
+    if moe.dense_equivalent and moe.expert_mode != "ep":
+      raise ConfigError(f"moe.dense_equivalent=True has no experts to shard with moe.expert_mode"
+                        f"={moe.expert_mode!r}; use moe.expert_mode = 'ep'.")
     if self.dtype not in ("float32", "bfloat16", "float16"):
       raise ConfigError(f"model.dtype={self.dtype!r} is not supported; use 'float32', "
                         "'bfloat16' or 'float16'.")

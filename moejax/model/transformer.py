@@ -10,6 +10,8 @@ restored expert weights of the layer it computes and restores the next layer's
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -19,7 +21,18 @@ from moejax.config import ModelConfig, MoEConfig, num_moe_layers
 from moejax.layout.tables import Layout
 from moejax.model.mesh import logical_to_spec
 from moejax.model.moe.fsep_experts import FsepExperts, restore_layer
-from moejax.model.moe.layer import MoELayer, MoEStats
+from moejax.model.moe.layer import MoELayer, MoEStats, no_moe_stats
+
+
+def resolve_attention(cfg: ModelConfig, mesh: Mesh) -> ModelConfig:
+  """`cfg` with `attention = 'auto'` replaced by the implementation for `mesh`'s devices:
+  cuDNN's fused kernel on GPU where its constraints hold, XLA's attention elsewhere."""
+  if cfg.attention != "auto":
+    return cfg
+  head_dim = cfg.d_model // cfg.num_heads
+  fused = (mesh.devices.flat[0].platform in ("gpu", "cuda") and
+           cfg.dtype in ("bfloat16", "float16") and head_dim % 8 == 0 and head_dim <= 128)
+  return dataclasses.replace(cfg, attention="cudnn" if fused else "xla")
 
 
 def _dense(name_axes, shape, fan_in, mod: nn.Module, name: str):
@@ -67,7 +80,10 @@ class Attention(nn.Module):
     q_BxQxHxJ = rope(jnp.einsum("bqd,dhj->bqhj", x, wq.astype(dtype)), cfg.rope_base)
     k_BxQxHxJ = rope(jnp.einsum("bqd,dhj->bqhj", x, wk.astype(dtype)), cfg.rope_base)
     v_BxQxHxJ = jnp.einsum("bqd,dhj->bqhj", x, wv.astype(dtype))
-    o_BxQxHxJ = jax.nn.dot_product_attention(q_BxQxHxJ, k_BxQxHxJ, v_BxQxHxJ, is_causal=True)
+    # 'cudnn': the fused kernel; anything else (an unresolved 'auto' too): XLA's attention
+    impl = "cudnn" if cfg.attention == "cudnn" else None
+    o_BxQxHxJ = jax.nn.dot_product_attention(q_BxQxHxJ, k_BxQxHxJ, v_BxQxHxJ, is_causal=True,
+                                             implementation=impl)
     return jnp.einsum("bqhj,hjd->bqd", o_BxQxHxJ, wo.astype(dtype))
 
 
@@ -149,11 +165,15 @@ class LayerGroup(nn.Module):
       x_BxQxD = jax.lax.with_sharding_constraint(x_BxQxD, act)
     x_BxQxD = x_BxQxD + attn(cfg, name="attn_moe")(RMSNorm(cfg.norm_eps,
                                                             name="ln_attn_moe")(x_BxQxD))
-    moe = MoELayer(self.moe_cfg, self.mesh, jnp.dtype(cfg.dtype), name="moe")
     h_BxQxD = RMSNorm(cfg.norm_eps, name="ln_moe")(x_BxQxD)
-    if fsep is None or not self.rerestore:
+    if self.moe_cfg.dense_equivalent:   # the MoE layer's active FLOPs as one dense SwiGLU
+      y = mlp(cfg, self.moe_cfg.top_k * self.moe_cfg.d_ff, name="moe_dense")(h_BxQxD)
+      stats = no_moe_stats(self.moe_cfg, self.mesh, layout)
+    elif fsep is None or not self.rerestore:
+      moe = MoELayer(self.moe_cfg, self.mesh, jnp.dtype(cfg.dtype), name="moe")
       y, stats = moe(h_BxQxD, layout, slot_weights)
     else:
+      moe = MoELayer(self.moe_cfg, self.mesh, jnp.dtype(cfg.dtype), name="moe")
       y, stats = _rerestoring_moe(moe)(moe, h_BxQxD, layout, slot_weights, stored,
                                         slot_expert_LxS, layer)
     if self.moe_cfg.num_shared_experts:   # one SwiGLU as wide as all shared experts together
@@ -169,7 +189,10 @@ class Transformer(nn.Module):
   mesh: Mesh
 
   @nn.compact
-  def __call__(self, tokens_BxQ: jax.Array, layout: Layout) -> tuple[jax.Array, MoEStats]:
+  def __call__(self, tokens_BxQ: jax.Array, layout: Layout,
+               hidden: bool = False) -> tuple[jax.Array, MoEStats]:
+    """(logits_BxQxV, stats); `hidden`: (the final normed hidden states, stats), for a loss
+    that applies the unembedding itself (moejax.train.loss.tiled_cross_entropy)."""
     cfg = self.cfg
     embed = self.param("embed", nn.with_logical_partitioning(nn.initializers.normal(1.0),
                                                              ("vocab", "embed")),
@@ -200,6 +223,8 @@ class Transformer(nn.Module):
         carry, (layout, jnp.arange(num_groups)), *fsep)
     x_BxQxD = carry[0] if fsep else carry
     x_BxQxD = RMSNorm(cfg.norm_eps, name="ln_final")(x_BxQxD)
+    if hidden:
+      return x_BxQxD, stats
     w_out = _dense(("embed", "vocab"), (cfg.d_model, cfg.vocab_size), cfg.d_model, self,
                    "unembed")
     logits_BxQxV = jnp.einsum("bqd,dv->bqv", x_BxQxD.astype(jnp.float32), w_out)

@@ -217,6 +217,17 @@ def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
   return y, MoEStats(counts, dropped, slot_counts, bal, z, received, overflow)
 
 
+def no_moe_stats(cfg: MoEConfig, mesh: Mesh, layout: Layout) -> MoEStats:
+  """Zero statistics of the shapes `moe_apply` returns, for a layer that routes nothing
+  (`moe.dense_equivalent`)."""
+  sources, num_dev = mesh.shape["data"] * mesh.shape["expert"], mesh.shape["expert"]
+  zeros = lambda *shape: jnp.zeros(shape, jnp.int32)
+  return MoEStats(zeros(sources, cfg.num_experts), zeros(sources),
+                  zeros(sources, layout.slot_local_parts_LxS.shape[-1]),
+                  jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+                  zeros(sources, num_dev), zeros(sources))
+
+
 def hosting_devices(expert_slots_ExR: jax.Array, num_dev: int, slots: int) -> jax.Array:
   """bool [E, N]: device n holds a replica of expert e under this layout row (data)."""
   device_ExR = jnp.where(expert_slots_ExR >= 0, expert_slots_ExR // slots, -1)
