@@ -45,7 +45,8 @@ PATHS = (
                           "moe.kernels": "xla"}),
 )
 # What the tiled loss and the fused attention are worth, on the fastest MoE path.
-ABLATIONS = (("plain loss", {"model.loss_chunk": 0}), ("xla attention", {"model.attention": "xla"}))
+ABLATIONS = (("plain loss", {"model.loss_chunk": 0}), ("xla attention", {"model.attention": "xla"}),
+             ("no remat", {"model.remat": False}))
 KERNEL_TESTS = ("tests/test_pallas_kernels.py", "tests/test_moe_kernels.py",
                 "tests/test_gpu_config.py")
 
@@ -281,16 +282,18 @@ def step_train(cfg, dry_run: bool, budget: Budget, out: str, peak: float | None)
     try:
       base = dict(PATHS)[best["path"]]
       abl = [kept] + _programs(cfg, [(f"{best['path']}, {n}", {**base, **b})
-                                     for n, b in ABLATIONS])
+                                     for n, b in ABLATIONS] +
+                             [("dense_equivalent, no remat",
+                               {**dict(PATHS)["dense_equivalent"], "model.remat": False})])
       result["ablations"] = rows_of(abl, time_interleaved(abl, rounds, steps, budget)[0])
     except Exception as e:
       result["ablations"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
   return result, hlo, best
 
 
-MOCK_STRATEGIES = (("ragged/pallas (config)", {}),
-                   ("fsep/xla", {"moe.expert_mode": "fsep", "moe.dispatch": "dense",
-                                 "moe.kernels": "xla"}))
+MOCK_STRATEGIES = (("fsep/xla", {"moe.expert_mode": "fsep", "moe.dispatch": "dense",
+                                 "moe.kernels": "xla"}),
+                   ("ragged/pallas (config)", {}))
 
 
 def mock_compile(topology: str, name: str) -> dict:
@@ -363,13 +366,32 @@ def step_mock(budget: Budget, per_compile_s: float) -> list:
       cmd = [sys.executable, "-m", "benchmarks.on_gpu", "--_mock", topology, name]
       try:
         proc = subprocess.run(cmd, capture_output=True, text=True,
-                              timeout=min(budget.left() - 10, 3 * per_compile_s))
+                              timeout=min(budget.left() - 10, 2 * per_compile_s))
         last = proc.stdout.strip().splitlines()[-1:] or [""]
         rows.append(json.loads(last[0]) if last[0].startswith("{") else
                     {"topology": topology, "strategy": name, "error": proc.stderr[-1500:]})
-      except subprocess.TimeoutExpired:
-        rows.append({"topology": topology, "strategy": name, "error": "timed out"})
+      except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+        rows.append({"topology": topology, "strategy": name,
+                     "error": f"timed out after {e.timeout:.0f} s", "stderr_tail": err[-1500:]})
   return rows
+
+
+def train_child(path: str, out: str, budget_s: str, dry_run: str) -> None:
+  """The train-step measurement, in its own process: its result and the fastest path's
+  scheduled HLO (gzipped, beside the JSON) go to `path`."""
+  import jax
+  dev = jax.devices()[0]
+  peak = next((v for k, v in PEAK_BF16.items() if k in dev.device_kind), None)
+  result, hlo, best = step_train(load_config(dry_run == "1", 1), dry_run == "1",
+                                 Budget(float(budget_s)), out, peak)
+  name = None
+  if hlo is not None:
+    name = "best_step_hlo.txt.gz"
+    with gzip.open(os.path.join(out, name), "wt") as f:
+      f.write(hlo)
+  with open(path, "w") as f:
+    json.dump({"result": result, "best": best, "hlo": name}, f)
 
 
 def machine() -> dict:
@@ -398,23 +420,30 @@ def main(argv=None) -> int:
   ap.add_argument("--out", default="on_gpu_out", help="Folder for the JSON and its files.")
   ap.add_argument("--dry_run", action="store_true",
                   help="Run what needs no GPU at a tiny size and report the rest as skipped.")
+  ap.add_argument("--skip", default="", help=(
+      "Comma-separated steps not to run (target_config, kernel_tests, train_steps, "
+      "mock_topology, schedule_estimate), e.g. to redo only a step that failed."))
   ap.add_argument("--_mock", nargs=2, help=argparse.SUPPRESS)
+  ap.add_argument("--_train", nargs=4, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args._mock:
     print(json.dumps(mock_compile(*args._mock)))
     return 0
+  if args._train:
+    train_child(*args._train)
+    return 0
   budget = Budget(args.budget_s)
   platform = xla_flags.platform_before_init(os.environ, xla_flags.installed_jax_plugins())
-  flags = xla_flags.default_xla_flags(os.environ, platform, 1)
-  if flags:   # train.py's flags, so that what is measured is what a run compiles
-    os.environ["XLA_FLAGS"] = flags
-  os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+  if platform == "gpu":   # train.py's GPU flags, also beside flags the machine already sets
+    have = os.environ.get("XLA_FLAGS", "").split()
+    os.environ["XLA_FLAGS"] = " ".join(have + [f for f in xla_flags.GPU_FLAGS if f not in have])
+  # This process reads the device and starts the others; the memory is theirs.
+  os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
   import jax
   os.makedirs(args.out, exist_ok=True)
   info = machine()
   on_gpu = info["platform"] == "gpu"
   kind = re.sub(r"[^a-z0-9]+", "_", info["device_kind"].lower()).strip("_") if on_gpu else "cpu"
-  peak = next((v for k, v in PEAK_BF16.items() if k in info["device_kind"]), None)
   result = {"benchmark": "on_gpu", "command": " ".join(["python -m benchmarks.on_gpu",
                                                         *sys.argv[1:]]),
             "commit": commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -425,7 +454,9 @@ def main(argv=None) -> int:
 
   def record(name, fn, estimate_s, needs_gpu=True):
     tick = time.monotonic()
-    if needs_gpu and not on_gpu:
+    if name in args.skip.split(","):
+      result["steps"][name] = {"skipped": "--skip"}
+    elif needs_gpu and not on_gpu:
       result["steps"][name] = {"skipped": no_gpu}
     elif budget.left() < estimate_s:
       result["steps"][name] = {"skipped": f"budget: {budget.left():.0f} s left, step needs "
@@ -443,23 +474,33 @@ def main(argv=None) -> int:
   record("target_config", lambda: step_target_config(args.out, kind), 5)
   # time-boxed so that the train steps, the most valuable numbers, keep ~5 minutes
   record("kernel_tests", lambda: step_kernel_tests(args.out, min(100, budget.left() - 300)), 330)
-  cfg = load_config(not on_gpu, 1)
-  hlo = best = None
+  trained = {}
 
   def train():
-    nonlocal hlo, best
-    r, hlo, best = step_train(cfg, not on_gpu, budget, args.out, peak)
-    return r
+    # Its own process: the measured steps get the GPU's memory pool to themselves, and the
+    # compiles after them get it back when it exits.
+    child = os.path.join(args.out, "train_steps.tmp.json")
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "true",
+           "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.92"}
+    cmd = [sys.executable, "-m", "benchmarks.on_gpu", "--_train", child, args.out,
+           str(budget.left() - 15), "1" if not on_gpu else "0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                          timeout=max(budget.left() - 5, 10))
+    if not os.path.exists(child):
+      return {"error": f"exit {proc.returncode}: {proc.stderr[-1500:]}"}
+    with open(child) as f:
+      trained.update(json.load(f))
+    os.remove(child)
+    return trained["result"]
   record("train_steps", train, 30 if not on_gpu else 150, needs_gpu=False)
   record("mock_topology", lambda: {"rows": step_mock(budget, 90)}, 90)
 
   def schedule():
-    if hlo is None:
+    best = trained.get("best")
+    if not best:
       return {"skipped": "no train step was measured"}
-    name = "best_step_hlo.txt.gz"
-    with gzip.open(os.path.join(args.out, name), "wt") as f:
-      f.write(hlo)
-    return {"path": best["path"], "hlo": name, "measured_step_s": best.get("step_s_median"),
+    return {"path": best["path"], "hlo": trained["hlo"],
+            "measured_step_s": best.get("step_s_median"),
             "estimate": "computed offline from the HLO (python -m benchmarks.gpu_program)"}
   record("schedule_estimate", schedule, 1, needs_gpu=False)
   print(f"wrote {path}")
