@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from benchmarks.families import Section, family, num, pct, table
 
+# Layer rows measured before train.py's GPU flags (the ragged all-to-all decomposer) and the
+# Hopper tiles: the decision keeps them; the current layer times are layer_profile's.
+LAYER_SUPERSEDED = {"kernels_gpu.json": "0054-ragged-all-to-all-decomposed-on-gpu.md"}
+
 
 @family("kernels_", "Pallas kernels and the layer per kernels / dispatch")
 def _kernels(files):
@@ -14,9 +18,14 @@ def _kernels(files):
     layer = [[f"{r['dispatch']}:{r['kernels']}", r["mesh"], num(r["tokens"]), r["dtype"],
               num(r["fwd_bwd_ms"]), pct(r["dropped_fraction"])] for r in d["layer"]]
     lines += [f"`{name}`: {d['metadata'].get('note', '')}", "",
-              *table(["kernel", "shape", "dtype", "fwd ms", "fwd+bwd ms"], k), "",
-              *table(["layer dispatch:kernels", "mesh", "tokens", "dtype", "fwd+bwd ms",
-                      "dropped"], layer), ""]
+              *table(["kernel", "shape", "dtype", "fwd ms", "fwd+bwd ms"], k), ""]
+    if name in LAYER_SUPERSEDED:
+      record = LAYER_SUPERSEDED[name]
+      lines += [f"Its layer rows ran before the GPU flags and tiles the layer uses now: "
+                f"[decision {record[:4]}](decisions/{record}) keeps them.", ""]
+    else:
+      lines += [*table(["layer dispatch:kernels", "mesh", "tokens", "dtype", "fwd+bwd ms",
+                        "dropped"], layer), ""]
   return Section(lines[:-1])
 
 
