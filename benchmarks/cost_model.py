@@ -33,7 +33,7 @@ import time
 import jax
 import numpy as np
 
-from benchmarks.common import RESULTS, command, write_result
+from benchmarks.common import RESULTS, command, metadata, write_result
 from moejax.frontend import DEFAULT_GIN, parse_config
 from moejax.strategy import offline as plan
 from moejax.strategy.calibrate import calibrate, fit_steps
@@ -147,19 +147,21 @@ def refit(path: str, argv) -> int:
   The model and batch come from the stored command's gin flags."""
   with open(path) as f:
     stored = json.load(f)
-  words = shlex.split(stored["command"])
+  stored_command = stored["metadata"]["command"]
+  words = shlex.split(stored_command)
   first = next(i for i, x in enumerate(words) if "cost_model" in x) + 1
   args = _parser().parse_args(words[first:])
   w = plan.workload_of(parse_config(args.gin_file or [DEFAULT_GIN], args.gin_bindings))
   profile = HardwareProfile(**stored["profile_micro"])
   members = [{"strategy": parse(m["strategy"]), "measured": m["measured_s"], "role": m["role"],
               "share": np.asarray(m["expert_share_LxE"])} for m in stored["members"]]
-  print(f"refit of {path} ({stored['command']}): {len(members)} stored step times")
+  print(f"refit of {path} ({stored_command}): {len(members)} stored step times")
   result = dict(stored, **evaluate(profile, w, members))
-  result["refit"] = {"command": command("cost_model", argv), "mape_before": stored["mape"],
+  result["refit"] = {"metadata": metadata(command("cost_model", argv)),
+                     "mape_before": stored["mape"],
                      "note": "re-fitted and re-predicted from the stored measurements with "
                              "the cost model of this commit; no step was re-timed"}
-  write_result(result, path)
+  write_result(result, path, restamp=False)   # the metadata stays the timed run's
   return 0
 
 
