@@ -1,10 +1,11 @@
 """Hopper (sm_90) path of the grouped matmul's forward and dx: JAX's Mosaic GPU ragged dot.
 
-`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot` ships with jax 0.10 and 0.11. It
-takes bf16/f16 operands of one dtype and tile sizes that divide the feature dims; rows past
-the last group are not written there, so they are zeroed here; its row count is padded to a
-multiple of 8, which its TMA tiles need (`ROW_ALIGN`). Its output type names no mesh
-axes, so inside `shard_map` it is cast to vary like its operands.
+`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot` ships with the jax releases
+this package supports (compat.py). It takes bf16/f16 operands of one dtype and tile sizes
+that divide the feature dims; rows past the last group are not written there, so they are
+zeroed here; its row count is padded to a multiple of 8, which its TMA tiles need
+(`ROW_ALIGN`). Its output type names no mesh axes, so inside `shard_map` it is cast to vary
+like its operands.
 
 The weight gradient (dw) is not computed here: JAX's `transposed_ragged_dot` reads
 `jax.devices()[0].core_count` when traced, so it cannot be lowered on a host without a GPU and
@@ -28,7 +29,7 @@ ROW_ALIGN = 8       # its TMA tiles read rows in 8s: M is padded to a multiple (
 
 
 def hopper_tuning(tuning):
-  """The tiles JAX's ragged dot ran fastest with on one H100 (jax 0.11.2, bf16, the MoE
+  """The tiles JAX's ragged dot ran fastest with on one H100 (bf16, the MoE
   layer's [131072, 1024] x [4, 1024, 2048] and [16384, 768] x [32, 768, 1536]): 128 x 128 x 64,
   4 steps in flight, 4 column tiles per program; 1.56 ms against 3.7 ms for 64 x 64 x 64 with
   1 (`benchmarks/results/gmm_mosaic_sweep_h100.json`). Triton's dw keeps 8 warps, 3 stages."""

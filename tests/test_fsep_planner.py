@@ -353,6 +353,6 @@ def test_fsep_on_skewed_stays_near_the_noise_floor(n):
 @pytest.mark.xfail(strict=True, reason="the target is below this trace's noise floor for any "
                    "layout planned from finished steps")
 @pytest.mark.parametrize("n", [8, 16])
-def test_fsep_meets_the_issue_target_on_skewed(n):
+def test_fsep_reaches_1_05_median_1_10_p90_on_skewed(n):
   r = _replay("synthetic_skewed", n, "fsep")
   assert r["median"] <= 1.05 and r["p90"] <= 1.10, (n, r["median"], r["p90"])

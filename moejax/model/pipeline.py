@@ -57,6 +57,7 @@ from moejax.model.mesh import BATCH_AXES, STAGE, logical_to_spec, num_stages
 from moejax.model.moe.fsep_experts import restore_layer
 from moejax.model.moe.layer import MoEStats
 from moejax.model.transformer import Attention, DenseMLP, LayerGroup, RMSNorm, Transformer
+from pallas_kernels import compat
 
 
 def _split(tree, stages: int, virtual: int):
@@ -105,7 +106,7 @@ def _chunk_runner(model: Transformer, virtual: int):
   """run(stage_args, chunk, x) -> (x, stats): one stage's chunk `chunk` of K groups on x.
   `stage_args` = (layer params, fsep stored experts or None, layout rows), each [V, K, ...]."""
   cfg, moe_cfg, mesh = model.cfg, model.moe_cfg, model.mesh
-  group = LayerGroup(cfg, moe_cfg, mesh, rerestore=num_stages(mesh) == 1)   # 0047 says why
+  group = LayerGroup(cfg, moe_cfg, mesh, rerestore=compat.rerestores_fsep(num_stages(mesh) > 1))
   fsep = moe_cfg.expert_mode == "fsep"
   dtype = jnp.dtype(cfg.dtype)
 

@@ -121,8 +121,8 @@ class LayerGroup(nn.Module):
   cfg: ModelConfig
   moe_cfg: MoEConfig
   mesh: Mesh
-  # fsep: the backward pass restores the weights again (False: keeps the forward's; the
-  # pipeline's stage vmap, where jax 0.10 cannot batch the re-restoring vjp's shard_map)
+  # fsep: the backward pass restores the weights again (False: keeps the forward's, where
+  # pallas_kernels.compat.rerestores_fsep says the re-restoring vjp cannot run)
   rerestore: bool = True
 
   @nn.compact

@@ -88,7 +88,7 @@ def load_profile(name_or_path: str) -> HardwareProfile:
 
 # Public peak specs x a sustained fraction (0.7 for HBM, about half the per-direction link
 # bandwidth for all_to_all). Matmuls: H100 SXM's 989 TFLOP/s bf16 peak x the fractions one
-# H100 measured (benchmarks/results/gmm_tiles_h100.json, jax 0.11.2, tokens 131072, d 1024,
+# H100 measured (benchmarks/results/gmm_tiles_h100.json, which names the jax; tokens 131072, d 1024,
 # expert width 2048): 0.65 for XLA's dense dot (635-653 TFLOP/s), 0.40 for moejax's grouped
 # kernel with its Hopper tiles (353-438). The A100 presets keep an assumed 0.5 (not measured).
 # "node": 8 GPUs on NVLink; "cluster": the expert all_to_all crosses nodes on InfiniBand

@@ -178,13 +178,8 @@ def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
   ops = ops_for(cfg.kernels, platform, compat.compute_capability(mesh.devices.flat[0]), dtype,
                 cfg.pallas_backend)
   pipeline = dispatch_combine_fn(cfg)
-  # Pallas's interpreter (jax 0.10) fails shard_map's varying-axes check inside its kernels
-  # ("Primitive pad requires varying manual axes to match"), so interpreted kernels run with
-  # the check off; values and gradients do not depend on it (pallas == xla is tested).
-  # Vmapped over pipeline stages (spmd_axis_name) pooled capacity and fsep's replica split
-  # fail it too: jax 0.10's batching leaves the stage axis out of some values' types
-  # (jnp.searchsorted's loop, lax.cond, custom_vjp, comparisons; docs/decisions/0046).
-  check_vma = ops.backend != "interpret" and num_stages(mesh) == 1
+  # Off where these jax releases cannot check it (pallas_kernels.compat says where and why).
+  check_vma = compat.checks_varying_axes(ops.backend == "interpret", num_stages(mesh) > 1)
 
   def local(x, w_router, w_gate, w_up, w_down, expert_slots, expert_parts, local_parts, bias):
     x_TxD = x.reshape(-1, d_model)
