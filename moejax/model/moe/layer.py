@@ -1,9 +1,9 @@
 """The MoE layer: route -> layout -> dispatch -> experts -> combine, in shard_map.
 
-`moe_apply` is the pure function (params, tokens, layout row) -> (output, stats);
-`MoELayer` is the Flax module that owns the parameters and calls it. Tokens are
-sharded over (data, expert); expert slots over expert; the expert FFN dim over
-model. Each data row of the mesh exchanges tokens among its expert-axis devices.
+`moe_apply` is the pure function (params, tokens, layout row) -> (output, stats); `MoELayer`
+the Flax module that owns the parameters and calls it. Tokens are sharded over (data,
+expert), expert slots over expert, the expert FFN dim over model; each data row of the mesh
+exchanges tokens among its expert-axis devices.
 
 Chosen when the program is built (`moe.dispatch`, `moe.kernels`), never inside the step:
   dense + xla     fixed-capacity buffers, all_to_all, per-slot batched einsum.
@@ -14,9 +14,9 @@ Chosen when the program is built (`moe.dispatch`, `moe.kernels`), never inside t
                   moe.ragged_buffer_factor x T*K rows (moejax.model.moe.ragged); GPU/TPU only.
 `moe.capacity = 'device'` (dense only) pools the capacity of a device's slots into one buffer
 per (source, device) and runs a grouped matmul over it (moejax.model.moe.pooled).
-`moe.exchange_chunks = K` runs any of these on K independent pieces of a device's tokens, so
-one piece's exchange can overlap another's expert compute (moejax.model.moe.chunks). The F
-shards' partial sums are added over 'model' once, on the combined output.
+`moe.exchange_chunks = K` runs any of these on K pieces of a device's tokens, one piece's
+exchange overlapping another's compute (moejax.model.moe.chunks). F shards' partial sums are
+added over 'model' once, on the combined output.
 """
 
 from __future__ import annotations

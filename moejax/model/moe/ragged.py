@@ -1,21 +1,11 @@
 """`ragged` dispatch: each device sends exactly the rows it routes, with `ragged_all_to_all`,
 into a receive buffer bounded by a factor of the balanced share (dropless at factor 0).
 
-Inside shard_map, per device of the expert axis (N devices, C slots each, A = T*K choices):
-  1. sort choices by slot (stable); gather their token rows into that order: [A, D];
-  2. all_gather the [N, C] per-slot counts of every source of the group, so every device
-     knows every (source, destination, slot) count and the offsets follow from cumsums;
-  3. `ragged_all_to_all` sends device d the rows for its slots, packed source-major into a
-     receive buffer of `moe.ragged_buffer_factor` x A rows (`buffer_rows`; factor 0: N*A, the
-     worst case, every source sending all its choices to this device, which never drops).
-     Drop rule, computed by every device alike from the gathered counts (`kept_rows`): a
-     destination's buffer fills source by source in source order, a source's block slot by
-     slot, each slot's rows in token order; rows past the end are not sent, and those
-     choices add nothing to the combine, like dense drops;
-  4. group the received rows by slot, run the grouped SwiGLU (group sizes as data), back;
-  5. the reverse `ragged_all_to_all` returns each row to its source in the sorted order;
-  6. unpermute-combine by each choice's sorted position, weighted by the gates.
-Autodiff goes through JAX's transpose of `ragged_all_to_all` (a reverse ragged_all_to_all).
+Every device of the expert axis gathers every source's per-slot counts, so all of them know
+each (source, destination, slot) count, the offsets and the drop rule (`kept_rows`) alike;
+the rows go out sorted by slot, are grouped by slot on arrival for the grouped SwiGLU, and
+come back with the reverse exchange (`ragged_moe` lists the steps). Autodiff goes through
+JAX's transpose of `ragged_all_to_all` (a reverse ragged_all_to_all).
 
 XLA:CPU does not implement `ragged_all_to_all`; `check_platform` says so at build time.
 """
@@ -92,7 +82,23 @@ def ragged_moe(x_TxD, slot_A, gate_TxK, weights, ops, num_dev: int, slots: int, 
                rows: int):
   """(y_TxD float32, slot_counts_S, dropped, kept_S) for one device; `weights` = slot-ordered
   (w_gate, w_up, w_down) of this device's C slots (F possibly sharded over 'model', so `y`
-  holds partial sums); `rows` the receive buffer (`buffer_rows`)."""
+  holds partial sums); `rows` the receive buffer (`buffer_rows`).
+
+  Inside shard_map, per device of the expert axis (N devices, C slots each, A = T*K choices):
+    1. sort choices by slot (stable); gather their token rows into that order: [A, D];
+    2. all_gather the [N, C] per-slot counts of every source of the group, so every device
+       knows every (source, destination, slot) count and the offsets follow from cumsums;
+    3. `ragged_all_to_all` sends device d the rows for its slots, packed source-major into a
+       receive buffer of `moe.ragged_buffer_factor` x A rows (`buffer_rows`; factor 0: N*A, the
+       worst case, every source sending all its choices to this device, which never drops).
+       Drop rule, computed by every device alike from the gathered counts (`kept_rows`): a
+       destination's buffer fills source by source in source order, a source's block slot by
+       slot, each slot's rows in token order; rows past the end are not sent, and those
+       choices add nothing to the combine, like dense drops;
+    4. group the received rows by slot, run the grouped SwiGLU (group sizes as data), back;
+    5. the reverse `ragged_all_to_all` returns each row to its source in the sorted order;
+    6. unpermute-combine by each choice's sorted position, weighted by the gates.
+  """
   num_tokens, top_k = gate_TxK.shape
   num_choices = num_tokens * top_k
   me = jax.lax.axis_index("expert")
