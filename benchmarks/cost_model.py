@@ -3,11 +3,11 @@
     python -m benchmarks.cost_model [--gin_file F] [--pool SPEC ...] [--rounds 3] [--steps 5]
 
 1. Calibrates a hardware profile by micro-benchmarks on this machine's devices
-   (`moejax.strategy.calibrate`: matmul, elementwise, all_to_all and psum over 2..N devices).
+   (`moejax.strategy.profile_fit`: matmul, elementwise, all_to_all and psum over 2..N devices).
 2. Picks the pool as `python -m moejax.plan` does, under that profile (or takes `--pool`).
 3. Compiles every member, then times train steps in interleaved rounds (fastest per
    member; the machine is shared, interleaving spreads its noise evenly).
-4. Fits the whole-step scales (`moejax.strategy.calibrate.fit_steps`) on `--calib` other
+4. Fits the whole-step scales (`moejax.strategy.profile_fit.fit_steps`) on `--calib` other
    strategies of every kind (ep/fsep, with/without expert and model axes) timed the
    same way, then predicts each pool member (never seen by the fit) under the expert
    load its timed steps really had: error and MAPE, also for the micro-benchmarks
@@ -36,8 +36,8 @@ import numpy as np
 from benchmarks.common import RESULTS, command, write_result
 from moejax.frontend import DEFAULT_GIN, parse_config
 from moejax.strategy import offline as plan
-from moejax.strategy.calibrate import calibrate, fit_steps
 from moejax.strategy.cost import PRESETS, HardwareProfile, predict_step
+from moejax.strategy.profile_fit import calibrate, fit_steps
 from moejax.strategy.spec import parse
 from moejax.strategy.switcher import expert_shares
 from moejax.train.data import BatchLoader, load_tokens

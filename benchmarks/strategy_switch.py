@@ -65,8 +65,8 @@ from benchmarks.turns import Turns, side_by_side
 from moejax.config import CheckpointConfig, ConfigError
 from moejax.frontend import DEFAULT_GIN, parse_config
 from moejax.strategy import offline as plan
-from moejax.strategy.calibrate import calibrate, save
 from moejax.strategy.cost import PRESETS, expert_shares, load_dispersion
+from moejax.strategy.profile_fit import calibrate, save
 from moejax.train.controllers import Hook
 from moejax.train.programs import CompileCounter
 from moejax.train.trainer import Trainer

@@ -41,7 +41,7 @@ class HardwareProfile:
   memory_bytes: float            # usable device memory
   concurrency: float = 0.0
   latency_per_device_s: float = 0.0   # extra per call and per device in the group
-  # Whole-step fit (moejax.strategy.calibrate.fit_steps): measured steps of a few calibration
+  # Whole-step fit (moejax.strategy.profile_fit.fit_steps): measured steps of a few calibration
   # strategies vs the composed prediction; scales the compute and the collective terms.
   compute_scale: float = 1.0
   comm_scale: float = 1.0
