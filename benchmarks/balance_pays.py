@@ -167,9 +167,9 @@ def step_runs(args, seed: int) -> dict:
   for batch in batches:
     state, m = prog.train_step(state, batch, prog.layout)
     counts.append(np.asarray(m["counts_LxWxE"]))
-  warm_ZxLxWxE, timed_LxWxE = np.stack(counts[:-1]), counts[-1]
+  warm_stepsxLxWxE, timed_LxWxE = np.stack(counts[:-1]), counts[-1]
   tokens = cfg.data.global_batch_size * cfg.data.seq_len // N
-  per_layer = [setup.plan(warm_ZxLxWxE[:, layer], N, args.fsep_slots, cfg.model.d_model,
+  per_layer = [setup.plan(warm_stepsxLxWxE[:, layer], N, args.fsep_slots, cfg.model.d_model,
                           cfg.moe.d_ff) for layer in range(layers)]
   runs = {}
   for policy in setup.POLICIES:

@@ -269,9 +269,9 @@ def main(argv=None) -> int:
       summary = warm.run()
     records = [json.loads(x) for x in open(os.path.join(warm_dir, "metrics.jsonl"))]
     counts = [[m["counts_by_source"] for m in r["moe"]] for r in records if "loss" in r]
-    last_TxLxSxE = np.asarray(counts[-10:])
-    dispersion = load_dispersion(last_TxLxSxE)
-    observed, regimes = expert_shares(last_TxLxSxE), plan.OBSERVED_REGIMES
+    last_stepsxLxWxE = np.asarray(counts[-10:])
+    dispersion = load_dispersion(last_stepsxLxWxE)
+    observed, regimes = expert_shares(last_stepsxLxWxE), plan.OBSERVED_REGIMES
     print(f"warm-up: {args.warmup_steps} steps in {time.perf_counter() - tick:.0f}s, loss "
           f"{summary['last']['loss']:.3f}, dropped "
           f"{np.mean([m['dropped_fraction'] for m in summary['last']['moe']]):.1%}, count "

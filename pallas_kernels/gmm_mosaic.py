@@ -46,16 +46,16 @@ def fitted(tuning, n: int):
   return dataclasses.replace(tuning, grid_block_n=grid)
 
 
-def unsupported(x_MxI, w_GxIxO, tuning, transpose_rhs=False) -> str | None:
+def unsupported(x_rowsxin, w_Cxinxout, tuning, transpose_rhs=False) -> str | None:
   """Why these operands cannot take the Mosaic path (None: they can)."""
-  if x_MxI.dtype != w_GxIxO.dtype or jnp.dtype(x_MxI.dtype).name not in MOSAIC_DTYPES:
-    return (f"gmm backend 'mosaic_gpu' needs bf16/f16 operands of one dtype, got {x_MxI.dtype} "
-            f"and {w_GxIxO.dtype}; cast them or use backend='triton'.")
+  if x_rowsxin.dtype != w_Cxinxout.dtype or jnp.dtype(x_rowsxin.dtype).name not in MOSAIC_DTYPES:
+    return (f"gmm backend 'mosaic_gpu' needs bf16/f16 operands of one dtype, got {x_rowsxin.dtype} "
+            f"and {w_Cxinxout.dtype}; cast them or use backend='triton'.")
   if tuning.block_m % WGMMA_ROWS:
     return (f"gmm backend 'mosaic_gpu': GmmTuning.block_m={tuning.block_m} is not a multiple of "
             f"{WGMMA_ROWS} (a Hopper wgmma's rows); use block_m={WGMMA_ROWS} or backend='triton'.")
-  n = w_GxIxO.shape[1] if transpose_rhs else w_GxIxO.shape[2]
-  for name, dim, tile in [("I", x_MxI.shape[1], tuning.block_k),
+  n = w_Cxinxout.shape[1] if transpose_rhs else w_Cxinxout.shape[2]
+  for name, dim, tile in [("I", x_rowsxin.shape[1], tuning.block_k),
                           ("O", n, tuning.block_n * tuning.grid_block_n)]:
     if dim % tile:
       return (f"gmm backend 'mosaic_gpu': {name}={dim} is not a multiple of {tile}; pad it or "
@@ -63,19 +63,21 @@ def unsupported(x_MxI, w_GxIxO, tuning, transpose_rhs=False) -> str | None:
   return None
 
 
-def ragged_dot(x_MxI, w_GxIxO, group_sizes_G, tuning, transpose_rhs=False):
+def ragged_dot(x_rowsxin, w_Cxinxout, group_sizes_C, tuning, transpose_rhs=False):
   from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-  tuning = fitted(tuning, w_GxIxO.shape[1] if transpose_rhs else w_GxIxO.shape[2])
-  if why := unsupported(x_MxI, w_GxIxO, tuning, transpose_rhs):
+  tuning = fitted(tuning, w_Cxinxout.shape[1] if transpose_rhs else w_Cxinxout.shape[2])
+  if why := unsupported(x_rowsxin, w_Cxinxout, tuning, transpose_rhs):
     raise ValueError(why)
-  m = x_MxI.shape[0]
-  x_PxI = jnp.pad(x_MxI, ((0, -m % ROW_ALIGN), (0, 0)))      # padded rows: past every group
+  m = x_rowsxin.shape[0]
+  padded_rowsxin = jnp.pad(x_rowsxin, ((0, -m % ROW_ALIGN), (0, 0)))   # padding: past every group
   out = ragged_dot_mgpu.ragged_dot(
-      x_PxI, w_GxIxO, group_sizes=group_sizes_G.astype(jnp.int32), block_m=tuning.block_m,
+      padded_rowsxin, w_Cxinxout, group_sizes=group_sizes_C.astype(jnp.int32),
+      block_m=tuning.block_m,
       block_n=tuning.block_n, block_k=tuning.block_k,
       max_concurrent_steps=tuning.max_concurrent_steps, grid_block_n=tuning.grid_block_n,
       transpose_rhs=transpose_rhs)
-  axes = frozenset().union(*(compat.varying_axes(a) for a in (x_MxI, w_GxIxO, group_sizes_G)))
+  axes = frozenset().union(*(compat.varying_axes(a)
+                             for a in (x_rowsxin, w_Cxinxout, group_sizes_C)))
   out = compat.mark_varying(out[:m], axes)
-  total = jnp.minimum(jnp.sum(jnp.maximum(group_sizes_G, 0)), m)
+  total = jnp.minimum(jnp.sum(jnp.maximum(group_sizes_C, 0)), m)
   return jnp.where(jnp.arange(m)[:, None] < total, out, jnp.zeros((), out.dtype))

@@ -331,7 +331,7 @@ def test_fsep_beats_static_and_smartmoe_on_committed_traces(trace):
   for t in range(10, len(counts), 10):
     win = counts[t - 10:t, 0]
     p = fsep.place_replicas(win.mean(0), placement_lib.static(32, 8), slots=8, src_dev_W=src,
-                            num_devices=8, samples_ZxWxE=win)
+                            num_devices=8, samples_stepsxWxE=win)
     target = np.rint(recent_center(win.mean(0), win, 5)).astype(np.int64)
     planned.append(max_over_mean(flow(p, target, src).device_load_N))
   assert np.median(planned) <= 1.01, planned

@@ -126,7 +126,7 @@ def _first_dense(model: Transformer, params, x_BxQxD, act):
 
 def pipelined_apply(model: Transformer, microbatches: int, params, tokens_BxQ: jax.Array,
                     layout: Layout, virtual: int = 1) -> tuple[jax.Array, MoEStats]:
-  """The Transformer's (logits_BxQxV, stats) with its layer groups run as a pipeline over the
+  """The Transformer's (logits_BxQxvocab, stats) with its layer groups run as a pipeline over the
   mesh's stages, V = `virtual` chunks per stage (`params`' layer groups in
   layer_order.storage_order; `layout` and the stats in canonical order).
 
@@ -233,10 +233,10 @@ def pipelined_apply(model: Transformer, microbatches: int, params, tokens_BxQ: j
   x_BxQxD = jax.lax.with_sharding_constraint(
       outputs.transpose(1, 0, 2, 3).reshape(batch, length, d_model), act)
   x_BxQxD = RMSNorm(cfg.norm_eps).apply({"params": params["ln_final"]}, x_BxQxD)
-  logits_BxQxV = jnp.einsum("bqd,dv->bqv", x_BxQxD.astype(jnp.float32), params["unembed"])
+  logits_BxQxvocab = jnp.einsum("bqd,dv->bqv", x_BxQxD.astype(jnp.float32), params["unembed"])
   stats = _canonical_merge(stats_sum)
   stats = stats._replace(balance_loss=stats.balance_loss / micro, z_loss=stats.z_loss / micro)
-  return logits_BxQxV, stats
+  return logits_BxQxvocab, stats
 
 
 @dataclasses.dataclass(frozen=True)

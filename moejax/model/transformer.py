@@ -39,14 +39,14 @@ class RMSNorm(nn.Module):
     return (y * scale).astype(x.dtype)
 
 
-def rope(x_BxQxHxJ: jax.Array, base: float) -> jax.Array:
-  length, head_dim = x_BxQxHxJ.shape[1], x_BxQxHxJ.shape[3]
+def rope(x_BxQxheadsxhdim: jax.Array, base: float) -> jax.Array:
+  length, head_dim = x_BxQxheadsxhdim.shape[1], x_BxQxheadsxhdim.shape[3]
   inv_freq = base ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
   angle = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]   # [Q, J/2]
   sin, cos = jnp.sin(angle)[None, :, None, :], jnp.cos(angle)[None, :, None, :]
-  x1, x2 = jnp.split(x_BxQxHxJ.astype(jnp.float32), 2, axis=-1)
+  x1, x2 = jnp.split(x_BxQxheadsxhdim.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BxQxHxJ.dtype)
+  return out.astype(x_BxQxheadsxhdim.dtype)
 
 
 class Attention(nn.Module):
@@ -64,11 +64,12 @@ class Attention(nn.Module):
     wv = _dense(qkv_axes, (d, h, head_dim), d, self, "wv")
     wo = _dense(("heads", "head_dim", "embed"), (h, head_dim, d), d, self, "wo")
     x = x_BxQxD.astype(dtype)
-    q_BxQxHxJ = rope(jnp.einsum("bqd,dhj->bqhj", x, wq.astype(dtype)), cfg.rope_base)
-    k_BxQxHxJ = rope(jnp.einsum("bqd,dhj->bqhj", x, wk.astype(dtype)), cfg.rope_base)
-    v_BxQxHxJ = jnp.einsum("bqd,dhj->bqhj", x, wv.astype(dtype))
-    o_BxQxHxJ = jax.nn.dot_product_attention(q_BxQxHxJ, k_BxQxHxJ, v_BxQxHxJ, is_causal=True)
-    return jnp.einsum("bqhj,hjd->bqd", o_BxQxHxJ, wo.astype(dtype))
+    q_BxQxheadsxhdim = rope(jnp.einsum("bqd,dhj->bqhj", x, wq.astype(dtype)), cfg.rope_base)
+    k_BxQxheadsxhdim = rope(jnp.einsum("bqd,dhj->bqhj", x, wk.astype(dtype)), cfg.rope_base)
+    v_BxQxheadsxhdim = jnp.einsum("bqd,dhj->bqhj", x, wv.astype(dtype))
+    o_BxQxheadsxhdim = jax.nn.dot_product_attention(q_BxQxheadsxhdim, k_BxQxheadsxhdim,
+                                                    v_BxQxheadsxhdim, is_causal=True)
+    return jnp.einsum("bqhj,hjd->bqd", o_BxQxheadsxhdim, wo.astype(dtype))
 
 
 class DenseMLP(nn.Module):
@@ -202,5 +203,5 @@ class Transformer(nn.Module):
     x_BxQxD = RMSNorm(cfg.norm_eps, name="ln_final")(x_BxQxD)
     w_out = _dense(("embed", "vocab"), (cfg.d_model, cfg.vocab_size), cfg.d_model, self,
                    "unembed")
-    logits_BxQxV = jnp.einsum("bqd,dv->bqv", x_BxQxD.astype(jnp.float32), w_out)
-    return logits_BxQxV, stats
+    logits_BxQxvocab = jnp.einsum("bqd,dv->bqv", x_BxQxD.astype(jnp.float32), w_out)
+    return logits_BxQxvocab, stats

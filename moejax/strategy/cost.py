@@ -336,9 +336,9 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
                   state_bytes=3 * FP32 * dense_dev / fs + experts["persistent"])
 
 
-def expert_shares(counts_ZxLxWxE: np.ndarray) -> np.ndarray:
-  """Expert shares [L, E] (rows sum to 1) of finished steps' counts [Z, L, W, E]."""
-  c = np.asarray(counts_ZxLxWxE, np.float64)
+def expert_shares(counts_stepsxLxWxE: np.ndarray) -> np.ndarray:
+  """Expert shares [L, E] (rows sum to 1) of finished steps' counts [steps, L, W, E]."""
+  c = np.asarray(counts_stepsxLxWxE, np.float64)
   if c.ndim != 4 or c.shape[0] < 1:
     raise ConfigError(f"expert shares need counts[steps, layers, sources, experts] with at "
                       f"least one step, got shape {c.shape}.")
@@ -346,12 +346,12 @@ def expert_shares(counts_ZxLxWxE: np.ndarray) -> np.ndarray:
   return counts_LxE / np.maximum(counts_LxE.sum(-1, keepdims=True), 1.0)
 
 
-def load_dispersion(counts_ZxLxWxE: np.ndarray) -> float:
+def load_dispersion(counts_stepsxLxWxE: np.ndarray) -> float:
   """How much more a source's count to an expert varies than independent tokens would:
   mean of (X - m)^2 / m over steps, layers, sources and experts, where m is the count the
   source would send at the window's mean shares. Byte-level batches repeat tokens within a
   sequence, so this is several times 1 (about 6-9 in the default run after warm-up)."""
-  x = np.asarray(counts_ZxLxWxE, np.float64)
+  x = np.asarray(counts_stepsxLxWxE, np.float64)
   if len(x) == 0:
     return 1.0
   m = x.sum(-1, keepdims=True) * expert_shares(x)[None, :, None, :]

@@ -12,9 +12,9 @@ from moejax.layout.tables import Layout
 from moejax.train.state import TrainState
 
 
-def cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:
-  logp = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
-  return -jnp.mean(jnp.take_along_axis(logp, targets_BxL[..., None], axis=-1))
+def cross_entropy(logits_BxQxvocab: jax.Array, targets_BxQ: jax.Array) -> jax.Array:
+  logp = jax.nn.log_softmax(logits_BxQxvocab.astype(jnp.float32), axis=-1)
+  return -jnp.mean(jnp.take_along_axis(logp, targets_BxQ[..., None], axis=-1))
 
 
 def loss_fn(params, model: nn.Module, moe_cfg: MoEConfig, batch_BxQ1: jax.Array,

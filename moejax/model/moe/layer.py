@@ -66,30 +66,30 @@ class MoEStats(NamedTuple):
   overflow_W: jax.Array      # int32: choices routed to device w that capacity dropped
 
 
-def _ep_slots(expert_A, expert_slots_ExR, expert_parts_ExR, local_parts_S, slots):
+def _ep_slots(expert_TK, expert_slots_ExR, expert_parts_ExR, local_parts_S, slots):
   del expert_parts_ExR, local_parts_S, slots      # one copy per expert: the slot is fixed
-  return expert_slots_ExR[expert_A, 0]
+  return expert_slots_ExR[expert_TK, 0]
 
 
-def _replica_slots(expert_A, expert_slots_ExR, expert_parts_ExR, local_parts_S, slots):
+def _replica_slots(expert_TK, expert_slots_ExR, expert_parts_ExR, local_parts_S, slots):
   device = jax.lax.axis_index("expert")
   phase = device * SHARE_PARTS // jax.lax.axis_size("expert")
   kept_E, local_E = local_replicas(expert_slots_ExR, local_parts_S, device, slots)
-  return split_slots(expert_A, expert_slots_ExR, expert_parts_ExR, phase, kept_E, local_E)
+  return split_slots(expert_TK, expert_slots_ExR, expert_parts_ExR, phase, kept_E, local_E)
 
 
 def _adaptive_slots(cap):
   """`moe.fsep_shares = 'adaptive'`: shares levelled on the step's own counts; a device keeps
   at most `cap` rows on its own replica (the dense per-(source, slot) rows, also under pooled
   capacity, where a device's own C slots share C of them; None: ragged, no cap)."""
-  def pick(expert_A, expert_slots_ExR, expert_parts_ExR, local_parts_S, slots):
+  def pick(expert_TK, expert_slots_ExR, expert_parts_ExR, local_parts_S, slots):
     del local_parts_S      # the kept rows follow the levelled quotas, not the planned parts
-    return adaptive_slots(expert_A, expert_slots_ExR, expert_parts_ExR, "expert", slots, cap)
+    return adaptive_slots(expert_TK, expert_slots_ExR, expert_parts_ExR, "expert", slots, cap)
   return pick
 
 
-def _dense_einsum(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, dtype):
-  index = dispatch_lib.buffer_index(slot_A, gate_TxK.shape[1], num_dev * slots, cap)
+def _dense_einsum(x_TxD, slot_TK, gate_TxK, weights, ops, num_dev, slots, cap, dtype):
+  index = dispatch_lib.buffer_index(slot_TK, gate_TxK.shape[1], num_dev * slots, cap)
   recv = dispatch_lib.exchange(dispatch_lib.pack(x_TxD, index), num_dev, "expert")
   h = swiglu(dispatch_lib.to_slot_major(recv, num_dev, slots), *weights, dtype)
   back = dispatch_lib.exchange(dispatch_lib.from_slot_major(h, num_dev), num_dev, "expert")
@@ -97,10 +97,10 @@ def _dense_einsum(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, dt
           jnp.minimum(index.slot_counts_S, cap))
 
 
-def _dense_grouped(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, dtype):
-  index = dispatch_lib.buffer_index(slot_A, gate_TxK.shape[1], num_dev * slots, cap)
-  row_TxK = index.buf_index_A.reshape(gate_TxK.shape)
-  recv = dispatch_lib.exchange(ops.permute(x_TxD, index.buf_token_U, row_TxK), num_dev,
+def _dense_grouped(x_TxD, slot_TK, gate_TxK, weights, ops, num_dev, slots, cap, dtype):
+  index = dispatch_lib.buffer_index(slot_TK, gate_TxK.shape[1], num_dev * slots, cap)
+  row_TxK = index.buf_index_TK.reshape(gate_TxK.shape)
+  recv = dispatch_lib.exchange(ops.permute(x_TxD, index.buf_token_rows, row_TxK), num_dev,
                                "expert")
   # Rows each source kept for each of my slots: [sources, C].
   kept_S = jnp.minimum(index.slot_counts_S, cap)
@@ -111,9 +111,9 @@ def _dense_grouped(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, d
   return ops.combine(back, row_TxK, gate_TxK), index.dropped, index.slot_counts_S, kept_S
 
 
-def _ragged(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, rows, dtype):
+def _ragged(x_TxD, slot_TK, gate_TxK, weights, ops, num_dev, slots, rows, dtype):
   y_TxD, slot_counts_S, dropped, kept_S = ragged.ragged_moe(
-      x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, dtype, rows)
+      x_TxD, slot_TK, gate_TxK, weights, ops, num_dev, slots, dtype, rows)
   return y_TxD, dropped, slot_counts_S, kept_S
 
 
@@ -137,7 +137,7 @@ def dispatch_combine_fn(cfg: MoEConfig):
 
 def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
               mesh: Mesh, dtype=jnp.float32) -> tuple[jax.Array, MoEStats]:
-  """`params`: router [D, E] and slot-ordered expert weights [S, D, F] / [S, F, D] (the ep
+  """`params`: router [D, E] and slot-ordered expert weights [S, D, ffn] / [S, ffn, D] (the ep
   params, or the fsep restore); `layout`: one layer's row of a Layout."""
   num_dev = mesh.shape["expert"]
   num_slots = params["w_gate"].shape[0]
@@ -187,8 +187,8 @@ def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
               token_axes=BATCH_AXES, bias_E=bias, gate=cfg.gate, route_scale=cfg.route_scale,
               seq_len=length, hosts_ExN=hosting_devices(expert_slots, num_dev, slots),
               device_limit=cfg.device_limit)
-    slot_A = pick_slots(r.expert_TxK.reshape(-1), expert_slots, expert_parts, local_parts, slots)
-    y_TxD, dropped, slot_counts, kept = pipeline(x_TxD, slot_A, r.gate_TxK,
+    slot_TK = pick_slots(r.expert_TxK.reshape(-1), expert_slots, expert_parts, local_parts, slots)
+    y_TxD, dropped, slot_counts, kept = pipeline(x_TxD, slot_TK, r.gate_TxK,
                                                  (w_gate, w_up, w_down), ops, num_dev, slots,
                                                  cap, dtype)
     # With F sharded over 'model' every pipeline returns partial sums: the exchange and the
@@ -246,7 +246,7 @@ class MoELayer(nn.Module):
         (d_model, self.cfg.num_experts), jnp.float32)}
     if slot_weights is None:
       size = {"embed": d_model, "expert_mlp": self.cfg.d_ff}
-      for name in EXPERT_WEIGHTS:      # ep: one slot per expert, [E, D, F] / [E, F, D]
+      for name in EXPERT_WEIGHTS:      # ep: one slot per expert, [E, D, ffn] / [E, ffn, D]
         axes = EXPERT_PARAM_AXES[name]
         init = nn.initializers.normal(stddev=size[axes[1]] ** -0.5)   # fan-in
         params[name] = self.param(

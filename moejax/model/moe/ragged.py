@@ -50,10 +50,10 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
   return output.at[dst.reshape(-1)].set(got.reshape(-1, d), mode="drop")
 
 
-def _zeros_like_rows(x_UxD, rows):
+def _zeros_like_rows(x_rowsxD, rows):
   """The output buffer of ragged_all_to_all, varying over the same mesh axes as `x` (the
   result takes the buffer's type; a replicated buffer would make autodiff psum the rows)."""
-  return match_varying(x_UxD, jnp.zeros((rows, x_UxD.shape[1]), x_UxD.dtype))[1]
+  return match_varying(x_rowsxD, jnp.zeros((rows, x_rowsxD.shape[1]), x_rowsxD.dtype))[1]
 
 
 def exclusive_cumsum(x, axis=0):
@@ -78,14 +78,14 @@ def kept_rows(counts_NxNxC: jax.Array, rows: int) -> jax.Array:
                   counts_NxNxC)
 
 
-def ragged_moe(x_TxD, slot_A, gate_TxK, weights, ops, num_dev: int, slots: int, dtype,
+def ragged_moe(x_TxD, slot_TK, gate_TxK, weights, ops, num_dev: int, slots: int, dtype,
                rows: int):
   """(y_TxD float32, slot_counts_S, dropped, kept_S) for one device; `weights` = slot-ordered
   (w_gate, w_up, w_down) of this device's C slots (F possibly sharded over 'model', so `y`
   holds partial sums); `rows` the receive buffer (`buffer_rows`).
 
   Inside shard_map, per device of the expert axis (N devices, C slots each, A = T*K choices):
-    1. sort choices by slot (stable); gather their token rows into that order: [A, D];
+    1. sort choices by slot (stable); gather their token rows into that order: [T*K, D];
     2. all_gather the [N, C] per-slot counts of every source of the group, so every device
        knows every (source, destination, slot) count and the offsets follow from cumsums;
     3. `ragged_all_to_all` sends device d the rows for its slots, packed source-major into a
@@ -102,11 +102,11 @@ def ragged_moe(x_TxD, slot_A, gate_TxK, weights, ops, num_dev: int, slots: int, 
   num_tokens, top_k = gate_TxK.shape
   num_choices = num_tokens * top_k
   me = jax.lax.axis_index("expert")
-  order_A = jnp.argsort(slot_A, stable=True).astype(jnp.int32)
-  sorted_pos_A = jnp.zeros((num_choices,), jnp.int32).at[order_A].set(
+  order_TK = jnp.argsort(slot_TK, stable=True).astype(jnp.int32)
+  sorted_pos_TK = jnp.zeros((num_choices,), jnp.int32).at[order_TK].set(
       jnp.arange(num_choices, dtype=jnp.int32))
-  counts_S = jnp.zeros((num_dev * slots,), jnp.int32).at[slot_A].add(1)
-  send_AxD = ops.permute(x_TxD, order_A // top_k, sorted_pos_A.reshape(num_tokens, top_k))
+  counts_S = jnp.zeros((num_dev * slots,), jnp.int32).at[slot_TK].add(1)
+  send_TKxD = ops.permute(x_TxD, order_TK // top_k, sorted_pos_TK.reshape(num_tokens, top_k))
 
   counts_NxNxC = jax.lax.all_gather(counts_S.reshape(num_dev, slots), "expert")  # [src, dst, C]
   kept_NxNxC = kept_rows(counts_NxNxC, rows)
@@ -118,18 +118,18 @@ def ragged_moe(x_TxD, slot_A, gate_TxK, weights, ops, num_dev: int, slots: int, 
   recv_sizes = kept_NxN[:, me]                              # what each source sends me
   recv_offsets = exclusive_cumsum(recv_sizes)               # where it lands here
 
-  recv_UxD = ragged_all_to_all(
-      send_AxD, _zeros_like_rows(send_AxD, rows),
+  recv_rowsxD = ragged_all_to_all(
+      send_TKxD, _zeros_like_rows(send_TKxD, rows),
       input_offsets, send_sizes, output_offsets, recv_sizes, axis_name="expert")
   kept_NxC = kept_NxNxC[:, me, :]
   g = grouping.group_received(grouping.packed_starts(kept_NxC), kept_NxC, rows)
-  out_UxD = grouped_ffn(recv_UxD, g, weights, ops, dtype)
+  out_rowsxD = grouped_ffn(recv_rowsxD, g, weights, ops, dtype)
   # Reverse: my received chunk from s (at recv_offsets[s]) goes back to where s sent it from;
   # the rows of dropped choices stay zero in the returned buffer, so they add nothing.
-  back_AxD = ragged_all_to_all(
-      out_UxD, _zeros_like_rows(out_UxD, num_choices),
+  back_TKxD = ragged_all_to_all(
+      out_rowsxD, _zeros_like_rows(out_rowsxD, num_choices),
       recv_offsets, recv_sizes, exclusive_cumsum(sent_NxN, axis=1)[:, me], send_sizes,
       axis_name="expert")
-  y_TxD = ops.combine(back_AxD, sorted_pos_A.reshape(num_tokens, top_k), gate_TxK)
+  y_TxD = ops.combine(back_TKxD, sorted_pos_TK.reshape(num_tokens, top_k), gate_TxK)
   dropped = jnp.sum(sent_NxN[me] - send_sizes).astype(jnp.int32)
   return y_TxD, counts_S, dropped, kept_NxNxC[me].reshape(-1)
