@@ -5,18 +5,9 @@ the Flax module that owns the parameters and calls it. Tokens are sharded over (
 expert), expert slots over expert, the expert FFN dim over model; each data row of the mesh
 exchanges tokens among its expert-axis devices.
 
-Chosen when the program is built (`moe.dispatch`, `moe.kernels`), never inside the step:
-  dense + xla     fixed-capacity buffers, all_to_all, per-slot batched einsum.
-  dense + pallas  the same buffers moved by the permute / unpermute-combine kernels; the
-                  received rows are packed by slot and the experts run as a grouped matmul
-                  over the real rows only (capacity padding costs no FLOPs).
-  ragged + either ragged_all_to_all of exactly the routed rows into a receive buffer of
-                  moe.ragged_buffer_factor x T*K rows (moejax.model.moe.ragged); GPU/TPU only.
-`moe.capacity = 'device'` (dense only) pools the capacity of a device's slots into one buffer
-per (source, device) and runs a grouped matmul over it (moejax.model.moe.pooled).
-`moe.exchange_chunks = K` runs any of these on K pieces of a device's tokens, one piece's
-exchange overlapping another's compute (moejax.model.moe.chunks). F shards' partial sums are
-added over 'model' once, on the combined output.
+The dispatch -> experts -> combine path is chosen when the program is built, never inside
+the step, from `moe.dispatch`, `moe.kernels`, `moe.capacity` and `moe.exchange_chunks`
+(`dispatch_combine_fn` lists them).
 """
 
 from __future__ import annotations
@@ -128,7 +119,20 @@ def _one_pipeline(cfg: MoEConfig):
 def dispatch_combine_fn(cfg: MoEConfig):
   """The dispatch -> experts -> combine pipeline for this config (a build-time choice): it
   returns (y_TxD, dropped, slot_counts_S, kept_S), kept_S the choices kept per slot. With
-  `moe.exchange_chunks = K` > 1 the device's tokens go through it in K pieces (chunks.py)."""
+  `moe.exchange_chunks = K` > 1 the device's tokens go through it in K pieces (chunks.py).
+
+    dense + xla     fixed-capacity buffers, all_to_all, per-slot batched einsum.
+    dense + pallas  the same buffers moved by the permute / unpermute-combine kernels; the
+                    received rows are packed by slot and the experts run as a grouped matmul
+                    over the real rows only (capacity padding costs no FLOPs).
+    ragged + either ragged_all_to_all of exactly the routed rows into a receive buffer of
+                    moe.ragged_buffer_factor x T*K rows (moejax.model.moe.ragged); GPU/TPU only.
+  `moe.capacity = 'device'` (dense only) pools the capacity of a device's slots into one buffer
+  per (source, device) and runs a grouped matmul over it (moejax.model.moe.pooled).
+  `moe.exchange_chunks = K` runs any of these on K pieces of a device's tokens, one piece's
+  exchange overlapping another's compute (moejax.model.moe.chunks). F shards' partial sums are
+  added over 'model' once, on the combined output.
+  """
   pipeline = _one_pipeline(cfg)
   if cfg.exchange_chunks == 1:
     return pipeline
