@@ -1,21 +1,16 @@
 """Grouped matmul for expert FFNs, with group sizes as data.
 
-    gmm:   out[m] = x[m] @ w[g(m)]            x [rows, in], w [C, in, out] -> [rows, out]
-    tgmm:  dw[g]  = x[rows of g]^T @ dy[rows of g]      x [rows, in], dy [rows, out] -> [C, in, out]
+    gmm:   out[m] = x[m] @ w[g(m)]                 x [rows, in], w [C, in, out] -> [rows, out]
+    tgmm:  dw[g]  = x[rows of g]^T @ dy[rows of g]  x [rows, in], dy [rows, out] -> [C, in, out]
 
-(M rows, G groups, I input and O output features: the letters of the `moejax` legend.)
-
-Rows are grouped contiguously: group g owns rows [sum(sizes[:g]), sum(sizes[:g+1])), clipped
-to M. Rows past the last group give zeros (and get zero gradient), so a buffer may carry
-padding at its end. Empty groups cost nothing.
-
-`gmm` walks a static-length work list of (row tile, group) pairs, at most cdiv(M, bm) + G
-long (a group boundary inside a tile adds one pair); each program masks the tile to its
-group's rows, so tiles shared by two groups are written by two programs, disjointly. The
-"tail" pairs (rows past the last group) store zeros. `tgmm` runs one program per
-(group, I tile, O tile) and loops over the group's row tiles.
-
-Backward of gmm: dx = gmm(dy, w^T) (same kernel, w read transposed), dw = tgmm(x, dy).
+C groups, one per slot of the device (moejax.SHAPE_LETTERS); rows, in and out are words.
+Group g owns the contiguous rows [sum(sizes[:g]), sum(sizes[:g+1])); rows past the last group
+give zeros (and get zero gradient), so a buffer may carry padding at its end; empty groups
+cost nothing. `gmm` walks a static-length work list of (row tile, group) pairs, at most
+cdiv(rows, bm) + C long (a group boundary inside a tile adds one pair), each program masking
+the tile to its group's rows, so a tile shared by two groups is written by two programs,
+disjointly; `tgmm` runs one program per (group, in tile, out tile) and loops over the group's
+row tiles. Backward of gmm: dx = gmm(dy, w^T) (w read transposed), dw = tgmm(x, dy).
 """
 
 from __future__ import annotations
@@ -84,7 +79,7 @@ def tgmm_reference(x_rowsxin, dy_rowsxout, group_sizes_C, out_dtype=None):
 
 
 def group_bounds(group_sizes_C, m):
-  """int32 starts/ends of the G groups plus the tail group G = [end of last group, M)."""
+  """int32 starts/ends of the C groups plus the tail group C = [end of last group, rows)."""
   ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes_C.astype(jnp.int32), 0)), m)
   starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
   return starts, jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])

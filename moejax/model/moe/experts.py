@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 def swiglu(x_CxrowsxD: jax.Array, w_gate_CxDxffn: jax.Array, w_up_CxDxffn: jax.Array,
            w_down_CxffnxD: jax.Array, dtype=jnp.float32) -> jax.Array:
-  """Each slot c applies its own SwiGLU to its U rows. With F sharded over a
+  """Each slot c applies its own SwiGLU to its rows. With the ffn width sharded over a
   mesh axis the result is a partial sum that the caller reduces."""
   x = x_CxrowsxD.astype(dtype)
   gate_Cxrowsxffn = jnp.einsum("cud,cdf->cuf", x, w_gate_CxDxffn.astype(dtype))

@@ -84,12 +84,12 @@ def ragged_moe(x_TxD, slot_TK, gate_TxK, weights, ops, num_dev: int, slots: int,
   (w_gate, w_up, w_down) of this device's C slots (F possibly sharded over 'model', so `y`
   holds partial sums); `rows` the receive buffer (`buffer_rows`).
 
-  Inside shard_map, per device of the expert axis (N devices, C slots each, A = T*K choices):
+  Inside shard_map, per device of the expert axis (N devices, C slots each, T*K choices):
     1. sort choices by slot (stable); gather their token rows into that order: [T*K, D];
     2. all_gather the [N, C] per-slot counts of every source of the group, so every device
        knows every (source, destination, slot) count and the offsets follow from cumsums;
     3. `ragged_all_to_all` sends device d the rows for its slots, packed source-major into a
-       receive buffer of `moe.ragged_buffer_factor` x A rows (`buffer_rows`; factor 0: N*A, the
+       receive buffer of `moe.ragged_buffer_factor` x T*K rows (`buffer_rows`; factor 0: N*T*K, the
        worst case, every source sending all its choices to this device, which never drops).
        Drop rule, computed by every device alike from the gathered counts (`kept_rows`): a
        destination's buffer fills source by source in source order, a source's block slot by
