@@ -47,7 +47,7 @@ def _steps(counts, devices, slots, every, window, factor=None):
       for layer in range(layers):
         current[layer] = place(pred[layer], static, slots=slots, src_dev_W=src,
                                cost=CostModel(), num_devices=devices,
-                               samples_ZxWxE=counts[max(0, t - window):t, layer],
+                               samples_stepsxWxE=counts[max(0, t - window):t, layer],
                                options=FsepOptions(capacity_factor=factor))
     for layer in range(layers):
       yield (placement_lib.device_counts(counts[t, layer], src, devices).astype(np.int64),

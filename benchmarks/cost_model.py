@@ -2,23 +2,10 @@
 
     python -m benchmarks.cost_model [--gin_file F] [--pool SPEC ...] [--rounds 3] [--steps 5]
 
-1. Calibrates a hardware profile by micro-benchmarks on this machine's devices
-   (`moejax.strategy.calibrate`: matmul, elementwise, all_to_all and psum over 2..N devices).
-2. Picks the pool as `python -m moejax.plan` does, under that profile (or takes `--pool`).
-3. Compiles every member, then times train steps in interleaved rounds (fastest per
-   member; the machine is shared, interleaving spreads its noise evenly).
-4. Fits the whole-step scales (`moejax.strategy.calibrate.fit_steps`) on `--calib` other
-   strategies of every kind (ep/fsep, with/without expert and model axes) timed the
-   same way, then predicts each pool member (never seen by the fit) under the expert
-   load its timed steps really had: error and MAPE, also for the micro-benchmarks
-   alone and the uncalibrated preset. The fit sees no pipeline or FSDP strategy, so pool
-   members with stages (`ep/1x4x1/p2/m4/cf1.25`) test the bubble and stage terms; members
-   differing only in M are also compared side by side (step time over the smallest M's).
-Writes benchmarks/results/cost_model_<platform>.json (`--out` elsewhere). Default: 8 fake
-CPU devices. The pipeline run of the README:
-
     python -m benchmarks.cost_model --gin_bindings="moe.capacity = 'slot'" \
       --gin_bindings="moe.moe_every = 1" --pool ep/1x4x1/p2/m2/cf1.25 ...
+
+`main`'s docstring says how.
 """
 
 from __future__ import annotations
@@ -36,8 +23,8 @@ import numpy as np
 from benchmarks.common import RESULTS, command, metadata, write_result
 from moejax.frontend import DEFAULT_GIN, parse_config
 from moejax.strategy import offline as plan
-from moejax.strategy.calibrate import calibrate, fit_steps
 from moejax.strategy.cost import PRESETS, HardwareProfile, predict_step
+from moejax.strategy.profile_fit import calibrate, fit_steps
 from moejax.strategy.spec import parse
 from moejax.strategy.switcher import expert_shares
 from moejax.train.data import BatchLoader, load_tokens
@@ -182,6 +169,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+  """1. Calibrates a hardware profile by micro-benchmarks on this machine's devices
+     (`moejax.strategy.profile_fit`: matmul, elementwise, all_to_all and psum over 2..N devices).
+  2. Picks the pool as `python -m moejax.plan` does, under that profile (or takes `--pool`).
+  3. Compiles every member, then times train steps in interleaved rounds (fastest per
+     member; the machine is shared, interleaving spreads its noise evenly).
+  4. Fits the whole-step scales (`moejax.strategy.profile_fit.fit_steps`) on `--calib` other
+     strategies of every kind (ep/fsep, with/without expert and model axes) timed the
+     same way, then predicts each pool member (never seen by the fit) under the expert
+     load its timed steps really had: error and MAPE, also for the micro-benchmarks
+     alone and the uncalibrated preset. The fit sees no pipeline or FSDP strategy, so pool
+     members with stages (`ep/1x4x1/p2/m4/cf1.25`) test the bubble and stage terms; members
+     differing only in M are also compared side by side (step time over the smallest M's).
+  Writes benchmarks/results/cost_model_<platform>.json (`--out` elsewhere). Default: 8 fake
+  CPU devices. The pipeline run of the README:
+  """
   args = _parser().parse_args(argv)
   if args.refit:
     return refit(args.refit, argv)

@@ -1,12 +1,12 @@
 """`python -m moejax.calibrate --out profile.json`: fits a hardware profile to this machine by
-micro-benchmarks (library: `moejax.strategy.calibrate`)."""
+micro-benchmarks (library: `moejax.strategy.profile_fit`)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 
-from moejax.strategy.calibrate import calibrate, save
+from moejax.strategy.profile_fit import calibrate, save
 
 
 def main(argv=None) -> int:

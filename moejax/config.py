@@ -16,6 +16,15 @@ class ConfigError(ValueError):
 
 
 PALLAS_BACKENDS = ("auto", "interpret", "triton", "mosaic_gpu")   # pallas_kernels.backend's
+# MoEConfig's string knobs and the values each accepts (tests/test_modes.py enumerates them).
+MOE_CHOICES = {
+    "expert_mode": ("ep", "fsep"), "dispatch": ("dense", "ragged"), "kernels": ("xla", "pallas"),
+    "pallas_backend": PALLAS_BACKENDS, "capacity": ("slot", "device"),
+    "gate": ("softmax", "sigmoid"), "fsep_shares": ("planned", "adaptive")}
+_MOE_CHOICE_HINTS = {
+    "dispatch": " ('ragged': dropless, GPU/TPU only)",
+    "pallas_backend": " ('auto' picks by platform and GPU)",
+    "capacity": " ('slot': per (source, slot) buffers; 'device': pooled per (source, device))"}
 
 # Field annotation (a string: postponed annotations) -> accepted types.
 _FIELD_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,),
@@ -150,17 +159,10 @@ class MoEConfig:
       raise ConfigError(
           f"moe.capacity_factor={self.capacity_factor} must be > 0; use e.g. 1.25 "
           "(1.0 = exactly the balanced share per expert).")
-    for name, allowed, hint in (
-        ("expert_mode", ("ep", "fsep"), ""),
-        ("dispatch", ("dense", "ragged"), " ('ragged': dropless, GPU/TPU only)"),
-        ("kernels", ("xla", "pallas"), ""),
-        ("pallas_backend", PALLAS_BACKENDS, " ('auto' picks by platform and GPU)"),
-        ("capacity", ("slot", "device"),
-         " ('slot': per (source, slot) buffers; 'device': pooled per (source, device))"),
-        ("gate", ("softmax", "sigmoid"), ""), ("fsep_shares", ("planned", "adaptive"), "")):
+    for name, allowed in MOE_CHOICES.items():
       if getattr(self, name) not in allowed:
         raise ConfigError(f"moe.{name}={getattr(self, name)!r} is not supported; use one of "
-                          f"{', '.join(map(repr, allowed))}{hint}.")
+                          f"{', '.join(map(repr, allowed))}{_MOE_CHOICE_HINTS.get(name, '')}.")
     if self.slots_per_device < 0:
       raise ConfigError(f"moe.slots_per_device={self.slots_per_device} must be >= 0.")
     if self.ragged_buffer_factor < 0:

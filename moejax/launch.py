@@ -1,12 +1,12 @@
 """`python -m moejax.launch -n P [-d D] -- command ...`: starts P processes of one
-multi-process job on this machine (library: `moejax.runtime.launch`)."""
+multi-process job on this machine (library: `moejax.runtime.processes`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from moejax.runtime.launch import launch
+from moejax.runtime.processes import launch
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -85,14 +85,14 @@ def plot_expert_load(xs: list[int], counts: list[list[int]], layer: int, out: st
   """Heatmap of each expert's share of the layer's routed tokens (counts per step at xs)."""
   from matplotlib.colors import TwoSlopeNorm
   plt = _pyplot()
-  counts_ZxE = np.asarray(counts, dtype=float)
-  share_ExZ = (counts_ZxE / np.maximum(counts_ZxE.sum(axis=1, keepdims=True), 1)).T
-  experts = share_ExZ.shape[0]
+  counts_stepsxE = np.asarray(counts, dtype=float)
+  share_Exsteps = (counts_stepsxE / np.maximum(counts_stepsxE.sum(axis=1, keepdims=True), 1)).T
+  experts = share_Exsteps.shape[0]
   uniform = 1 / experts
-  norm = TwoSlopeNorm(vcenter=uniform, vmin=0, vmax=max(share_ExZ.max(), 2 * uniform))
+  norm = TwoSlopeNorm(vcenter=uniform, vmin=0, vmax=max(share_Exsteps.max(), 2 * uniform))
   fig, ax = plt.subplots(figsize=(10, 1.5 + 0.25 * min(experts, 40)), layout="constrained")
   mesh = ax.pcolormesh(_cell_edges(np.asarray(xs, dtype=float)), np.arange(experts + 1) - 0.5,
-                       share_ExZ, cmap="RdBu_r", norm=norm)
+                       share_Exsteps, cmap="RdBu_r", norm=norm)
   fig.colorbar(mesh, ax=ax, label=f"share of tokens (white = 1/{experts})")
   if experts <= 32:
     ax.set_yticks(range(experts))

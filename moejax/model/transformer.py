@@ -52,14 +52,14 @@ class RMSNorm(nn.Module):
     return (y * scale).astype(x.dtype)
 
 
-def rope(x_BxQxHxJ: jax.Array, base: float) -> jax.Array:
-  length, head_dim = x_BxQxHxJ.shape[1], x_BxQxHxJ.shape[3]
+def rope(x_BxQxheadsxhdim: jax.Array, base: float) -> jax.Array:
+  length, head_dim = x_BxQxheadsxhdim.shape[1], x_BxQxheadsxhdim.shape[3]
   inv_freq = base ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
   angle = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]   # [Q, J/2]
   sin, cos = jnp.sin(angle)[None, :, None, :], jnp.cos(angle)[None, :, None, :]
-  x1, x2 = jnp.split(x_BxQxHxJ.astype(jnp.float32), 2, axis=-1)
+  x1, x2 = jnp.split(x_BxQxheadsxhdim.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BxQxHxJ.dtype)
+  return out.astype(x_BxQxheadsxhdim.dtype)
 
 
 class Attention(nn.Module):
@@ -137,8 +137,8 @@ class LayerGroup(nn.Module):
   cfg: ModelConfig
   moe_cfg: MoEConfig
   mesh: Mesh
-  # fsep: the backward pass restores the weights again (False: keeps the forward's; the
-  # pipeline's stage vmap, where jax 0.10 cannot batch the re-restoring vjp's shard_map)
+  # fsep: the backward pass restores the weights again (False: keeps the forward's, where
+  # pallas_kernels.compat.rerestores_fsep says the re-restoring vjp cannot run)
   rerestore: bool = True
 
   @nn.compact
@@ -227,5 +227,5 @@ class Transformer(nn.Module):
       return x_BxQxD, stats
     w_out = _dense(("embed", "vocab"), (cfg.d_model, cfg.vocab_size), cfg.d_model, self,
                    "unembed")
-    logits_BxQxV = jnp.einsum("bqd,dv->bqv", x_BxQxD.astype(jnp.float32), w_out)
-    return logits_BxQxV, stats
+    logits_BxQxvocab = jnp.einsum("bqd,dv->bqv", x_BxQxD.astype(jnp.float32), w_out)
+    return logits_BxQxvocab, stats

@@ -6,9 +6,7 @@ Experts, per device, for `ep` and `fsep`:
               layers of restored slot weights and two of their gradients, in the compute
               dtype: the layer scan restores layer l+1 while it computes layer l, and the
               backward pass restores each layer again instead of keeping the forward's
-              copies. XLA's memory analysis of the compiled fsep loss-and-grad agrees: per
-              added MoE layer its temp bytes grow by well under one layer of restored weights
-              (what grows is the stored shards' fp32 gradient; tests/test_fsep_prefetch.py).
+              copies (tests/test_fsep_prefetch.py checks it on XLA's memory analysis).
 `step_bytes` adds the dense parameters (with gradients and Adam moments) and the activations:
 the peak the strategy cost model reports and the offline stage checks against the device.
 Under P pipeline stages a device holds 1/P of the layer groups (their parameters, moments and

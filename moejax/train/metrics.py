@@ -33,13 +33,13 @@ def moe_layer_records(metrics: dict, expert_devices: int) -> list[dict]:
   records = []
   counts_LxWxE = np.asarray(metrics["counts_LxWxE"])
   dropped_LxW = np.asarray(metrics["dropped_LxW"])
-  for layer, counts_SxE in enumerate(counts_LxWxE):
+  for layer, counts_WxE in enumerate(counts_LxWxE):
     load = device_load(metrics["slot_counts_LxWxS"][layer], expert_devices)
-    total = int(counts_SxE.sum())
+    total = int(counts_WxE.sum())
     records.append({
         "layer": layer,
-        "expert_counts": counts_SxE.sum(axis=0).tolist(),
-        "counts_by_source": counts_SxE.tolist(),
+        "expert_counts": counts_WxE.sum(axis=0).tolist(),
+        "counts_by_source": counts_WxE.tolist(),
         "device_load": load.tolist(),
         "max_over_mean_load": max_over_mean(load),
         **_realised(metrics, layer),
