@@ -404,14 +404,6 @@ def machine() -> dict:
           "xla_flags": os.environ.get("XLA_FLAGS", "")}
 
 
-def commit() -> str:
-  try:
-    return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                          check=True).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
-
-
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m benchmarks.on_gpu", description=(
       "Run the prepared GPU measurements within a time budget and write one JSON."))
@@ -444,11 +436,11 @@ def main(argv=None) -> int:
   info = machine()
   on_gpu = info["platform"] == "gpu"
   kind = re.sub(r"[^a-z0-9]+", "_", info["device_kind"].lower()).strip("_") if on_gpu else "cpu"
-  result = {"benchmark": "on_gpu", "command": " ".join(["python -m benchmarks.on_gpu",
-                                                        *sys.argv[1:]]),
-            "commit": commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-            "machine": info, "load": os.getloadavg()[0], "dry_run": args.dry_run,
-            "budget_s": args.budget_s, "steps": {}}
+  from benchmarks.common import metadata
+  result = {"benchmark": "on_gpu",
+            "metadata": dict(metadata(" ".join(["python -m benchmarks.on_gpu", *sys.argv[1:]])),
+                             detail=info),
+            "dry_run": args.dry_run, "budget_s": args.budget_s, "steps": {}}
   path = os.path.join(args.out, f"on_gpu_{kind}.json")
   no_gpu = "no GPU: jax.devices() are " + info["platform"]
 

@@ -40,6 +40,7 @@ SUPERSEDED = {
     "kernels_gpu_flags.json": "0054-ragged-all-to-all-decomposed-on-gpu.md",
     "strategy_switch_cpu.json": "0011-drifting-benchmark-runs-side-by-side.md",
     "strategy_switch_cpu_dff1024.json": "0011-drifting-benchmark-runs-side-by-side.md",
+    "train_step_h100.json": "0090-one-gpu-step-tiled-loss-and-fused-attention.md",
 }
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.families import Section, family, num, pct, table
+from benchmarks.families import Section, family, num, pct, ratio, table
 
 # Layer rows measured before train.py's GPU flags (the ragged all-to-all decomposer) and the
 # Hopper tiles: the decision keeps them; the current layer times are layer_profile's.
@@ -91,3 +91,37 @@ def _gpu_compile(files):
                  f"`{name}`"])
   return Section(table(["jax", "triton", "default tilings compiled", "spilling",
                         "most registers", "file"], rows))
+
+
+@family("on_gpu", "The prepared GPU run: the GPU config's train step on one GPU")
+def _on_gpu(files):
+  lines, head = [], []
+  for name, d in files.items():
+    train = d["steps"].get("train_steps", {})
+    rows = [[r["path"], r.get("attention", ""), r.get("loss_chunk", ""),
+             num(r.get("tokens_per_s"), 0), pct(r.get("mfu"), 1),
+             num(1e3 * r["step_s_median"], 1) if r.get("step_s_median") else r.get("error", "")]
+            for r in train.get("rows", []) + train.get("ablations", [])]
+    lines += [f"`{name}`: per-GPU batch {num(train.get('tokens_per_step'))} tokens "
+              f"(the GPU config's batch over an 8-GPU node), median of "
+              f"{max((r.get('steps_timed', 0) for r in train.get('rows', [])), default=0)} "
+              "interleaved steps per path; MFU at the bf16 dense peak, model FLOPs only.", "",
+              *table(["path", "attention", "loss tile", "tokens/s", "MFU", "step ms"], rows), ""]
+    tests = d["steps"].get("kernel_tests", {}).get("counts")
+    if tests:
+      lines += [f"Kernel tests on the GPU: {', '.join(f'{v} {k}' for k, v in tests.items())}.",
+                ""]
+    mock = d["steps"].get("mock_topology", {}).get("rows", [])
+    if mock:
+      lines += [*table(["mocked topology", "strategy", "result"],
+                       [[m["topology"], m["strategy"],
+                         m.get("error") or m.get("skipped") or
+                         f"compiled in {m['compile_s']:.0f} s"] for m in mock]), ""]
+    if train.get("best"):
+      best = next(r for r in train["rows"] if r["path"] == train["best"])
+      head.append((f"GPU config's train step on one H100 (8 x 1024 tokens), fastest MoE path "
+                   f"({best['path']}) vs the dense-equivalent model",
+                   f"{num(best['tokens_per_s'], 0)} tokens/s, MFU {pct(best.get('mfu'), 1)}; "
+                   f"{ratio(train['best_vs_dense_equivalent'])} the dense-equivalent's",
+                   name))
+  return Section(lines[:-1], head)
