@@ -77,14 +77,15 @@ class Attention(nn.Module):
     wv = _dense(qkv_axes, (d, h, head_dim), d, self, "wv")
     wo = _dense(("heads", "head_dim", "embed"), (h, head_dim, d), d, self, "wo")
     x = x_BxQxD.astype(dtype)
-    q_BxQxHxJ = rope(jnp.einsum("bqd,dhj->bqhj", x, wq.astype(dtype)), cfg.rope_base)
-    k_BxQxHxJ = rope(jnp.einsum("bqd,dhj->bqhj", x, wk.astype(dtype)), cfg.rope_base)
-    v_BxQxHxJ = jnp.einsum("bqd,dhj->bqhj", x, wv.astype(dtype))
+    q_BxQxheadsxhdim = rope(jnp.einsum("bqd,dhj->bqhj", x, wq.astype(dtype)), cfg.rope_base)
+    k_BxQxheadsxhdim = rope(jnp.einsum("bqd,dhj->bqhj", x, wk.astype(dtype)), cfg.rope_base)
+    v_BxQxheadsxhdim = jnp.einsum("bqd,dhj->bqhj", x, wv.astype(dtype))
     # 'cudnn': the fused kernel; anything else (an unresolved 'auto' too): XLA's attention
     impl = "cudnn" if cfg.attention == "cudnn" else None
-    o_BxQxHxJ = jax.nn.dot_product_attention(q_BxQxHxJ, k_BxQxHxJ, v_BxQxHxJ, is_causal=True,
-                                             implementation=impl)
-    return jnp.einsum("bqhj,hjd->bqd", o_BxQxHxJ, wo.astype(dtype))
+    o_BxQxheadsxhdim = jax.nn.dot_product_attention(q_BxQxheadsxhdim, k_BxQxheadsxhdim,
+                                                    v_BxQxheadsxhdim, is_causal=True,
+                                                    implementation=impl)
+    return jnp.einsum("bqhj,hjd->bqd", o_BxQxheadsxhdim, wo.astype(dtype))
 
 
 class DenseMLP(nn.Module):
@@ -191,7 +192,7 @@ class Transformer(nn.Module):
   @nn.compact
   def __call__(self, tokens_BxQ: jax.Array, layout: Layout,
                hidden: bool = False) -> tuple[jax.Array, MoEStats]:
-    """(logits_BxQxV, stats); `hidden`: (the final normed hidden states, stats), for a loss
+    """(logits_BxQxvocab, stats); `hidden`: (the final normed hidden states, stats), for a loss
     that applies the unembedding itself (moejax.train.loss.tiled_cross_entropy)."""
     cfg = self.cfg
     embed = self.param("embed", nn.with_logical_partitioning(nn.initializers.normal(1.0),
