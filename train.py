@@ -18,7 +18,7 @@ import sys
 from moejax import config as config_lib
 from moejax.frontend import DEFAULT_GIN, operative_config, parse_config
 from moejax.runtime import xla_flags
-from moejax.train.faults import DiskErrorNoise, NonFiniteError, WriteError
+from moejax.train.faults import DiskErrorNoise, NonFiniteError, RecoveredNoise, WriteError
 from moejax.train.preempt import StopRequest
 
 __all__ = ["DEFAULT_GIN", "main", "parse_config"]
@@ -35,17 +35,19 @@ def set_xla_flags(host_device_count: int) -> None:
           flush=True)
 
 
-def quiet_write_noise() -> None:
+def quiet_library_noise() -> None:
   """A full disk is reported once, by the `error:` line; orbax's threads would log one
-  traceback per array (through the `absl` and `asyncio` loggers)."""
+  traceback per array (through the `absl` and `asyncio` loggers). Damage the resume recovers
+  from by itself (an unreadable `_CHECKPOINT_METADATA`) is not the user's to act on."""
   import logging
 
   for name in ("absl", "asyncio"):
     logging.getLogger(name).addFilter(DiskErrorNoise())
+    logging.getLogger(name).addFilter(RecoveredNoise())
 
 
 def main(argv: list[str] | None = None) -> int:
-  quiet_write_noise()
+  quiet_library_noise()
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--gin_file", action="append", default=None,
                       help=f"gin config file (repeatable); default {os.path.relpath(DEFAULT_GIN)}")
@@ -97,9 +99,24 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
       print(describe_balance(summary["balance"], cfg.planner.policy, cfg.moe.capacity))
   else:
     print(f"nothing to do: the latest checkpoint in {cfg.train.run_dir} is at or past "
-          f"train.num_steps={cfg.train.num_steps}; raise it to train further")
+          f"train.num_steps={cfg.train.num_steps}. To train further, raise train.num_steps: "
+          f"the learning rate then continues its saved schedule (optim.decay_steps="
+          f"{summary['decay_steps']}) unless you set optim.decay_steps.")
   return 0
 
 
+def plain_log_lines() -> None:
+  """The trainer's log lines ("warning: ...", "resuming from ...") as they are, on stderr,
+  rather than under the "WARNING:moejax:" prefix of the root handler a library installs."""
+  import logging
+
+  handler = logging.StreamHandler(sys.stderr)
+  handler.setFormatter(logging.Formatter("%(message)s"))
+  logger = logging.getLogger("moejax")
+  logger.addHandler(handler)
+  logger.propagate = False
+
+
 if __name__ == "__main__":
+  plain_log_lines()
   sys.exit(main())

@@ -73,14 +73,15 @@ class MeshConfig:
       if num_devices % known:
         raise ConfigError(
             f"mesh sizes {dict(zip(names, sizes))} cannot fill {num_devices} devices: "
-            f"{num_devices} is not divisible by {known}.")
+            f"{num_devices} is not divisible by {known}; change the mesh sizes, or the device "
+            "count (on CPU: mesh.host_device_count).")
       sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
       per_stage = f" per stage (mesh.stage={self.stage})" if self.stage > 1 else ""
       raise ConfigError(
           f"mesh sizes {dict(zip(names, sizes))} multiply to {math.prod(sizes)} but there are "
           f"{num_devices} devices{per_stage}; make the product {num_devices} or set one axis "
-          "to -1.")
+          "to -1 (on CPU, mesh.host_device_count sets the device count).")
     return tuple(sizes)
 
 
@@ -230,6 +231,12 @@ class DataConfig:
   max_corpus_bytes: int = 16 * 2**20
   seed: int = 0
 
+  def validate(self) -> None:
+    for name in ("seq_len", "global_batch_size"):
+      if getattr(self, name) < 1:
+        raise ConfigError(f"data.{name}={getattr(self, name)} must be >= 1; use e.g. "
+                          f"data.{name} = {getattr(DataConfig, name)}.")
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
@@ -240,6 +247,23 @@ class OptimConfig:
   b1: float = 0.9
   b2: float = 0.95
   grad_clip_norm: float = 1.0
+  # The cosine decay's horizon in steps; 0: train.num_steps of the run's first start. It is
+  # saved with every checkpoint, so raising train.num_steps later continues the same schedule.
+  decay_steps: int = 0
+
+  def validate(self) -> None:
+    checks = (("learning_rate", self.learning_rate > 0, "> 0", "3e-3"),
+              ("warmup_steps", self.warmup_steps >= 0, ">= 0", "30"),
+              ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]", "0.1"),
+              ("weight_decay", self.weight_decay >= 0, ">= 0", "0.1"),
+              ("b1", 0 <= self.b1 < 1, "in [0, 1)", "0.9"),
+              ("b2", 0 <= self.b2 < 1, "in [0, 1)", "0.95"),
+              ("grad_clip_norm", self.grad_clip_norm > 0, "> 0", "1.0"),
+              ("decay_steps", self.decay_steps >= 0, ">= 0 (0: train.num_steps)", "0"))
+    for name, ok, need, example in checks:
+      if not ok:
+        raise ConfigError(f"optim.{name}={getattr(self, name)} must be {need}; use e.g. "
+                          f"optim.{name} = {example}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,6 +287,9 @@ class TrainConfig:
   microbatches: int = 1           # rows i % M == m; accumulated, or piped with mesh.stage > 1
   pipeline_schedule: str = "gpipe"   # or "circular": virtual_stages layer chunks per stage
   virtual_stages: int = 1         # V (moejax.model.pipeline): 1 for gpipe, >= 2 for circular
+  # Start over in a run dir that holds an earlier run's files: they are moved aside into
+  # RUN_DIR/previous.N/ first (without it such a start is refused; history is never rewritten).
+  restart: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,6 +373,11 @@ class Config:
   def validate(self) -> Config:
     for field in dataclasses.fields(self):
       check_field_types(field.name, getattr(self, field.name))
+    if self.mesh.host_device_count < 1:
+      raise ConfigError(f"mesh.host_device_count={self.mesh.host_device_count} must be >= 1 (the "
+                        "CPU devices train.py fakes); use e.g. mesh.host_device_count = 8.")
+    self.data.validate()
+    self.optim.validate()
     self.moe.validate()
     self.planner.validate(self.moe.expert_mode)
     self.strategy.validate()

@@ -4,18 +4,24 @@ multi-process job on this machine (library: `moejax.runtime.launch`)."""
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 
+from moejax.cli import ArgumentParser, fail
 from moejax.runtime.launch import launch
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0].split(': ', 1)[-1],
-                                   usage="python -m moejax.launch [options] -- command ...")
-  parser.add_argument("--processes", "-n", type=int, default=2)
+  parser = ArgumentParser(
+      prog="python -m moejax.launch", usage="python -m moejax.launch [options] -- command ...",
+      description="Starts P processes of one multi-process JAX job on this machine, connected "
+                  "over loopback, and prefixes each output line with its process index.")
+  parser.add_argument("--processes", "-n", type=int, default=2,
+                      help="How many processes to start (default 2).")
   parser.add_argument("--devices_per_process", "-d", type=int, default=None,
-                      help="fake this many CPU devices per process (sets XLA_FLAGS)")
-  parser.add_argument("command", nargs=argparse.REMAINDER)
+                      help="Fake this many CPU devices in each process (sets XLA_FLAGS).")
+  parser.add_argument("command", nargs=argparse.REMAINDER,
+                      help="The command each process runs, after --, e.g. -- python train.py.")
   args = parser.parse_args(argv)
   command = args.command[1:] if args.command[:1] == ["--"] else args.command
   if not command:
@@ -23,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
   if args.processes < 1 or (args.devices_per_process is not None and
                             args.devices_per_process < 1):
     parser.error("--processes and --devices_per_process must be >= 1")
+  if shutil.which(command[0]) is None:
+    return fail(f"command {command[0]!r} not found (not a file, nor on PATH); give the program "
+                "to start after --, e.g. -- python train.py.")
   return launch(command, args.processes, args.devices_per_process)
 
 

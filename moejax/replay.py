@@ -5,10 +5,10 @@ each step's own counts), and prints each policy's regret over it (library:
 
 from __future__ import annotations
 
-import argparse
 import ast
 import json
 
+from moejax.cli import ArgumentParser, fail
 from moejax.config import ConfigError
 from moejax.placement.policies import POLICIES, make_options
 from moejax.placement.replay import format_table, oracle, policy_names, replay, with_regret
@@ -16,8 +16,8 @@ from moejax.placement.workloads import load_trace
 from moejax.strategy.memory import report
 
 
-def main(argv=None) -> None:
-  ap = argparse.ArgumentParser(prog="python -m moejax.replay",
+def main(argv=None) -> int:
+  ap = ArgumentParser(prog="python -m moejax.replay",
                                description="Replay a routing trace through placement policies.")
   ap.add_argument("trace", help="routing trace .npz (counts[steps, layers, sources, experts])")
   ap.add_argument("--devices", type=int, required=True, help="devices N in the expert group")
@@ -47,6 +47,9 @@ def main(argv=None) -> None:
   try:
     fsep_options = make_options("fsep", **dict(_option(text) for text in a.fsep))
     counts = load_trace(a.trace)["counts"]
+    if not counts.shape[0]:
+      raise ConfigError(f"trace {a.trace} holds 0 steps; give the trace of a run that trained "
+                        "at least one step with trace.path set.")
     results = {name: replay(counts, a.devices, a.slots, name, a.every, a.window,
                             options=fsep_options if name == "fsep" else None, shares=a.shares)
                for name in policy_names(a.policy)}
@@ -56,7 +59,7 @@ def main(argv=None) -> None:
                     options=fsep_options, lookahead=True, shares=a.shares)
              if a.window_oracle else None)
   except ConfigError as e:
-    raise SystemExit(f"error: {e}") from None
+    return fail(str(e))
   if bound is not None:
     with_regret({**results, **({"window_oracle": ahead} if ahead else {})}, bound)
   steps, layers, sources, experts = counts.shape
@@ -78,13 +81,14 @@ def main(argv=None) -> None:
     with open(a.json, "w") as f:
       json.dump(out, f, indent=1)
     print(f"wrote {a.json}")
+  return 0
 
 
 def _option(text: str) -> tuple[str, object]:
   """'name=value' -> (name, value), the value read as a Python literal where it is one."""
   name, sep, value = text.partition("=")
   if not sep or not name:
-    raise SystemExit(f"error: --fsep {text!r} is not NAME=VALUE; e.g. --fsep locality=False.")
+    raise ConfigError(f"--fsep {text!r} is not NAME=VALUE; e.g. --fsep locality=False.")
   try:
     return name.strip(), ast.literal_eval(value.strip())
   except (ValueError, SyntaxError):
@@ -92,4 +96,4 @@ def _option(text: str) -> tuple[str, object]:
 
 
 if __name__ == "__main__":
-  main()
+  raise SystemExit(main())

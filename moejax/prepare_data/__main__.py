@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
   start = time.perf_counter()
   try:
-    meta = prepare(args.input, args.out, tokenizer=args.tokenizer, bpe_vocab=args.train_bpe or 0,
+    meta = prepare(args.input, args.out, tokenizer=args.tokenizer, bpe_vocab=args.train_bpe,
                    byte_level=args.bytes, val_fraction=args.val_fraction,
                    exclude=tuple(args.exclude), progress=not args.no_progress)
   except ConfigError as e:
