@@ -42,8 +42,10 @@ def quiet_library_noise() -> None:
   import logging
 
   for name in ("absl", "asyncio"):
-    logging.getLogger(name).addFilter(DiskErrorNoise())
-    logging.getLogger(name).addFilter(RecoveredNoise())
+    logger = logging.getLogger(name)
+    for noise in (DiskErrorNoise, RecoveredNoise):
+      if not any(isinstance(f, noise) for f in logger.filters):
+        logger.addFilter(noise())
 
 
 def main(argv: list[str] | None = None) -> int:

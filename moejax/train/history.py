@@ -74,12 +74,14 @@ def _last_step(path: str) -> int | None:
 
 
 def earlier_run(run_dir: str, every: int) -> str | None:
-  """What of an earlier run a start at step 0 would overwrite (None: nothing): metrics of steps
-  at or past a checkpoint (`every`), so a checkpoint existed and is gone, or damaged
-  checkpoints. A run stopped before its first checkpoint leaves nothing to keep."""
+  """What of an earlier run a start at step 0 would overwrite (None: nothing): damaged
+  checkpoints, or metrics that prove a checkpoint was complete and is gone. A step's record
+  is written before the save that follows it, and a save waits for the one before, so only
+  records of step 2 * `every` or later prove that checkpoint `every` was written; a run
+  killed during its first save leaves records it redoes, nothing to keep."""
   found = []
   last = _last_step(os.path.join(run_dir, METRICS))
-  if last is not None and last + 1 >= every:
+  if last is not None and last >= 2 * every:
     found.append(f"{METRICS} up to step {last}")
   damaged = os.path.join(run_dir, DAMAGED)
   if os.path.isdir(damaged) and os.listdir(damaged):

@@ -109,9 +109,8 @@ class JsonlWriter:
           with self._guard("the metrics of redone steps", redone_path), \
               open(redone_path, "a") as f:
             f.writelines(line if line.endswith("\n") else line + "\n" for line in redone)
-        if len(kept) != len(lines):
-          with self._guard("the metrics kept on resume", path + ".tmp"):
-            replace_file(path, "".join(kept))
+        with self._guard("the metrics kept on resume", path + ".tmp"):
+          replace_file(path, "".join(kept))
       self._file = open(path, "a", buffering=1)
 
   def write(self, record: dict) -> None:
