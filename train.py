@@ -16,6 +16,7 @@ import os
 import sys
 
 from moejax import config as config_lib
+from moejax.cli import ArgumentParser
 from moejax.frontend import DEFAULT_GIN, operative_config, parse_config
 from moejax.runtime import xla_flags
 from moejax.train.faults import DiskErrorNoise, NonFiniteError, RecoveredNoise, WriteError
@@ -48,14 +49,23 @@ def quiet_library_noise() -> None:
         logger.addFilter(noise())
 
 
+def parser() -> ArgumentParser:
+  p = ArgumentParser(
+      prog="python train.py",
+      description="Trains a GPT-MoE from gin config files and bindings, resuming from the run "
+                  "dir's latest checkpoint when it has one; with no flags, the embedded default "
+                  "job on 8 fake CPU devices.")
+  p.add_argument("--gin_file", action="append", default=None,
+                 help=f"A gin config file (repeatable); default: {os.path.relpath(DEFAULT_GIN)}.")
+  p.add_argument("--gin_bindings", action="append", default=[],
+                 help="A gin binding such as 'train.num_steps = 10' (repeatable); strings take "
+                      "quotes, e.g. \"moe.expert_mode = 'fsep'\".")
+  return p
+
+
 def main(argv: list[str] | None = None) -> int:
   quiet_library_noise()
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--gin_file", action="append", default=None,
-                      help=f"gin config file (repeatable); default {os.path.relpath(DEFAULT_GIN)}")
-  parser.add_argument("--gin_bindings", action="append", default=[],
-                      help="gin binding such as 'train.num_steps = 10' (repeatable)")
-  args = parser.parse_args(argv)
+  args = parser().parse_args(argv)
   with StopRequest() as stop:   # from the start: a SIGTERM during start-up also ends in a save
     return _run(args, stop)
 

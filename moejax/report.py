@@ -178,14 +178,19 @@ def plot_replay(path: str, out: str) -> str:
   return _save(fig, os.path.join(out, f"replay_{stem}.png"))
 
 
+def parser() -> ArgumentParser:
+  p = ArgumentParser(prog="python -m moejax.report",
+                     description="Writes PNG plots of a run's metrics (expert and device load, "
+                                 "loss) and of replay results, and prints their paths.")
+  p.add_argument("run_dir", help="The run directory holding metrics.jsonl (its train.run_dir).")
+  p.add_argument("--replay", action="extend", nargs="+", default=[],
+                 help="JSON files written by python -m moejax.replay --json, to plot too.")
+  p.add_argument("--out", help="The output directory (default: RUN_DIR/plots).")
+  return p
+
+
 def main(argv: list[str] | None = None) -> int:
-  parser = ArgumentParser(prog="python -m moejax.report",
-                                   description="PNG plots of a run's metrics and of replays.")
-  parser.add_argument("run_dir", help="run directory holding metrics.jsonl")
-  parser.add_argument("--replay", action="extend", nargs="+", default=[],
-                      help="JSON written by python -m moejax.replay --json")
-  parser.add_argument("--out", help="output directory (default RUN_DIR/plots)")
-  args = parser.parse_args(argv)
+  args = parser().parse_args(argv)
   _pyplot()   # fail early, with one line, when matplotlib is missing
   metrics_path = os.path.join(args.run_dir, "metrics.jsonl")
   if not os.path.exists(metrics_path):
