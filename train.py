@@ -16,9 +16,9 @@ import os
 import sys
 
 from moejax import config as config_lib
-from moejax.cli import ArgumentParser
 from moejax.frontend import DEFAULT_GIN, operative_config, parse_config
 from moejax.runtime import xla_flags
+from moejax.runtime.cli import ArgumentParser
 from moejax.train.faults import DiskErrorNoise, NonFiniteError, RecoveredNoise, WriteError
 from moejax.train.preempt import StopRequest
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from moejax.cli import ArgumentParser
+from moejax.runtime.cli import ArgumentParser
 from moejax.strategy.calibrate import calibrate, save
 
 

@@ -73,15 +73,14 @@ class MeshConfig:
       if num_devices % known:
         raise ConfigError(
             f"mesh sizes {dict(zip(names, sizes))} cannot fill {num_devices} devices: "
-            f"{num_devices} is not divisible by {known}; change the mesh sizes, or the device "
-            "count (on CPU: mesh.host_device_count).")
+            f"{num_devices} is not divisible by {known}; fix the mesh or mesh.host_device_count.")
       sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
       per_stage = f" per stage (mesh.stage={self.stage})" if self.stage > 1 else ""
       raise ConfigError(
           f"mesh sizes {dict(zip(names, sizes))} multiply to {math.prod(sizes)} but there are "
           f"{num_devices} devices{per_stage}; make the product {num_devices} or set one axis "
-          "to -1 (on CPU, mesh.host_device_count sets the device count).")
+          "to -1.")
     return tuple(sizes)
 
 
@@ -231,12 +230,6 @@ class DataConfig:
   max_corpus_bytes: int = 16 * 2**20
   seed: int = 0
 
-  def validate(self) -> None:
-    for name in ("seq_len", "global_batch_size"):
-      if getattr(self, name) < 1:
-        raise ConfigError(f"data.{name}={getattr(self, name)} must be >= 1; use e.g. "
-                          f"data.{name} = {getattr(DataConfig, name)}.")
-
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
@@ -247,23 +240,7 @@ class OptimConfig:
   b1: float = 0.9
   b2: float = 0.95
   grad_clip_norm: float = 1.0
-  # The cosine decay's horizon in steps; 0: train.num_steps of the run's first start. It is
-  # saved with every checkpoint, so raising train.num_steps later continues the same schedule.
-  decay_steps: int = 0
-
-  def validate(self) -> None:
-    checks = (("learning_rate", self.learning_rate > 0, "> 0", "3e-3"),
-              ("warmup_steps", self.warmup_steps >= 0, ">= 0", "30"),
-              ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]", "0.1"),
-              ("weight_decay", self.weight_decay >= 0, ">= 0", "0.1"),
-              ("b1", 0 <= self.b1 < 1, "in [0, 1)", "0.9"),
-              ("b2", 0 <= self.b2 < 1, "in [0, 1)", "0.95"),
-              ("grad_clip_norm", self.grad_clip_norm > 0, "> 0", "1.0"),
-              ("decay_steps", self.decay_steps >= 0, ">= 0 (0: train.num_steps)", "0"))
-    for name, ok, need, example in checks:
-      if not ok:
-        raise ConfigError(f"optim.{name}={getattr(self, name)} must be {need}; use e.g. "
-                          f"optim.{name} = {example}.")
+  decay_steps: int = 0   # cosine horizon; 0: train.num_steps at the start (saved, kept on resume)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,9 +264,7 @@ class TrainConfig:
   microbatches: int = 1           # rows i % M == m; accumulated, or piped with mesh.stage > 1
   pipeline_schedule: str = "gpipe"   # or "circular": virtual_stages layer chunks per stage
   virtual_stages: int = 1         # V (moejax.model.pipeline): 1 for gpipe, >= 2 for circular
-  # Start over in a run dir that holds an earlier run's files: they are moved aside into
-  # RUN_DIR/previous.N/ first (without it such a start is refused; history is never rewritten).
-  restart: bool = False
+  restart: bool = False   # start at 0 over an earlier run, its files moved to RUN_DIR/previous.N/
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,6 +331,17 @@ class TraceConfig:
   path: str | None = None
 
 
+# Fields whose range no other check covers: {field: the range in words}, the tests below.
+_RANGES = {"mesh.host_device_count": ">= 1", "data.seq_len": ">= 1", "optim.b1": "in [0, 1)",
+           "data.global_batch_size": ">= 1", "optim.learning_rate": "> 0", "optim.b2": "in [0, 1)",
+           "optim.warmup_steps": ">= 0", "optim.decay_steps": ">= 0", "train.eval_every": ">= 1",
+           "optim.weight_decay": ">= 0", "optim.grad_clip_norm": "> 0", "train.num_steps": ">= 0",
+           "optim.min_lr_ratio": "in [0, 1]", "checkpoint.keep": ">= 1", "checkpoint.every": ">= 1",
+           "train.eval_batches": ">= 1", "train.max_consecutive_nonfinite": ">= 1"}
+_TESTS = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0,
+          "in [0, 1]": lambda v: 0 <= v <= 1, "in [0, 1)": lambda v: 0 <= v < 1}
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   """The whole run. Built by train.py from gin bindings, or directly in code."""
@@ -373,11 +359,11 @@ class Config:
   def validate(self) -> Config:
     for field in dataclasses.fields(self):
       check_field_types(field.name, getattr(self, field.name))
-    if self.mesh.host_device_count < 1:
-      raise ConfigError(f"mesh.host_device_count={self.mesh.host_device_count} must be >= 1 (the "
-                        "CPU devices train.py fakes); use e.g. mesh.host_device_count = 8.")
-    self.data.validate()
-    self.optim.validate()
+    for key, need in _RANGES.items():
+      part, name = key.split(".")
+      if not _TESTS[need](value := getattr(getattr(self, part), name)):
+        default = getattr(type(getattr(self, part)), name)
+        raise ConfigError(f"{key}={value} must be {need}; use e.g. {key} = {default}.")
     self.moe.validate()
     self.planner.validate(self.moe.expert_mode)
     self.strategy.validate()
@@ -386,16 +372,6 @@ class Config:
     if self.data.seq_len > self.model.max_seq_len:
       raise ConfigError(
           f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}.")
-    if self.train.num_steps < 0:
-      raise ConfigError(f"train.num_steps={self.train.num_steps} must be >= 0.")
-    for name, value in (("train.eval_every", self.train.eval_every),
-                        ("train.eval_batches", self.train.eval_batches),
-                        ("train.max_consecutive_nonfinite",
-                         self.train.max_consecutive_nonfinite),
-                        ("checkpoint.every", self.checkpoint.every),
-                        ("checkpoint.keep", self.checkpoint.keep)):
-      if value < 1:
-        raise ConfigError(f"{name}={value} must be >= 1; use e.g. {name} = 1.")
     return self
 
   def _validate_pipeline(self) -> None:

@@ -7,7 +7,7 @@ import argparse
 import shutil
 import sys
 
-from moejax.cli import ArgumentParser, fail
+from moejax.runtime.cli import ArgumentParser, fail
 from moejax.runtime.launch import launch
 
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import ast
 import json
 
-from moejax.cli import ArgumentParser, fail
 from moejax.config import ConfigError
 from moejax.placement.policies import POLICIES, make_options
 from moejax.placement.replay import format_table, oracle, policy_names, replay, with_regret
 from moejax.placement.workloads import load_trace
+from moejax.runtime.cli import ArgumentParser, fail
 from moejax.strategy.memory import report
 
 

@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from moejax.cli import ArgumentParser, fail
+from moejax.runtime.cli import ArgumentParser, fail
 
 NO_MATPLOTLIB = "moejax.report needs matplotlib: pip install -e '.[plot]'"
 

@@ -8,9 +8,9 @@ import resource
 import sys
 import time
 
-from moejax.cli import ArgumentParser
 from moejax.config import ConfigError
 from moejax.prepare_data.prepare import prepare
+from moejax.runtime.cli import ArgumentParser
 
 
 def parser() -> ArgumentParser:
