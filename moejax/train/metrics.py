@@ -104,11 +104,15 @@ class JsonlWriter:
           lines = f.readlines()
         kept = [line for line in lines if _step_of(line) < start]
         redone = [line for line in lines if start <= _step_of(line) < float("inf")]
-        if redone:
+        if redone:   # appended: earlier resumes' redone records stay
           redone_path = os.path.splitext(path)[0] + ".redone.jsonl"
-          with self._guard("the metrics of redone steps", redone_path), \
-              open(redone_path, "a") as f:
-            f.writelines(line if line.endswith("\n") else line + "\n" for line in redone)
+          before = ""
+          if os.path.exists(redone_path):
+            with open(redone_path) as f:
+              before = f.read()
+          with self._guard("the metrics of redone steps", redone_path + ".tmp"):
+            replace_file(redone_path, before + "".join(
+                line if line.endswith("\n") else line + "\n" for line in redone))
         with self._guard("the metrics kept on resume", path + ".tmp"):
           replace_file(path, "".join(kept))
       self._file = open(path, "a", buffering=1)
