@@ -126,6 +126,7 @@ def plain_log_lines() -> None:
   handler.setFormatter(logging.Formatter("%(message)s"))
   logger = logging.getLogger("moejax")
   logger.addHandler(handler)
+  logger.setLevel(logging.INFO)   # "resuming from step N" too
   logger.propagate = False
 
 

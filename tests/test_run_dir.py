@@ -301,7 +301,7 @@ def test_metrics_of_redone_steps_are_kept_aside(tmp_path):
 def test_restart_keeps_the_earlier_run_and_a_resume_says_what_it_changes(
     tmp_path, monkeypatch, capsys, caplog):
   main = _train_main(monkeypatch)
-  caplog.set_level("WARNING", logger="moejax")
+  caplog.set_level("INFO", logger="moejax")
 
   def logged() -> list[str]:   # the trainer's lines (train.py prints them as they are)
     lines = [r.getMessage() for r in caplog.records if r.name == "moejax"]

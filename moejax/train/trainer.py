@@ -102,6 +102,8 @@ class Trainer:
     # Nothing to train: `run` says so at once, without building (compiling) anything.
     self.finished_step = saved["step"] if saved and saved["step"] >= cfg.train.num_steps \
         else None
+    if saved and self.finished_step is None and jax.process_index() == 0:
+      log.info("resuming from step %d of %s", saved["step"], self.checkpointer.directory)
     return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, decay_steps=decay))
 
   def _build(self, cfg: Config, devices, train_tokens, val_tokens) -> None:
@@ -157,8 +159,6 @@ class Trainer:
     if restored is None:
       return 0
     meta = restored.meta
-    if self.is_main:
-      log.warning("resuming from step %d of %s", restored.step, self.checkpointer.directory)
     self.state = self.pool.program.canonical_state(restored.state, back=True)
     self.pool.set_layout(self.pool.active, restored.layout)
     self.restore_warnings = restored.warnings
