@@ -76,11 +76,13 @@ def why(rows: list, pool: list, max_drop: float, regimes) -> list[str]:
   by_spec = {r.strategy: r for r in ok}
   lines = []
   for s in pool:
-    depth, g = min((order[g].index(s), g) for g in regimes)
-    cost = by_spec[s].costs[g]
+    depth = min(order[g].index(s) for g in regimes)
+    where = [g for g in regimes if order[g].index(s) == depth]   # in the regimes' order
+    cost = by_spec[s].costs[where[0]]
     rank_text = "the best" if depth == 0 else f"number {depth + 1}"
-    lines.append(f"  {s.spec}: {rank_text} under {g} load, {cost.total_s * 1e3:.2f} ms a step, "
-                 f"{cost.drop_fraction:.1%} of choices dropped")
+    lines.append(f"  {s.spec}: {rank_text} under {' and '.join(where)} load, "
+                 f"{cost.total_s * 1e3:.2f} ms a step, {cost.drop_fraction:.1%} of choices "
+                 f"dropped" + (f" (under {where[0]})" if len(where) > 1 else ""))
   return lines
 
 
