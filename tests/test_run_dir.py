@@ -390,3 +390,28 @@ def test_another_vocabulary_in_the_run_dir_advises_a_new_run_dir(tmp_path, monke
   assert "set model.vocab_size = 1024" not in err[0], err[0]
   assert not [r for r in caplog.records if "Failed to json parse" in r.getMessage()]
   assert _files(run_dir) == before
+
+
+def test_the_saved_horizon_holds_and_each_changed_training_field_is_one_line(tmp_path):
+  """Host only: what a resume decides from the checkpoint's record (the end-to-end run above
+  is in the slow tier)."""
+  from moejax.train import history
+  from tests.run_config import tiny_config
+
+  first = tiny_config(tmp_path, num_steps=30, every=10)
+  assert history.decay_steps(first, None) == (30, None)   # a fresh run: train.num_steps
+  saved = {"training": history.training_fields(
+      dataclasses.replace(first, optim=dataclasses.replace(first.optim, decay_steps=30)))}
+  longer = dataclasses.replace(first, train=dataclasses.replace(first.train, num_steps=34))
+  steps, note = history.decay_steps(longer, saved)
+  assert steps == 30 and "continues as saved: optim.decay_steps=30 (train.num_steps=34)" in note
+  assert history.decay_steps(longer, {}) == (34, None)    # a checkpoint without the record
+  chosen = dataclasses.replace(longer, optim=dataclasses.replace(longer.optim, decay_steps=34))
+  assert history.decay_steps(chosen, saved) == (34, None)
+  changed = dataclasses.replace(chosen, data=dataclasses.replace(chosen.data, seq_len=16))
+  lines = history.training_changes(saved, changed, "checkpoint C/30", 30)
+  assert lines == [
+      "data.seq_len=16 in this config, 32 in checkpoint C/30; steps from 30 on use 16 "
+      "(config.30.json in the run dir records it)",
+      "optim.decay_steps=34 in this config, 30 in checkpoint C/30; steps from 30 on use 34 "
+      "(config.30.json in the run dir records it)"]
