@@ -82,7 +82,7 @@ class MeshConfig:
       if num_devices % known:
         raise ConfigError(
             f"mesh sizes {dict(zip(names, sizes))} cannot fill {num_devices} devices: "
-            f"{num_devices} is not divisible by {known}.")
+            f"{num_devices} is not divisible by {known}; fix the mesh or mesh.host_device_count.")
       sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
       per_stage = f" per stage (mesh.stage={self.stage})" if self.stage > 1 else ""
@@ -260,6 +260,7 @@ class OptimConfig:
   b1: float = 0.9
   b2: float = 0.95
   grad_clip_norm: float = 1.0
+  decay_steps: int = 0   # cosine horizon; 0: train.num_steps at the start (saved, kept on resume)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,6 +284,7 @@ class TrainConfig:
   microbatches: int = 1           # rows i % M == m; accumulated, or piped with mesh.stage > 1
   pipeline_schedule: str = "gpipe"   # or "circular": virtual_stages layer chunks per stage
   virtual_stages: int = 1         # V (moejax.model.pipeline): 1 for gpipe, >= 2 for circular
+  restart: bool = False   # start at 0 over an earlier run, its files moved to RUN_DIR/previous.N/
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,6 +351,17 @@ class TraceConfig:
   path: str | None = None
 
 
+# Fields whose range no other check covers: {field: the range in words}, the tests below.
+_RANGES = {"mesh.host_device_count": ">= 1", "data.seq_len": ">= 1", "optim.b1": "in [0, 1)",
+           "data.global_batch_size": ">= 1", "optim.learning_rate": "> 0", "optim.b2": "in [0, 1)",
+           "optim.warmup_steps": ">= 0", "optim.decay_steps": ">= 0", "train.eval_every": ">= 1",
+           "optim.weight_decay": ">= 0", "optim.grad_clip_norm": "> 0", "train.num_steps": ">= 0",
+           "optim.min_lr_ratio": "in [0, 1]", "checkpoint.keep": ">= 1", "checkpoint.every": ">= 1",
+           "train.eval_batches": ">= 1", "train.max_consecutive_nonfinite": ">= 1"}
+_TESTS = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0,
+          "in [0, 1]": lambda v: 0 <= v <= 1, "in [0, 1)": lambda v: 0 <= v < 1}
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   """The whole run. Built by train.py from gin bindings, or directly in code."""
@@ -366,6 +379,11 @@ class Config:
   def validate(self) -> Config:
     for field in dataclasses.fields(self):
       check_field_types(field.name, getattr(self, field.name))
+    for key, need in _RANGES.items():
+      part, name = key.split(".")
+      if not _TESTS[need](value := getattr(getattr(self, part), name)):
+        default = getattr(type(getattr(self, part)), name)
+        raise ConfigError(f"{key}={value} must be {need}; use e.g. {key} = {default}.")
     self.moe.validate()
     self.planner.validate(self.moe.expert_mode)
     self.strategy.validate()
@@ -374,16 +392,6 @@ class Config:
     if self.data.seq_len > self.model.max_seq_len:
       raise ConfigError(
           f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}.")
-    if self.train.num_steps < 0:
-      raise ConfigError(f"train.num_steps={self.train.num_steps} must be >= 0.")
-    for name, value in (("train.eval_every", self.train.eval_every),
-                        ("train.eval_batches", self.train.eval_batches),
-                        ("train.max_consecutive_nonfinite",
-                         self.train.max_consecutive_nonfinite),
-                        ("checkpoint.every", self.checkpoint.every),
-                        ("checkpoint.keep", self.checkpoint.keep)):
-      if value < 1:
-        raise ConfigError(f"{name}={value} must be >= 1; use e.g. {name} = 1.")
     return self
 
   def _validate_pipeline(self) -> None:

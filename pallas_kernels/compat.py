@@ -1,4 +1,4 @@
-"""Everything that differs between the JAX releases this package supports (0.10 and 0.11), and
+"""Everything that differs between the JAX releases this package supports (0.10 to 0.12), and
 what it needs to know about NVIDIA GPUs it has not been handed.
 
 * Lowering the Pallas Triton kernels for CUDA on a host without a GPU (`cuda_target`): jax

@@ -229,7 +229,7 @@ def test_observed_regime_plans_for_the_measured_expert_shares(tmp_path, capsys):
   trace = tmp_path / "trace.npz"
   np.savez(trace, counts=counts)
   assert plan_cli.main(["--profile", "h100_node", "--pool", "2", "--max_drop", "0.03",
-                    "--dispersion", "3", "--trace", str(trace)]) == 0
+                    "--dispersion", "3", "--trace", str(trace), "--all"]) == 0
   printed = capsys.readouterr().out
   assert "observed ms" in printed and f"last 3 steps of {trace}" in printed
   flat_pool = "pool: ep/8x1x1/cf1.5" in printed
