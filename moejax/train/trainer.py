@@ -144,6 +144,23 @@ class Trainer:
         log.warning("warning: %s", w)
     return restored.step
 
+  def init_weights(self) -> None:
+    """`train.init_from`: that run dir's latest weights, in this run's strategy and layout;
+    the optimizer state, the step and the router bias stay those of a fresh run."""
+    cfg = self.cfg
+    source = Checkpointer(cfg.train.init_from, cfg.checkpoint)
+    try:
+      source.check_model(model_fields(cfg))
+      restored = source.restore_weights(self.state, self.pool.layout,
+                                        self.pool.program.expert_mode)
+    finally:
+      source.close()
+    state = self.state.replace(params=restored.state.params)
+    self.state = self.pool.program.canonical_state(state, back=True)
+    self.pool.set_layout(self.pool.active, restored.layout)
+    if self.is_main:
+      log.info("weights from %s (step %d)", source.directory, restored.step)
+
   def save(self, step: int) -> None:
     """With a pool, the checkpoint holds member 0's form of the state (an exact move), the
     active member and every member's layout, so a resume lands on the same member."""
@@ -200,6 +217,8 @@ class Trainer:
   def _run(self, hooks, stop, run_files: dict[str, str]) -> dict:
     cfg = self.cfg
     start = self.maybe_restore()   # before any file of the run dir is written
+    if cfg.train.init_from and self.checkpointer.latest_step() is None:
+      self.init_weights()
     self._write_run_files(run_files)
     if cfg.trace.path and self.is_main:
       self.trace = TraceRecorder(cfg.trace.path, cfg.moe.top_k, start)
