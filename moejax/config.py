@@ -184,9 +184,7 @@ class ModelConfig:
   num_heads: int = 4
   num_kv_heads: int = 0           # k/v heads, each shared by num_heads / num_kv_heads (0: MHA)
   head_dim: int = 0               # 0: d_model // num_heads
-  # Query/key RMSNorm before RoPE: "head" over each head's head_dim (Qwen3), "proj" over the
-  # whole q / k projection (OLMoE), "none".
-  qk_norm: str = "none"
+  qk_norm: str = "none"           # q, k RMSNorm before RoPE: per "head" (Qwen3), whole "proj"
   d_ff: int = 512                 # hidden size of the dense SwiGLU MLPs
   max_seq_len: int = 128
   rope_base: float = 10000.0
@@ -203,20 +201,13 @@ class ModelConfig:
     if self.dtype not in ("float32", "bfloat16", "float16"):
       raise ConfigError(f"model.dtype={self.dtype!r} is not supported; use 'float32', "
                         "'bfloat16' or 'float16'.")
-    if not self.head_dim and self.d_model % self.num_heads:
+    head_dim, kv = self.head_dim or self.d_model // self.num_heads, self.num_kv_heads or 1
+    if (not self.head_dim and self.d_model % self.num_heads) or head_dim % 2 or min(
+        self.head_dim, self.num_kv_heads) < 0 or self.num_heads % kv:
       raise ConfigError(
-          f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}; "
-          "change one, or set model.head_dim.")
-    if self.head_dim < 0 or self.num_kv_heads < 0 or self.num_heads % (self.num_kv_heads or
-                                                                          self.num_heads):
-      raise ConfigError(
-          f"model.num_kv_heads={self.num_kv_heads}, model.head_dim={self.head_dim}: need "
-          f"num_kv_heads dividing model.num_heads={self.num_heads} and head_dim >= 0 (0: MHA / "
-          "d_model // num_heads).")
-    if (self.head_dim or self.d_model // self.num_heads) % 2:
-      raise ConfigError(
-          f"head dim {self.head_dim or self.d_model // self.num_heads} must be even for RoPE; "
-          "change model.head_dim, model.d_model or model.num_heads.")
+          f"model.d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads="
+          f"{self.num_kv_heads}, head_dim={self.head_dim}: need num_kv_heads dividing num_heads "
+          "and an even head dim for RoPE (head_dim, or 0: d_model / num_heads, a whole number).")
     if self.qk_norm not in ("none", "head", "proj"):
       raise ConfigError(f"model.qk_norm={self.qk_norm!r} is not supported; use 'none', 'head' "
                         "(per head, Qwen3) or 'proj' (whole projection, OLMoE).")
@@ -278,10 +269,7 @@ class TrainConfig:
   microbatches: int = 1           # rows i % M == m; accumulated, or piped with mesh.stage > 1
   pipeline_schedule: str = "gpipe"   # or "circular": virtual_stages layer chunks per stage
   virtual_stages: int = 1         # V (moejax.model.pipeline): 1 for gpipe, >= 2 for circular
-  # A run dir whose latest checkpoint gives the starting weights of a new run (e.g. one written
-  # by `python -m moejax.convert from_hf`): weights only, a fresh optimizer, step 0. Ignored
-  # once train.run_dir holds a checkpoint of its own.
-  init_from: str | None = None
+  init_from: str | None = None    # a run dir whose weights start this one (moejax.convert)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -88,14 +88,16 @@ def moe_config(hf: dict) -> tuple[dict, dict]:
       head_dim=0 if head_dim * heads == d else head_dim, qk_norm=fam.qk_norm,
       d_ff=hf["intermediate_size"], max_seq_len=hf["max_position_embeddings"],
       rope_base=rope_theta(hf), norm_eps=float(hf["rms_norm_eps"]))
-  top_k = hf["num_experts_per_tok"]
-  # transformers' balance loss sums the per-k shares (k times moejax's mean over T*K choices).
+  top_k, layers = hf["num_experts_per_tok"], hf["num_hidden_layers"]
+  # transformers' balance loss is one over all layers' choices together, its shares summed over
+  # the k choices: k times moejax's per-layer loss, which moejax sums over the layers. So
+  # coef * k / layers puts moejax's at the same scale (the same function only for one layer).
   moe = dict(
       num_experts=experts, top_k=top_k,
       d_ff=hf[fam.width_key],
       normalize_top_k=True if fam.topk_key is None else bool(hf.get(fam.topk_key, False)),
       moe_every=1, gate="softmax",
-      balance_loss_weight=float(hf.get("router_aux_loss_coef", 0.0)) * top_k,
+      balance_loss_weight=float(hf.get("router_aux_loss_coef", 0.0)) * top_k / layers,
       z_loss_weight=float(hf.get("router_z_loss_coef", 0.0)))
   return model, moe
 

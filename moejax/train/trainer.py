@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from moejax.config import Config, num_moe_layers
+from moejax.config import Config, ConfigError, num_moe_layers
 from moejax.placement.trace import TraceRecorder
 from moejax.runtime import distributed
 from moejax.strategy import memory
@@ -216,6 +216,10 @@ class Trainer:
 
   def _run(self, hooks, stop, run_files: dict[str, str]) -> dict:
     cfg = self.cfg
+    if cfg.train.init_from and os.path.abspath(cfg.train.init_from) == os.path.abspath(
+        cfg.train.run_dir):
+      raise ConfigError(f"train.init_from={cfg.train.init_from!r} is train.run_dir itself; "
+                        "give the new run its own train.run_dir.")
     start = self.maybe_restore()   # before any file of the run dir is written
     if cfg.train.init_from and self.checkpointer.latest_step() is None:
       self.init_weights()
