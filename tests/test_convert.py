@@ -207,3 +207,85 @@ def test_unsupported_config_is_one_line(tmp_path):
                                               "hidden_act": "silu"}))
   with pytest.raises(ConfigError, match="sliding_window=4096"):
     from_hf(str(hf), str(tmp_path / "run"))
+
+
+def _char_tokenizer(hf_dir):
+  """A character-level tokenizer.json beside the model: <unk>, <s>, </s> as ids 0-2 (Mixtral's
+  bos 1 and eos 2), then printable ASCII; 98 ids for the model's 128 embedding rows."""
+  from tokenizers import Tokenizer, models
+
+  vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>"] + [chr(c) for c in range(32, 127)])}
+  tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+  tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+  path = os.path.join(hf_dir, "tokenizer.json")
+  tok.save(path)
+  return path
+
+
+def _prepared(tmp_path, tokenizer):
+  from moejax.prepare_data import prepare
+
+  rng = np.random.default_rng(0)
+  words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+  for i in range(12):
+    text = "\n".join(" ".join(rng.choice(words, 8)) for _ in range(40))
+    (tmp_path / "text").mkdir(exist_ok=True)
+    (tmp_path / "text" / f"f{i}.txt").write_text(text)
+  out = str(tmp_path / "data")
+  meta = prepare(str(tmp_path / "text" / "*.txt"), out, tokenizer=tokenizer, val_fraction=0.25,
+                 progress=False)
+  return out, meta
+
+
+def test_data_takes_the_models_vocab_and_special_tokens(tmp_path):
+  hf = tmp_path / "hf"
+  hf.mkdir()
+  (hf / "config.json").write_text(json.dumps({"vocab_size": VOCAB, "bos_token_id": 1,
+                                              "eos_token_id": 2}))
+  _, meta = _prepared(tmp_path, _char_tokenizer(str(hf)))
+  assert (meta["vocab_size"], meta["tokenizer_vocab_size"], meta["separator"]) == (VOCAB, 98,
+                                                                                    [2, 1])
+
+
+@pytest.mark.slow   # a converted run trained end to end by the trainer (one compile)
+def test_train_py_starts_from_a_converted_model(tmp_path_factory, tmp_path):
+  from moejax.frontend import parse_config
+  from moejax.train.trainer import Trainer
+
+  hf_dir, _ = saved_model("mixtral", tmp_path_factory)
+  tokenizer = _char_tokenizer(hf_dir)
+  data_dir, _ = _prepared(tmp_path, tokenizer)
+  run = str(tmp_path / "run")
+  from_hf(hf_dir, run, mesh=(2, 4, 1), dtype="float32")
+  bindings = [f"data.path = '{data_dir}'", "data.seq_len = 16", "data.global_batch_size = 8",
+              "train.num_steps = 3", "train.eval_every = 3", "train.eval_batches = 1",
+              "train.progress_bar = False", "train.tensorboard = False"]
+  cfg = parse_config([os.path.join(run, "model.gin")], bindings)
+  assert cfg.train.init_from == os.path.abspath(run)
+  with Trainer(cfg) as trainer:
+    summary = trainer.run()
+  assert summary["start_step"] == 0 and summary["saved_step"] == 3
+  # The run's first step computed on the converted weights: they come back from its own
+  # checkpoint after 3 steps only moved by the optimizer (AdamW steps of at most lr each).
+  ckpt = Checkpointer(os.path.join(run, "train"), cfg.checkpoint)
+  try:
+    trained, _ = ckpt.read_params()
+  finally:
+    ckpt.close()
+  source = Checkpointer(run, cfg.checkpoint)
+  try:
+    converted, _ = source.read_params()
+  finally:
+    source.close()
+  moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), trained, converted)
+  assert 0 < max(jax.tree.leaves(moved)) < 4 * cfg.optim.learning_rate
+  # Data prepared with another vocabulary stops the run with one line.
+  bytes_dir = str(tmp_path / "bytes_data")
+  from moejax.prepare_data import prepare
+
+  prepare(str(tmp_path / "text" / "*.txt"), bytes_dir, byte_level=True, val_fraction=0.25,
+          progress=False)
+  with pytest.raises(ConfigError, match="prepared with vocab_size=256.*tokenizer of "
+                                        "train.init_from"):
+    Trainer(parse_config([os.path.join(run, "model.gin")], bindings[1:] + [
+        f"data.path = '{bytes_dir}'"]))
