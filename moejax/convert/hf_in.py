@@ -27,6 +27,7 @@ from moejax.config import (
   MeshConfig,
   ModelConfig,
   MoEConfig,
+  OptimConfig,
   TrainConfig,
   num_moe_layers,
 )
@@ -67,6 +68,8 @@ def build_config(hf: dict, mesh: tuple[int, int, int], expert_mode: str, dtype: 
       model=ModelConfig(dtype=dtype, **model),
       moe=MoEConfig(expert_mode=expert_mode, slots_per_device=slots, **moe),
       data=DataConfig(seq_len=min(DataConfig.seq_len, model["max_seq_len"])),
+      # continued training of a trained model: a fine-tuning rate, not a from-scratch one
+      optim=OptimConfig(learning_rate=2e-5, warmup_steps=100),
       train=TrainConfig(run_dir=os.path.join(run_dir, "train"), init_from=run_dir))
   return cfg.validate()
 
@@ -136,14 +139,15 @@ def gin_text(cfg: Config, hf_dir: str, family: str) -> str:
   lines = [f"# {family} from {os.path.abspath(hf_dir)}, by python -m moejax.convert from_hf.",
            "# Train: python train.py --gin_file=THIS --gin_bindings=\"data.path = 'DATA'\", DATA "
            "prepared with",
-           "# python -m moejax.prepare_data --tokenizer RUN_DIR/hf/tokenizer.json (its vocab).",
-           "# moe.capacity_factor drops tokens over capacity, which the reference never does.",
+           "# python -m moejax.prepare_data --tokenizer RUN_DIR/hf/tokenizer.json (the model's",
+           "# vocab and special tokens). Dense dispatch drops tokens past moe.capacity_factor,",
+           "# which the reference never does (moe.dispatch = 'ragged' on GPU does not).",
            ""]
-  for part in ("mesh", "model", "moe", "train"):
+  for part in ("mesh", "model", "moe", "data", "optim", "train"):
     now, default = getattr(cfg, part), getattr(defaults, part)
-    for field in dataclasses.fields(now):
+    for field in dataclasses.fields(now):   # the model whole, of the rest what differs
       value = getattr(now, field.name)
-      if value != getattr(default, field.name):
+      if part in ("mesh", "model", "moe") or value != getattr(default, field.name):
         lines.append(f"{part}.{field.name} = {value!r}")
   return "\n".join(lines) + "\n"
 
