@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch", reason="the hf extra is not installed (torc
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
 
 from moejax.config import ConfigError, OptimConfig, num_moe_layers  # noqa: E402
-from moejax.convert import from_hf, to_hf  # noqa: E402
+from moejax.convert import __main__ as cli, from_hf  # noqa: E402
 from moejax.layout import placement as placement_lib  # noqa: E402
 from moejax.layout.migrate import migrate  # noqa: E402
 from moejax.layout.tables import from_placements  # noqa: E402
@@ -162,9 +162,9 @@ def _tensors(directory):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_round_trip_is_bit_exact(family, tmp_path_factory, tmp_path):
   hf_dir, hf_model = saved_model(family, tmp_path_factory)
-  from_hf(hf_dir, str(tmp_path / "run"), mesh=(1, 4, 1), expert_mode="fsep", dtype="float32")
-  out = str(tmp_path / "out")
-  to_hf(str(tmp_path / "run"), out, max_shard_bytes=40_000)
+  run, out = str(tmp_path / "run"), str(tmp_path / "out")   # through the command line
+  assert cli.main(["from_hf", hf_dir, run, "--mesh", "1,4,1", "--expert_mode", "fsep"]) == 0
+  assert cli.main(["to_hf", run, out, "--max_shard_gib", str(40_000 / 2**30)]) == 0
   assert len([n for n in os.listdir(hf_dir) if n.endswith(".safetensors")]) > 1
   assert len([n for n in os.listdir(out) if n.endswith(".safetensors")]) > 1
   want, got = _tensors(hf_dir), _tensors(out)
