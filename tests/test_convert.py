@@ -20,8 +20,9 @@ torch = pytest.importorskip("torch", reason="the hf extra is not installed (torc
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
 
 from moejax.config import ConfigError, OptimConfig, num_moe_layers  # noqa: E402
-from moejax.convert import __main__ as cli, from_hf  # noqa: E402
+from moejax.convert import __main__ as cli, families, from_hf  # noqa: E402
 from moejax.layout import placement as placement_lib  # noqa: E402
+from moejax.layout.convert import convert_tree, to_canonical  # noqa: E402
 from moejax.layout.migrate import migrate  # noqa: E402
 from moejax.layout.tables import from_placements  # noqa: E402
 from moejax.model.mesh import mesh_of_shape, replicated  # noqa: E402
@@ -32,7 +33,7 @@ from moejax.train.optim import optimizer, schedule  # noqa: E402
 from moejax.train.programs import initial_layout  # noqa: E402
 from moejax.train.state import init_state, state_shardings  # noqa: E402
 from tests.moe_helpers import random_placement, with_local  # noqa: E402
-from tests.numerics import assert_close  # noqa: E402
+from tests.numerics import assert_close, assert_trees_close  # noqa: E402
 
 BATCH, SEQ, VOCAB, D, F, E = 8, 16, 128, 64, 32, 8
 COMMON = dict(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=2, num_attention_heads=4,
@@ -47,6 +48,7 @@ FAMILIES = {
     "olmoe": ("OlmoeConfig", dict(num_experts=E, intermediate_size=F, norm_topk_prob=False,
                                   eos_token_id=VOCAB - 1, pad_token_id=1)),
 }
+FAMILIES_BY_NAME = families.FAMILIES
 
 
 @functools.cache
@@ -138,7 +140,12 @@ def test_logits_equal_reference(family, mode, tmp_path_factory, tmp_path):
   if mode == "ep":   # the weights follow the experts to their new slots
     params = migrate(state, layout, new).params
   x = tokens()
-  logits, stats = jax.jit(model.apply)({"params": params}, x, new)
+
+  def ce(p):
+    logits, stats = model.apply({"params": p}, x, new)
+    return step_lib.cross_entropy(logits[:, :-1], x[:, 1:]), (logits, stats)
+
+  (_, (logits, stats)), grads = jax.jit(jax.value_and_grad(ce, has_aux=True))(params)
   assert int(jnp.sum(stats.dropped_W)) == 0
   m = cfg.model
   j = m.head_dim or m.d_model // m.num_heads
@@ -146,6 +153,43 @@ def test_logits_equal_reference(family, mode, tmp_path_factory, tmp_path):
   # (H*J), router and experts (D, F, k); then the unembedding (D).
   n = m.num_layers * (3 * D + j + SEQ + m.num_heads * j + 2 * D + F + 2) + D
   assert_close(logits, hf_logits(hf_model, x), n, err_msg=f"{family} {mode}")
+  # Gradients of the same cross-entropy, in expert-id order on transformers' side too; the
+  # backward pass adds the sums over the batch's tokens.
+  grads = to_canonical(grads, new) if mode == "ep" else convert_tree(grads, "fsep", "ep")
+  pad = hf_model.config.pad_token_id   # transformers never trains the pad token's embedding
+  if pad is not None:
+    grads["embed"] = grads["embed"].at[pad].set(0.0)
+  want = hf_grads(hf_model, x, FAMILIES_BY_NAME[family], jax.tree.map(np.shape, grads))
+  assert_trees_close(grads, want, 2 * n + 2 * BATCH * SEQ)
+
+
+def hf_grads(model, x, fam, shapes):
+  """transformers' gradients of its mean next-token cross-entropy on `x`, as a moejax params
+  tree (expert-id order). In memory transformers 5 fuses each layer's experts: gate_up_proj
+  [E, 2F, D] (gate rows first) and down_proj [E, D, F]."""
+  model.zero_grad()
+  model(input_ids=torch.as_tensor(np.array(x), dtype=torch.long),
+        labels=torch.as_tensor(np.array(x), dtype=torch.long)).loss.backward()
+  out = jax.tree.map(lambda s: np.zeros(s, np.float32), shapes,
+                     is_leaf=lambda s: isinstance(s, tuple))
+  saved = families.tensor_names(fam, len(out["layers"]["ln_moe"]["scale"]), E)
+  for name, p in model.named_parameters():
+    g = p.grad.numpy()
+    if ".mlp.experts." in name:
+      layer = int(name.split(".")[2])
+      moe = out["layers"]["moe"]
+      if name.endswith("gate_up_proj"):
+        moe["w_gate"][layer] = g[:, :F].transpose(0, 2, 1)
+        moe["w_up"][layer] = g[:, F:].transpose(0, 2, 1)
+      else:
+        moe["w_down"][layer] = g.transpose(0, 2, 1)
+      continue
+    leaf, index, how = saved[name.replace(".mlp.gate.", f".{fam.moe}.gate.")]
+    node = out
+    for key in leaf[:-1]:
+      node = node[key]
+    node[leaf[-1]][index] = families.to_leaf(g, how, node[leaf[-1]][index].shape)
+  return out
 
 
 def _tensors(directory):
