@@ -160,6 +160,8 @@ class Trainer:
     self.pool.set_layout(self.pool.active, restored.layout)
     if self.is_main:
       log.info("weights from %s (step %d)", source.directory, restored.step)
+      for w in restored.warnings:
+        log.warning("warning: %s", w)
 
   def save(self, step: int) -> None:
     """With a pool, the checkpoint holds member 0's form of the state (an exact move), the
