@@ -308,6 +308,13 @@ def test_train_py_starts_from_a_converted_model(tmp_path_factory, tmp_path):
   assert cfg.train.init_from == os.path.abspath(run)
   with Trainer(cfg) as trainer:
     summary = trainer.run()
+    # A trained run dir (a whole train state) serves as train.init_from too: its weights.
+    trained_dir = Checkpointer(os.path.join(run, "train"), cfg.checkpoint)
+    try:
+      again = trained_dir.restore_weights(trainer.state, trainer.pool.layout, "ep")
+    finally:
+      trained_dir.close()
+    jax.tree.map(np.testing.assert_array_equal, again.state.params, trainer.state.params)
   assert summary["start_step"] == 0 and summary["saved_step"] == 3
   # The run's first step computed on the converted weights: they come back from its own
   # checkpoint after 3 steps only moved by the optimizer (AdamW steps of at most lr each).
