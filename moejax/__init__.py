@@ -11,7 +11,7 @@ thing everywhere in moejax (and in pallas_kernels, benchmarks and tests):
   E  experts
   F  FFN hidden width (d_ff of the dense MLP and of each expert)
   G  row groups of a grouped matmul (one per local slot)
-  H  attention heads
+  H  attention heads (of k and v: their own, fewer under grouped-query attention)
   I  input features of a generic matmul (kernel contracts: x_MxI @ w_GxIxO)
   J  attention head dim
   K  top-k: choices per token

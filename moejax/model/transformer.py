@@ -64,12 +64,13 @@ class Attention(nn.Module):
     dtype = jnp.dtype(cfg.dtype)
     qkv_axes = ("embed", "heads", "head_dim")
     wq = _dense(qkv_axes, (d, h, head_dim), d, self, "wq")
+    # kv < h k/v heads: dot_product_attention gives query head i the k/v head i // (h / kv)
     wk = _dense(qkv_axes, (d, kv, head_dim), d, self, "wk")
     wv = _dense(qkv_axes, (d, kv, head_dim), d, self, "wv")
     wo = _dense(("heads", "head_dim", "embed"), (h, head_dim, d), d, self, "wo")
     x = x_BxQxD.astype(dtype)
     q_BxQxHxJ = jnp.einsum("bqd,dhj->bqhj", x, wq.astype(dtype))
-    k_BxQxHxJ = jnp.einsum("bqd,dhj->bqhj", x, wk.astype(dtype))   # kv heads; grouped below
+    k_BxQxHxJ = jnp.einsum("bqd,dhj->bqhj", x, wk.astype(dtype))
     if cfg.qk_norm != "none":
       axes = ("head_dim",) if cfg.qk_norm == "head" else ("heads", "head_dim")
       q_BxQxHxJ = RMSNorm(cfg.norm_eps, axes, name="q_norm")(q_BxQxHxJ)
@@ -77,7 +78,6 @@ class Attention(nn.Module):
     q_BxQxHxJ = rope(q_BxQxHxJ, cfg.rope_base)
     k_BxQxHxJ = rope(k_BxQxHxJ, cfg.rope_base)
     v_BxQxHxJ = jnp.einsum("bqd,dhj->bqhj", x, wv.astype(dtype))
-    # With fewer k/v heads, dot_product_attention gives query head i the k/v head i // (h / kv).
     o_BxQxHxJ = jax.nn.dot_product_attention(q_BxQxHxJ, k_BxQxHxJ, v_BxQxHxJ, is_causal=True)
     return jnp.einsum("bqhj,hjd->bqd", o_BxQxHxJ, wo.astype(dtype))
 
