@@ -152,11 +152,13 @@ class Checkpointer:
     """Starts writing `step` (orbax finishes it in the background, into a temporary directory
     renamed when complete). A write that fails, now or in the background of the previous
     save, raises `faults.WriteError`; the complete checkpoints before it stay as they were.
-    `canonical`: `state` is in expert-id order already (no copy of the expert leaves)."""
+    `canonical`: `state` is in expert-id order already (no copy of the expert leaves), and
+    its digest is taken array by array (`digest.leafwise_digest`: a converter's host memory)."""
     if not canonical:
       state = canonical_state(state, layout, expert_mode)
     item = {"state": state, "layout": layout}
-    meta = dict(meta, step=step, expert_mode=expert_mode, digest=digest_lib.tree_digest(item))
+    digest = (digest_lib.leafwise_digest if canonical else digest_lib.tree_digest)(item)
+    meta = dict(meta, step=step, expert_mode=expert_mode, digest=digest)
     self.wait()   # orbax would wait here too; this way a failure names the step it belongs to
     latest = self._complete_steps()
     self.needed_bytes = max(self.needed_bytes, _disk_bytes(
@@ -275,7 +277,7 @@ class Checkpointer:
                             args=ocp.args.PyTreeRestore(
                                 target, ocp.checkpoint_utils.construct_restore_args(target),
                                 partial_restore=True))
-    got = digest_lib.tree_digest(item)
+    got = digest_lib.leafwise_digest(item)
     bad = [n for n, d in got.items() if n in meta.get("digest", {}) and meta["digest"][n] != d]
     if bad:
       raise CheckpointError(f"checkpoint {self.directory}/{step}: {bad[0]} differs from its "
