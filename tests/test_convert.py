@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch", reason="the hf extra is not installed (torc
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
 
 from moejax.config import ConfigError, OptimConfig, num_moe_layers  # noqa: E402
-from moejax.convert import __main__ as cli, families, from_hf  # noqa: E402
+from moejax.convert import __main__ as cli, families, from_hf, to_hf  # noqa: E402
 from moejax.layout import placement as placement_lib  # noqa: E402
 from moejax.layout.convert import convert_tree, to_canonical  # noqa: E402
 from moejax.layout.migrate import migrate  # noqa: E402
@@ -340,3 +340,20 @@ def test_train_py_starts_from_a_converted_model(tmp_path_factory, tmp_path):
                                         "train.init_from"):
     Trainer(parse_config([os.path.join(run, "model.gin")], bindings[1:] + [
         f"data.path = '{bytes_dir}'"]))
+
+
+@pytest.mark.slow   # three families converted out without their own config.json
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_model_without_its_config_leaves_as_the_family(family, tmp_path_factory, tmp_path):
+  """A run with no Hugging Face config to start from (trained from scratch) leaves with the
+  family's keys written from moejax's config: transformers then computes the same logits."""
+  hf_dir, hf_model = saved_model(family, tmp_path_factory)
+  run, out = str(tmp_path / "run"), str(tmp_path / "out")
+  from_hf(hf_dir, run, mesh=(1, 4, 1), dtype="float32")
+  os.remove(os.path.join(run, "hf", "config.json"))
+  with pytest.raises(ConfigError, match="--family"):
+    to_hf(run, out)
+  to_hf(run, out, family=family)
+  back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  x = tokens(3)
+  np.testing.assert_array_equal(hf_logits(back, x), hf_logits(hf_model, x))
