@@ -24,11 +24,15 @@ import json
 
 import numpy as np
 
+from moejax.config import Config
 from moejax.layout import adaptive, capacity, placement as placement_lib
 from moejax.layout.flow import max_over_mean
 from moejax.placement.fsep import FsepOptions
-from moejax.placement.policies import CostModel, get_policy, predict
+from moejax.placement.policies import get_policy, predict
 from moejax.placement.workloads import load_trace
+from moejax.strategy.placement_cost import of_config
+
+DEFAULT_COST = of_config(Config())      # the default run's model on its hardware profile
 
 RULES = ("planned", "adaptive")
 
@@ -46,7 +50,7 @@ def _steps(counts, devices, slots, every, window, factor=None):
       pred = predict(counts[:t], window)
       for layer in range(layers):
         current[layer] = place(pred[layer], static, slots=slots, src_dev_W=src,
-                               cost=CostModel(), num_devices=devices,
+                               cost=DEFAULT_COST, num_devices=devices,
                                samples_ZxWxE=counts[max(0, t - window):t, layer],
                                options=FsepOptions(capacity_factor=factor))
     for layer in range(layers):

@@ -41,11 +41,14 @@ import numpy as np
 
 from benchmarks.common import command, write_result
 from benchmarks.planner_time import FSEP_CONFIGS, _any_layout
+from moejax.config import Config
 from moejax.layout.flow import max_over_mean
 from moejax.placement import fsep
-from moejax.placement.cost import CostModel
 from moejax.placement.fsep_deal import LARGE_MESH
 from moejax.placement.workloads import synthetic_trace
+from moejax.strategy.placement_cost import of_config
+
+DEFAULT_COST = of_config(Config())      # the default run's model on its hardware profile
 
 DEFAULT_JSON = "benchmarks/results/planner_ab.json"
 
@@ -72,7 +75,7 @@ def load_base(rev: str, into: str):
 
 
 def _plan(mod, pred, current, n):
-  return mod.place_replicas(pred, current, slots=8, src_dev_W=np.arange(n), cost=CostModel(),
+  return mod.place_replicas(pred, current, slots=8, src_dev_W=np.arange(n), cost=DEFAULT_COST,
                             num_devices=n, options=mod.FsepOptions())
 
 

@@ -1,7 +1,7 @@
 """Planner wall time per decision, for every policy in moejax.placement.policies.POLICIES.
 
 What it measures: the wall time (time.perf_counter) of one policy call
-`policy(pred_WxE, current, slots=C, src_dev_W=..., cost=CostModel(), num_devices=N)` for one MoE
+`policy(pred_WxE, current, slots=C, src_dev_W=..., cost=DEFAULT_COST, num_devices=N)` for one MoE
 layer, as replay and the online trainer make it. The predicted load is one step of a
 lognormal synthetic trace (moejax.placement.workloads.synthetic_trace, sigma=1.0, top_k=2,
 2048 tokens per source) with sources = N (one source per device); `current` is the static
@@ -43,10 +43,14 @@ import time
 import numpy as np
 
 from benchmarks.common import command, write_result
+from moejax.config import Config
 from moejax.layout import placement as placement_lib
 from moejax.layout.flow import flow, max_over_mean
-from moejax.placement.policies import ONE_COPY_POLICIES, POLICIES, CostModel, make_options
+from moejax.placement.policies import ONE_COPY_POLICIES, POLICIES, make_options
 from moejax.placement.workloads import synthetic_trace
+from moejax.strategy.placement_cost import of_config
+
+DEFAULT_COST = of_config(Config())      # the default run's model on its hardware profile
 
 DEFAULT_JSON = "benchmarks/results/planner_time.json"
 CONFIGS = ((64, 64), (64, 256), (256, 256))     # (experts E, devices N)
@@ -82,7 +86,7 @@ def time_policy(name: str, experts: int, devices: int, slots: int, repeats: int,
   counts = synthetic_trace(1, 1, devices, experts, kind="lognormal", seed=seed)["counts"]
   pred = counts[0, 0].astype(np.float64)
   src = placement_lib.source_devices(devices, devices)
-  current, cost, plan = _any_layout(experts, devices, c), CostModel(), POLICIES[name]
+  current, cost, plan = _any_layout(experts, devices, c), DEFAULT_COST, POLICIES[name]
   if options:
     plan = functools.partial(plan, options=make_options(name, **options))
     row["options"] = options

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 
-from moejax.config import ConfigError
+from moejax.config import ConfigError, ModelConfig, MoEConfig, StrategyConfig
 from moejax.placement.policies import POLICIES, make_options
 from moejax.placement.replay import format_table, oracle, policy_names, replay, with_regret
 from moejax.placement.workloads import load_trace
+from moejax.strategy.cost import load_profile
 from moejax.strategy.memory import report
+from moejax.strategy.placement_cost import placement_cost
 
 
 def main(argv=None) -> None:
@@ -39,20 +42,28 @@ def main(argv=None) -> None:
   ap.add_argument("--window_oracle", action="store_true",
                   help="add a window_oracle row: fsep given the --every steps each layout "
                        "will serve (the per-step noise floor of a held layout)")
-  ap.add_argument("--d_model", type=int, default=0,
-                  help="with --d_ff and --layers: also print expert memory per device")
-  ap.add_argument("--d_ff", type=int, default=0, help="expert hidden size (memory report)")
-  ap.add_argument("--layers", type=int, default=0, help="MoE layers (memory report)")
+  ap.add_argument("--d_model", type=int, default=ModelConfig.d_model,
+                  help="model width: the planners' cost model (and the memory report)")
+  ap.add_argument("--d_ff", type=int, default=MoEConfig.d_ff,
+                  help="expert hidden size: the planners' cost model (and the memory report)")
+  ap.add_argument("--dtype", default=ModelConfig.dtype, help="activation dtype (model.dtype)")
+  ap.add_argument("--profile", default=StrategyConfig.profile,
+                  help="hardware profile of the cost model (strategy.profile: a preset or JSON)")
+  ap.add_argument("--layers", type=int, default=0,
+                  help="MoE layers: also print expert memory per device")
   a = ap.parse_args(argv)
   try:
     fsep_options = make_options("fsep", **dict(_option(text) for text in a.fsep))
+    cost = placement_cost(ModelConfig(d_model=a.d_model, dtype=a.dtype), MoEConfig(d_ff=a.d_ff),
+                          load_profile(a.profile))
     counts = load_trace(a.trace)["counts"]
-    results = {name: replay(counts, a.devices, a.slots, name, a.every, a.window,
+    results = {name: replay(counts, a.devices, a.slots, name, a.every, a.window, cost=cost,
                             options=fsep_options if name == "fsep" else None, shares=a.shares)
                for name in policy_names(a.policy)}
-    bound = None if a.no_oracle else oracle(counts, a.devices, a.slots, options=fsep_options,
+    bound = None if a.no_oracle else oracle(counts, a.devices, a.slots, cost=cost,
+                                            options=fsep_options,
                                             shares=a.shares)
-    ahead = (replay(counts, a.devices, a.slots, "fsep", a.every, a.window,
+    ahead = (replay(counts, a.devices, a.slots, "fsep", a.every, a.window, cost=cost,
                     options=fsep_options, lookahead=True, shares=a.shares)
              if a.window_oracle else None)
   except ConfigError as e:
@@ -68,11 +79,12 @@ def main(argv=None) -> None:
         "crossing = (token, k) rows sent off their source device")
   extra = {"window_oracle": ahead} if ahead else {}
   print(format_table({**results, **extra, **({"oracle": bound} if bound else {})}))
-  if a.d_model and a.d_ff and a.layers:
+  if a.layers:
     print(report(a.layers, experts, a.d_model, a.d_ff, a.devices, fsep_slots=a.slots))
   if a.json:
     out = {"trace": a.trace, "devices": a.devices, "slots": a.slots, "every": a.every,
-           "window": a.window, "shares": a.shares, "sources": sources, "experts": experts,
+           "window": a.window, "shares": a.shares, "cost": dataclasses.asdict(cost),
+           "sources": sources, "experts": experts,
            "steps": steps, "layers": layers, "fsep_options": dict(_option(text) for text in a.fsep),
            "policies": results, "oracle": bound, **extra}
     with open(a.json, "w") as f:

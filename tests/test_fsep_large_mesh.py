@@ -13,8 +13,8 @@ from moejax.layout import placement as placement_lib
 from moejax.layout.flow import max_over_mean
 from moejax.layout.placement import SHARE_PARTS
 from moejax.placement import fsep, fsep_deal, fsep_score, fsep_shares
-from moejax.placement.cost import CostModel
 from moejax.placement.workloads import synthetic_trace
+from tests.plan_helpers import PLAN_COST
 
 
 def _snapped_case(n=512, e=64, rounds=8, seed=3):
@@ -80,7 +80,7 @@ def test_column_sums(n):
 def _plan(pred, n, e, c):
   se = (np.arange(n * c) % e).astype(np.int32)
   current = placement_lib.Placement(se, 1.0 / np.bincount(se, minlength=e)[se], n)
-  return fsep.place_replicas(pred, current, slots=c, src_dev_W=np.arange(n), cost=CostModel(),
+  return fsep.place_replicas(pred, current, slots=c, src_dev_W=np.arange(n), cost=PLAN_COST,
                              num_devices=n)
 
 

@@ -13,10 +13,10 @@ from moejax.config import ConfigError
 from moejax.layout import placement as placement_lib
 from moejax.layout.flow import flow, max_over_mean
 from moejax.placement import fsep, policies
-from moejax.placement.cost import CostModel
 from moejax.placement.replay import replay
 from moejax.placement.spread import recent_center
 from moejax.placement.workloads import load_trace, synthetic_trace
+from tests.plan_helpers import PLAN_COST
 
 TRACES = Path(__file__).resolve().parents[1] / "benchmarks" / "traces"
 
@@ -26,7 +26,7 @@ def _plan(pred_WxE, n, c, src=None, **kw):
   src = np.arange(len(pred_WxE)) * n // len(pred_WxE) if src is None else src
   # fsep ignores the current layout
   current = placement_lib.Placement(np.zeros(n, np.int32), np.ones(n), n)
-  return fsep.place_replicas(pred_WxE, current, slots=c, src_dev_W=src, cost=CostModel(),
+  return fsep.place_replicas(pred_WxE, current, slots=c, src_dev_W=src, cost=PLAN_COST,
                              num_devices=n, options=fsep.FsepOptions(**kw))
 
 
@@ -311,7 +311,7 @@ def _replay(trace: str, n: int, policy: str) -> dict:
   key = (trace, n, policy)
   if key not in _REPLAYS:
     counts = load_trace(TRACES / f"{trace}.npz")["counts"]
-    _REPLAYS[key] = replay(counts, n, 8, policy, every=10, window=10)
+    _REPLAYS[key] = replay(counts, n, 8, policy, every=10, window=10, cost=PLAN_COST)
   return _REPLAYS[key]
 
 
@@ -331,7 +331,7 @@ def test_fsep_beats_static_and_smartmoe_on_committed_traces(trace):
   for t in range(10, len(counts), 10):
     win = counts[t - 10:t, 0]
     p = fsep.place_replicas(win.mean(0), placement_lib.static(32, 8), slots=8, src_dev_W=src,
-                            num_devices=8, samples_ZxWxE=win)
+                            num_devices=8, samples_ZxWxE=win, cost=PLAN_COST)
     target = np.rint(recent_center(win.mean(0), win, 5)).astype(np.int64)
     planned.append(max_over_mean(flow(p, target, src).device_load_N))
   assert np.median(planned) <= 1.01, planned

@@ -8,8 +8,8 @@ import pytest
 
 from moejax.layout import placement as placement_lib
 from moejax.placement import fsep, fsep_deal
-from moejax.placement.cost import CostModel
 from moejax.placement.workloads import synthetic_trace
+from tests.plan_helpers import PLAN_COST
 
 
 def _candidates(load_E, n, rounds):
@@ -58,7 +58,7 @@ def test_pruning_changes_no_layout(n, e, kind, monkeypatch):
   def plan():
     return fsep.place_replicas(pred, placement_lib.static(e, n) if e % n == 0 else
                                placement_lib.Placement(np.zeros(n, np.int32), np.ones(n), n),
-                               slots=8, src_dev_W=src, cost=CostModel(), num_devices=n,
+                               slots=8, src_dev_W=src, cost=PLAN_COST, num_devices=n,
                                options=opts)
 
   levelled = []

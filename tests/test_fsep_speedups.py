@@ -18,9 +18,9 @@ import pytest
 from moejax.layout import placement as placement_lib
 from moejax.layout.placement import SHARE_PARTS
 from moejax.placement import fsep, fsep_deal, fsep_shares
-from moejax.placement.cost import CostModel
 from moejax.placement.fsep_score import estimate
 from moejax.placement.workloads import synthetic_trace
+from tests.plan_helpers import PLAN_COST
 
 
 def _top_values_ref(load_E, first_k, cap, take):
@@ -197,7 +197,7 @@ def test_planner_equals_its_reference_helpers(n, e, c, kind, window, opts, monke
   current = placement_lib.Placement(se, 1.0 / np.bincount(se, minlength=e)[se], n)
 
   def plan():
-    return fsep.place_replicas(pred, current, slots=c, src_dev_W=np.arange(n), cost=CostModel(),
+    return fsep.place_replicas(pred, current, slots=c, src_dev_W=np.arange(n), cost=PLAN_COST,
                                num_devices=n, options=fsep.FsepOptions(**opts),
                                samples_ZxWxE=samples)
 

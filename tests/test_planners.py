@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -9,7 +11,7 @@ from moejax.config import ConfigError
 from moejax.layout import placement as placement_lib
 from moejax.layout.flow import flow, max_over_mean
 from moejax.placement import policies, shadow, smartmoe
-from moejax.placement.cost import CostModel
+from tests.plan_helpers import PLAN_COST
 
 
 def _dev_loads(p: placement_lib.Placement, load_E):
@@ -83,7 +85,7 @@ def _collapsed(devices=4, experts=8, hot_share=0.5, tokens=4000):
 def test_shadow_replicates_a_collapsed_expert_when_cheap():
   pred = _collapsed()
   src = np.arange(4)
-  cheap = CostModel(link_bytes_per_s=1e15)
+  cheap = dataclasses.replace(PLAN_COST, link_bytes_per_s=1e15)
   p = shadow.place_shadows(pred, placement_lib.static(8, 4), slots=3, src_dev_W=src, cost=cheap)
   p.validate(8)
   assert p.replicas(8)[3] == 4 and p.replicas(8).sum() == 8 + 3
@@ -93,7 +95,7 @@ def test_shadow_replicates_a_collapsed_expert_when_cheap():
 
 def test_shadow_stays_static_when_sync_is_expensive():
   pred = _collapsed()
-  costly = CostModel(d_model=4096, d_ff=16384, link_bytes_per_s=1e6)
+  costly = dataclasses.replace(PLAN_COST, d_model=4096, d_ff=16384, link_bytes_per_s=1e6)
   p = shadow.place_shadows(pred, placement_lib.static(8, 4), slots=3, src_dev_W=np.arange(4),
                            cost=costly)
   np.testing.assert_array_equal(p.slot_expert[p.slot_expert >= 0], np.arange(8))
@@ -134,7 +136,7 @@ def test_bad_placements_and_sources_are_rejected():
 
 def test_an_unknown_policy_option_is_a_one_line_error_naming_the_valid_ones():
   assert policies.make_options("smartmoe", min_gain=0.1) == smartmoe.SmartMoEOptions(0.1)
-  for name, bad in (("smartmoe", "min_gian"), ("fsep", "capacity"), ("static", "min_gain"),
+  for name, bad in (("smartmoe", "min_gian"), ("fsep", "capacity_mode"), ("static", "min_gain"),
                     ("shadow", "slots")):
     with pytest.raises(ConfigError) as e:
       policies.make_options(name, **{bad: 1})

@@ -76,6 +76,9 @@ CANDIDATES = ("even", "dhondt", "blend")      # every kind `replica_counts` know
 DEFAULT_CANDIDATES = ("even", "dhondt")
 PLAN_FOR = ("spread", "mean")
 CENTERS = ("median", "mean")
+CAPACITY_MODES = ("slot", "device")
+NO_COST = ("the fsep planner got cost=None; pass the run's cost model, "
+           "moejax.strategy.placement_cost.placement_cost(cfg.model, cfg.moe, profile).")
 
 
 def even_counts(load_E: np.ndarray, total: int) -> np.ndarray:
@@ -197,6 +200,7 @@ class FsepOptions:
   min_parts: int = 16                  # `snap_counts`: parts per replica below which ...
   max_part: float = 0.02               # ... or one part above this share of a device: coarse
   capacity_factor: float | None = None  # the dense dispatch's (None: dropless, time decides)
+  capacity: str = "slot"               # its buffers: per (source, slot) or "device" (pooled)
   locality: bool = True                # per-source shares: own tokens to own replica first
   local_min_rows: float = 128.0        # ... for experts with at least this many rows per device
   plan_for: str = "spread"             # or "mean": today's plan for the window's mean load
@@ -218,6 +222,9 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
   o = options
   if o.plan_for not in PLAN_FOR:
     raise ConfigError(f"fsep plan_for={o.plan_for!r} is unknown; choose one of {PLAN_FOR}.")
+  if o.capacity not in CAPACITY_MODES:
+    raise ConfigError(f"fsep capacity={o.capacity!r} is unknown; choose one of "
+                      f"{CAPACITY_MODES} (moe.capacity).")
   if o.center not in CENTERS or o.center_steps < 1:
     raise ConfigError(f"fsep center={o.center!r}, center_steps={o.center_steps}: choose center "
                       f"from {CENTERS} and center_steps >= 1.")
@@ -229,7 +236,8 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
     raise ConfigError(f"fsep needs N*C >= E slots for E={num_experts} experts, got N={n} "
                       f"devices x C={c} slots = {n * max(c, 0)}; set slots per device to at "
                       f"least ceil(E/N)={-(-num_experts // n)}.")
-  cost = cost or CostModel()
+  if cost is None:
+    raise ConfigError(NO_COST)
   spread = (o.plan_for == "spread" and samples_ZxWxE is not None and len(samples_ZxWxE) > 1)
   if spread and o.center == "median":
     pred = recent_center(pred, samples_ZxWxE, o.center_steps)
@@ -249,7 +257,8 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
   r_YxE = np.stack([r for r, _ in counts.values()])
   coarse_YxE = np.stack([m for _, m in counts.values()])
   total_N = np.einsum("ne->n", dev_NxE)
-  cap_N = None if o.capacity_factor is None else o.capacity_factor * total_N / (n * c)
+  buffers = n if o.capacity == "device" else n * c       # per source
+  cap_N = None if o.capacity_factor is None else o.capacity_factor * total_N / buffers
   peak_of = functools.partial(_peaks, load_E=load_E, load_ZxE=load_ZxE, dev_NxE=dev_NxE,
                               total_N=total_N, n=n, rounds=rounds, iters=o.level_iters)
   # The candidate with the lowest bound on its score first; the others only where their
@@ -277,7 +286,7 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
   kept_y = sorted(first + rest)
   step_s = [cost.compute_s(float(a)) + cost.exchange_s(float(b)) for a, b in zip(peak, sent)]
   if o.capacity_factor is not None:
-    dropped = overflow(grid, share, dev_NxE, cap_N)
+    dropped = overflow(grid, share, dev_NxE, cap_N, pooled=o.capacity == "device")
     close = np.asarray(step_s) <= min(step_s) * (1 + TIME_SLACK)
     best = int(min(np.flatnonzero(close), key=lambda k: (dropped[k], step_s[k])))
   else:
@@ -299,7 +308,7 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
   local = None
   plain_E = coarse_E | (load_E < o.local_min_rows * n)
   if o.locality and not plain_E.all():   # coarse experts, and those with few rows per device,
-    share, local = _per_source(grid, share, dev_NxE, load_E, cap_N, plain_E, o)  # keep the split
+    share, local = _per_source(grid, share, dev_NxE, load_E, c, plain_E, o)  # keep the split
     slot_share[:, :rounds] = share
     local = np.pad(local, ((0, 0), (0, c - rounds))).ravel()
   return Placement(slot_expert.ravel(), slot_share.ravel(), n, routing="split", local=local)
@@ -340,11 +349,13 @@ def _peaks(r_YxE, coarse_YxE, *, load_E, load_ZxE, dev_NxE, total_N, n, rounds, 
   return grid, share, peak, estimate(grid, share, dev_NxE, load_E, total_N=total_N)[1].max(1)
 
 
-def _per_source(grid, share, dev_NxE, load_E, cap_N, coarse_E, o: FsepOptions):
+def _per_source(grid, share, dev_NxE, load_E, slots, coarse_E, o: FsepOptions):
   """(shares of the rest, kept fractions) [N, rounds] of the chosen layout (module doc of
-  moejax.placement.locality), in whole router parts when o.exact_parts."""
-  kept, remote, rest = keep_local(grid[None], share[None], dev_NxE, load_E, cap_N,
-                                  coarse_E[None])
+  moejax.placement.locality), in whole router parts when o.exact_parts. Under the dense
+  dispatch what is kept stays within the buffer the program sizes anyway."""
+  mode = None if o.capacity_factor is None else o.capacity
+  kept, remote, rest = keep_local(grid[None], share[None], dev_NxE, load_E, coarse_E[None],
+                                  capacity=mode, slots=slots)
   kept = local_parts(kept) if o.exact_parts else kept
   if o.exact_parts:
     base = np.einsum("knr,knr->kn", kept, own_counts(grid[None], dev_NxE))

@@ -40,14 +40,17 @@ def device_load(grid: np.ndarray, share: np.ndarray, load_E: np.ndarray) -> np.n
 
 
 def overflow(grid: np.ndarray, share: np.ndarray, dev_NxE: np.ndarray,
-             cap_N: np.ndarray) -> np.ndarray:
+             cap_N: np.ndarray, pooled: bool = False) -> np.ndarray:
   """Dropped share [Y] of all choices when source device s sends dev_NxE[s, e] x share to
   each replica of e (grid[Y, N, rounds], share[Y, N, rounds]) and a (source, slot) pair
-  takes at most cap_N[s] rows. An estimate for ranking candidates: mean counts (no spread),
-  no rounding of the capacity, and sources already folded onto their expert-axis device
-  (with data > 1, sources that differ overflow more than this says). Memory grows as
-  Y x N^2 x rounds (about 1 GB at N=1024, C=64)."""
+  takes at most cap_N[s] rows (pooled: a (source, device) pair, its slots' rows summed). An
+  estimate for ranking candidates: mean counts (no spread), no rounding of the capacity, and
+  sources already folded onto their expert-axis device (with data > 1, sources that differ
+  overflow more than this says). Memory grows as Y x N^2 x rounds (about 1 GB at N=1024,
+  C=64)."""
   rows_YxNxNxC = dev_NxE[:, grid].transpose(1, 0, 2, 3) * share[:, None]
+  if pooled:
+    rows_YxNxNxC = rows_YxNxNxC.sum(-1, keepdims=True)
   over = np.maximum(rows_YxNxNxC - cap_N[None, :, None, None], 0.0).sum((1, 2, 3))
   return over / max(float(dev_NxE.sum()), 1e-12)
 

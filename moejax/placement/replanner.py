@@ -29,26 +29,28 @@ class Switch(NamedTuple):
 
 def _config_options(cfg: PlannerConfig, capacity_factor: float | None, capacity: str) -> dict:
   """The policy options the config sets: smartmoe's hysteresis and, under pooled capacity,
-  the factor its drops are scored at; fsep's dense capacity, spread planning and locality."""
+  the factor its drops are scored at; fsep's dense capacity (factor and mode), spread
+  planning and locality."""
   if cfg.policy == "smartmoe":
     pooled = capacity_factor if capacity == "device" and capacity_factor else 0.0
     return {"min_gain": cfg.min_gain, "pooled_capacity_factor": pooled}
   if cfg.policy == "fsep":
-    return {"capacity_factor": capacity_factor, "plan_for": cfg.fsep_plan_for,
-            "locality": cfg.fsep_locality}
+    return {"capacity_factor": capacity_factor, "capacity": capacity,
+            "plan_for": cfg.fsep_plan_for, "locality": cfg.fsep_locality}
   return {}
 
 
 class OnlinePlanner:
-  def __init__(self, cfg: PlannerConfig, num_devices: int, cost: policies.CostModel | None = None,
+  def __init__(self, cfg: PlannerConfig, num_devices: int, cost: policies.CostModel,
                capacity_factor: float | None = None, capacity: str = "slot"):
-    """`capacity_factor`: the dense dispatch's, so fsep plans count per-slot drops (None for
-    the dropless ragged dispatch); `capacity`: its mode (moe.capacity), 'device' makes
-    smartmoe score placements by pooled drops."""
+    """`cost`: the run's (moejax.strategy.placement_cost); `capacity_factor`: the dense
+    dispatch's, so fsep plans count drops and keeps its own pairs' buffers (None for the
+    dropless ragged dispatch); `capacity`: its mode (moe.capacity), 'device' makes smartmoe
+    score placements by pooled drops."""
     self.cfg = cfg
     self.capacity_factor = capacity_factor
     self.num_devices = num_devices
-    self.cost = cost or policies.CostModel()
+    self.cost = cost
     self.policy = policies.get_policy(cfg.policy)
     given = _config_options(cfg, capacity_factor, capacity)
     self.options = policies.make_options(cfg.policy, **given)
