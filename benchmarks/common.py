@@ -3,10 +3,15 @@ lowered module's operations are walked."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import platform
 import shlex
+import subprocess
 import sys
+
+import jax
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -17,8 +22,32 @@ def command(name: str, argv: list[str] | None = None) -> str:
                      *(sys.argv[1:] if argv is None else argv)])
 
 
+def provenance() -> dict:
+  """Where a result comes from: the commit, the date (UTC), the machine (CPU model or GPU
+  kind, jax version) and the load average over the last minute when it was written."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  try:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                            text=True, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    commit = "unknown"
+  kinds = sorted({d.device_kind for d in jax.devices()})
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+  except OSError:
+    pass
+  return {"commit": commit, "date": datetime.datetime.now(datetime.UTC).isoformat(),
+          "machine": {"cpu": cpu, "cores": os.cpu_count(), "devices": kinds,
+                      "jax": jax.__version__},
+          "load": os.getloadavg()[0]}
+
+
 def write_result(result: dict, path: str) -> None:
-  """Writes `result` as indented JSON to `path` (folders made) and says where."""
+  """Writes `result` as indented JSON to `path` (folders made), with its `provenance` where
+  the result does not say it itself, and says where."""
+  result = {**provenance(), **result}
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   with open(path, "w") as f:
     json.dump(result, f, indent=2)
