@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from moejax.config import ConfigError, PlannerConfig, TraceConfig
+from moejax.config import Config, ConfigError, PlannerConfig, TraceConfig
 from moejax.layout import placement as placement_lib
 from moejax.placement.replanner import OnlinePlanner
 from moejax.train.controllers import Hook
@@ -196,3 +196,26 @@ def test_trace_sources_are_stored_expert_major(tmp_path):
   for s in range(8):
     device, row = s * 4 // 8, s % 2
     np.testing.assert_array_equal(stored[s], counts[0, row * 4 + device])
+
+
+def test_the_trainers_planner_plans_with_the_runs_model_hardware_and_capacity():
+  """The re-planner the strategy pool builds (`online_planner`) weighs compute against the
+  exchange with the config's d_model, expert d_ff and dtype on the configured hardware
+  profile's rates, and plans fsep for the dense dispatch's capacity factor and mode."""
+  from moejax.strategy.cost import PRESETS
+  from moejax.train.pool import online_planner
+  cfg = Config()
+  cfg = dataclasses.replace(
+      cfg, model=dataclasses.replace(cfg.model, d_model=48, dtype="bfloat16"),
+      moe=dataclasses.replace(cfg.moe, d_ff=80, expert_mode="fsep", capacity="device",
+                              capacity_factor=1.5),
+      planner=dataclasses.replace(cfg.planner, policy="fsep"),
+      strategy=dataclasses.replace(cfg.strategy, profile="h100_node"))
+  planner = online_planner(cfg, 4)
+  profile = PRESETS["h100_node"]
+  assert (planner.cost.d_model, planner.cost.d_ff, planner.cost.act_bytes) == (48, 80, 2)
+  assert planner.cost.flops_per_s == profile.flops_per_s / profile.compute_scale
+  assert planner.cost.link_bytes_per_s == profile.a2a_bytes_per_s / profile.comm_scale
+  assert (planner.options.capacity_factor, planner.options.capacity) == (1.5, "device")
+  ragged = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dispatch="ragged"))
+  assert online_planner(ragged, 4).options.capacity_factor is None
