@@ -36,11 +36,16 @@ def test_observe_counts_from_another_members_mesh_keep_the_expert_totals():
   np.testing.assert_allclose(op.history[-1][:, 0], op.history[-1][:, 7])   # spread evenly
 
 
-def test_due_only_every_x_steps_with_history():
+def test_due_at_the_first_finished_step_then_every_x_steps():
   op = OnlinePlanner(PlannerConfig(policy="smartmoe", every=5), num_devices=4, cost=PLAN_COST)
-  assert not op.due(5)                                # nothing observed yet
+  assert not op.due(1)                                # nothing observed yet
   op.observe(np.ones((1, 4, 8)))
+  assert op.due(1) and op.due(2), "the cold start plans from the first finished step"
+  op.propose([placement_lib.static(8, 4)])
   assert [s for s in range(12) if op.due(s)] == [5, 10]
+  clone = OnlinePlanner(op.cfg, 4, cost=PLAN_COST)
+  clone.load_state_dict(json.loads(json.dumps(op.state_dict())))
+  assert [s for s in range(12) if clone.due(s)] == [5, 10], "a resumed run keeps its period"
   assert not OnlinePlanner(PlannerConfig(policy="static", every=5), 4, cost=PLAN_COST).due(5)
 
 
@@ -52,6 +57,7 @@ def test_fsep_every_sets_the_fsep_replanners_period_only():
   unset = OnlinePlanner(PlannerConfig(policy="fsep", every=6), num_devices=4, cost=PLAN_COST)
   for op in (fsep, ep, unset):
     op.observe(np.ones((1, 4, 8)))
+    op.propose([placement_lib.static(8, 4)])
   assert [s for s in range(13) if fsep.due(s)] == [2, 4, 6, 8, 10, 12]
   assert [s for s in range(13) if ep.due(s)] == [6, 12]
   assert [s for s in range(13) if unset.due(s)] == [6, 12]

@@ -2,8 +2,10 @@
 
 Host-side and JAX-free. The trainer feeds it each finished step's count matrix
 and asks, before dispatching step t, whether to switch layouts; the plan uses
-only steps that had finished by then. The layout is shared by all data rows, so
-sources are folded onto their expert-axis device first.
+only steps that had finished by then. The first plan comes as soon as one step
+has finished (the initial layout knows nothing of the load), then every X steps.
+The layout is shared by all data rows, so sources are folded onto their
+expert-axis device first.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class OnlinePlanner:
     given = _config_options(cfg, capacity_factor, capacity)
     self.options = policies.make_options(cfg.policy, **given)
     self.history: collections.deque = collections.deque(maxlen=cfg.window)
+    self.planned = False             # a plan has been made (the cold start is over)
 
   def observe(self, counts_LxWxE: np.ndarray) -> None:
     """Counts of one finished step; sources ordered (data, expert) row-major."""
@@ -79,11 +82,14 @@ class OnlinePlanner:
     return self.cfg.every
 
   def due(self, step: int) -> bool:
-    return (self.active and self.every > 0 and step > 0 and
-            step % self.every == 0 and len(self.history) > 0)
+    """Re-plan before `step`: at the first step with a finished one to plan from, then every
+    `every` steps."""
+    return (self.active and self.every > 0 and len(self.history) > 0 and
+            (not self.planned or (step > 0 and step % self.every == 0)))
 
   def propose(self, current: list[Placement]) -> tuple[list[Placement], list[Switch]]:
     """New placements per layer (the current one where no switch pays off)."""
+    self.planned = True
     history_ZxLxNxE = np.stack(self.history)[-self.cfg.window:]
     pred_LxNxE = policies.predict(history_ZxLxNxE, self.cfg.window)
     src = np.arange(self.num_devices)
@@ -107,9 +113,11 @@ class OnlinePlanner:
     return out, switches
 
   def state_dict(self) -> dict:
-    return {"history": [h.tolist() for h in self.history]}
+    return {"history": [h.tolist() for h in self.history], "planned": self.planned}
 
   def load_state_dict(self, d: dict) -> None:
     self.history.clear()
     for h in d.get("history", []):
       self.history.append(np.asarray(h, np.float64))
+    # A checkpoint without the flag was written by a run that planned every X steps only.
+    self.planned = bool(d.get("planned", len(self.history) > 0))
