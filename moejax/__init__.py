@@ -27,7 +27,7 @@ thing everywhere in moejax (and in pallas_kernels, benchmarks and tests):
   U  rows of an exchange buffer (send or receive) or of one slot's part of it
   V  vocabulary
   W  token sources: the devices (or trace workers) whose choices are counted, e.g. counts_WxE
-  Y  candidate layouts the fsep planner scores together (placement/fsep.py)
+  Y  candidate layouts the fsep planner scores together (placement/fsep/)
   Z  finished steps of a count history or trace, e.g. counts_ZxLxWxE
 
 A flattened axis has no letter of its own; say its shape in a comment. `Q1` is Q + 1 (a

@@ -12,8 +12,8 @@ from moejax.config import ConfigError
 from moejax.layout import placement as placement_lib
 from moejax.placement import fsep
 from moejax.placement.drift import drift_bursts_trace, step_change
+from moejax.placement.fsep.spread import recent_center
 from moejax.placement.replay import oracle, replay, with_regret
-from moejax.placement.spread import recent_center
 from moejax.placement.workloads import load_trace
 from tests.plan_helpers import PLAN_COST
 

@@ -13,8 +13,9 @@ from moejax.config import ConfigError
 from moejax.layout import placement as placement_lib
 from moejax.layout.flow import flow, max_over_mean
 from moejax.placement import fsep, policies
+from moejax.placement.fsep.score import overflow
+from moejax.placement.fsep.spread import recent_center
 from moejax.placement.replay import replay
-from moejax.placement.spread import recent_center
 from moejax.placement.workloads import load_trace, synthetic_trace
 from tests.plan_helpers import PLAN_COST
 
@@ -82,7 +83,7 @@ def test_overflow_counts_rows_over_each_source_slot_capacity():
   # 0: source 0 puts 10 rows on slot (0, e0), source 1 puts 4 and 6: over a cap of 5 and 6,
   #    5 rows drop. 1: expert 1 has no replica (its 6 rows are not this function's to
   #    count); e0 split in halves: 5 + 5 and 2 + 2, nothing over.
-  np.testing.assert_allclose(fsep.overflow(grid, share, dev_NxE, np.array([5.0, 6.0])),
+  np.testing.assert_allclose(overflow(grid, share, dev_NxE, np.array([5.0, 6.0])),
                              [5 / 20, 0.0])
 
 
@@ -98,7 +99,7 @@ def test_dense_dispatch_plan_gives_hot_experts_the_slots_that_cut_drops():
   checked = _plan(pred, 4, 4, capacity_factor=cf)
   _check_layout(checked, 8, 4, 4)
   assert checked.replicas(8)[0] == checked.replicas(8)[1] == 4
-  drop = [float(fsep.overflow(p.slot_expert.reshape(1, 4, 4), p.share.reshape(1, 4, 4),
+  drop = [float(overflow(p.slot_expert.reshape(1, 4, 4), p.share.reshape(1, 4, 4),
                               pred, cap_N)[0]) for p in (timed, checked)]
   assert drop[1] == pytest.approx(1 - 1.25 / 2, abs=0.01)   # cap 1.25/16 vs 1/8 per replica
   # Time alone ties and takes the first candidate, `even`: two replicas each, twice as far

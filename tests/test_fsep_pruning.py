@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from moejax.layout import placement as placement_lib
-from moejax.placement import fsep, fsep_deal
+from moejax.placement import fsep
+from moejax.placement.fsep import deal as fsep_deal, planner as fsep_planner
 from moejax.placement.workloads import synthetic_trace
 from tests.plan_helpers import PLAN_COST
 
@@ -39,9 +40,9 @@ def test_deal_bound_never_exceeds_the_score(seed):
     if window is not None:
       window *= load_E.sum() / window.sum(1, keepdims=True)
     total_N = dev_NxE.sum(1)
-    peak_lo, sent_lo = fsep._deal_bound(r_YxE, m_YxE, load_E, window, dev_NxE, total_N, n,
+    peak_lo, sent_lo = fsep_deal.deal_bound(r_YxE, m_YxE, load_E, window, dev_NxE, total_N, n,
                                         rounds)
-    _, share, peak, sent = fsep._peaks(r_YxE, m_YxE, load_E=load_E, load_ZxE=window,
+    _, share, peak, sent = fsep_planner.peaks(r_YxE, m_YxE, load_E=load_E, load_ZxE=window,
                                        dev_NxE=dev_NxE, total_N=total_N, n=n, rounds=rounds,
                                        iters=3)
     assert np.all(peak_lo <= peak * (1 + 1e-9)), (peak_lo, peak)
@@ -62,16 +63,17 @@ def test_pruning_changes_no_layout(n, e, kind, monkeypatch):
                                options=opts)
 
   levelled = []
-  peaks = fsep._peaks
+  peaks = fsep_planner.peaks
 
   def counted(grid, *a, **kw):
     levelled.append(len(grid))
     return peaks(grid, *a, **kw)
 
-  monkeypatch.setattr(fsep, "_peaks", counted)
+  monkeypatch.setattr(fsep_planner, "peaks", counted)
   pruned = plan()
   kept = sum(levelled)
-  monkeypatch.setattr(fsep, "_deal_bound", lambda r, *a: (np.zeros(len(r)), np.zeros(len(r))))
+  monkeypatch.setattr(fsep_planner, "deal_bound",
+                      lambda r, *a: (np.zeros(len(r)), np.zeros(len(r))))
   levelled.clear()
   full = plan()
   np.testing.assert_array_equal(pruned.slot_expert, full.slot_expert)

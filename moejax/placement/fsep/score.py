@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moejax.placement.fsep_deal import LARGE_MESH
+from moejax.placement.fsep.deal import LARGE_MESH
 
 
 def own_counts(grid: np.ndarray, dev_NxE: np.ndarray) -> np.ndarray:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from moejax.layout.placement import SHARE_PARTS
-from moejax.placement.fsep_score import own_counts
+from moejax.placement.fsep.score import own_counts
 
 BUDGET_ROUNDS = 4     # fixed-point steps: the shares of the rest move with what is kept
 
@@ -32,7 +32,7 @@ def keep_local(grid: np.ndarray, share: np.ndarray, dev_NxE: np.ndarray, load_E:
   its own tokens each replica keeps (1 where the device predicts none, so unexpected tokens
   stay home), the shares of the rest per expert (the plain shares where nothing is left), and
   each expert's predicted tokens left to split. Experts marked in `coarse_YxE` (see
-  fsep.snap_counts: their shares are whole, even router parts) keep nothing back: the rest's
+  counts.snap_counts: their shares are whole, even router parts) keep nothing back: the rest's
   shares would no longer be even, and one part of a hot expert on many devices is a few
   percent of a device's load, so rounding them would unlevel the devices.
 

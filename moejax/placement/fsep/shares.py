@@ -3,7 +3,7 @@
 Candidates are Y layouts grid[Y, N, rounds] (the expert of each replica, at most one per
 (device, expert)); shares are [Y, N, rounds] and sum to 1 per expert and candidate. Both steps
 work on a flat list of the replicas that can still change: at N = 4096, E = 256, C = 8 the
-experts snapped to even power-of-two shares (fsep.snap_counts) hold ~86% of the replicas, so
+experts snapped to even power-of-two shares (counts.snap_counts) hold ~86% of the replicas, so
 the other 14% are all that levelling and rounding touch.
 """
 
@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from moejax.layout.placement import SHARE_PARTS
-from moejax.placement.fsep_deal import LARGE_MESH
+from moejax.placement.fsep.deal import LARGE_MESH
 
 
 def expert_index(grid: np.ndarray, num_experts: int) -> np.ndarray:
@@ -50,7 +50,7 @@ def levelled(grid: np.ndarray, r_YxE: np.ndarray, load_E: np.ndarray, iters: int
   indices of the other replicas (what `quantise` rounds), the devices' frozen loads, and the
   busiest device's load (frozen + levelled), so that scoring and rounding need no second
   pass over all N x rounds replicas (at N = 4096 the frozen ones are 86% of 32,768).
-  `even_YxN`: each device's load at even shares (`fsep_deal.deal`'s); the frozen loads are
+  `even_YxN`: each device's load at even shares (`deal.deal`'s); the frozen loads are
   then that less the other replicas' even loads, not a gather and sum over every replica."""
   r_YxE = np.atleast_2d(r_YxE)
   k, n, rounds = grid.shape
@@ -183,7 +183,7 @@ def quantise(grid: np.ndarray, share: np.ndarray, load_E: np.ndarray,
       gap = dev_load.take(dev) - mean_D.take(dev)
       key = gap - frac.take(pick) * 1e-6                         # deficit first
       if n >= LARGE_MESH:
-        order = _by_expert_then(e_sel, key)
+        order = by_expert_then(e_sel, key)
       else:                       # argsort: ties in whatever order numpy's sort leaves them
         order = np.argsort(e_sel + key / (2.0 * float(np.abs(gap).max()) + 1.0))
       at, e_sel = at.take(order), e_sel.take(order)
@@ -216,7 +216,7 @@ def tie_rank(e_sel: np.ndarray, bits: int) -> np.ndarray:
   return ((np.arange(len(e_sel)) + ((e_sel * _SALT) & mask)) * _ODD) & mask
 
 
-def _by_expert_then(e_sel: np.ndarray, key: np.ndarray) -> np.ndarray:
+def by_expert_then(e_sel: np.ndarray, key: np.ndarray) -> np.ndarray:
   """The order of the replicas by expert id, then by `key` ascending, then by `tie_rank`: one
   int64 sort (expert | key scaled to the bits left | tie rank) instead of an argsort of
   floats, ~3x as fast at 4,600 replicas; keys closer than their range / 2**(bits left)

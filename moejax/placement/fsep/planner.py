@@ -1,50 +1,17 @@
-"""FSEP placement (LAER-MoE style): replicas of hot experts, any layout every step.
-
-In FSEP mode every expert's weights are sharded 1/N over all N devices and each step restores
-the experts of the layout in use, so a layout may hold several replicas of an expert and may
-change every step at no extra cost. Every slot hosts an expert (all N*C of them when C <= E;
-with C > E every device holds all E and the rest stay empty), and an expert has at most one
-replica per device, so at most N replicas (the in-graph router relies on it).
+"""The fsep planner: one MoE layer's replicas, their devices and token shares (numpy only).
 
   place_replicas(pred_WxE, current, *, slots, src_dev_W, cost, num_devices, options)
-    -> Placement
 
-Sources are folded onto their devices first. Each candidate replica count (`even`: N*C // E
-each, the remainder to the hottest experts; `dhondt`: highest-averages apportionment of the
-slots by predicted load, every expert >= 1 and <= N; `blend`, optional: the same on load +
-mean load) goes through:
-  0. snap: experts whose tokens the router could only split coarsely (fewer than 16 parts
-     of SHARE_PARTS per replica, or one part > 2% of a device's mean load) get a power-of-two
-     replica count and even shares, so their parts are exact; the rest are re-apportioned;
-  1. place: replicas sorted by per-replica load (load_e / r_e) descending are dealt in C rounds
-     of N, the round's largest replica to the currently least-loaded device, one per device per
-     round (devices already holding the expert that straddles two rounds go last);
-  2. split: token shares start even (1/r_e); the other experts' shares are levelled by a few
-     over-relaxed Sinkhorn steps (scale by (device target / device load) ** 1.5, renormalise
-     per expert, keep the best step);
-  3. score (with plan_for='spread' and a window, on the busiest device averaged over the
-     window's steps, with candidates also apportioned to its last step and mean + std:
-     moejax.placement.spread): cost.compute_s(max device load) + cost.exchange_s(max sent off
-     a device) under the dense dispatch's split routing on the predicted counts (each source
-     splits its tokens for e over e's replicas by their shares; `estimate`). With
-     `capacity_factor` (the dense dispatch: fixed rows per (source, slot) pair),
-     candidates within `TIME_SLACK` of the best score are told apart by their overflow of
-     those rows on the mean counts (`overflow`): device loads alone can tie while one
-     layout overflows its slots much further than another. Time decides first because a
-     planner that put overflow first did not drop fewer choices in training.
-The best candidate's shares are then rounded to whole parts of SHARE_PARTS, the router's
-unit, towards level device loads (`quantise`), so what replay and the device router realise
-is what was planned; then each device keeps its own tokens on its own replicas first
-(per-source shares, moejax.placement.locality). Before step 1 each candidate gets a lower
-bound on its score from the deal order alone (`fsep_deal.deal_bound`); the one with the
-lowest bound is placed and scored first, and another only if its bound comes within
-TIME_SLACK of that score, so pruning changes no choice (the first one's rows sent are
-scored only where they could admit another, `_first_sent`). With plan_for='spread' and a
-window the load levelled on is each expert's median share over the window's last
-`center_steps` steps (spread.recent_center; center='mean' keeps the window mean). Python
-loops run only over candidates, the C rounds, levelling steps and rounding batches. From
-fsep_deal.LARGE_MESH devices on, some sums run in other orders and exact ties in rounding
-go by a stated rank (decision 0056); below it the plans are decision 0049's bit for bit.
+Every slot hosts an expert (all N*C of them when C <= E), at most one replica of an expert
+per device. Each candidate replica count (`counts`) is dealt to devices round by round
+(`deal`), its shares levelled towards equal device loads (`shares.levelled`) and scored by
+the cost model on the busiest device and the rows sent (`score`), on the window's steps
+with plan_for='spread' (`spread`); under the dense dispatch near ties go to the candidate
+that overflows its buffers least. A bound from the deal order alone prunes candidates
+without changing the choice. The chosen shares are rounded to the router's parts
+(`shares.quantise`); then each device keeps its own tokens on its own replicas first, within
+the buffer the program sizes anyway (`locality`). Decisions 0012, 0022, 0023, 0049, 0056,
+0060 and 0061 give the reasons and the numbers.
 """
 
 from __future__ import annotations
@@ -56,10 +23,12 @@ import itertools
 import numpy as np
 
 from moejax.config import ConfigError
-from moejax.layout.placement import SHARE_PARTS, Placement
+from moejax.layout.placement import Placement
 from moejax.placement.cost import CostModel
-from moejax.placement.fsep_deal import deal, deal_bound as _deal_bound
-from moejax.placement.fsep_score import (
+from moejax.placement.fsep.counts import replica_counts, snap_counts
+from moejax.placement.fsep.deal import deal, deal_bound
+from moejax.placement.fsep.locality import keep_local, local_parts
+from moejax.placement.fsep.score import (
   column_sums,
   device_load,
   estimate,
@@ -67,128 +36,16 @@ from moejax.placement.fsep_score import (
   overflow,
   own_counts,
 )
-from moejax.placement.fsep_shares import levelled, quantise
-from moejax.placement.locality import keep_local, local_parts
-from moejax.placement.spread import hedge_loads, mean_peak, recent_center, window_loads
+from moejax.placement.fsep.shares import levelled, quantise
+from moejax.placement.fsep.spread import hedge_loads, mean_peak, recent_center, window_loads
 
 TIME_SLACK = 0.01     # relative score within which the dense dispatch's overflow decides
-CANDIDATES = ("even", "dhondt", "blend")      # every kind `replica_counts` knows
 DEFAULT_CANDIDATES = ("even", "dhondt")
 PLAN_FOR = ("spread", "mean")
 CENTERS = ("median", "mean")
 CAPACITY_MODES = ("slot", "device")
 NO_COST = ("the fsep planner got cost=None; pass the run's cost model, "
            "moejax.strategy.placement_cost.placement_cost(cfg.model, cfg.moe, profile).")
-
-
-def even_counts(load_E: np.ndarray, total: int) -> np.ndarray:
-  """`total` // E replicas each, one more for the (total % E) hottest experts."""
-  num_experts = len(load_E)
-  r = np.full(num_experts, total // num_experts, np.int64)
-  rem = total % num_experts
-  if rem:
-    r[np.argsort(-load_E, kind="stable")[:rem]] += 1
-  return r
-
-
-def _top_values(load_E: np.ndarray, first_k: np.ndarray, cap: int, take: int) -> np.ndarray:
-  """How many of each expert's next values load_e / k, k = first_k[e], first_k[e] + 1, ...
-  (k <= cap) are among the `take` largest of all of them; ties to the lower expert id.
-
-  Only values at or above a lower bound on the take-th largest are built: the take-th largest
-  of the experts' first values (one per expert) is one, since those are among all the values.
-  At E = 256, N = 4096 that is ~1.3 x take values instead of E x take."""
-  num_experts = len(load_E)
-  m = min(take, cap)
-  first = np.where(first_k <= cap, load_E / first_k, -np.inf)
-  low = np.partition(first, num_experts - take)[num_experts - take] if take <= num_experts else 0.0
-  count_E = np.minimum(cap + 1 - first_k, m)                            # values k <= cap
-  if low > 0:                            # and load_e / k >= low: k <= load_e / low (+1: slack)
-    count_E = np.minimum(count_E, np.minimum(np.floor(load_E / low), m + first_k) + 2 - first_k)
-  count_E = np.maximum(count_E, 0).astype(np.int64)
-  expert = np.repeat(np.arange(num_experts), count_E)                  # expert-major, k rising
-  starts = np.cumsum(count_E) - count_E
-  ks = first_k.take(expert) + (np.arange(len(expert)) - starts.take(expert))
-  vals = load_E.take(expert) / ks
-  top = np.argpartition(-vals, take - 1)[:take]
-  thresh = vals[top].min()
-  chosen = vals > thresh
-  ties = np.flatnonzero(vals == thresh)[:take - int(chosen.sum())]   # expert-major order
-  chosen[ties] = True
-  return np.bincount(expert[chosen], minlength=num_experts)
-
-
-def dhondt_counts(load_E: np.ndarray, total: int, cap: int) -> np.ndarray:
-  """Highest averages (D'Hondt): every expert gets 1, each further replica goes to the expert
-  with the largest load_e / r_e, at most `cap` per expert, `total` (<= E * cap) in all.
-
-  Equivalent to taking the (total - E) largest values load_e / k, k = 2..cap, without building
-  all E x cap of them: every value above total_load / total is taken (there are at most
-  total - E of those), and only the few still missing are picked from each expert's next ones."""
-  load_E = np.asarray(load_E, np.float64)
-  num_experts = len(load_E)
-  extra = total - num_experts
-  if extra <= 0 or cap <= 1:
-    return np.ones(num_experts, np.int64)
-  if extra >= num_experts * (cap - 1):
-    return np.full(num_experts, cap, np.int64)
-  mass = load_E.sum()
-  if mass <= 0:
-    return even_counts(load_E, total)
-  lam = mass / total * (1 + 1e-9)
-  # Values load_e / k > lam for k in 2..cap: k < load_e / lam.
-  above = np.clip(np.ceil(load_E / lam) - 2, 0, cap - 1).astype(np.int64)
-  if above.sum() > extra:                                   # cannot happen; stay exact anyway
-    above[:] = 0
-  r = 1 + above
-  missing = extra - int(above.sum())
-  if missing > 0:
-    r += _top_values(load_E, r + 1, cap, missing)
-  return r
-
-
-def replica_counts(kind: str, load_E: np.ndarray, total: int, cap: int) -> np.ndarray:
-  if kind == "even":
-    return even_counts(load_E, total)
-  if kind == "dhondt":
-    return dhondt_counts(load_E, total, cap)
-  if kind == "blend":
-    return dhondt_counts(load_E + load_E.mean(), total, cap)
-  raise ConfigError(f"fsep candidate {kind!r} is unknown; choose from {list(CANDIDATES)}.")
-
-
-def snap_counts(r_E: np.ndarray, load_E: np.ndarray, total: int, cap: int,
-                min_parts: int = 16, max_part: float = 0.02,
-                kind: str = "dhondt") -> tuple[np.ndarray, np.ndarray]:
-  """(replica counts, coarse mask [E]). The router splits an expert's tokens in whole parts of
-  SHARE_PARTS; an expert with fewer than `min_parts` parts per replica, or one part above
-  `max_part` of the mean device load ("coarse": a hot expert on many devices), cannot have its
-  shares levelled finely, and rounding them costs balance (on N=1024 one part of the hottest
-  expert is several percent of a device's load). Coarse experts therefore get the power-of-two
-  replica count nearest theirs (at most min(cap, SHARE_PARTS); cap = N devices), so even
-  shares are whole parts, and keep even shares; if that changes their total, the other
-  experts are re-apportioned by the same rule (`kind`) over the remaining slots. Returns the
-  counts unchanged and no coarse expert when that is impossible."""
-  mean = load_E.sum() / cap
-  coarse = (r_E * min_parts > SHARE_PARTS) | (load_E / SHARE_PARTS > max_part * mean)
-  none = np.zeros(len(r_E), bool)
-  if not coarse.any():
-    return r_E, none
-  top = 1 << (min(cap, SHARE_PARTS).bit_length() - 1)       # largest power of 2 allowed
-  rc = r_E[coarse]
-  lo = np.left_shift(1, np.floor(np.log2(rc)).astype(np.int64))
-  snapped = np.minimum(np.where(rc - lo <= 2 * lo - rc, lo, 2 * lo), top)
-  if np.array_equal(snapped, rc):
-    return r_E, coarse
-  fine = ~coarse
-  rest = total - int(snapped.sum())
-  if not int(fine.sum()) <= rest <= int(fine.sum()) * cap:
-    return r_E, none
-  out = r_E.copy()
-  out[coarse] = snapped
-  if fine.any():
-    out[fine] = replica_counts(kind, load_E[fine], rest, cap)
-  return out, coarse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +75,7 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
   num_devices is not given. options.exact_parts=False skips snapping and rounding to router
   parts (faster, but on N >= 256 the router's own rounding then costs a few percent of
   balance). `samples_ZxWxE`: the finished steps pred_WxE averages, which plan_for='spread'
-  plans for (moejax.placement.spread); without two or more it plans for the mean."""
+  plans for (moejax.placement.fsep.spread); without two or more it plans for the mean."""
   o = options
   if o.plan_for not in PLAN_FOR:
     raise ConfigError(f"fsep plan_for={o.plan_for!r} is unknown; choose one of {PLAN_FOR}.")
@@ -259,13 +116,13 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
   total_N = np.einsum("ne->n", dev_NxE)
   buffers = n if o.capacity == "device" else n * c       # per source
   cap_N = None if o.capacity_factor is None else o.capacity_factor * total_N / buffers
-  peak_of = functools.partial(_peaks, load_E=load_E, load_ZxE=load_ZxE, dev_NxE=dev_NxE,
+  peak_of = functools.partial(peaks, load_E=load_E, load_ZxE=load_ZxE, dev_NxE=dev_NxE,
                               total_N=total_N, n=n, rounds=rounds, iters=o.level_iters)
   # The candidate with the lowest bound on its score first; the others only where their
   # bound does not already rule them out, before they are placed (at N = 4096 'even' snaps
   # every expert to even shares, and its bound, 1.6x the mean load, rules it out). Bounds
   # are checked against the score before it is tie-broken, so pruning changes no choice.
-  peak_lo, sent_lo = _deal_bound(r_YxE, coarse_YxE, load_E, load_ZxE, dev_NxE, total_N, n,
+  peak_lo, sent_lo = deal_bound(r_YxE, coarse_YxE, load_E, load_ZxE, dev_NxE, total_N, n,
                                  rounds)
   bound_s = np.array([cost.compute_s(float(b)) + cost.exchange_s(float(x))
                       for b, x in zip(peak_lo, sent_lo)])
@@ -325,7 +182,7 @@ def _first_sent(grid, share, peak, bound_s, first, cost, dev_NxE, load_E, total_
   return np.array([total_N.max()])
 
 
-def _peaks(r_YxE, coarse_YxE, *, load_E, load_ZxE, dev_NxE, total_N, n, rounds, iters,
+def peaks(r_YxE, coarse_YxE, *, load_E, load_ZxE, dev_NxE, total_N, n, rounds, iters,
            sent_too=True, levelled_out=None):
   """(grid, shares, score load, max sent) [Y, ...] of candidate replica counts r_YxE: placed,
   levelled, scored on the busiest device (averaged over the window's steps when given).
@@ -351,7 +208,7 @@ def _peaks(r_YxE, coarse_YxE, *, load_E, load_ZxE, dev_NxE, total_N, n, rounds, 
 
 def _per_source(grid, share, dev_NxE, load_E, slots, coarse_E, o: FsepOptions):
   """(shares of the rest, kept fractions) [N, rounds] of the chosen layout (module doc of
-  moejax.placement.locality), in whole router parts when o.exact_parts. Under the dense
+  moejax.placement.fsep.locality), in whole router parts when o.exact_parts. Under the dense
   dispatch what is kept stays within the buffer the program sizes anyway."""
   mode = None if o.capacity_factor is None else o.capacity
   kept, remote, rest = keep_local(grid[None], share[None], dev_NxE, load_E, coarse_E[None],
