@@ -17,9 +17,18 @@ import numpy as np
 
 from moejax.config import PlannerConfig
 from moejax.layout import placement as placement_lib
-from moejax.layout.flow import flow, max_over_mean
+from moejax.layout.flow import max_over_mean
 from moejax.layout.placement import Placement
 from moejax.placement import policies
+
+
+def _planned_load(p: Placement, pred_NxE: np.ndarray) -> np.ndarray:
+  """[N]: each device's share of the predicted load under `p` (its slots' shares of their
+  experts' totals): what the plan promises, without routing every source's rows."""
+  load_E = np.asarray(pred_NxE, np.float64).sum(0)
+  se = p.slot_expert
+  rows = np.where(se >= 0, p.share * load_E[np.maximum(se, 0)], 0.0)
+  return rows.reshape(p.num_devices, -1).sum(1)
 
 
 class Switch(NamedTuple):
@@ -104,8 +113,8 @@ class OnlinePlanner:
           np.array_equal(placement_lib.local_parts(new), placement_lib.local_parts(cur))):
         continue
       experts = pred_NxE.shape[1]
-      before = max_over_mean(flow(cur, pred_NxE, src).device_load_N)
-      after = max_over_mean(flow(new, pred_NxE, src).device_load_N)
+      before = max_over_mean(_planned_load(cur, pred_NxE))
+      after = max_over_mean(_planned_load(new, pred_NxE))
       added_NxE = placement_lib.presence(new, experts) & ~placement_lib.presence(cur, experts)
       moved = int(added_NxE.sum())
       out[layer] = new

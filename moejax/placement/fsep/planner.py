@@ -142,10 +142,10 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
                                for a, b in zip((grid, share, peak, sent), more))
   kept_y = sorted(first + rest)
   step_s = [cost.compute_s(float(a)) + cost.exchange_s(float(b)) for a, b in zip(peak, sent)]
-  if o.capacity_factor is not None:
-    dropped = overflow(grid, share, dev_NxE, cap_N, pooled=o.capacity == "device")
-    close = np.asarray(step_s) <= min(step_s) * (1 + TIME_SLACK)
-    best = int(min(np.flatnonzero(close), key=lambda k: (dropped[k], step_s[k])))
+  close = np.flatnonzero(np.asarray(step_s) <= min(step_s) * (1 + TIME_SLACK))
+  if o.capacity_factor is not None and len(close) > 1:   # near ties: the buffers decide
+    dropped = overflow(grid[close], share[close], dev_NxE, cap_N, pooled=o.capacity == "device")
+    best = int(close[min(range(len(close)), key=lambda i: (dropped[i], step_s[close[i]]))])
   else:
     best = int(np.argmin(step_s))
   coarse_E = coarse_YxE[kept_y[best]]

@@ -48,10 +48,34 @@ def overflow(grid: np.ndarray, share: np.ndarray, dev_NxE: np.ndarray,
   sources already folded onto their expert-axis device (with data > 1, sources that differ
   overflow more than this says). Memory grows as Y x N^2 x rounds (about 1 GB at N=1024,
   C=64)."""
+  if not pooled and np.all(cap_N == cap_N[0]):
+    return _slot_overflow(grid, share, dev_NxE, float(cap_N[0]))
   rows_YxNxNxC = dev_NxE[:, grid].transpose(1, 0, 2, 3) * share[:, None]
   if pooled:
     rows_YxNxNxC = rows_YxNxNxC.sum(-1, keepdims=True)
   over = np.maximum(rows_YxNxNxC - cap_N[None, :, None, None], 0.0).sum((1, 2, 3))
+  return over / max(float(dev_NxE.sum()), 1e-12)
+
+
+def _slot_overflow(grid, share, dev_NxE, cap):
+  """`overflow` per (source, slot) with one cap for every source, without the [Y, N, N, C]
+  rows: a replica of e with share q overflows by sum_s max(dev[s, e] q - cap, 0)
+  = q x (sum of dev[:, e] above cap / q, less their count x cap / q), read off each expert's
+  sorted counts and their suffix sums."""
+  n, num_experts = dev_NxE.shape
+  sorted_NxE = np.sort(dev_NxE, axis=0)
+  suffix = np.concatenate([np.cumsum(sorted_NxE[::-1], axis=0)[::-1], np.zeros((1, num_experts))])
+  q = share.reshape(len(share), -1)
+  e = grid.reshape(len(grid), -1)
+  level = np.where(q > 0, cap / np.maximum(q, 1e-300), np.inf)
+  # sources above the level: those from the first sorted count > level on
+  first = np.empty(e.shape, np.int64)
+  for y in range(len(grid)):                     # per candidate: one searchsorted per expert
+    for ex in np.unique(e[y]):
+      at = e[y] == ex
+      first[y, at] = np.searchsorted(sorted_NxE[:, ex], level[y, at], side="right")
+  above = suffix[first, e] - (n - first) * level
+  over = np.where(q > 0, q * above, 0.0).sum(1)
   return over / max(float(dev_NxE.sum()), 1e-12)
 
 
