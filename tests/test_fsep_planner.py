@@ -87,6 +87,24 @@ def test_overflow_counts_rows_over_each_source_slot_capacity():
                              [5 / 20, 0.0])
 
 
+@pytest.mark.parametrize("pooled", [False, True])
+def test_overflow_equals_the_sum_over_every_source_and_slot(pooled):
+  """With one cap for all sources the per-slot overflow is read off sorted counts; it equals
+  the plain sum over every (source, slot) pair (pooled: every (source, device) pair)."""
+  rng = np.random.default_rng(3)
+  n, e, rounds = 16, 32, 8
+  dev_NxE = rng.integers(0, 60, (n, e)).astype(float)
+  grid = np.stack([rng.permutation(np.resize(np.arange(e), n * rounds)).reshape(n, rounds)
+                   for _ in range(3)])
+  share = rng.random(grid.shape) * 0.5
+  rows = dev_NxE[:, grid].transpose(1, 0, 2, 3) * share[:, None]          # [Y, src, N, C]
+  if pooled:
+    rows = rows.sum(-1)
+  want = np.maximum(rows - 9.0, 0).reshape(3, -1).sum(1) / dev_NxE.sum()
+  np.testing.assert_allclose(overflow(grid, share, dev_NxE, np.full(n, 9.0), pooled=pooled),
+                             want, rtol=1e-12)
+
+
 def test_dense_dispatch_plan_gives_hot_experts_the_slots_that_cut_drops():
   # E=8 on N=4 x C=4: every token picks experts 0 and 1 (top-2). Two replicas each or four
   # each load every device alike; per (source, slot) capacity only the second keeps.
