@@ -114,8 +114,11 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
   r_YxE = np.stack([r for r, _ in counts.values()])
   coarse_YxE = np.stack([m for _, m in counts.values()])
   total_N = np.einsum("ne->n", dev_NxE)
+  # One buffer size for every source: the program sizes it from T x K, the same everywhere
+  # (the predicted counts' row sums differ only where spread planning rescaled experts).
   buffers = n if o.capacity == "device" else n * c       # per source
-  cap_N = None if o.capacity_factor is None else o.capacity_factor * total_N / buffers
+  cap_N = (None if o.capacity_factor is None else
+           np.full(n, o.capacity_factor * float(total_N.mean()) / buffers))
   peak_of = functools.partial(peaks, load_E=load_E, load_ZxE=load_ZxE, dev_NxE=dev_NxE,
                               total_N=total_N, n=n, rounds=rounds, iters=o.level_iters)
   # The candidate with the lowest bound on its score first; the others only where their
