@@ -22,15 +22,22 @@ def command(name: str, argv: list[str] | None = None) -> str:
                      *(sys.argv[1:] if argv is None else argv)])
 
 
-def provenance() -> dict:
-  """Where a result comes from: the commit, the date (UTC), the machine (CPU model or GPU
-  kind, jax version) and the load average over the last minute when it was written."""
+def _head() -> str:
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   try:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                            text=True, check=True).stdout.strip()
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                          text=True, check=True).stdout.strip()
   except (OSError, subprocess.CalledProcessError):
-    commit = "unknown"
+    return "unknown"
+
+
+_COMMIT = _head()       # the code a run imported, not whatever is checked out when it ends
+
+
+def provenance() -> dict:
+  """Where a result comes from: the commit its code was imported from, the date (UTC), the
+  machine (CPU model or GPU kind, jax version) and the 1-minute load average when written."""
+  commit = _COMMIT
   kinds = sorted({d.device_kind for d in jax.devices()})
   cpu = platform.processor() or platform.machine()
   try:
