@@ -11,7 +11,24 @@ log-normal popularity (sigma 1 by default) that is stable across steps. Policies
   fsep           pooled capacity, fsep weights with C = 4 slots per device and the fsep
                  planner's replicas from the warm-up batches
 
-`main`'s docstring says how.
+Each policy plans on warm-up batches, then its capacity factor is the smallest with <= 1% of
+a different, timed batch's choices dropped (bisection on the counts, `moejax.layout.capacity`;
+the dropped fraction reported is the compiled program's own count). Timed, all policies
+interleaved step by step in rotating order:
+  * the MoE layer, forward + backward, d_model 256, d_ff 1024, 2048 tokens per device
+    (as `benchmarks.fsep_vs_ep` builds it): the popularity enters through a constant input
+    feature the router maps to log-popularity;
+  * beside it (`--step`, on by default), a whole training step of the default model
+    (configs/default.gin with E = 16, top-2, on the (1, 8, 1) mesh): the popularity enters
+    as the layout's router bias, the learning rate is 1e-9 so the routing of the timed batch
+    stays the one the factor was chosen for. The bias is scaled by `--step_bias_scale`
+    (0.02): the initial router's logits hardly differ between tokens, so at scale 1 the bias
+    decides alone and every token picks the two most popular experts; 0.02 gives about the
+    layer's spread (its hottest expert taking ~30% of the choices).
+On CPU the 8 devices share the host's cores: a ratio reflects work (rows computed and
+exchanged, fsep's restores), not network time or a GPU's speed.
+
+  python -m benchmarks.balance_pays [--quick] [--json benchmarks/results/balance_pays_cpu.json]
 """
 
 from __future__ import annotations
@@ -29,8 +46,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks import balance_setup as setup
 from benchmarks.common import command, write_result
-from benchmarks.fsep_vs_ep import build as build_layer, routed_counts
-from moejax.config import MoEConfig
+from benchmarks.fsep_vs_ep import build as build_layer, check_against_reference, routed_counts
+from moejax.config import Config, MoEConfig
 from moejax.frontend import DEFAULT_GIN, parse_config
 from moejax.layout.placement import static as static_placement
 from moejax.model.mesh import BATCH_AXES, mesh_of_shape
@@ -75,8 +92,17 @@ def _layer_batch(rng, args):
   return x.astype(np.float32)
 
 
-def layer_runs(args, seed: int, mesh) -> dict:
-  """Per policy: the compiled MoE-layer fwd+bwd at its factor, and what it dropped."""
+def layer_config(args) -> Config:
+  """The config of a run whose MoE layer is the timed one (every other knob the default)."""
+  cfg = Config()
+  return dataclasses.replace(
+      cfg, model=dataclasses.replace(cfg.model, d_model=args.d_model),
+      moe=dataclasses.replace(cfg.moe, num_experts=args.experts, top_k=args.top_k,
+                              d_ff=args.d_ff))
+
+
+def layer_setup(args, seed: int):
+  """(params, warm-up counts [Z, W, E], timed batch, its counts [W, E]) of seed `seed`."""
   rng = np.random.default_rng(1000 + seed)
   d, f, e, k = args.d_model, args.d_ff, args.experts, args.top_k
   router = 0.05 * rng.standard_normal((d, e)).astype(np.float32)
@@ -88,9 +114,16 @@ def layer_runs(args, seed: int, mesh) -> dict:
   warm = np.stack([routed_counts(_layer_batch(rng, args), router, k, N)
                    for _ in range(args.warmup_batches)])
   x = _layer_batch(rng, args)
-  counts_WxE = routed_counts(x, router, k, N)
+  return params, warm, x, routed_counts(x, router, k, N)
+
+
+def layer_runs(args, seed: int, mesh) -> dict:
+  """Per policy: the compiled MoE-layer fwd+bwd at its factor, and what it dropped."""
+  e, k = args.experts, args.top_k
+  f = args.d_ff
+  params, warm, x, counts_WxE = layer_setup(args, seed)
   x_dev = jax.device_put(x, NamedSharding(mesh, P(BATCH_AXES)))
-  placements = setup.plan(warm, N, args.fsep_slots, d, f)
+  placements = setup.plan(warm, N, args.fsep_slots, layer_config(args))
   runs = {}
   for policy in setup.POLICIES:
     p = placements[policy]
@@ -98,6 +131,8 @@ def layer_runs(args, seed: int, mesh) -> dict:
     cfg = MoEConfig(num_experts=e, top_k=k, capacity_factor=cf, d_ff=f,
                     expert_mode=setup.EXPERT_MODE[policy], capacity=setup.CAPACITY[policy])
     layout = setup.device_layout(policy, [p], e)
+    # One step's outputs and gradients equal the single-device reference's before timing.
+    check_against_reference(setup.EXPERT_MODE[policy], cfg, mesh, layout, params, x[:N])
     fn, dev_params = build_layer(setup.EXPERT_MODE[policy], cfg, mesh, layout, params)
     (_, dropped), _ = jax.block_until_ready(fn(dev_params, x_dev))   # compile + warm-up
     predicted = setup.predicted_dropped(policy, p, counts_WxE, args.tokens_per_device, k, cf)
@@ -150,10 +185,10 @@ def step_runs(args, seed: int) -> dict:
   for batch in batches:
     state, m = prog.train_step(state, batch, prog.layout)
     counts.append(np.asarray(m["counts_LxWxE"]))
-  warm_stepsxLxWxE, timed_LxWxE = np.stack(counts[:-1]), counts[-1]
+  warm_ZxLxWxE, timed_LxWxE = np.stack(counts[:-1]), counts[-1]
   tokens = cfg.data.global_batch_size * cfg.data.seq_len // N
-  per_layer = [setup.plan(warm_stepsxLxWxE[:, layer], N, args.fsep_slots, cfg.model.d_model,
-                          cfg.moe.d_ff) for layer in range(layers)]
+  per_layer = [setup.plan(warm_ZxLxWxE[:, layer], N, args.fsep_slots, cfg)
+               for layer in range(layers)]
   runs = {}
   for policy in setup.POLICIES:
     placements = [plans[policy] for plans in per_layer]
@@ -191,25 +226,6 @@ def _geomean(xs):
 
 
 def main(argv=None) -> int:
-  """Each policy plans on warm-up batches, then its capacity factor is the smallest with <= 1% of
-  a different, timed batch's choices dropped (bisection on the counts, `moejax.layout.capacity`;
-  the dropped fraction reported is the compiled program's own count). Timed, all policies
-  interleaved step by step in rotating order:
-    * the MoE layer, forward + backward, d_model 256, d_ff 1024, 2048 tokens per device
-      (as `benchmarks.fsep_vs_ep` builds it): the popularity enters through a constant input
-      feature the router maps to log-popularity;
-    * beside it (`--step`, on by default), a whole training step of the default model
-      (configs/default.gin with E = 16, top-2, on the (1, 8, 1) mesh): the popularity enters
-      as the layout's router bias, the learning rate is 1e-9 so the routing of the timed batch
-      stays the one the factor was chosen for. The bias is scaled by `--step_bias_scale`
-      (0.02): the initial router's logits hardly differ between tokens, so at scale 1 the bias
-      decides alone and every token picks the two most popular experts; 0.02 gives about the
-      layer's spread (its hottest expert taking ~30% of the choices).
-  On CPU the 8 devices share the host's cores: a ratio reflects work (rows computed and
-  exchanged, fsep's restores), not network time or a GPU's speed.
-
-    python -m benchmarks.balance_pays [--quick] [--json benchmarks/results/balance_pays_cpu.json]
-  """
   args = parse_args(argv)
   mesh = mesh_of_shape((1, N, 1))
   rows, t_start = [], time.perf_counter()

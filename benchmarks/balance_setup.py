@@ -2,45 +2,61 @@
 
 Expert popularity is log-normal (sigma from the flags) and stable across steps, like a trained
 gate; every policy plans on warm-up batches drawn from the same popularity and is then held
-to <= 1% dropped choices on a different, timed batch.
+to <= 1% dropped choices on a different, timed batch. The plans come from the trainer's own
+re-planner (`moejax.train.pool.online_planner`) with the trainer's default options for the
+policy's config: its capacity factor and mode, its window, its cost model.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
+from moejax.config import Config
 from moejax.layout import capacity, placement as placement_lib
 from moejax.layout.tables import from_placements, round_robin_placement
-from moejax.placement.policies import CostModel, get_policy, make_options
+from moejax.train.pool import online_planner
 
 POLICIES = ("static", "static_pooled", "smartmoe", "fsep")
 CAPACITY = {"static": "slot", "static_pooled": "device", "smartmoe": "device",
             "fsep": "device"}
 EXPERT_MODE = {"static": "ep", "static_pooled": "ep", "smartmoe": "ep", "fsep": "fsep"}
+PLANNER = {"static": "static", "static_pooled": "static", "smartmoe": "smartmoe",
+           "fsep": "fsep"}
 MAX_DROPPED = 0.01
-# SmartMoE scores pooled drops at the trainer's default capacity factor.
-SMARTMOE_SCORE_FACTOR = 1.25
 
 
 def log_popularity(seed: int, experts: int, sigma: float) -> np.ndarray:
   return sigma * np.random.default_rng(seed).standard_normal(experts)
 
 
-def plan(warm_stepsxWxE: np.ndarray, num_devices: int, fsep_slots: int, d_model: int,
-         d_ff: int) -> dict[str, placement_lib.Placement]:
-  """Each policy's placement of one layer, from the warm-up steps' counts only."""
-  warm = np.asarray(warm_stepsxWxE, np.float64)
-  pred_WxE, experts = warm.mean(0), warm.shape[-1]
+def policy_config(base: Config, policy: str, fsep_slots: int) -> Config:
+  """`base` (model, experts, top-k) as the config a run of `policy` has: its expert mode,
+  capacity mode, slots and planner policy; every other option the trainer's default."""
+  fsep = EXPERT_MODE[policy] == "fsep"
+  moe = dataclasses.replace(base.moe, expert_mode=EXPERT_MODE[policy], capacity=CAPACITY[policy],
+                            slots_per_device=fsep_slots if fsep else 0)
+  planner = dataclasses.replace(Config().planner, policy=PLANNER[policy])
+  return dataclasses.replace(base, moe=moe, planner=planner)
+
+
+def plan(warm_ZxWxE: np.ndarray, num_devices: int, fsep_slots: int,
+         base: Config) -> dict[str, placement_lib.Placement]:
+  """Each policy's placement of one layer, from the warm-up steps' counts only, by the
+  trainer's re-planner for the policy's config (`policy_config` of `base`)."""
+  warm = np.asarray(warm_ZxWxE, np.float64)
+  experts = warm.shape[-1]
   static = placement_lib.static(experts, num_devices)
-  src = np.arange(warm.shape[1]) % num_devices
-  smartmoe = get_policy("smartmoe")(
-      pred_WxE, static, samples_stepsxWxE=warm,
-      options=make_options("smartmoe", min_gain=0.0,
-                           pooled_capacity_factor=SMARTMOE_SCORE_FACTOR))
-  fsep = get_policy("fsep")(pred_WxE, round_robin_placement(experts, num_devices, fsep_slots),
-                            slots=fsep_slots, src_dev_W=src, cost=CostModel(d_model, d_ff),
-                            num_devices=num_devices)
-  return {"static": static, "static_pooled": static, "smartmoe": smartmoe, "fsep": fsep}
+  start = {"smartmoe": static,
+           "fsep": round_robin_placement(experts, num_devices, fsep_slots)}
+  out = {"static": static, "static_pooled": static}
+  for policy, current in start.items():
+    planner = online_planner(policy_config(base, policy, fsep_slots), num_devices)
+    for counts_WxE in warm:
+      planner.observe(counts_WxE[None])
+    out[policy] = planner.propose([current])[0][0]
+  return out
 
 
 def slot_loads(p: placement_lib.Placement, counts_WxE: np.ndarray) -> np.ndarray:

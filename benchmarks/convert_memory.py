@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.common import RESULTS, command, provenance, write_result
+from benchmarks.common import RESULTS, command, write_result
 
 MIB = 2**20
 
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
   p_mib = params * 4 / MIB
   w_mib = args.layers * args.experts * args.d_model * args.d_ff * 4 / MIB
   result = {
-      "command": command("convert_memory", argv), **provenance(), "load_before": load_before,
+      "command": command("convert_memory", argv), "load_before": load_before,
       "params": params, "float32_params_mib": round(p_mib, 1),
       "largest_param_mib": round(w_mib, 1), "jax_process_mib": round(base, 1),
       "from_hf_peak_mib": from_hf, "to_hf_peak_mib": to_hf,

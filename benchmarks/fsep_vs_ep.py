@@ -20,6 +20,7 @@ plus fsep's restore), not network time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import statistics
 import sys
@@ -31,7 +32,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks.common import command, write_result
-from moejax.config import MoEConfig
+from moejax.config import Config, ModelConfig, MoEConfig
 from moejax.layout import placement as placement_lib
 from moejax.layout.tables import (
   from_placements,
@@ -43,7 +44,9 @@ from moejax.model.mesh import BATCH_AXES, logical_to_spec, mesh_of_shape
 from moejax.model.moe import dispatch
 from moejax.model.moe.fsep_experts import FSEP_PARAM_AXES, restore_slot_weights
 from moejax.model.moe.layer import EXPERT_PARAM_AXES, ROUTER_AXES, moe_apply
-from moejax.placement.policies import CostModel, get_policy
+from moejax.model.moe.reference import moe_reference
+from moejax.placement.policies import get_policy
+from moejax.strategy.placement_cost import of_config
 
 
 def parse_args(argv):
@@ -94,11 +97,16 @@ def needed_capacity_factor(slot_counts_WxS, tokens, top_k):
 
 
 def build(mode, cfg, mesh, layout, params):
+  """(jitted fwd + bwd of the layer's loss, its params on the mesh) for expert mode `mode`
+  and a one-layer `layout`; `params` in expert order. In ep a slot owns its weights, so slot
+  s gets expert `slot_expert[s]`'s; fsep restores them by the same table."""
   rep = NamedSharding(mesh, P())
   row = jax.device_put(jax.tree.map(lambda a: a[0], layout), rep)
   if mode == "ep":
     specs = {k: logical_to_spec(v) for k, v in EXPERT_PARAM_AXES.items()}
-    p = {k: jax.device_put(params[k], NamedSharding(mesh, specs[k])) for k in specs}
+    slot_expert = np.asarray(layout.slot_expert_LxS[0])
+    p = {k: jax.device_put(np.asarray(params[k])[slot_expert], NamedSharding(mesh, specs[k]))
+         for k in specs}
   else:
     specs = {k: logical_to_spec(v[1:]) for k, v in FSEP_PARAM_AXES.items()}
     p = {k: jax.device_put(params[k], NamedSharding(mesh, specs[k])) for k in specs}
@@ -112,9 +120,53 @@ def build(mode, cfg, mesh, layout, params):
       w = restore_slot_weights({k: p[k][None] for k in FSEP_PARAM_AXES}, slot_expert, mesh)
       slot_p = {"router": p["router"], **{k: v[0] for k, v in w.items()}}
     y, st = moe_apply(slot_p, x, row, cfg, mesh)
-    return 0.5 * jnp.mean(y * y) + 0.01 * st.balance_loss, jnp.sum(st.dropped_W)
+    return _objective(y, st.balance_loss), jnp.sum(st.dropped_W)
 
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)), p
+
+
+def _objective(y, balance_loss):
+  return 0.5 * jnp.mean(y * y) + 0.01 * balance_loss
+
+
+def expert_order(mode, grads, layout):
+  """The layer's parameter gradients in expert order (ep's are per slot)."""
+  out = {k: np.asarray(v) for k, v in grads.items()}
+  if mode == "ep":
+    order = np.argsort(np.asarray(layout.slot_expert_LxS[0]), kind="stable")
+    out.update({k: v[order] for k, v in out.items() if k != "router"})
+  return out
+
+
+def check_against_reference(mode, cfg, mesh, layout, params, x):
+  """Runs one fwd + bwd of the layer (built as `build` builds it) on `x` with a capacity
+  factor at which nothing drops, and compares the loss, the input gradient and every
+  parameter gradient with the single-device reference; raises on a difference."""
+  slots = layout.slot_expert_LxS.shape[1]
+  buffers = slots if cfg.capacity == "slot" else mesh.shape["expert"]     # per source
+  dropless = float(buffers)           # every buffer holds all of a source's T x K choices
+  fn, dev_params = build(mode, dataclasses.replace(cfg, capacity_factor=dropless), mesh,
+                         layout, params)
+  x_dev = jax.device_put(x, NamedSharding(mesh, P(BATCH_AXES)))
+  (loss, dropped), (g_params, g_x) = jax.device_get(fn(dev_params, x_dev))
+  if int(dropped):
+    raise RuntimeError(f"{mode}: the check dropped {int(dropped)} choices at factor {dropless}")
+
+  def ref_loss(p, x):
+    y, _, balance, _ = moe_reference(p, x, cfg.top_k, cfg.normalize_top_k)
+    return _objective(y, balance)
+
+  with jax.default_device(jax.devices("cpu")[0]):
+    ref, (ref_p, ref_x) = jax.device_get(jax.value_and_grad(ref_loss, argnums=(0, 1))(
+        jax.tree.map(jnp.asarray, params), jnp.asarray(x)))
+  got = expert_order(mode, g_params, layout)
+  pairs = [("loss", loss, ref), ("x", g_x, ref_x)] + [(k, got[k], ref_p[k]) for k in ref_p]
+  for name, a, b in pairs:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = float(np.abs(b).max()) or 1.0
+    if not np.allclose(a, b, rtol=1e-4, atol=1e-5 * scale):
+      raise RuntimeError(f"{mode}: {name} differs from the single-device reference by "
+                         f"{float(np.abs(a - b).max()):.3g} (scale {scale:.3g})")
 
 
 def main(argv=None) -> int:
@@ -133,10 +185,11 @@ def main(argv=None) -> int:
   ep_cf = needed_capacity_factor(counts[:, np.asarray(ep_layout.slot_expert_LxS[0])], tokens,
                                  args.top_k)
   start = round_robin_placement(args.experts, n, args.fsep_slots)
+  cost = of_config(Config(model=ModelConfig(d_model=args.d_model),
+                          moe=MoEConfig(d_ff=args.d_ff)))
   t0 = time.perf_counter()
   plan = get_policy("fsep")(counts.astype(float), start, slots=args.fsep_slots,
-                            src_dev_W=np.arange(n), cost=CostModel(args.d_model, args.d_ff),
-                            num_devices=n)
+                            src_dev_W=np.arange(n), cost=cost, num_devices=n)
   plan_ms = (time.perf_counter() - t0) * 1e3
   fsep_layout = from_placements([plan], args.experts, n)
   # The device sees the shares rounded to parts of 1024: use the layout's own placement.
@@ -148,6 +201,7 @@ def main(argv=None) -> int:
   for mode, layout, cf in (("ep", ep_layout, ep_cf), ("fsep", fsep_layout, fsep_cf)):
     cfg = MoEConfig(num_experts=args.experts, top_k=args.top_k, capacity_factor=cf,
                     d_ff=args.d_ff, expert_mode=mode)
+    check_against_reference(mode, cfg, mesh, layout, params, x[:n])
     fn, p = build(mode, cfg, mesh, layout, params)
     (_, dropped), _ = jax.block_until_ready(fn(p, x_dev))     # compile + warm-up
     runs[mode] = {"fn": fn, "p": p, "cf": cf, "dropped": int(dropped), "times": []}

@@ -1,7 +1,7 @@
 """The fsep planner of this tree against the one of an earlier commit, in one process: the same
 plans (every returned array bit for bit) and the time per decision, interleaved call by call.
 
-From fsep_deal.LARGE_MESH devices on (decision 0056) the planner's sums run in other orders
+From fsep.deal.LARGE_MESH devices on (decision 0056) the planner's sums run in other orders
 and exact ties in rounding go to the lower position, so plans there may differ from a base
 before it; each row also reports both plans' planned balance (the busiest device's quota load
 over the mean, on the load planned for), and the exit status is 1 only when a plan below
@@ -32,11 +32,14 @@ import numpy as np
 
 from benchmarks.common import command, write_result
 from benchmarks.planner_time import FSEP_CONFIGS, _any_layout
+from moejax.config import Config
 from moejax.layout.flow import max_over_mean
 from moejax.placement import fsep
-from moejax.placement.cost import CostModel
-from moejax.placement.fsep_deal import LARGE_MESH
+from moejax.placement.fsep.deal import LARGE_MESH
 from moejax.placement.workloads import synthetic_trace
+from moejax.strategy.placement_cost import of_config
+
+DEFAULT_COST = of_config(Config())      # the default run's model on its hardware profile
 
 DEFAULT_JSON = "benchmarks/results/planner_ab.json"
 
@@ -50,20 +53,21 @@ def load_base(rev: str, into: str):
     tar.extractall(into, filter="data")
   pkg = os.path.join(into, "base_placement")
   os.rename(os.path.join(into, "moejax", "placement"), pkg)
-  for name in os.listdir(pkg):
-    if name.endswith(".py"):
-      path = os.path.join(pkg, name)
-      with open(path) as f:
-        text = f.read()
-      text = re.sub(r"\bmoejax\.placement\b", "base_placement", text)
-      with open(path, "w") as f:
-        f.write(text)
+  for folder, _, names in os.walk(pkg):
+    for name in names:
+      if name.endswith(".py"):
+        path = os.path.join(folder, name)
+        with open(path) as f:
+          text = f.read()
+        text = re.sub(r"\bmoejax\.placement\b", "base_placement", text)
+        with open(path, "w") as f:
+          f.write(text)
   sys.path.insert(0, into)
   return importlib.import_module("base_placement.fsep")
 
 
 def _plan(mod, pred, current, n):
-  return mod.place_replicas(pred, current, slots=8, src_dev_W=np.arange(n), cost=CostModel(),
+  return mod.place_replicas(pred, current, slots=8, src_dev_W=np.arange(n), cost=DEFAULT_COST,
                             num_devices=n, options=mod.FsepOptions())
 
 

@@ -27,10 +27,13 @@ import numpy as np
 
 from benchmarks.common import command, write_result
 from benchmarks.planner_ab import _same, load_base
+from moejax.config import Config
 from moejax.layout import placement as placement_lib
 from moejax.placement import fsep
-from moejax.placement.cost import CostModel
 from moejax.placement.policies import predict
+from moejax.strategy.placement_cost import of_config
+
+DEFAULT_COST = of_config(Config())      # the default run's model on its hardware profile
 
 DEFAULT_JSON = "benchmarks/results/planner_replay_ab.json"
 TRACES = (("default_run", (2, 4, 8)), ("drift_bursts", (8,)),
@@ -62,7 +65,7 @@ def compare(base, trace: str, devices: int, options: dict) -> dict:
   calls = replay_calls(counts)
   differ = 0
   for pred, samples in calls:
-    plans = [mod.place_replicas(pred, current, slots=8, src_dev_W=src, cost=CostModel(),
+    plans = [mod.place_replicas(pred, current, slots=8, src_dev_W=src, cost=DEFAULT_COST,
                                 num_devices=devices, options=mod.FsepOptions(**options),
                                 samples_stepsxWxE=samples) for mod in (base, fsep)]
     differ += not _same(*plans)

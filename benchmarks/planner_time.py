@@ -1,7 +1,7 @@
 """Planner wall time per decision, for every policy in moejax.placement.policies.POLICIES.
 
 What it measures: the wall time (time.perf_counter) of one policy call
-`policy(pred_WxE, current, slots=C, src_dev_W=..., cost=CostModel(), num_devices=N)` for one MoE
+`policy(pred_WxE, current, slots=C, src_dev_W=..., cost=DEFAULT_COST, num_devices=N)` for one MoE
 layer, as replay and the online trainer make it. The predicted load is one step of a
 lognormal synthetic trace (moejax.placement.workloads.synthetic_trace, sigma=1.0, top_k=2,
 2048 tokens per source) with sources = N (one source per device); `current` is the static
@@ -10,12 +10,38 @@ call, then the median (and min, max) over --repeats calls (>= 5). `max/mean` is 
 device's load over the mean when the planned layout routes that same predicted load
 (placement.route: whole SHARE_PARTS parts, local first).
 
-`main`'s docstring says how.
+Configurations: E=64 on N=64 and N=256, plus E=256 on N=256, for every policy. One-copy
+policies (static, smartmoe) get C = E/N slots; the others get --slots (default 2); shadow needs
+the static base (E/N integer). Rows that cannot exist are printed as "n/a (...)". Then the
+fsep latency table: E=64 on N = 64, 256, 1024 and E=256 on N=4096 with C = --fsep_slots
+(default 8), with the default options and with exact_parts=False (no snapping/rounding of
+shares to router parts). No window of steps is passed, so plan_for='spread' plans for the
+mean; per-source shares are computed where an expert has >= 128 rows per device.
+
+The trainer's table (`--trainer`, in the default run; `--trainer_only` alone) times the call
+the trainer makes: `OnlinePlanner.propose` of the re-planner `moejax.train.pool.online_planner`
+builds for the default config with the policy set (its options, capacity, window and cost
+model), for every MoE layer of the default model, after `planner.window` finished steps of
+the synthetic load have been observed: fsep (C = --fsep_slots, or E/N where that is more)
+at N = 8, 64, 512, 4096 with E = 64 and 256, and SmartMoE under pooled capacity (E/N slots)
+where N divides E. Rows give ms per re-plan (all layers) and per layer decision, and name
+the options.
+
+Wall time depends on what else the machine runs: the JSON records the 1-minute load average
+before and after (`os.getloadavg`); quote a figure beside its load. `--fsep_only` runs only
+the fsep latency table.
+
+Run (from the repository root):
+
+  python -m benchmarks.planner_time
+  python -m benchmarks.planner_time --repeats 7 --json benchmarks/results/planner_time.json
+  python -m benchmarks.planner_time --fsep_only --repeats 21
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import os
@@ -27,14 +53,21 @@ import time
 import numpy as np
 
 from benchmarks.common import command, write_result
+from moejax.config import Config
 from moejax.layout import placement as placement_lib
 from moejax.layout.flow import flow, max_over_mean
-from moejax.placement.policies import ONE_COPY_POLICIES, POLICIES, CostModel, make_options
+from moejax.layout.tables import round_robin_placement
+from moejax.placement.policies import ONE_COPY_POLICIES, POLICIES, make_options
 from moejax.placement.workloads import synthetic_trace
+from moejax.strategy.placement_cost import of_config
+from moejax.train.pool import online_planner
+
+DEFAULT_COST = of_config(Config())      # the default run's model on its hardware profile
 
 DEFAULT_JSON = "benchmarks/results/planner_time.json"
 CONFIGS = ((64, 64), (64, 256), (256, 256))     # (experts E, devices N)
 FSEP_CONFIGS = ((64, 64), (64, 256), (64, 1024), (256, 4096))
+TRAINER_CONFIGS = tuple((e, n) for e in (64, 256) for n in (8, 64, 512, 4096))
 NEEDS_STATIC_BASE = ("static", "smartmoe", "shadow")
 
 
@@ -66,7 +99,7 @@ def time_policy(name: str, experts: int, devices: int, slots: int, repeats: int,
   counts = synthetic_trace(1, 1, devices, experts, kind="lognormal", seed=seed)["counts"]
   pred = counts[0, 0].astype(np.float64)
   src = placement_lib.source_devices(devices, devices)
-  current, cost, plan = _any_layout(experts, devices, c), CostModel(), POLICIES[name]
+  current, cost, plan = _any_layout(experts, devices, c), DEFAULT_COST, POLICIES[name]
   if options:
     plan = functools.partial(plan, options=make_options(name, **options))
     row["options"] = options
@@ -85,6 +118,58 @@ def time_policy(name: str, experts: int, devices: int, slots: int, repeats: int,
           "max_over_mean": balance}
 
 
+def trainer_config(policy: str, experts: int, slots: int) -> Config:
+  """The default config with `policy` planning (SmartMoE in ep under pooled capacity, fsep
+  with `slots` per device); every other knob the trainer's default."""
+  cfg = Config()
+  fsep = policy == "fsep"
+  moe = dataclasses.replace(cfg.moe, num_experts=experts, expert_mode="fsep" if fsep else "ep",
+                            slots_per_device=slots if fsep else 0,
+                            capacity=cfg.moe.capacity if fsep else "device")
+  return dataclasses.replace(cfg, moe=moe, planner=dataclasses.replace(cfg.planner,
+                                                                       policy=policy))
+
+
+def time_trainer_replan(policy: str, experts: int, devices: int, slots: int, repeats: int,
+                        seed: int) -> dict:
+  """One re-plan as the trainer makes it (module doc), timed `repeats` times after a warm-up."""
+  c = max(slots, -(-experts // devices)) if policy == "fsep" else experts // devices
+  cfg = trainer_config(policy, experts, c)
+  layers = cfg.model.num_layers // cfg.moe.moe_every
+  planner = online_planner(cfg, devices)
+  steps = synthetic_trace(cfg.planner.window, layers, devices, experts, kind="lognormal",
+                          seed=seed)["counts"]
+  for counts_LxWxE in steps:
+    planner.observe(counts_LxWxE)
+  start = (round_robin_placement(experts, devices, c) if policy == "fsep"
+           else placement_lib.static(experts, devices))
+  times = []
+  for i in range(repeats + 1):
+    t0 = time.perf_counter()
+    planner.propose([start] * layers)
+    if i:
+      times.append(time.perf_counter() - t0)
+  ms = [t * 1e3 for t in times]
+  return {"policy": policy, "experts": experts, "devices": devices, "slots": c,
+          "layers": layers, "window": cfg.planner.window, "capacity": cfg.moe.capacity,
+          "capacity_factor": cfg.moe.capacity_factor,
+          "options": dataclasses.asdict(planner.options),
+          "cost": dataclasses.asdict(planner.cost), "ms_per_replan_median": statistics.median(ms),
+          "ms_per_layer_median": statistics.median(ms) / layers, "ms_per_replan_min": min(ms),
+          "ms_per_replan_max": max(ms), "calls": len(ms)}
+
+
+def print_trainer_table(rows: list[dict]) -> None:
+  head = (f"{'policy':<9} {'E':>4} {'N':>5} {'C':>3} {'layers':>6} {'ms/re-plan':>11} "
+          f"{'ms/layer':>9} {'ms min':>9} {'ms max':>9}")
+  print(head)
+  print("-" * len(head))
+  for r in rows:
+    print(f"{r['policy']:<9} {r['experts']:>4} {r['devices']:>5} {r['slots']:>3} "
+          f"{r['layers']:>6} {r['ms_per_replan_median']:>11.3f} {r['ms_per_layer_median']:>9.3f} "
+          f"{r['ms_per_replan_min']:>9.3f} {r['ms_per_replan_max']:>9.3f}")
+
+
 def print_table(rows: list[dict]) -> None:
   head = (f"{'policy':<10} {'E':>4} {'N':>5} {'C':>3} {'ms median':>10} {'ms min':>9} "
           f"{'ms max':>9} {'copies':>6} {'max/mean':>8}")
@@ -101,24 +186,6 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-  """Configurations: E=64 on N=64 and N=256, plus E=256 on N=256, for every policy. One-copy
-  policies (static, smartmoe) get C = E/N slots; the others get --slots (default 2); shadow needs
-  the static base (E/N integer). Rows that cannot exist are printed as "n/a (...)". Then the
-  fsep latency table: E=64 on N = 64, 256, 1024 and E=256 on N=4096 with C = --fsep_slots
-  (default 8), with the default options and with exact_parts=False (no snapping/rounding of
-  shares to router parts). No window of steps is passed, so plan_for='spread' plans for the
-  mean; per-source shares are computed where an expert has >= 128 rows per device.
-
-  Wall time depends on what else the machine runs: the JSON records the 1-minute load average
-  before and after (`os.getloadavg`); quote a figure beside its load. `--fsep_only` runs only
-  the fsep latency table.
-
-  Run (from the repository root):
-
-    python -m benchmarks.planner_time
-    python -m benchmarks.planner_time --repeats 7 --json benchmarks/results/planner_time.json
-    python -m benchmarks.planner_time --fsep_only --repeats 21
-  """
   ap = argparse.ArgumentParser(prog="python -m benchmarks.planner_time",
                                description=__doc__.split("\n\n")[0],
                                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -128,16 +195,29 @@ def main(argv=None) -> int:
   ap.add_argument("--fsep_slots", type=int, default=8, help="slots per device, fsep table")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--fsep_only", action="store_true", help="only the fsep latency table")
+  ap.add_argument("--trainer", action=argparse.BooleanOptionalAction, default=True,
+                  help="the trainer's re-plan table (module doc)")
+  ap.add_argument("--trainer_only", action="store_true", help="only the trainer's table")
   a = ap.parse_args(argv)
   if a.repeats < 5:
     ap.error("--repeats must be >= 5")
   load_before = os.getloadavg()[0]
-  rows = [] if a.fsep_only else [time_policy(name, e, n, a.slots, a.repeats, a.seed)
-                                 for e, n in CONFIGS for name in policy_order()]
+  alone = a.fsep_only or a.trainer_only
+  rows = [] if alone else [time_policy(name, e, n, a.slots, a.repeats, a.seed)
+                           for e, n in CONFIGS for name in policy_order()]
   if rows:
     print_table(rows)
+  trainer_rows = []
+  if (a.trainer and not a.fsep_only) or a.trainer_only:
+    for e, n in TRAINER_CONFIGS:
+      trainer_rows.append(time_trainer_replan("fsep", e, n, a.fsep_slots, a.repeats, a.seed))
+      print_trainer_table(trainer_rows[-1:])
+    for e, n in TRAINER_CONFIGS:
+      if e % n == 0 and n <= 64:
+        trainer_rows.append(time_trainer_replan("smartmoe", e, n, 0, a.repeats, a.seed))
+        print_trainer_table(trainer_rows[-1:])
   fsep_rows = []
-  if "fsep" in POLICIES:
+  if "fsep" in POLICIES and not a.trainer_only:
     fsep_rows = [time_policy("fsep", e, n, a.fsep_slots, a.repeats, a.seed, opts)
                  for opts in (None, {"exact_parts": False}) for e, n in FSEP_CONFIGS]
     print(f"\nfsep latency (C={a.fsep_slots}); last {len(FSEP_CONFIGS)} rows: exact_parts=False "
@@ -152,9 +232,10 @@ def main(argv=None) -> int:
          "python": platform.python_version(), "numpy": np.__version__,
          "machine": platform.machine(), "processor": platform.processor() or None,
          "repeats": a.repeats, "slots": a.slots, "fsep_slots": a.fsep_slots, "seed": a.seed,
-         "load": "lognormal sigma=1.0, top_k=2, 2048 tokens per source, sources = N",
+         "workload": "lognormal sigma=1.0, top_k=2, 2048 tokens per source, sources = N",
          "load_average_1min": {"before": load_before, "after": load_after},
-         "cpu_count": os.cpu_count(), "rows": rows, "fsep_rows": fsep_rows}
+         "cpu_count": os.cpu_count(), "rows": rows, "fsep_rows": fsep_rows,
+         "trainer_rows": trainer_rows}
   write_result(out, a.json)
   return 0
 

@@ -6,14 +6,17 @@ each step's own counts), and prints each policy's regret over it (library:
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 
-from moejax.config import ConfigError
+from moejax.config import ConfigError, ModelConfig, MoEConfig, StrategyConfig
 from moejax.placement.policies import POLICIES, make_options
 from moejax.placement.replay import format_table, oracle, policy_names, replay, with_regret
 from moejax.placement.workloads import load_trace
 from moejax.runtime.cli import ArgumentParser, fail
+from moejax.strategy.cost import load_profile
 from moejax.strategy.memory import report
+from moejax.strategy.placement_cost import placement_cost
 
 
 def parser() -> ArgumentParser:
@@ -45,11 +48,18 @@ def parser() -> ArgumentParser:
   ap.add_argument("--window_oracle", action="store_true",
                   help="Add a window_oracle row: fsep given the --every steps each layout "
                        "will serve (the per-step noise floor of a held layout).")
-  ap.add_argument("--d_model", type=int, default=0,
-                  help="With --d_ff and --layers: also print the expert memory per device.")
-  ap.add_argument("--d_ff", type=int, default=0,
-                  help="The expert hidden size, for the memory report.")
-  ap.add_argument("--layers", type=int, default=0, help="The MoE layers, for the memory report.")
+  ap.add_argument("--d_model", type=int, default=ModelConfig.d_model,
+                  help="The model width, for the planners' cost model and the memory report.")
+  ap.add_argument("--d_ff", type=int, default=MoEConfig.d_ff,
+                  help="The expert hidden size, for the planners' cost model and the memory "
+                       "report.")
+  ap.add_argument("--dtype", default=ModelConfig.dtype,
+                  help="The activation dtype (model.dtype), for the planners' cost model.")
+  ap.add_argument("--profile", default=StrategyConfig.profile,
+                  help="The hardware profile of the cost model (strategy.profile: a preset "
+                       "name or a calibrated JSON).")
+  ap.add_argument("--layers", type=int, default=0,
+                  help="The MoE layers: also print the expert memory per device.")
   return ap
 
 
@@ -57,16 +67,19 @@ def main(argv=None) -> int:
   a = parser().parse_args(argv)
   try:
     fsep_options = make_options("fsep", **dict(_option(text) for text in a.fsep))
+    cost = placement_cost(ModelConfig(d_model=a.d_model, dtype=a.dtype), MoEConfig(d_ff=a.d_ff),
+                          load_profile(a.profile))
     counts = load_trace(a.trace)["counts"]
     if not counts.shape[0]:
       raise ConfigError(f"trace {a.trace} holds 0 steps; give the trace of a run that trained "
                         "at least one step with trace.path set.")
-    results = {name: replay(counts, a.devices, a.slots, name, a.every, a.window,
+    results = {name: replay(counts, a.devices, a.slots, name, a.every, a.window, cost=cost,
                             options=fsep_options if name == "fsep" else None, shares=a.shares)
                for name in policy_names(a.policy)}
-    bound = None if a.no_oracle else oracle(counts, a.devices, a.slots, options=fsep_options,
+    bound = None if a.no_oracle else oracle(counts, a.devices, a.slots, cost=cost,
+                                            options=fsep_options,
                                             shares=a.shares)
-    ahead = (replay(counts, a.devices, a.slots, "fsep", a.every, a.window,
+    ahead = (replay(counts, a.devices, a.slots, "fsep", a.every, a.window, cost=cost,
                     options=fsep_options, lookahead=True, shares=a.shares)
              if a.window_oracle else None)
   except ConfigError as e:
@@ -82,11 +95,12 @@ def main(argv=None) -> int:
         "crossing = (token, k) rows sent off their source device")
   extra = {"window_oracle": ahead} if ahead else {}
   print(format_table({**results, **extra, **({"oracle": bound} if bound else {})}))
-  if a.d_model and a.d_ff and a.layers:
+  if a.layers:
     print(report(a.layers, experts, a.d_model, a.d_ff, a.devices, fsep_slots=a.slots))
   if a.json:
     out = {"trace": a.trace, "devices": a.devices, "slots": a.slots, "every": a.every,
-           "window": a.window, "shares": a.shares, "sources": sources, "experts": experts,
+           "window": a.window, "shares": a.shares, "cost": dataclasses.asdict(cost),
+           "sources": sources, "experts": experts,
            "steps": steps, "layers": layers, "fsep_options": dict(_option(text) for text in a.fsep),
            "policies": results, "oracle": bound, **extra}
     with open(a.json, "w") as f:

@@ -30,7 +30,8 @@ def test_balanced_policies_need_smaller_buffers_at_most_one_percent_dropped(seed
   router[0] = setup.log_popularity(seed, E, 1.0) / 4.0
   warm = np.stack([_counts(rng, router) for _ in range(3)])
   timed_WxE = _counts(rng, router)
-  plans = setup.plan(warm, N, 4, D, 64)
+  args = balance_pays.parse_args(["--d_model", str(D), "--d_ff", "64", "--experts", str(E)])
+  plans = setup.plan(warm, N, 4, balance_pays.layer_config(args))
   factor = {}
   for policy in setup.POLICIES:
     p = plans[policy]
@@ -63,3 +64,17 @@ def test_ratios_per_seed_geomean_and_per_round():
   assert np.allclose(per_round["fsep/tokens_per_s"], [[1.75, 1.75], [4.0, 4.0]])
   quick = balance_pays.parse_args(["--quick"])
   assert quick.seeds == [0] and quick.rounds == 4 and quick.step
+
+
+def test_fsep_plan_needs_no_bigger_buffer_than_a_level_one_on_the_benchmark_setup():
+  """On balance_pays' own seed-0 layer routing (full size: 8 x 2048 tokens, E = 16, top-2),
+  the trainer's fsep re-planner with its default options (pooled capacity as the benchmark
+  runs it, locality on, spread planning) needs capacity factor <= 1.1 for <= 1% drops on the
+  timed batch: keeping a device's tokens home must not pile rows onto its own pair's buffer."""
+  args = balance_pays.parse_args([])
+  _, warm, _, timed_WxE = balance_pays.layer_setup(args, 0)
+  base = balance_pays.layer_config(args)
+  p = setup.plan(warm, N, args.fsep_slots, base)["fsep"]
+  assert p.local is not None, "the default options plan per-source shares"
+  factor = setup.needed_factor("fsep", p, timed_WxE[None], args.tokens_per_device, K)
+  assert factor <= 1.1, factor

@@ -12,9 +12,10 @@ from moejax.config import ConfigError
 from moejax.layout import placement as placement_lib
 from moejax.placement import fsep
 from moejax.placement.drift import drift_bursts_trace, step_change
+from moejax.placement.fsep.spread import recent_center
 from moejax.placement.replay import oracle, replay, with_regret
-from moejax.placement.spread import recent_center
 from moejax.placement.workloads import load_trace
+from tests.plan_helpers import PLAN_COST
 
 TRACE = Path(__file__).resolve().parents[1] / "benchmarks" / "traces" / "drift_bursts.npz"
 
@@ -56,9 +57,10 @@ def drift():
 
 
 def test_oracle_bounds_the_lagged_planner_and_regret_is_the_difference(drift):
-  bound = oracle(drift[:30], 8, 8)
+  bound = oracle(drift[:30], 8, 8, cost=PLAN_COST)
   assert bound["decisions"] == 30 * 2 and bound["median"] <= 1.01
-  res = with_regret({"fsep": replay(drift[:30], 8, 8, "fsep", 10, 10)}, bound)["fsep"]
+  res = with_regret({"fsep": replay(drift[:30], 8, 8, "fsep", 10, 10, cost=PLAN_COST)},
+                    bound)["fsep"]
   assert res["regret_median"] == pytest.approx(res["median"] - bound["median"])
   assert res["regret_p99"] == pytest.approx(res["p99"] - bound["p99"])
   assert res["regret_mean"] > 0 and res["p99"] >= res["p90"] >= res["median"]
@@ -67,9 +69,10 @@ def test_oracle_bounds_the_lagged_planner_and_regret_is_the_difference(drift):
 def test_local_first_halves_crossing_at_no_cost_in_balance(drift):
   """On the drifting trace: crossing <= 0.75x the static layout's, the median within +0.01
   of the crossing-blind plan (same replicas and quotas, no kept parts)."""
-  static = replay(drift, 8, 8, "static", 10, 10)
-  local = replay(drift, 8, 8, "fsep", 10, 10)
-  blind = replay(drift, 8, 8, "fsep", 10, 10, options=fsep.FsepOptions(locality=False))
+  static = replay(drift, 8, 8, "static", 10, 10, cost=PLAN_COST)
+  local = replay(drift, 8, 8, "fsep", 10, 10, cost=PLAN_COST)
+  blind = replay(drift, 8, 8, "fsep", 10, 10, options=fsep.FsepOptions(locality=False),
+                 cost=PLAN_COST)
   assert local["crossing_fraction"] <= 0.75 * static["crossing_fraction"]
   assert blind["crossing_fraction"] > 0.8 * static["crossing_fraction"]
   assert local["median"] <= blind["median"] + 0.01
@@ -81,9 +84,9 @@ def test_spread_plans_use_the_window_and_mean_plans_ignore_it(drift):
   src = placement_lib.source_devices(16, 8)
 
   def plan(plan_for, samples):
-    return fsep.place_replicas(pred, static, slots=8, src_dev_W=src, num_devices=8,
+    return fsep.place_replicas(pred, static, slots=8, src_dev_W=src, num_devices=8, cost=PLAN_COST,
                                options=fsep.FsepOptions(plan_for=plan_for),
-                               samples_stepsxWxE=samples)
+                               samples_ZxWxE=samples)
 
   a, b = plan("mean", drift[10:20, 0]), plan("mean", None)
   np.testing.assert_array_equal(a.slot_expert, b.slot_expert)
@@ -102,9 +105,9 @@ def test_planner_config_sets_spread_and_locality():
   from moejax.placement.replanner import OnlinePlanner
   cfg = PlannerConfig(policy="fsep", fsep_plan_for="mean", fsep_locality=False)
   cfg.validate("fsep")
-  opts = OnlinePlanner(cfg, 4, capacity_factor=1.5).options
+  opts = OnlinePlanner(cfg, 4, capacity_factor=1.5, cost=PLAN_COST).options
   assert (opts.plan_for, opts.locality, opts.capacity_factor) == ("mean", False, 1.5)
-  assert OnlinePlanner(PlannerConfig(policy="fsep"), 4).options.plan_for == "spread"
+  assert OnlinePlanner(PlannerConfig(policy="fsep"), 4, cost=PLAN_COST).options.plan_for == "spread"
   with pytest.raises(ConfigError, match="fsep_plan_for='median'") as err:
     PlannerConfig(policy="fsep", fsep_plan_for="median").validate("fsep")
   assert "\n" not in str(err.value)
@@ -113,7 +116,7 @@ def test_planner_config_sets_spread_and_locality():
 def test_replanner_switches_when_only_the_kept_parts_change():
   from moejax.config import PlannerConfig
   from moejax.placement.replanner import OnlinePlanner
-  planner = OnlinePlanner(PlannerConfig(policy="fsep", every=1), 8)
+  planner = OnlinePlanner(PlannerConfig(policy="fsep", every=1), 8, cost=PLAN_COST)
   for step in load_trace(TRACE)["counts"][:3]:
     planner.observe(step)                  # [layers, 16 sources, experts], folded onto 8
   new, switches = planner.propose([placement_lib.static(32, 8)] * 2)
@@ -127,7 +130,7 @@ def test_replanner_switches_when_only_the_kept_parts_change():
 
 def test_recent_center_ignores_one_spiking_step_and_keeps_the_source_split():
   rng = np.random.default_rng(0)
-  win = rng.integers(50, 150, (10, 4, 6)).astype(float)           # [steps, W, E]
+  win = rng.integers(50, 150, (10, 4, 6)).astype(float)           # [Z, W, E]
   win[-1, :, 2] *= 5                                                # one heavy-tailed step
   pred = win.mean(0)
   got = recent_center(pred, win, 5)
@@ -146,7 +149,7 @@ def test_center_option_is_checked_and_mean_keeps_the_window_mean(drift):
 
   def plan(**kw):
     return fsep.place_replicas(pred, placement_lib.static(32, 8), slots=8, src_dev_W=src,
-                               num_devices=8, samples_stepsxWxE=win,
+                               num_devices=8, samples_ZxWxE=win, cost=PLAN_COST,
                                options=fsep.FsepOptions(**kw))
 
   with pytest.raises(ConfigError, match="center='mode'"):

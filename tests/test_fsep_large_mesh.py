@@ -12,9 +12,10 @@ import pytest
 from moejax.layout import placement as placement_lib
 from moejax.layout.flow import max_over_mean
 from moejax.layout.placement import SHARE_PARTS
-from moejax.placement import fsep, fsep_deal, fsep_score, fsep_shares
-from moejax.placement.cost import CostModel
+from moejax.placement import fsep
+from moejax.placement.fsep import deal as fsep_deal, score as fsep_score, shares as fsep_shares
 from moejax.placement.workloads import synthetic_trace
+from tests.plan_helpers import PLAN_COST
 
 
 def _snapped_case(n=512, e=64, rounds=8, seed=3):
@@ -60,7 +61,7 @@ def test_packed_order_is_expert_then_key_then_tie_rank():
     m = int(rng.integers(2, 5000))
     e_sel = rng.integers(0, int(rng.integers(1, 300)), m)
     key = rng.integers(-3, 4, m) * rng.choice([1e-3, 1.0, 7e5])     # many exact ties
-    order = fsep_shares._by_expert_then(e_sel, key)
+    order = fsep_shares.by_expert_then(e_sel, key)
     tie = fsep_shares.tie_rank(e_sel, max(1, (m - 1).bit_length()))
     np.testing.assert_array_equal(order, np.lexsort((tie, key, e_sel)))
     for e in np.unique(e_sel)[:5]:                      # ranks are distinct within an expert
@@ -80,7 +81,7 @@ def test_column_sums(n):
 def _plan(pred, n, e, c):
   se = (np.arange(n * c) % e).astype(np.int32)
   current = placement_lib.Placement(se, 1.0 / np.bincount(se, minlength=e)[se], n)
-  return fsep.place_replicas(pred, current, slots=c, src_dev_W=np.arange(n), cost=CostModel(),
+  return fsep.place_replicas(pred, current, slots=c, src_dev_W=np.arange(n), cost=PLAN_COST,
                              num_devices=n)
 
 

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from moejax.layout import placement as placement_lib
-from moejax.placement import fsep, fsep_deal
-from moejax.placement.cost import CostModel
+from moejax.placement import fsep
+from moejax.placement.fsep import deal as fsep_deal, planner as fsep_planner
 from moejax.placement.workloads import synthetic_trace
+from tests.plan_helpers import PLAN_COST
 
 
 def _candidates(load_E, n, rounds):
@@ -34,14 +35,14 @@ def test_deal_bound_never_exceeds_the_score(seed):
     dev_NxE = rng.lognormal(0, 1.5, (n, e)) * 40
     dev_NxE[:, rng.random(e) < 0.1] = 0.0                         # some experts get nothing
     load_E = dev_NxE.sum(0)
-    r_candsxE, m_candsxE = _candidates(load_E, n, rounds)
+    r_YxE, m_YxE = _candidates(load_E, n, rounds)
     window = None if rng.random() < 0.5 else load_E * rng.lognormal(0, 0.3, (5, e))
     if window is not None:
       window *= load_E.sum() / window.sum(1, keepdims=True)
     total_N = dev_NxE.sum(1)
-    peak_lo, sent_lo = fsep._deal_bound(r_candsxE, m_candsxE, load_E, window, dev_NxE, total_N, n,
+    peak_lo, sent_lo = fsep_deal.deal_bound(r_YxE, m_YxE, load_E, window, dev_NxE, total_N, n,
                                         rounds)
-    _, share, peak, sent = fsep._peaks(r_candsxE, m_candsxE, load_E=load_E, load_stepsxE=window,
+    _, share, peak, sent = fsep_planner.peaks(r_YxE, m_YxE, load_E=load_E, load_ZxE=window,
                                        dev_NxE=dev_NxE, total_N=total_N, n=n, rounds=rounds,
                                        iters=3)
     assert np.all(peak_lo <= peak * (1 + 1e-9)), (peak_lo, peak)
@@ -58,20 +59,21 @@ def test_pruning_changes_no_layout(n, e, kind, monkeypatch):
   def plan():
     return fsep.place_replicas(pred, placement_lib.static(e, n) if e % n == 0 else
                                placement_lib.Placement(np.zeros(n, np.int32), np.ones(n), n),
-                               slots=8, src_dev_W=src, cost=CostModel(), num_devices=n,
+                               slots=8, src_dev_W=src, cost=PLAN_COST, num_devices=n,
                                options=opts)
 
   levelled = []
-  peaks = fsep._peaks
+  peaks = fsep_planner.peaks
 
   def counted(grid, *a, **kw):
     levelled.append(len(grid))
     return peaks(grid, *a, **kw)
 
-  monkeypatch.setattr(fsep, "_peaks", counted)
+  monkeypatch.setattr(fsep_planner, "peaks", counted)
   pruned = plan()
   kept = sum(levelled)
-  monkeypatch.setattr(fsep, "_deal_bound", lambda r, *a: (np.zeros(len(r)), np.zeros(len(r))))
+  monkeypatch.setattr(fsep_planner, "deal_bound",
+                      lambda r, *a: (np.zeros(len(r)), np.zeros(len(r))))
   levelled.clear()
   full = plan()
   np.testing.assert_array_equal(pruned.slot_expert, full.slot_expert)

@@ -17,10 +17,16 @@ import pytest
 
 from moejax.layout import placement as placement_lib
 from moejax.layout.placement import SHARE_PARTS
-from moejax.placement import fsep, fsep_deal, fsep_shares
-from moejax.placement.cost import CostModel
-from moejax.placement.fsep_score import estimate
+from moejax.placement import fsep
+from moejax.placement.fsep import (
+  counts as fsep_counts,
+  deal as fsep_deal,
+  planner as fsep_planner,
+  shares as fsep_shares,
+)
+from moejax.placement.fsep.score import estimate
 from moejax.placement.workloads import synthetic_trace
+from tests.plan_helpers import PLAN_COST
 
 
 def _top_values_ref(load_E, first_k, cap, take):
@@ -91,7 +97,7 @@ def _deal_bound_ref(r_candsxE, coarse_candsxE, load_E, load_stepsxE, dev_NxE, to
 
 
 def _order_ref(e_sel, key):
-  """By expert, then key quantised as `fsep_shares._by_expert_then` does, then tie rank."""
+  """By expert, then key quantised as `fsep_shares.by_expert_then` does, then tie rank."""
   m = len(e_sel)
   pos_bits = max(1, (m - 1).bit_length())
   key_bits = 62 - pos_bits - max(1, int(e_sel.max()).bit_length())
@@ -165,7 +171,7 @@ def test_top_values_equal_all_values():
     avail = int(np.clip(cap + 1 - first, 0, None).sum())
     if avail:
       take = int(rng.integers(1, avail + 1))
-      np.testing.assert_array_equal(fsep._top_values(load, first, cap, take),
+      np.testing.assert_array_equal(fsep_counts.top_values(load, first, cap, take),
                                     _top_values_ref(load, first, cap, take))
 
 
@@ -197,15 +203,15 @@ def test_planner_equals_its_reference_helpers(n, e, c, kind, window, opts, monke
   current = placement_lib.Placement(se, 1.0 / np.bincount(se, minlength=e)[se], n)
 
   def plan():
-    return fsep.place_replicas(pred, current, slots=c, src_dev_W=np.arange(n), cost=CostModel(),
+    return fsep.place_replicas(pred, current, slots=c, src_dev_W=np.arange(n), cost=PLAN_COST,
                                num_devices=n, options=fsep.FsepOptions(**opts),
                                samples_stepsxWxE=samples)
 
   fast = plan()
-  for name, ref in (("_top_values", _top_values_ref), ("deal", _deal_ref),
-                    ("_deal_bound", _deal_bound_ref), ("quantise", _quantise_ref),
-                    ("_first_sent", _first_sent_ref)):
-    monkeypatch.setattr(fsep, name, ref)
+  monkeypatch.setattr(fsep_counts, "top_values", _top_values_ref)
+  for name, ref in (("deal", _deal_ref), ("deal_bound", _deal_bound_ref),
+                    ("quantise", _quantise_ref), ("_first_sent", _first_sent_ref)):
+    monkeypatch.setattr(fsep_planner, name, ref)
   monkeypatch.setattr(fsep_shares, "quantise", _quantise_ref)
   slow = plan()
   np.testing.assert_array_equal(fast.slot_expert, slow.slot_expert)

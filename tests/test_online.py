@@ -10,23 +10,25 @@ import jax
 import numpy as np
 import pytest
 
-from moejax.config import ConfigError, PlannerConfig, TraceConfig
+from moejax.config import Config, ConfigError, PlannerConfig, TraceConfig
 from moejax.layout import placement as placement_lib
 from moejax.placement.replanner import OnlinePlanner
 from moejax.train.controllers import Hook
 from moejax.train.trainer import Trainer
+from tests.plan_helpers import PLAN_COST
 from tests.run_config import tiny_config
 
 
 def test_observe_folds_data_rows_onto_expert_devices():
-  op = OnlinePlanner(PlannerConfig(policy="smartmoe", every=2, window=3), num_devices=4)
+  op = OnlinePlanner(PlannerConfig(policy="smartmoe", every=2, window=3), num_devices=4,
+                     cost=PLAN_COST)
   counts = np.arange(2 * 8 * 8).reshape(2, 8, 8)     # 2 layers, 8 sources = 2 rows x 4 devices
   op.observe(counts)
   np.testing.assert_array_equal(op.history[-1], counts[:, :4] + counts[:, 4:])
 
 
 def test_observe_counts_from_another_members_mesh_keep_the_expert_totals():
-  op = OnlinePlanner(PlannerConfig(policy="fsep", every=2, window=3), num_devices=8)
+  op = OnlinePlanner(PlannerConfig(policy="fsep", every=2, window=3), num_devices=8, cost=PLAN_COST)
   counts = np.arange(2 * 4 * 8, dtype=np.float64).reshape(2, 4, 8)   # 4 sources, not 8
   op.observe(counts)
   assert op.history[-1].shape == (2, 8, 8)
@@ -34,20 +36,28 @@ def test_observe_counts_from_another_members_mesh_keep_the_expert_totals():
   np.testing.assert_allclose(op.history[-1][:, 0], op.history[-1][:, 7])   # spread evenly
 
 
-def test_due_only_every_x_steps_with_history():
-  op = OnlinePlanner(PlannerConfig(policy="smartmoe", every=5), num_devices=4)
-  assert not op.due(5)                                # nothing observed yet
+def test_due_at_the_first_finished_step_then_every_x_steps():
+  op = OnlinePlanner(PlannerConfig(policy="smartmoe", every=5), num_devices=4, cost=PLAN_COST)
+  assert not op.due(1)                                # nothing observed yet
   op.observe(np.ones((1, 4, 8)))
+  assert op.due(1) and op.due(2), "the cold start plans from the first finished step"
+  op.propose([placement_lib.static(8, 4)])
   assert [s for s in range(12) if op.due(s)] == [5, 10]
-  assert not OnlinePlanner(PlannerConfig(policy="static", every=5), 4).due(5)
+  clone = OnlinePlanner(op.cfg, 4, cost=PLAN_COST)
+  clone.load_state_dict(json.loads(json.dumps(op.state_dict())))
+  assert [s for s in range(12) if clone.due(s)] == [5, 10], "a resumed run keeps its period"
+  assert not OnlinePlanner(PlannerConfig(policy="static", every=5), 4, cost=PLAN_COST).due(5)
 
 
 def test_fsep_every_sets_the_fsep_replanners_period_only():
-  fsep = OnlinePlanner(PlannerConfig(policy="fsep", every=6, fsep_every=2), num_devices=4)
-  ep = OnlinePlanner(PlannerConfig(policy="smartmoe", every=6, fsep_every=2), num_devices=4)
-  unset = OnlinePlanner(PlannerConfig(policy="fsep", every=6), num_devices=4)
+  fsep = OnlinePlanner(PlannerConfig(policy="fsep", every=6, fsep_every=2), num_devices=4,
+                       cost=PLAN_COST)
+  ep = OnlinePlanner(PlannerConfig(policy="smartmoe", every=6, fsep_every=2), num_devices=4,
+                     cost=PLAN_COST)
+  unset = OnlinePlanner(PlannerConfig(policy="fsep", every=6), num_devices=4, cost=PLAN_COST)
   for op in (fsep, ep, unset):
     op.observe(np.ones((1, 4, 8)))
+    op.propose([placement_lib.static(8, 4)])
   assert [s for s in range(13) if fsep.due(s)] == [2, 4, 6, 8, 10, 12]
   assert [s for s in range(13) if ep.due(s)] == [6, 12]
   assert [s for s in range(13) if unset.due(s)] == [6, 12]
@@ -64,7 +74,8 @@ def test_planner_config_errors_name_the_value(kw, needle):
 
 
 def test_propose_balances_skewed_history_and_round_trips_state():
-  op = OnlinePlanner(PlannerConfig(policy="smartmoe", every=1, window=2), num_devices=4)
+  op = OnlinePlanner(PlannerConfig(policy="smartmoe", every=1, window=2), num_devices=4,
+                     cost=PLAN_COST)
   hot = np.zeros((1, 4, 8))
   hot[0, :, :2] = 100.0                               # experts 0 and 1 share device 0
   hot[0, :, 2:] = 10.0
@@ -75,7 +86,7 @@ def test_propose_balances_skewed_history_and_round_trips_state():
   assert len(switches) == 1 and switches[0].predicted_after < switches[0].predicted_before
   row = new[0].slot_expert.tolist()
   assert row.index(0) // 2 != row.index(1) // 2
-  clone = OnlinePlanner(op.cfg, 4)
+  clone = OnlinePlanner(op.cfg, 4, cost=PLAN_COST)
   clone.load_state_dict(json.loads(json.dumps(op.state_dict())))
   np.testing.assert_array_equal(clone.propose(static)[0][0].slot_expert, new[0].slot_expert)
 
@@ -191,3 +202,26 @@ def test_trace_sources_are_stored_expert_major(tmp_path):
   for s in range(8):
     device, row = s * 4 // 8, s % 2
     np.testing.assert_array_equal(stored[s], counts[0, row * 4 + device])
+
+
+def test_the_trainers_planner_plans_with_the_runs_model_hardware_and_capacity():
+  """The re-planner the strategy pool builds (`online_planner`) weighs compute against the
+  exchange with the config's d_model, expert d_ff and dtype on the configured hardware
+  profile's rates, and plans fsep for the dense dispatch's capacity factor and mode."""
+  from moejax.strategy.cost import PRESETS
+  from moejax.train.pool import online_planner
+  cfg = Config()
+  cfg = dataclasses.replace(
+      cfg, model=dataclasses.replace(cfg.model, d_model=48, dtype="bfloat16"),
+      moe=dataclasses.replace(cfg.moe, d_ff=80, expert_mode="fsep", capacity="device",
+                              capacity_factor=1.5),
+      planner=dataclasses.replace(cfg.planner, policy="fsep"),
+      strategy=dataclasses.replace(cfg.strategy, profile="h100_node"))
+  planner = online_planner(cfg, 4)
+  profile = PRESETS["h100_node"]
+  assert (planner.cost.d_model, planner.cost.d_ff, planner.cost.act_bytes) == (48, 80, 2)
+  assert planner.cost.flops_per_s == profile.flops_per_s / profile.compute_scale
+  assert planner.cost.link_bytes_per_s == profile.a2a_bytes_per_s / profile.comm_scale
+  assert (planner.options.capacity_factor, planner.options.capacity) == (1.5, "device")
+  ragged = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dispatch="ragged"))
+  assert online_planner(ragged, 4).options.capacity_factor is None

@@ -19,6 +19,7 @@ from moejax.model.moe.layer import _replica_slots
 from moejax.placement import fsep
 from moejax.placement.workloads import synthetic_trace
 from tests.moe_helpers import E, random_placement, with_local
+from tests.plan_helpers import PLAN_COST
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -57,7 +58,7 @@ def test_planner_keeps_one_replica_per_device_and_every_quota(experts, devices, 
   src = np.arange(devices)
   for pred in counts:
     plans = {loc: fsep.place_replicas(pred, placement_lib.static(experts, devices),
-                                      slots=slots, src_dev_W=src,
+                                      slots=slots, src_dev_W=src, cost=PLAN_COST,
                                       options=fsep.FsepOptions(locality=loc))
              for loc in (False, True)}
     for p in plans.values():

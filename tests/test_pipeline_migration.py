@@ -25,6 +25,7 @@ from moejax.placement.replanner import OnlinePlanner
 from moejax.strategy.spec import parse
 from moejax.train.optim import optimizer, schedule
 from moejax.train.programs import build_program
+from tests.plan_helpers import PLAN_COST
 
 # Four MoE layers: at P = 2, V = 2 stage 0 stores canonical groups 0 and 2, stage 1 1 and 3.
 CFG = Config(model=ModelConfig(d_model=32, num_layers=4, num_heads=2, d_ff=64, max_seq_len=16),
@@ -54,7 +55,7 @@ def _random_state(prog):
 def _smartmoe_layout(prog):
   """The SmartMoE planner's placements after a step where layer l's load sits on experts 2l
   and 2l + 1 (both on device l of the static layout): every layer moves, each its own way."""
-  planner = OnlinePlanner(CFG.planner, 4, capacity_factor=4.0, capacity="slot")
+  planner = OnlinePlanner(CFG.planner, 4, capacity_factor=4.0, capacity="slot", cost=PLAN_COST)
   counts_LxWxE = np.ones((4, 4, 8))
   for layer in range(4):
     counts_LxWxE[layer, :, 2 * layer: 2 * layer + 2] = 50.0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -9,7 +11,8 @@ from moejax.config import ConfigError
 from moejax.layout import placement as placement_lib
 from moejax.layout.flow import flow, max_over_mean
 from moejax.placement import policies, shadow, smartmoe
-from moejax.placement.cost import CostModel
+from moejax.placement.workloads import synthetic_trace
+from tests.plan_helpers import PLAN_COST
 
 
 def _dev_loads(p: placement_lib.Placement, load_E):
@@ -83,7 +86,7 @@ def _collapsed(devices=4, experts=8, hot_share=0.5, tokens=4000):
 def test_shadow_replicates_a_collapsed_expert_when_cheap():
   pred = _collapsed()
   src = np.arange(4)
-  cheap = CostModel(link_bytes_per_s=1e15)
+  cheap = dataclasses.replace(PLAN_COST, link_bytes_per_s=1e15)
   p = shadow.place_shadows(pred, placement_lib.static(8, 4), slots=3, src_dev_W=src, cost=cheap)
   p.validate(8)
   assert p.replicas(8)[3] == 4 and p.replicas(8).sum() == 8 + 3
@@ -93,7 +96,7 @@ def test_shadow_replicates_a_collapsed_expert_when_cheap():
 
 def test_shadow_stays_static_when_sync_is_expensive():
   pred = _collapsed()
-  costly = CostModel(d_model=4096, d_ff=16384, link_bytes_per_s=1e6)
+  costly = dataclasses.replace(PLAN_COST, d_model=4096, d_ff=16384, link_bytes_per_s=1e6)
   p = shadow.place_shadows(pred, placement_lib.static(8, 4), slots=3, src_dev_W=np.arange(4),
                            cost=costly)
   np.testing.assert_array_equal(p.slot_expert[p.slot_expert >= 0], np.arange(8))
@@ -134,7 +137,7 @@ def test_bad_placements_and_sources_are_rejected():
 
 def test_an_unknown_policy_option_is_a_one_line_error_naming_the_valid_ones():
   assert policies.make_options("smartmoe", min_gain=0.1) == smartmoe.SmartMoEOptions(0.1)
-  for name, bad in (("smartmoe", "min_gian"), ("fsep", "capacity"), ("static", "min_gain"),
+  for name, bad in (("smartmoe", "min_gian"), ("fsep", "capacity_mode"), ("static", "min_gain"),
                     ("shadow", "slots")):
     with pytest.raises(ConfigError) as e:
       policies.make_options(name, **{bad: 1})
@@ -180,3 +183,38 @@ def test_smartmoe_under_pooled_capacity_pairs_experts_whose_loads_alternate():
   # Without samples the option has nothing to score and the peak rule applies.
   assert np.array_equal(smartmoe.place_permutation(pred_WxE, static, options=options).slot_expert,
                         static.slot_expert)
+
+
+def _swaps_by_full_scan(samples_ZxWxE, dev_E, n, cap_ZxW, max_iters):
+  """The pooled-drop swaps as a scan of every E x E pair (the statement `_swaps_for_drops`
+  must match): each round the pair with the largest gain, the first in row-major order."""
+  dev_E = dev_E.copy()
+  s_ExZxW = np.moveaxis(samples_ZxWxE, -1, 0)
+  for _ in range(max_iters):
+    load_NxZxW = np.moveaxis(samples_ZxWxE @ np.eye(n)[dev_E], -1, 0)
+    drop_N = np.maximum(load_NxZxW - cap_ZxW, 0).sum((1, 2))
+    delta_ExExZxW = s_ExZxW[None] - s_ExZxW[:, None]
+    at_a = np.maximum(load_NxZxW[dev_E][:, None] + delta_ExExZxW - cap_ZxW, 0).sum((2, 3))
+    at_b = np.maximum(load_NxZxW[dev_E][None, :] - delta_ExExZxW - cap_ZxW, 0).sum((2, 3))
+    gain_ExE = drop_N[dev_E][:, None] + drop_N[dev_E][None, :] - at_a - at_b
+    gain_ExE[dev_E[:, None] == dev_E[None, :]] = 0
+    a, b = np.unravel_index(np.argmax(gain_ExE), gain_ExE.shape)
+    if gain_ExE[a, b] <= 1e-9:
+      break
+    dev_E[a], dev_E[b] = dev_E[b], dev_E[a]
+  return dev_E
+
+
+@pytest.mark.parametrize("experts,devices,seed", [(16, 4, 0), (16, 8, 1), (32, 8, 2),
+                                                   (24, 6, 3), (32, 4, 4)])
+def test_pooled_drop_swaps_equal_the_full_pair_scan(experts, devices, seed):
+  rng = np.random.default_rng(seed)
+  samples = synthetic_trace(6, 1, devices, experts, kind="lognormal", seed=seed,
+                            tokens_per_source=256)["counts"][:, 0].astype(np.float64)
+  cap_ZxW = np.ceil(1.1 * samples.sum(-1) / devices)
+  start = rng.permutation(np.arange(experts) // (experts // devices))
+  want = _swaps_by_full_scan(samples, start, devices, cap_ZxW, 4 * experts)
+  got = smartmoe._swaps_for_drops(samples, start, devices, cap_ZxW, 4 * experts)
+  np.testing.assert_array_equal(got, want)
+  assert smartmoe.pooled_drops(samples, got, devices, cap_ZxW) < \
+      smartmoe.pooled_drops(samples, start, devices, cap_ZxW)

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 from moejax.config import ConfigError
-from moejax.layout import placement as placement_lib
+from moejax.layout import capacity, placement as placement_lib
 from moejax.layout.flow import flow, max_over_mean
 from moejax.placement.policies import POLICIES, predict
 from moejax.placement.replay import replay
 from moejax.placement.workloads import save_trace, synthetic_trace
+from tests.plan_helpers import PLAN_COST
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,7 +28,7 @@ def skewed():
 
 def test_static_equals_direct_flow(skewed):
   devices = 4
-  r = replay(skewed, devices, 4, "static", every=5, window=3)
+  r = replay(skewed, devices, 4, "static", every=5, window=3, cost=PLAN_COST)
   src = placement_lib.source_devices(8, devices)
   p = placement_lib.static(16, devices)
   series, crossing = np.zeros((40, 2)), 0
@@ -47,23 +48,23 @@ def test_static_equals_direct_flow(skewed):
 
 
 def test_planners_beat_static_on_skewed_load(skewed):
-  static = replay(skewed, 4, 8, "static", every=4, window=4)
+  static = replay(skewed, 4, 8, "static", every=4, window=4, cost=PLAN_COST)
   for name in ("smartmoe", "shadow"):
-    r = replay(skewed, 4, 8, name, every=4, window=4)
+    r = replay(skewed, 4, 8, name, every=4, window=4, cost=PLAN_COST)
     assert r["median"] <= static["median"], name
     assert r["mean"] <= static["mean"], name
     assert r["experts_moved"] > 0 and r["decisions"] == 2 * 9
     assert r["planner_ms_mean"] > 0 and r["planner_ms_max"] >= r["planner_ms_mean"]
   # Before the first decision every policy runs the static layout.
-  smart = replay(skewed, 4, 8, "smartmoe", every=4, window=4)
+  smart = replay(skewed, 4, 8, "smartmoe", every=4, window=4, cost=PLAN_COST)
   np.testing.assert_allclose(np.asarray(smart["series"])[:4], np.asarray(static["series"])[:4])
 
 
 def test_shadow_fixes_collapse_where_a_permutation_cannot():
   c = synthetic_trace(20, 1, 8, 32, tokens_per_source=4096, kind="collapse", seed=1)["counts"]
-  static = replay(c, 8, 6, "static", every=5, window=5)
-  smart = replay(c, 8, 6, "smartmoe", every=5, window=5)
-  shadow = replay(c, 8, 6, "shadow", every=5, window=5)
+  static = replay(c, 8, 6, "static", every=5, window=5, cost=PLAN_COST)
+  smart = replay(c, 8, 6, "smartmoe", every=5, window=5, cost=PLAN_COST)
+  shadow = replay(c, 8, 6, "shadow", every=5, window=5, cost=PLAN_COST)
   assert smart["median"] > 3.0                              # top expert (40%) > 3 devices' share
   assert shadow["median"] < smart["median"] - 0.5
   assert shadow["median"] < static["median"] - 0.5
@@ -72,15 +73,15 @@ def test_shadow_fixes_collapse_where_a_permutation_cannot():
 @pytest.mark.parametrize("name", ["smartmoe", "shadow"])
 def test_layout_depends_only_on_finished_steps(skewed, name):
   every, cut = 5, 20
-  base = replay(skewed, 4, 8, name, every=every, window=4)
+  base = replay(skewed, 4, 8, name, every=every, window=4, cost=PLAN_COST)
   altered = skewed.copy()
   altered[cut:] = altered[cut:, :, :, ::-1]                 # steps >= cut look very different
-  alt = replay(altered, 4, 8, name, every=every, window=4)
+  alt = replay(altered, 4, 8, name, every=every, window=4, cost=PLAN_COST)
   np.testing.assert_array_equal(np.asarray(alt["series"])[:cut], np.asarray(base["series"])[:cut])
   assert not np.array_equal(np.asarray(alt["series"])[cut:], np.asarray(base["series"])[cut:])
   # A trace truncated right after step `cut` replays steps <= cut identically: the layout
   # chosen at t = cut (a decision step) used only steps < cut.
-  short = replay(skewed[:cut + 1], 4, 8, name, every=every, window=4)
+  short = replay(skewed[:cut + 1], 4, 8, name, every=every, window=4, cost=PLAN_COST)
   np.testing.assert_array_equal(np.asarray(short["series"]),
                                 np.asarray(base["series"])[:cut + 1])
 
@@ -93,7 +94,7 @@ def test_policy_gets_the_lagged_prediction(skewed, monkeypatch):
     return current
 
   monkeypatch.setitem(POLICIES, "spy", spy)
-  replay(skewed, 4, 6, "spy", every=7, window=3)
+  replay(skewed, 4, 6, "spy", every=7, window=3, cost=PLAN_COST)
   decision_steps = [t for t in range(1, 40) if t % 7 == 0]
   assert len(seen) == 2 * len(decision_steps)
   for i, t in enumerate(decision_steps):
@@ -112,7 +113,7 @@ def test_lookahead_plans_from_the_steps_it_will_serve(skewed, monkeypatch):
     return current
 
   monkeypatch.setitem(POLICIES, "spy", spy)
-  replay(skewed, 4, 6, "spy", every=7, window=3, lookahead=True)
+  replay(skewed, 4, 6, "spy", every=7, window=3, lookahead=True, cost=PLAN_COST)
   decision_steps = list(range(0, 40, 7))                  # step 0 too: no static start
   assert len(seen) == 2 * len(decision_steps)
   for i, t in enumerate(decision_steps):
@@ -122,22 +123,22 @@ def test_lookahead_plans_from_the_steps_it_will_serve(skewed, monkeypatch):
 
 
 def test_one_copy_policies_ignore_slots(skewed):
-  a = replay(skewed, 4, 4, "smartmoe", every=5, window=5)
-  b = replay(skewed, 4, 16, "smartmoe", every=5, window=5)
+  a = replay(skewed, 4, 4, "smartmoe", every=5, window=5, cost=PLAN_COST)
+  b = replay(skewed, 4, 16, "smartmoe", every=5, window=5, cost=PLAN_COST)
   assert a["series"] == b["series"]
 
 
 def test_errors(skewed):
   with pytest.raises(ConfigError, match="spread evenly"):
-    replay(skewed, 3, 8, "static")                          # 8 sources over 3 devices
+    replay(skewed, 3, 8, "static", cost=PLAN_COST)          # 8 sources over 3 devices
   with pytest.raises(ConfigError, match="divisible"):
-    replay(skewed[..., :15], 4, 8, "smartmoe")
+    replay(skewed[..., :15], 4, 8, "smartmoe", cost=PLAN_COST)
   with pytest.raises(ConfigError, match="--slots=2"):
-    replay(skewed, 4, 2, "shadow")
+    replay(skewed, 4, 2, "shadow", cost=PLAN_COST)
   with pytest.raises(ConfigError, match="unknown"):
-    replay(skewed, 4, 8, "lpt")
+    replay(skewed, 4, 8, "lpt", cost=PLAN_COST)
   with pytest.raises(ConfigError, match="must be >= 1"):
-    replay(skewed, 4, 8, "static", every=0)
+    replay(skewed, 4, 8, "static", every=0, cost=PLAN_COST)
 
 
 @pytest.mark.slow   # over the 8-minute budget of the README test command: .ci/run's slow pass
@@ -172,8 +173,8 @@ def test_cli_all_policies_json(tmp_path):
 def test_adaptive_shares_hold_the_layout_and_re_level_each_step(skewed):
   """--shares adaptive replays the same fsep decisions (same layouts, moves, decision count)
   and routes every row; re-levelling each step's shares lowers the busiest device."""
-  planned = replay(skewed, 4, 8, "fsep", every=5, window=5)
-  levelled = replay(skewed, 4, 8, "fsep", every=5, window=5, shares="adaptive")
+  planned = replay(skewed, 4, 8, "fsep", every=5, window=5, cost=PLAN_COST)
+  levelled = replay(skewed, 4, 8, "fsep", every=5, window=5, shares="adaptive", cost=PLAN_COST)
   assert levelled["experts_moved"] == planned["experts_moved"]
   assert levelled["decisions"] == planned["decisions"]
   after = np.s_[5:]                                     # the static layout runs steps 0-4
@@ -184,4 +185,26 @@ def test_adaptive_shares_hold_the_layout_and_re_level_each_step(skewed):
   assert np.percentile(np.asarray(levelled["series"])[after], 90) < \
       np.percentile(np.asarray(planned["series"])[after], 90)
   with pytest.raises(ConfigError, match="--shares='held'"):
-    replay(skewed, 4, 8, "fsep", shares="held")
+    replay(skewed, 4, 8, "fsep", shares="held", cost=PLAN_COST)
+
+
+def test_rows_carry_the_programs_buffer_factor_and_exchange_bytes(skewed):
+  """Per capacity mode, the needed factor is the smallest whose buffer rows drop <= 1% of a
+  step's choices (one step, one layer: capacity.smallest_factor's answer, row for row), and
+  the dense exchange moves every remote buffer whole at that factor; ragged moves the rows
+  that cross."""
+  one = skewed[:1, :1]
+  r = replay(one, 4, 8, "static", every=5, window=3, cost=PLAN_COST)
+  assert r["needed_capacity_factor"].keys() == {"slot", "device"}
+  p = placement_lib.static(16, 4)
+  loads_WxS = one[0, 0][:, p.slot_expert]
+  choices = int(one[0, 0].sum(1).max())                       # per source: T x K
+  row = 4 * PLAN_COST.d_model * PLAN_COST.act_bytes
+  for mode in ("slot", "device"):
+    want = capacity.smallest_factor(mode, loads_WxS, 4, choices, 1, 0.01)
+    got = r["needed_capacity_factor"][mode]
+    rows = [capacity.rows(mode, choices, 1, 4, 4, f) for f in (want, got)]
+    assert rows[0] == rows[1], (mode, want, got)
+    remote = 8 * capacity.buffers_per_source(mode, 4, 4) * 3 // 4
+    assert r["exchange_bytes"][mode] == remote * rows[1] * row
+  assert r["exchange_bytes"]["ragged"] == r["tokens_crossing"] * row

@@ -183,8 +183,9 @@ def test_trainer_switches_online_under_a_drifting_load_and_resumes_on_that_membe
   assert by_step[at - 1]["moe"][0]["dropped_fraction"] == pytest.approx(0.625, abs=0.01)
   assert by_step[at]["moe"][0]["dropped_fraction"] == pytest.approx(0.375, abs=0.01)
   # The fsep member was idle until then: it re-plans its replicas for this load at once.
-  relayouts = [r for r in records if r.get("event") == "layout_switch"]
-  assert relayouts and all(r["policy"] == "fsep" for r in relayouts)
+  # (The ep member's SmartMoE planned its first layout from the first finished step.)
+  relayouts = [r for r in records if r.get("event") == "layout_switch" and r["policy"] == "fsep"]
+  assert relayouts
   assert relayouts[0]["step"] == switches[0]["step"]
   assert relayouts[0]["predicted_after"] < relayouts[0]["predicted_before"]
   assert [r["strategy"] for r in records if "loss" in r][-1] == "fsep/1x4x2/c4/cf1.25"

@@ -1,7 +1,9 @@
 """The per-layer cost model placement policies decide by.
 
 Expert compute follows the busiest device (max, not mean), token exchange follows the bytes a
-device sends, and moving or replicating an expert costs its weight bytes.
+device sends, and moving or replicating an expert costs its weight bytes. Every field is the
+run's own: `moejax.strategy.placement_cost.of_config` builds it from the model, the MoE layer
+and the hardware profile, so the trade between compute and exchange is the program's.
 """
 
 from __future__ import annotations
@@ -13,16 +15,20 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
-  d_model: int = 128
-  d_ff: int = 256                      # expert hidden size
-  bytes_per_param: int = 4
-  flops_per_s: float = 50e12           # sustained per device
-  link_bytes_per_s: float = 50e9       # per device, all-to-all
-  act_bytes: int = 2                   # activation element size in the exchange
+  d_model: int
+  d_ff: int                            # expert hidden size
+  flops_per_s: float                   # expert matmuls, sustained per device
+  link_bytes_per_s: float              # per device, all-to-all
+  act_bytes: int                       # activation element size in the exchange
+  bytes_per_param: int = 4             # parameters are float32
 
   @property
   def expert_params(self) -> int:
     return 3 * self.d_model * self.d_ff
+
+  def row_bytes(self) -> int:
+    """Bytes of one (token, k) row in the exchange."""
+    return self.d_model * self.act_bytes
 
   def compute_s(self, tokens: float) -> float:
     """fwd + bwd of `tokens` (token, k) rows through one SwiGLU expert (6 flops/param/row)."""
@@ -30,7 +36,7 @@ class CostModel:
 
   def exchange_s(self, tokens_sent: float) -> float:
     """Dispatch + combine, fwd + bwd: 4 transfers of a d_model row."""
-    return 4.0 * tokens_sent * self.d_model * self.act_bytes / self.link_bytes_per_s
+    return 4.0 * tokens_sent * self.row_bytes() / self.link_bytes_per_s
 
   def expert_move_s(self, experts: float) -> float:
     """Move one expert's weights (and, for ep migration, its Adam state: x3)."""

@@ -2,8 +2,10 @@
 
 Host-side and JAX-free. The trainer feeds it each finished step's count matrix
 and asks, before dispatching step t, whether to switch layouts; the plan uses
-only steps that had finished by then. The layout is shared by all data rows, so
-sources are folded onto their expert-axis device first.
+only steps that had finished by then. The first plan comes as soon as one step
+has finished (the initial layout knows nothing of the load), then every X steps.
+The layout is shared by all data rows, so sources are folded onto their
+expert-axis device first.
 """
 
 from __future__ import annotations
@@ -15,9 +17,18 @@ import numpy as np
 
 from moejax.config import PlannerConfig
 from moejax.layout import placement as placement_lib
-from moejax.layout.flow import flow, max_over_mean
+from moejax.layout.flow import max_over_mean
 from moejax.layout.placement import Placement
 from moejax.placement import policies
+
+
+def _planned_load(p: Placement, pred_NxE: np.ndarray) -> np.ndarray:
+  """[N]: each device's share of the predicted load under `p` (its slots' shares of their
+  experts' totals): what the plan promises, without routing every source's rows."""
+  load_E = np.asarray(pred_NxE, np.float64).sum(0)
+  se = p.slot_expert
+  rows = np.where(se >= 0, p.share * load_E[np.maximum(se, 0)], 0.0)
+  return rows.reshape(p.num_devices, -1).sum(1)
 
 
 class Switch(NamedTuple):
@@ -29,30 +40,33 @@ class Switch(NamedTuple):
 
 def _config_options(cfg: PlannerConfig, capacity_factor: float | None, capacity: str) -> dict:
   """The policy options the config sets: smartmoe's hysteresis and, under pooled capacity,
-  the factor its drops are scored at; fsep's dense capacity, spread planning and locality."""
+  the factor its drops are scored at; fsep's dense capacity (factor and mode), spread
+  planning and locality."""
   if cfg.policy == "smartmoe":
     pooled = capacity_factor if capacity == "device" and capacity_factor else 0.0
     return {"min_gain": cfg.min_gain, "pooled_capacity_factor": pooled}
   if cfg.policy == "fsep":
-    return {"capacity_factor": capacity_factor, "plan_for": cfg.fsep_plan_for,
-            "locality": cfg.fsep_locality}
+    return {"capacity_factor": capacity_factor, "capacity": capacity,
+            "plan_for": cfg.fsep_plan_for, "locality": cfg.fsep_locality}
   return {}
 
 
 class OnlinePlanner:
-  def __init__(self, cfg: PlannerConfig, num_devices: int, cost: policies.CostModel | None = None,
+  def __init__(self, cfg: PlannerConfig, num_devices: int, cost: policies.CostModel,
                capacity_factor: float | None = None, capacity: str = "slot"):
-    """`capacity_factor`: the dense dispatch's, so fsep plans count per-slot drops (None for
-    the dropless ragged dispatch); `capacity`: its mode (moe.capacity), 'device' makes
-    smartmoe score placements by pooled drops."""
+    """`cost`: the run's (moejax.strategy.placement_cost); `capacity_factor`: the dense
+    dispatch's, so fsep plans count drops and keeps its own pairs' buffers (None for the
+    dropless ragged dispatch); `capacity`: its mode (moe.capacity), 'device' makes smartmoe
+    score placements by pooled drops."""
     self.cfg = cfg
     self.capacity_factor = capacity_factor
     self.num_devices = num_devices
-    self.cost = cost or policies.CostModel()
+    self.cost = cost
     self.policy = policies.get_policy(cfg.policy)
     given = _config_options(cfg, capacity_factor, capacity)
     self.options = policies.make_options(cfg.policy, **given)
     self.history: collections.deque = collections.deque(maxlen=cfg.window)
+    self.planned = False             # a plan has been made (the cold start is over)
 
   def observe(self, counts_LxWxE: np.ndarray) -> None:
     """Counts of one finished step; sources ordered (data, expert) row-major."""
@@ -77,27 +91,30 @@ class OnlinePlanner:
     return self.cfg.every
 
   def due(self, step: int) -> bool:
-    return (self.active and self.every > 0 and step > 0 and
-            step % self.every == 0 and len(self.history) > 0)
+    """Re-plan before `step`: at the first step with a finished one to plan from, then every
+    `every` steps."""
+    return (self.active and self.every > 0 and len(self.history) > 0 and
+            (not self.planned or (step > 0 and step % self.every == 0)))
 
   def propose(self, current: list[Placement]) -> tuple[list[Placement], list[Switch]]:
     """New placements per layer (the current one where no switch pays off)."""
-    history_stepsxLxNxE = np.stack(self.history)[-self.cfg.window:]
-    pred_LxNxE = policies.predict(history_stepsxLxNxE, self.cfg.window)
+    self.planned = True
+    history_ZxLxNxE = np.stack(self.history)[-self.cfg.window:]
+    pred_LxNxE = policies.predict(history_ZxLxNxE, self.cfg.window)
     src = np.arange(self.num_devices)
     out, switches = list(current), []
     for layer, pred_NxE in enumerate(pred_LxNxE):
       cur = current[layer]
       new = self.policy(pred_NxE, cur, slots=cur.slots_per_device, src_dev_W=src,
                         cost=self.cost, num_devices=self.num_devices, options=self.options,
-                        samples_stepsxWxE=history_stepsxLxNxE[:, layer])
+                        samples_ZxWxE=history_ZxLxNxE[:, layer])
       if (np.array_equal(new.slot_expert, cur.slot_expert) and
           np.allclose(new.share, cur.share, atol=0.5 / placement_lib.SHARE_PARTS) and
           np.array_equal(placement_lib.local_parts(new), placement_lib.local_parts(cur))):
         continue
       experts = pred_NxE.shape[1]
-      before = max_over_mean(flow(cur, pred_NxE, src).device_load_N)
-      after = max_over_mean(flow(new, pred_NxE, src).device_load_N)
+      before = max_over_mean(_planned_load(cur, pred_NxE))
+      after = max_over_mean(_planned_load(new, pred_NxE))
       added_NxE = placement_lib.presence(new, experts) & ~placement_lib.presence(cur, experts)
       moved = int(added_NxE.sum())
       out[layer] = new
@@ -105,9 +122,11 @@ class OnlinePlanner:
     return out, switches
 
   def state_dict(self) -> dict:
-    return {"history": [h.tolist() for h in self.history]}
+    return {"history": [h.tolist() for h in self.history], "planned": self.planned}
 
   def load_state_dict(self, d: dict) -> None:
     self.history.clear()
     for h in d.get("history", []):
       self.history.append(np.asarray(h, np.float64))
+    # A checkpoint without the flag was written by a run that planned every X steps only.
+    self.planned = bool(d.get("planned", len(self.history) > 0))

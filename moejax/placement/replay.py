@@ -10,11 +10,12 @@ with the prediction from finished steps only, `predict(counts[:t], window)[layer
 last `window` steps), and the layout in use; its answer is used from step t on. The layout in
 use at step t is evaluated with `flow` on the actual counts of step t: max/mean device load
 (median, p90 and mean over steps x layers), tokens whose expert runs off their source device,
-and, per decision, experts moved ((expert, device) copies in the new layout that the old one
-lacked) and the policy call's wall time. The policy also gets the window's steps themselves
-(`samples_stepsxWxE`), for a planner that plans for their spread. One-copy policies (static,
-smartmoe) get E/N slots per device whatever --slots says (E must divide by N); the others get
---slots (>= E/N).
+what the program pays (per capacity mode the smallest factor with <= 1% of the choices dropped,
+and the exchange's bytes: `moejax.placement.buffers`), and, per decision, experts moved
+((expert, device) copies in the new layout that the old one lacked) and the policy call's wall
+time. The policy also gets the window's steps themselves (`samples_ZxWxE`), for a planner that
+plans for their spread. One-copy policies (static, smartmoe) get E/N slots per device whatever
+--slots says (E must divide by N); the others get --slots (>= E/N).
 
 `oracle` replays the fsep planner given each step's own counts (every step, no lag): a bound
 no lagged planner reaches; `with_regret` adds each policy's distance from it. The
@@ -33,6 +34,7 @@ import numpy as np
 from moejax.config import ConfigError
 from moejax.layout import placement as placement_lib
 from moejax.layout.flow import flow, max_over_mean
+from moejax.placement.buffers import BufferTally
 from moejax.placement.policies import ONE_COPY_POLICIES, POLICIES, CostModel, get_policy, predict
 
 
@@ -50,7 +52,7 @@ def effective_slots(policy: str, num_experts: int, devices: int, slots: int) -> 
 
 
 def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int = 10,
-           window: int = 10, cost: CostModel | None = None, options=None,
+           window: int = 10, *, cost: CostModel, options=None,
            lookahead: bool = False, shares: str = "planned") -> dict:
   """Replays counts[steps, L, W, E] through one policy (with its `options` dataclass, or its
   defaults); returns the per-policy result dict. `shares="adaptive"`: fsep layouts split
@@ -71,8 +73,8 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
     place = functools.partial(place, options=options)
   src_dev = placement_lib.source_devices(sources, devices)
   c_eff = effective_slots(policy, experts, devices, slots)
-  cost = cost or CostModel()
   current = [placement_lib.static(experts, devices) for _ in range(layers)]
+  tally = BufferTally(cost)
   series = np.zeros((steps, layers))
   predicted = []          # max/mean of each decision's layout on the load it was planned for
   crossing, moved, times = 0, 0, []
@@ -83,7 +85,7 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
       for layer in range(layers):
         t0 = time.perf_counter()
         new = place(pred[layer], current[layer], slots=c_eff, src_dev_W=src_dev, cost=cost,
-                    num_devices=devices, samples_stepsxWxE=seen[:, layer])
+                    num_devices=devices, samples_ZxWxE=seen[:, layer])
         times.append(time.perf_counter() - t0)
         new.validate(experts)
         planned = flow(held(new, shares), pred[layer], src_dev)
@@ -95,7 +97,8 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
       f = flow(held(current[layer], shares), counts[t, layer], src_dev)
       series[t, layer] = max_over_mean(f.device_load_N)
       crossing += f.crossing
-  return _result(series, predicted, crossing, int(counts.sum()), moved, times)
+      tally.add(held(current[layer], shares), counts[t, layer], src_dev, f.crossing)
+  return _result(series, predicted, crossing, int(counts.sum()), moved, times, tally)
 
 
 SHARES = ("planned", "adaptive")
@@ -114,9 +117,10 @@ def held(p: placement_lib.Placement, shares: str) -> placement_lib.Placement:
   return p
 
 
-def _result(series, predicted, crossing, total, moved, times) -> dict:
+def _result(series, predicted, crossing, total, moved, times, tally) -> dict:
   ms = np.asarray(times) * 1e3
   return {
+      **tally.result(),
       "median": float(np.median(series)),
       "predicted_median": float(np.median(predicted)) if predicted else None,
       "predicted_mean": float(np.mean(predicted)) if predicted else None,
@@ -133,7 +137,7 @@ def _result(series, predicted, crossing, total, moved, times) -> dict:
   }
 
 
-def oracle(counts: np.ndarray, devices: int, slots: int, cost: CostModel | None = None,
+def oracle(counts: np.ndarray, devices: int, slots: int, *, cost: CostModel,
            options=None, shares: str = "planned") -> dict:
   """The fsep planner given each step's own counts, every step (what no lagged planner can
   know): the same result dict as `replay`; experts moved counts every step's change."""
@@ -144,8 +148,8 @@ def oracle(counts: np.ndarray, devices: int, slots: int, cost: CostModel | None 
     place = functools.partial(place, options=options)
   src_dev = placement_lib.source_devices(sources, devices)
   c_eff = effective_slots("fsep", experts, devices, slots)
-  cost = cost or CostModel()
   current = [placement_lib.static(experts, devices) for _ in range(layers)]
+  tally = BufferTally(cost)
   series = np.zeros((steps, layers))
   crossing, moved, times = 0, 0, []
   for t in range(steps):
@@ -160,7 +164,8 @@ def oracle(counts: np.ndarray, devices: int, slots: int, cost: CostModel | None 
       f = flow(held(new, shares), counts[t, layer], src_dev)
       series[t, layer] = max_over_mean(f.device_load_N)
       crossing += f.crossing
-  return _result(series, [], crossing, int(counts.sum()), moved, times)
+      tally.add(held(new, shares), counts[t, layer], src_dev, f.crossing)
+  return _result(series, [], crossing, int(counts.sum()), moved, times, tally)
 
 
 def with_regret(results: dict, bound: dict) -> dict:

@@ -15,11 +15,12 @@ import optax
 from moejax.config import Config, ConfigError, batch_split_error
 from moejax.layout.tables import Layout
 from moejax.placement.replanner import OnlinePlanner
+from moejax.strategy.placement_cost import of_config as placement_cost_of
 from moejax.strategy.spec import Strategy, check_pool, from_config, parse
 from moejax.train.programs import Program, build_program, warm_up_pool
 from moejax.train.state import TrainState
 
-__all__ = ["StrategyPool"]
+__all__ = ["StrategyPool", "online_planner"]
 
 
 def _check_batch(cfg: Config, shards: int) -> None:
@@ -34,6 +35,13 @@ def _check_batch(cfg: Config, shards: int) -> None:
 def _dense_capacity(moe) -> float | None:
   """The capacity factor the dense dispatch enforces (None: ragged, dropless)."""
   return None if moe.dispatch == "ragged" else moe.capacity_factor
+
+
+def online_planner(cfg: Config, num_devices: int) -> OnlinePlanner:
+  """The layout re-planner of a program with config `cfg` and `num_devices` on its expert
+  axis: the config's policy and options, the dense dispatch's capacity, the run's cost."""
+  return OnlinePlanner(cfg.planner, num_devices, placement_cost_of(cfg),
+                       capacity_factor=_dense_capacity(cfg.moe), capacity=cfg.moe.capacity)
 
 
 class StrategyPool:
@@ -53,10 +61,7 @@ class StrategyPool:
     # run's memory.txt reports XLA's analysis of the very executable that trains.
     self.programs: list[Program] = [build_program(cfg, s, tx, lr_schedule, devices)
                                     for s in strategies]
-    self.planners = [OnlinePlanner(p.cfg.planner, p.mesh.shape["expert"],
-                                   capacity_factor=_dense_capacity(p.cfg.moe),
-                                   capacity=p.cfg.moe.capacity)
-                     for p in self.programs]
+    self.planners = [online_planner(p.cfg, p.mesh.shape["expert"]) for p in self.programs]
     self.tx = tx
     self.active = 0
     self.transfers: dict = {}        # (src, dst) -> compiled state move (train.programs)

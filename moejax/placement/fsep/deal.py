@@ -1,5 +1,5 @@
 """How the fsep planner deals replicas to devices, and the bound that deal order gives before
-any candidate is placed (numpy only; moejax.placement.fsep's steps 1 and its pruning).
+any candidate is placed (numpy only; the planner's step 1 and its pruning).
 
   deal(r_candsxE, load_E, n, rounds)
     -> (grid[cands, N, rounds], device loads at even shares [cands, N])
@@ -13,8 +13,9 @@ import numpy as np
 
 # From this many devices on the planner uses faster arithmetic that changes the last bits of
 # some sums and the order of exact ties (decision 0056): column sums over groups of rows,
-# a fixed key scale in the deal, a packed-key sort in `quantise`. Below it the arithmetic,
-# and so every plan replayed at N = 8 and 16, is the one before (decision 0049).
+# a fixed key scale in the deal, a packed-key sort in `quantise`. Below it the sums run in
+# the plain order, so the plans of small meshes, which replayed results and tests pin bit for
+# bit, do not depend on the shortcuts (decision 0061).
 LARGE_MESH = 256
 
 

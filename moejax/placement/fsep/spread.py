@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moejax.placement.fsep_score import fold_sources
+from moejax.placement.fsep.score import fold_sources
 
 
 def window_loads(samples_stepsxWxE: np.ndarray, src_dev_W: np.ndarray, n: int,
