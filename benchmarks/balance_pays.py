@@ -102,7 +102,7 @@ def layer_config(args) -> Config:
 
 
 def layer_setup(args, seed: int):
-  """(params, warm-up counts [Z, W, E], timed batch, its counts [W, E]) of seed `seed`."""
+  """(params, warm-up counts [steps, W, E], timed batch, its counts [W, E]) of seed `seed`."""
   rng = np.random.default_rng(1000 + seed)
   d, f, e, k = args.d_model, args.d_ff, args.experts, args.top_k
   router = 0.05 * rng.standard_normal((d, e)).astype(np.float32)
@@ -185,9 +185,9 @@ def step_runs(args, seed: int) -> dict:
   for batch in batches:
     state, m = prog.train_step(state, batch, prog.layout)
     counts.append(np.asarray(m["counts_LxWxE"]))
-  warm_ZxLxWxE, timed_LxWxE = np.stack(counts[:-1]), counts[-1]
+  warm_stepsxLxWxE, timed_LxWxE = np.stack(counts[:-1]), counts[-1]
   tokens = cfg.data.global_batch_size * cfg.data.seq_len // N
-  per_layer = [setup.plan(warm_ZxLxWxE[:, layer], N, args.fsep_slots, cfg)
+  per_layer = [setup.plan(warm_stepsxLxWxE[:, layer], N, args.fsep_slots, cfg)
                for layer in range(layers)]
   runs = {}
   for policy in setup.POLICIES:

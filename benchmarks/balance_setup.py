@@ -41,11 +41,11 @@ def policy_config(base: Config, policy: str, fsep_slots: int) -> Config:
   return dataclasses.replace(base, moe=moe, planner=planner)
 
 
-def plan(warm_ZxWxE: np.ndarray, num_devices: int, fsep_slots: int,
+def plan(warm_stepsxWxE: np.ndarray, num_devices: int, fsep_slots: int,
          base: Config) -> dict[str, placement_lib.Placement]:
   """Each policy's placement of one layer, from the warm-up steps' counts only, by the
   trainer's re-planner for the policy's config (`policy_config` of `base`)."""
-  warm = np.asarray(warm_ZxWxE, np.float64)
+  warm = np.asarray(warm_stepsxWxE, np.float64)
   experts = warm.shape[-1]
   static = placement_lib.static(experts, num_devices)
   start = {"smartmoe": static,

@@ -166,7 +166,7 @@ def test_logits_equal_reference(family, mode, tmp_path_factory, tmp_path):
 def hf_grads(model, x, fam, shapes):
   """transformers' gradients of its mean next-token cross-entropy on `x`, as a moejax params
   tree (expert-id order). In memory transformers 5 fuses each layer's experts: gate_up_proj
-  [E, 2F, D] (gate rows first) and down_proj [E, D, F]."""
+  [E, 2F, D] (gate rows first) and down_proj [E, D, ffn]."""
   model.zero_grad()
   model(input_ids=torch.as_tensor(np.array(x), dtype=torch.long),
         labels=torch.as_tensor(np.array(x), dtype=torch.long)).loss.backward()

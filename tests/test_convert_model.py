@@ -35,7 +35,7 @@ def test_grouped_heads_equal_repeated_heads():
   params = jax.tree.map(lambda s: rng.normal(0.0, 0.3, s.shape).astype(np.float32),
                         shapes["params"])
   attn = dict(params["layers"]["attn_moe"])
-  for w in ("wk", "wv"):                    # [L, D, KV, J] -> [L, D, H, J]
+  for w in ("wk", "wv"):                    # [L, D, KV, hdim] -> [L, D, heads, hdim]
     attn[w] = np.repeat(attn[w], 2, axis=2)
   # "proj" QK-norm: the mean square over repeated heads is the one over the k/v heads
   attn["k_norm"] = {"scale": np.repeat(attn["k_norm"]["scale"], 2, axis=1)}

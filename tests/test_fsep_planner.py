@@ -97,7 +97,7 @@ def test_overflow_equals_the_sum_over_every_source_and_slot(pooled):
   grid = np.stack([rng.permutation(np.resize(np.arange(e), n * rounds)).reshape(n, rounds)
                    for _ in range(3)])
   share = rng.random(grid.shape) * 0.5
-  rows = dev_NxE[:, grid].transpose(1, 0, 2, 3) * share[:, None]          # [Y, src, N, C]
+  rows = dev_NxE[:, grid].transpose(1, 0, 2, 3) * share[:, None]          # [cands, src, N, C]
   if pooled:
     rows = rows.sum(-1)
   want = np.maximum(rows - 9.0, 0).reshape(3, -1).sum(1) / dev_NxE.sum()
@@ -350,7 +350,7 @@ def test_fsep_beats_static_and_smartmoe_on_committed_traces(trace):
   for t in range(10, len(counts), 10):
     win = counts[t - 10:t, 0]
     p = fsep.place_replicas(win.mean(0), placement_lib.static(32, 8), slots=8, src_dev_W=src,
-                            num_devices=8, samples_ZxWxE=win, cost=PLAN_COST)
+                            num_devices=8, samples_stepsxWxE=win, cost=PLAN_COST)
     target = np.rint(recent_center(win.mean(0), win, 5)).astype(np.int64)
     planned.append(max_over_mean(flow(p, target, src).device_load_N))
   assert np.median(planned) <= 1.01, planned

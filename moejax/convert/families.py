@@ -161,11 +161,12 @@ def to_leaf(x, how: str, shape: tuple):
     return x
   if how == "T":
     return x.T
-  if how == "in_heads":              # [H*J, D] -> [D, H, J]
+  if how == "in_heads":              # [heads*hdim, D] -> [D, heads, hdim]
     return x.reshape(shape[1], shape[2], shape[0]).transpose(2, 0, 1)
-  if how == "out_heads":             # [D, H*J] -> [H, J, D]
+  if how == "out_heads":             # [D, heads*hdim] -> [heads, hdim, D]
     return x.T.reshape(shape)
-  return x.reshape(shape)            # "reshape": a norm scale [J] or [H*J] -> [J] or [H, J]
+  # "reshape": a norm scale [hdim] or [heads*hdim] -> [hdim] or [heads, hdim]
+  return x.reshape(shape)
 
 
 def from_leaf(y, how: str):
@@ -174,8 +175,8 @@ def from_leaf(y, how: str):
     return y
   if how == "T":
     return y.T
-  if how == "in_heads":              # [D, H, J] -> [H*J, D]
+  if how == "in_heads":              # [D, heads, hdim] -> [heads*hdim, D]
     return y.transpose(1, 2, 0).reshape(-1, y.shape[0])
-  if how == "out_heads":             # [H, J, D] -> [D, H*J]
+  if how == "out_heads":             # [heads, hdim, D] -> [D, heads*hdim]
     return y.reshape(-1, y.shape[-1]).T
   return y.reshape(-1)

@@ -82,20 +82,21 @@ class Attention(nn.Module):
     wv = _dense(qkv_axes, (d, kv, head_dim), d, self, "wv")
     wo = _dense(("heads", "head_dim", "embed"), (h, head_dim, d), d, self, "wo")
     x = x_BxQxD.astype(dtype)
-    q_BxQxHxJ = jnp.einsum("bqd,dhj->bqhj", x, wq.astype(dtype))
-    k_BxQxHxJ = jnp.einsum("bqd,dhj->bqhj", x, wk.astype(dtype))
+    q_BxQxheadsxhdim = jnp.einsum("bqd,dhj->bqhj", x, wq.astype(dtype))
+    k_BxQxheadsxhdim = jnp.einsum("bqd,dhj->bqhj", x, wk.astype(dtype))
     if cfg.qk_norm != "none":
       axes = ("head_dim",) if cfg.qk_norm == "head" else ("heads", "head_dim")
-      q_BxQxHxJ = RMSNorm(cfg.norm_eps, axes, name="q_norm")(q_BxQxHxJ)
-      k_BxQxHxJ = RMSNorm(cfg.norm_eps, axes, name="k_norm")(k_BxQxHxJ)
-    q_BxQxHxJ = rope(q_BxQxHxJ, cfg.rope_base)
-    k_BxQxHxJ = rope(k_BxQxHxJ, cfg.rope_base)
-    v_BxQxHxJ = jnp.einsum("bqd,dhj->bqhj", x, wv.astype(dtype))
+      q_BxQxheadsxhdim = RMSNorm(cfg.norm_eps, axes, name="q_norm")(q_BxQxheadsxhdim)
+      k_BxQxheadsxhdim = RMSNorm(cfg.norm_eps, axes, name="k_norm")(k_BxQxheadsxhdim)
+    q_BxQxheadsxhdim = rope(q_BxQxheadsxhdim, cfg.rope_base)
+    k_BxQxheadsxhdim = rope(k_BxQxheadsxhdim, cfg.rope_base)
+    v_BxQxheadsxhdim = jnp.einsum("bqd,dhj->bqhj", x, wv.astype(dtype))
     # 'cudnn': the fused kernel; anything else (an unresolved 'auto' too): XLA's attention
     impl = "cudnn" if cfg.attention == "cudnn" else None
-    o_BxQxHxJ = jax.nn.dot_product_attention(q_BxQxHxJ, k_BxQxHxJ, v_BxQxHxJ, is_causal=True,
-                                             implementation=impl)
-    return jnp.einsum("bqhj,hjd->bqd", o_BxQxHxJ, wo.astype(dtype))
+    o_BxQxheadsxhdim = jax.nn.dot_product_attention(q_BxQxheadsxhdim, k_BxQxheadsxhdim,
+                                                    v_BxQxheadsxhdim, is_causal=True,
+                                                    implementation=impl)
+    return jnp.einsum("bqhj,hjd->bqd", o_BxQxheadsxhdim, wo.astype(dtype))
 
 
 class DenseMLP(nn.Module):

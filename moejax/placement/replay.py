@@ -13,7 +13,7 @@ use at step t is evaluated with `flow` on the actual counts of step t: max/mean 
 what the program pays (per capacity mode the smallest factor with <= 1% of the choices dropped,
 and the exchange's bytes: `moejax.placement.buffers`), and, per decision, experts moved
 ((expert, device) copies in the new layout that the old one lacked) and the policy call's wall
-time. The policy also gets the window's steps themselves (`samples_ZxWxE`), for a planner that
+time. The policy also gets the window's steps themselves (`samples_stepsxWxE`), for a planner that
 plans for their spread. One-copy policies (static, smartmoe) get E/N slots per device whatever
 --slots says (E must divide by N); the others get --slots (>= E/N).
 
@@ -85,7 +85,7 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
       for layer in range(layers):
         t0 = time.perf_counter()
         new = place(pred[layer], current[layer], slots=c_eff, src_dev_W=src_dev, cost=cost,
-                    num_devices=devices, samples_ZxWxE=seen[:, layer])
+                    num_devices=devices, samples_stepsxWxE=seen[:, layer])
         times.append(time.perf_counter() - t0)
         new.validate(experts)
         planned = flow(held(new, shares), pred[layer], src_dev)

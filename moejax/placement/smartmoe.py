@@ -13,7 +13,7 @@ Under pooled capacity (`moe.capacity = 'device'`, `pooled_capacity_factor` > 0) 
 not the busiest device's mean load but the choices each (source, device) buffer drops, step
 by step: two pairings with the same mean peak can drop very differently once per-step
 fluctuations are counted. Then every candidate is scored by the drops it would have had on
-each recent step (`samples_ZxWxE`), the best is improved by pair swaps on that score, and
+each recent step (`samples_stepsxWxE`), the best is improved by pair swaps on that score, and
 `min_gain` applies to the predicted drops.
 """
 
@@ -85,14 +85,14 @@ class SmartMoEOptions:
   pooled_capacity_factor: float = 0.0   # > 0: score by pooled drops at this factor (see doc)
 
 
-def pooled_drops(samples_ZxWxE: np.ndarray, dev_E: np.ndarray, n: int,
-                 cap_ZxW: np.ndarray) -> float:
-  """Choices the (source, device) buffers of `cap_ZxW` rows drop over the sampled steps."""
-  load_ZxWxN = samples_ZxWxE @ np.eye(n)[dev_E]
-  return float(np.maximum(load_ZxWxN - cap_ZxW[..., None], 0).sum())
+def pooled_drops(samples_stepsxWxE: np.ndarray, dev_E: np.ndarray, n: int,
+                 cap_stepsxW: np.ndarray) -> float:
+  """Choices the (source, device) buffers of `cap_stepsxW` rows drop over the sampled steps."""
+  load_stepsxWxN = samples_stepsxWxE @ np.eye(n)[dev_E]
+  return float(np.maximum(load_stepsxWxN - cap_stepsxW[..., None], 0).sum())
 
 
-def _swaps_for_drops(samples_ZxWxE, dev_E, n, cap_ZxW, max_iters):
+def _swaps_for_drops(samples_stepsxWxE, dev_E, n, cap_stepsxW, max_iters):
   """Best pair swap (on pooled drops) until none lowers them; ties to the first pair (a, b)
   in row-major order, as a scan of all E x E pairs would pick.
 
@@ -104,7 +104,7 @@ def _swaps_for_drops(samples_ZxWxE, dev_E, n, cap_ZxW, max_iters):
   and sums a row exactly only while its bound could still beat the best known swap. Drops
   are whole rows (integer counts and buffer rows), so every sum is exact and the pick is
   the full scan's."""
-  g = _SwapGains(samples_ZxWxE, dev_E, n, cap_ZxW)
+  g = _SwapGains(samples_stepsxWxE, dev_E, n, cap_stepsxW)
   for _ in range(max_iters):
     pair = g.best()
     if pair is None:
@@ -116,12 +116,12 @@ def _swaps_for_drops(samples_ZxWxE, dev_E, n, cap_ZxW, max_iters):
 class _SwapGains:
   """h(x, y) (see `_swaps_for_drops`) exact where a row is summed, and its upper bound."""
 
-  def __init__(self, samples_ZxWxE, dev_E, n, cap_ZxW):
+  def __init__(self, samples_stepsxWxE, dev_E, n, cap_stepsxW):
     self.dev_E = np.asarray(dev_E).copy()
     num_experts = len(self.dev_E)
-    self.s_ExK = np.moveaxis(np.asarray(samples_ZxWxE, np.float64), -1, 0).reshape(
+    self.s_ExK = np.moveaxis(np.asarray(samples_stepsxWxE, np.float64), -1, 0).reshape(
         num_experts, -1)
-    self.cap_K = np.asarray(cap_ZxW, np.float64).ravel()
+    self.cap_K = np.asarray(cap_stepsxW, np.float64).ravel()
     self.n = n
     self.load_NxK = np.zeros((n, self.s_ExK.shape[1]))
     np.add.at(self.load_NxK, self.dev_E, self.s_ExK)
@@ -137,8 +137,8 @@ class _SwapGains:
       xs = rows[self.dev_E[rows] == d]
       hot = np.flatnonzero(over_NxK[d] > 0)
       over = over_NxK[d, hot]
-      moved_XxExH = self.s_ExK[None, :, hot] - self.s_ExK[xs][:, None, hot]
-      self.upper_ExE[xs] = (over - np.maximum(over + moved_XxExH, 0)).sum(-1)
+      moved_XxExheads = self.s_ExK[None, :, hot] - self.s_ExK[xs][:, None, hot]
+      self.upper_ExE[xs] = (over - np.maximum(over + moved_XxExheads, 0)).sum(-1)
     self.summed_E[rows] = False
 
   def _sum(self, rows):
@@ -185,9 +185,9 @@ def place_permutation(pred_WxE: np.ndarray, current: placement_lib.Placement, *,
                       slots: int | None = None, src_dev_W: np.ndarray | None = None,
                       cost: CostModel | None = None, num_devices: int | None = None,
                       options: SmartMoEOptions = SmartMoEOptions(),
-                      samples_ZxWxE: np.ndarray | None = None) -> placement_lib.Placement:
+                      samples_stepsxWxE: np.ndarray | None = None) -> placement_lib.Placement:
   """A permutation of the experts, E/N per device, for the summed load (see the module doc);
-  the shared keywords other than `current` (and `samples_ZxWxE` under pooled capacity) are
+  the shared keywords other than `current` (and `samples_stepsxWxE` under pooled capacity) are
   not needed."""
   min_gain = options.min_gain
   load_E = np.asarray(pred_WxE, np.float64).sum(0)
@@ -205,13 +205,13 @@ def place_permutation(pred_WxE: np.ndarray, current: placement_lib.Placement, *,
   local = _improve_by_swaps(load_E, cur_dev_E, n, iters)
   reshuffle = _improve_by_swaps(load_E, _lpt(load_E, cur_dev_E, n, c), n, iters)
   static_dev_E = np.arange(num_experts) // c
-  if options.pooled_capacity_factor > 0 and samples_ZxWxE is not None:
-    samples = np.asarray(samples_ZxWxE, np.float64)
+  if options.pooled_capacity_factor > 0 and samples_stepsxWxE is not None:
+    samples = np.asarray(samples_stepsxWxE, np.float64)
     # A source's buffer to each device holds cf x its balanced share of its choices.
-    cap_ZxW = np.ceil(options.pooled_capacity_factor * samples.sum(-1) / n)
-    score = lambda d: pooled_drops(samples, d, n, cap_ZxW)
+    cap_stepsxW = np.ceil(options.pooled_capacity_factor * samples.sum(-1) / n)
+    score = lambda d: pooled_drops(samples, d, n, cap_stepsxW)
     best = min((local, reshuffle, static_dev_E, cur_dev_E), key=score)
-    dev_E = _swaps_for_drops(samples, best, n, cap_ZxW, iters)
+    dev_E = _swaps_for_drops(samples, best, n, cap_stepsxW, iters)
   else:
     score = peak
     dev_E = reshuffle if peak(reshuffle) < peak(local) * (1 - min_gain) else local

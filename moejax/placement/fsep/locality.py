@@ -25,13 +25,13 @@ BUDGET_ROUNDS = 4     # fixed-point steps: the shares of the rest move with what
 
 
 def keep_local(grid: np.ndarray, share: np.ndarray, dev_NxE: np.ndarray, load_E: np.ndarray,
-               coarse_YxE: np.ndarray | None = None, capacity: str | None = None,
+               coarse_candsxE: np.ndarray | None = None, capacity: str | None = None,
                slots: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """(kept [Y, N, rounds], remote [Y, N, rounds], rest [Y, E]) for the replicas
-  grid[Y, N, rounds] with shares share[Y, N, rounds] on device counts dev_NxE: the fraction of
-  its own tokens each replica keeps (1 where the device predicts none, so unexpected tokens
-  stay home), the shares of the rest per expert (the plain shares where nothing is left), and
-  each expert's predicted tokens left to split. Experts marked in `coarse_YxE` (see
+  """(kept [cands, N, rounds], remote [cands, N, rounds], rest [cands, E]) for the replicas
+  grid[cands, N, rounds] with shares share[cands, N, rounds] on device counts dev_NxE: the
+  fraction of its own tokens each replica keeps (1 where the device predicts none, so
+  unexpected tokens stay home), the shares of the rest per expert (the plain shares where nothing is left), and
+  each expert's predicted tokens left to split. Experts marked in `coarse_candsxE` (see
   counts.snap_counts: their shares are whole, even router parts) keep nothing back: the rest's
   shares would no longer be even, and one part of a hot expert on many devices is a few
   percent of a device's load, so rounding them would unlevel the devices.
@@ -44,8 +44,8 @@ def keep_local(grid: np.ndarray, share: np.ndarray, dev_NxE: np.ndarray, load_E:
   quota = share * load_E.take(grid)
   own = own_counts(grid, dev_NxE)
   keep0 = np.minimum(own, quota)
-  if coarse_YxE is not None and coarse_YxE.any():
-    coarse = np.atleast_2d(coarse_YxE).ravel().take(grid + (np.arange(k) * num_experts)
+  if coarse_candsxE is not None and coarse_candsxE.any():
+    coarse = np.atleast_2d(coarse_candsxE).ravel().take(grid + (np.arange(k) * num_experts)
                                                     [:, None, None])
     keep0 = np.where(coarse, 0.0, keep0)
   gflat = grid + (np.arange(k) * num_experts)[:, None, None]
@@ -54,7 +54,7 @@ def keep_local(grid: np.ndarray, share: np.ndarray, dev_NxE: np.ndarray, load_E:
     keep = keep0 * _budget_scale(keep0, quota, own, share, gflat, dev_NxE, capacity,
                                  slots or grid.shape[2], k * num_experts)
   kept = np.where(own > 0, keep / np.maximum(own, 1e-300), 1.0)
-  if coarse_YxE is not None and coarse_YxE.any():
+  if coarse_candsxE is not None and coarse_candsxE.any():
     kept = np.where(coarse, 0.0, kept)
   left = quota - keep
   rest, remote = _rest_shares(left, gflat, share, k * num_experts)
@@ -69,8 +69,8 @@ def _rest_shares(left, gflat, share, groups):
 
 
 def _budget_scale(keep0, quota, own, share, gflat, dev_NxE, capacity, slots, groups):
-  """The factor in [0, 1] on what each buffer of a device keeps ([Y, N, 1] pooled per device,
-  [Y, N, rounds] per slot) that holds its own pair's rows within the budget (module doc).
+  """The factor in [0, 1] on what each buffer of a device keeps ([cands, N, 1] pooled per device,
+  [cands, N, rounds] per slot) that holds its own pair's rows within the budget (module doc).
   The pair's rows are kept + (own - kept) x remote, remote depending on every device's keep:
   solved for the factor with remote held, then remote updated, BUDGET_ROUNDS times."""
   n = dev_NxE.shape[0]
