@@ -137,8 +137,8 @@ class _SwapGains:
       xs = rows[self.dev_E[rows] == d]
       hot = np.flatnonzero(over_NxK[d] > 0)
       over = over_NxK[d, hot]
-      moved_XxExheads = self.s_ExK[None, :, hot] - self.s_ExK[xs][:, None, hot]
-      self.upper_ExE[xs] = (over - np.maximum(over + moved_XxExheads, 0)).sum(-1)
+      moved_rowsxExhot = self.s_ExK[None, :, hot] - self.s_ExK[xs][:, None, hot]
+      self.upper_ExE[xs] = (over - np.maximum(over + moved_rowsxExhot, 0)).sum(-1)
     self.summed_E[rows] = False
 
   def _sum(self, rows):
@@ -147,8 +147,8 @@ class _SwapGains:
     drop_N = np.maximum(over_NxK, 0).sum(1)
     for chunk in np.array_split(rows, max(1, len(rows) * self.s_ExK.size // 2**22)):
       d = self.dev_E[chunk]
-      moved_XxExK = self.s_ExK[None] - self.s_ExK[chunk][:, None]
-      after = np.maximum(over_NxK[d][:, None] + moved_XxExK, 0).sum(-1)
+      moved_rowsxExK = self.s_ExK[None] - self.s_ExK[chunk][:, None]
+      after = np.maximum(over_NxK[d][:, None] + moved_rowsxExK, 0).sum(-1)
       self.exact_ExE[chunk] = drop_N[d][:, None] - after
     self.summed_E[rows] = True
 
