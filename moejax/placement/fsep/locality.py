@@ -31,10 +31,11 @@ def keep_local(grid: np.ndarray, share: np.ndarray, dev_NxE: np.ndarray, load_E:
   grid[cands, N, rounds] with shares share[cands, N, rounds] on device counts dev_NxE: the
   fraction of its own tokens each replica keeps (1 where the device predicts none, so
   unexpected tokens stay home), the shares of the rest per expert (the plain shares where
-  nothing is left), and each expert's predicted tokens left to split. Experts marked in `coarse_candsxE` (see
-  counts.snap_counts: their shares are whole, even router parts) keep nothing back: the rest's
-  shares would no longer be even, and one part of a hot expert on many devices is a few
-  percent of a device's load, so rounding them would unlevel the devices.
+  nothing is left), and each expert's predicted tokens left to split. Experts marked in
+  `coarse_candsxE` (see counts.snap_counts: their shares are whole, even router parts) keep
+  nothing back: the rest's shares would no longer be even, and one part of a hot expert on
+  many devices is a few percent of a device's load, so rounding them would unlevel the
+  devices.
 
   `capacity` ('slot' or 'device', the dense dispatch's mode; None: dropless, no buffer to
   keep) bounds the rows a device sends itself per buffer (module doc); `slots`: slots per
