@@ -36,3 +36,36 @@ def ir_operations(module):
           yield from walk(inner.operation)
 
   return walk(module.operation)
+
+
+def cpu_model() -> str:
+  """The host CPU's model name (Linux /proc/cpuinfo), or the platform's processor."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  import platform
+  return platform.processor() or platform.machine()
+
+
+def provenance(name: str, argv: list[str] | None = None, device: str | None = None) -> dict:
+  """`command`, `commit`, `date`, `machine` (CPU model or `device`, jax version) and `load`
+  (the 1-minute load average now) of a benchmark result."""
+  import datetime
+  import subprocess
+
+  import jax
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  try:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                            text=True, timeout=10).stdout.strip() or None
+  except (OSError, subprocess.SubprocessError):
+    commit = None
+  return {"command": command(name, argv), "commit": commit,
+          "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+          "machine": f"{device or cpu_model()}, {os.cpu_count()} cores, jax {jax.__version__}",
+          "load": os.getloadavg()[0]}
