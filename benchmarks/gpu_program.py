@@ -27,6 +27,7 @@ from moejax.aot.gpus import parse_topology
 from moejax.aot.summary import summarize
 from moejax.config import Config
 from moejax.frontend import parse_config
+from moejax.runtime.xla_flags import GPU_FLAGS
 from moejax.strategy.cost import load_profile, predict_step
 from moejax.strategy.offline import pick_pool, rank, workload_of
 from moejax.strategy.spec import from_config
@@ -68,12 +69,17 @@ def model_predictions(cfg: Config, strategy, profile_name: str) -> dict:
           "model_profile": profile_name}
 
 
-def row(cfg: Config, strategy, topology: str, gpu: str, label: str) -> dict:
+def row(cfg: Config, strategy, topology: str, gpu: str, label: str,
+        hlo_dir: str | None = None, flags: tuple[str, ...] = GPU_FLAGS) -> dict:
   tick = time.perf_counter()
   profile = "h100_node" if parse_topology(topology)[:2] == (1, 1) else "h100_ep_node"
   try:
-    gp = compile_train_step(cfg, strategy, gpu=gpu, topology=topology)
+    gp = compile_train_step(cfg, strategy, gpu=gpu, topology=topology, flags=flags)
     out = {"family": label, **summarize(gp)}
+    if hlo_dir:                     # the scheduled HLO, to read or to re-estimate
+      os.makedirs(hlo_dir, exist_ok=True)
+      with open(os.path.join(hlo_dir, f"{label}_{topology}.hlo"), "w") as f:
+        f.write(gp.hlo)
   except Exception as e:   # noqa: BLE001  (a row says why it did not compile)
     traceback.print_exc()
     spec = strategy.spec if strategy else from_config(cfg, _gpus(topology)).spec
@@ -106,21 +112,27 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--mixtral", action="store_true")
   parser.add_argument("--no_families", action="store_true", help="only --mixtral")
   parser.add_argument("--json", default=None)
+  parser.add_argument("--hlo_dir", default=None, help="write each program's scheduled HLO here")
+  parser.add_argument("--drop_flag", action="append", default=[],
+                      help="compile without this GPU flag (its name), to see what it does")
   args = parser.parse_args(argv)
   path = args.json or os.path.join(RESULTS, f"gpu_program_{args.gpu}.json")
   result = {**provenance("gpu_program", argv), "rows": [], "complete": False}
   extra = (TINY if args.tiny else []) + args.bindings
+  flags = tuple(f for f in GPU_FLAGS if f.lstrip("-").split("=")[0] not in args.drop_flag)
+  result["xla_flags"] = list(flags)
   for topology in args.topology:
     for family in [] if args.no_families else args.families:
       cfg = family_config(family, topology, extra)
-      result["rows"].append(row(cfg, None, topology, args.gpu, family))
+      result["rows"].append(row(cfg, None, topology, args.gpu, family, args.hlo_dir, flags))
       print({k: v for k, v in result["rows"][-1].items() if k not in ("collectives", "kernels",
                                                                        "comm_s_by")})
       write_result(result, path)
     if args.mixtral:
       cfg = parse_config([MIXTRAL_GIN], args.bindings)
       strategy = mixtral_strategy(cfg, _gpus(topology))
-      result["rows"].append(row(cfg, strategy, topology, args.gpu, "mixtral_8x7b_plan"))
+      result["rows"].append(row(cfg, strategy, topology, args.gpu, "mixtral_8x7b_plan",
+                                args.hlo_dir, flags))
       print(result["rows"][-1])
       write_result(result, path)
   result["complete"] = True

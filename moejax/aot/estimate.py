@@ -157,10 +157,17 @@ def _custom_call_flops(ins: Instr, shapes: dict[str, Instr]) -> float:
 def _kernel_bytes(module: Module, ins: Instr, shapes: dict[str, Instr]) -> int:
   """Bytes a kernel reads and writes: its result, and each operand, except that an operand
   the kernel only slices counts the slices (a loop body reading one layer of a stacked
-  array reads that layer)."""
+  array reads that layer), and an in-place update counts the update."""
   total = ins.bytes()
   body = module.computations.get(ins.callees[0]) if ins.opcode == "fusion" and ins.callees \
       else None
+  if body and body[-1].opcode == "dynamic-update-slice":
+    # In place: the buffer (the operand shaped as the result) is neither read nor written
+    # whole; the update is read and written.
+    sizes = [shapes[o].bytes() for o in ins.operands if o in shapes]
+    if total in sizes:
+      sizes.remove(total)
+    return 2 * sum(sizes)
   for i, name in enumerate(ins.operands):
     size = shapes[name].bytes() if name in shapes else 0
     if body is not None:

@@ -129,7 +129,7 @@ def kernels(module: Module | str) -> dict[str, int]:
       if ins.opcode != "custom-call":
         continue
       target = ins.attr("custom_call_target") or "?"
-      if "triton" in target and (m := re.search(r'"name":"([^"]+)"', ins.line)):
+      if "triton" in target and (m := re.search(r'(?:"name":|\bname = )"([^"]+)"', ins.line)):
         target = f"triton:{m.group(1)}"
       counts[target] += runs.get(comp, runs_of_caller(module, comp, runs))
   return dict(sorted(counts.items()))
