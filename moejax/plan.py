@@ -44,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--trace_steps", type=int, default=10,
                       help="the trace's last steps that make the observed load")
   parser.add_argument("--json", default=None)
+  parser.add_argument("--verify", type=int, default=0, metavar="K",
+                      help="compile the top K candidates with XLA:GPU for the profile's GPU "
+                      "and --devices (no GPU needed; the gpu_aot extra) and print XLA's "
+                      "memory and the schedule's step estimate beside the predictions")
   args = parser.parse_args(argv)
   try:
     cfg = parse_config(args.gin_file or [DEFAULT_GIN], args.gin_bindings)
@@ -83,6 +87,13 @@ def main(argv: list[str] | None = None) -> int:
   if args.json:
     with open(args.json, "w") as f:
       json.dump(to_json(rows, pool, profile), f, indent=2)
+  if args.verify:
+    from moejax.aot.verify import verify
+    try:
+      verify(cfg, rows, args.verify, regimes[0], args.max_drop, profile.name, args.devices)
+    except ConfigError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
   return 0
 
 

@@ -1,19 +1,24 @@
 """The program XLA:GPU compiles for 8 H100s, read on this CPU host (moejax.aot; the
-`gpu_aot` extra): compiled for a compile-only topology with the flags train.py sets on GPU,
-small configs of configs/gpt_moe_gpu.gin (benchmarks.gpu_program's TINY sizes).
+`gpu_aot` extra): configs/gpt_moe_gpu.gin at its own sizes (benchmarks.gpu_program's
+families), compiled for a compile-only topology with the flags train.py sets on GPU. At the
+config's sizes a compile takes no longer than at tiny ones (30-110 s on a loaded 2-core
+host: the op count, not the sizes, sets it), and the memory model is checked where its
+terms matter.
 
 - fsep: every restore all-to-all, forward and backward, is async with compute scheduled
   between its start and done, remat on and off; with XLA's default of one collective in
   flight it is not (the control for the flag that allows four).
 - exchange chunks 2: piece 0's return exchange overlaps piece 1's expert matmuls.
 - ragged + pallas: the program's custom calls are the Pallas kernels the layer asks for.
-- the arithmetic memory model (moejax.strategy.memory) is within 10% of XLA's peak.
-Each compile takes 35-110 s on a loaded 2-core host: all are `slow`.
+- the arithmetic memory model (moejax.strategy.memory) is within 10% of XLA's peak for
+  four strategy families.
+All are `slow`; the compiled programs are shared between tests.
 """
 
 from __future__ import annotations
 
 import functools
+import pathlib
 import re
 
 import pytest
@@ -29,10 +34,10 @@ OVERLAP_FLAG = "--xla_gpu_experimental_parallel_collective_overlap_limit=4"
 
 @functools.cache
 def _compiled(family: str, bindings: tuple[str, ...] = (), flags: tuple[str, ...] = GPU_FLAGS):
-  from benchmarks.gpu_program import TINY, family_config
+  from benchmarks.gpu_program import family_config
   from moejax.aot import compile_train_step
 
-  cfg = family_config(family, "1x1x8", [*TINY, *bindings])
+  cfg = family_config(family, "1x1x8", list(bindings))
   return compile_train_step(cfg, gpu="h100", topology="1x1x8", flags=flags)
 
 
@@ -86,4 +91,32 @@ def test_ragged_pallas_custom_calls_are_the_layers_kernels():
   triton = {k.split(":", 1)[1] for k in kernels if k.startswith("triton:")}
   assert mosaic and triton == {"gather_sum", "gather_dot", "tgmm"}, kernels
   assert set(kernels) == mosaic | {f"triton:{k}" for k in triton}, kernels
-  assert read.kernels(_compiled("ep_slot").hlo) == {}
+  assert read.kernels(_compiled("ep_pooled").hlo) == {}
+
+
+# The model's peak / XLA's (benchmarks/results/gpu_program_h100.json): ep_pooled 0.96,
+# fsep_planned and fsep_adaptive 0.95, fsdp 1.05 and p2_m4 1.09 are within 10%; ep_slot 1.25,
+# ep_chunks2 1.17 and ep_ragged_pallas 0.87 are not (docs/guide/gpu-program.md says why).
+@pytest.mark.parametrize("family", ["ep_pooled", "fsep_planned", "fsep_adaptive", "fsdp"])
+def test_memory_model_within_ten_percent_of_xla(family):
+  from benchmarks.gpu_program import model_predictions
+  from moejax.aot.summary import peak_bytes
+
+  gp = _compiled(family)
+  predicted = model_predictions(gp.program.cfg, gp.program.strategy,
+                                "h100_node")["model_memory_bytes"]
+  xla = peak_bytes(gp.memory)
+  assert abs(predicted / xla - 1) <= 0.10, (family, predicted, xla)
+
+
+def test_plan_verify_compiles_the_top_candidate(capsys):
+  from moejax import plan
+
+  gin = str(pathlib.Path(__file__).resolve().parent.parent / "configs" / "gpt_moe_gpu.gin")
+  assert plan.main(["--gin_file", gin, "--devices", "8", "--pool", "1", "--verify", "1",
+                    "--gin_bindings", "moe.dispatch = 'dense'",
+                    "--gin_bindings", "moe.kernels = 'xla'"]) == 0
+  out = capsys.readouterr().out
+  lines = out[out.index("verify:"):].splitlines()
+  assert "1x1x8 h100" in lines[0], out
+  assert lines[2].split()[-1] == "yes" and lines[3].startswith("mean |error|"), lines
