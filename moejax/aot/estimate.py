@@ -68,10 +68,14 @@ class Estimate:
 
 
 def label(kind: str, line: str) -> str:
-  """A collective's label: `restore_forward` / `restore_backward` for fsep's weight restores
-  (and their transposes, the gradients' return), else its kind."""
+  """A collective's label: fsep's weight restores for the forward (`restore_forward`) and for
+  the backward pass (`restore_backward`, under moejax.model.transformer's BACKWARD_RESTORE
+  scope), their transposes that return the weights' gradients (`restore_gradient`); else
+  its kind."""
   if "fsep_restore" in line:
-    return "restore_backward" if "transpose(" in line else "restore_forward"
+    if "backward_restore/" in line:
+      return "restore_backward"
+    return "restore_gradient" if "transpose(" in line else "restore_forward"
   return kind
 
 
