@@ -17,6 +17,7 @@ Run (from the repository root; minutes per row on a 2-core host):
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 import traceback
@@ -112,12 +113,19 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--mixtral", action="store_true")
   parser.add_argument("--no_families", action="store_true", help="only --mixtral")
   parser.add_argument("--json", default=None)
+  parser.add_argument("--append", action="store_true",
+                      help="add the rows to --json's (its earlier runs' provenance kept)")
   parser.add_argument("--hlo_dir", default=None, help="write each program's scheduled HLO here")
   parser.add_argument("--drop_flag", action="append", default=[],
                       help="compile without this GPU flag (its name), to see what it does")
   args = parser.parse_args(argv)
   path = args.json or os.path.join(RESULTS, f"gpu_program_{args.gpu}.json")
   result = {**provenance("gpu_program", argv), "rows": [], "complete": False}
+  if args.append and os.path.exists(path):
+    with open(path) as f:
+      earlier = json.load(f)
+    result["rows"] = earlier.pop("rows")
+    result["earlier_runs"] = earlier.pop("earlier_runs", []) + [earlier]
   extra = (TINY if args.tiny else []) + args.bindings
   flags = tuple(f for f in GPU_FLAGS if f.lstrip("-").split("=")[0] not in args.drop_flag)
   result["xla_flags"] = list(flags)
@@ -125,6 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     for family in [] if args.no_families else args.families:
       cfg = family_config(family, topology, extra)
       result["rows"].append(row(cfg, None, topology, args.gpu, family, args.hlo_dir, flags))
+      result["rows"][-1]["bindings"] = args.bindings
       print({k: v for k, v in result["rows"][-1].items() if k not in ("collectives", "kernels",
                                                                        "comm_s_by")})
       write_result(result, path)
