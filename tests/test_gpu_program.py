@@ -42,13 +42,18 @@ def _compiled(family: str, bindings: tuple[str, ...] = (), flags: tuple[str, ...
   return compile_train_step(cfg, gpu="h100", topology="1x1x8", flags=flags)
 
 
+def _remat(on: bool) -> tuple[str, ...]:
+  """Bindings for model.remat (the config's own is on: no binding, one compiled program)."""
+  return () if on else ("model.remat = False",)
+
+
 def _restores(gp) -> list[read.Collective]:
   return [c for c in read.collectives(gp.hlo) if "fsep_restore" in c.op_name]
 
 
 @pytest.mark.parametrize("remat", [True, False])
 def test_fsep_restores_overlap_compute_forward_and_backward(remat):
-  restores = _restores(_compiled("fsep_planned", (f"model.remat = {remat}",)))
+  restores = _restores(_compiled("fsep_planned", _remat(remat)))
   forward = [c for c in restores if not c.backward]
   backward = [c for c in restores if c.backward]
   assert forward and backward, [c.op_name for c in restores]
@@ -66,7 +71,7 @@ def test_fsep_backward_restores_are_hidden_by_design(remat):
   after all backward compute, at the step's tail.)"""
   from moejax.aot.estimate import estimate
 
-  gp = _compiled("fsep_planned", (f"model.remat = {remat}",))
+  gp = _compiled("fsep_planned", _remat(remat))
   est = estimate(gp.hlo, "h100", "1x1x8")
   transfer = est.comm_by["restore_backward"]
   assert transfer > 0
