@@ -188,11 +188,10 @@ class _Walk:
   def __init__(self, module: Module, rates: Rates):
     self.module, self.rates = module, rates
     self.compute_s = self.comm_s = 0.0
-    self._memo: dict[str, tuple[float, float, float, float]] = {}
-    self.comm_by: dict[str, float] = {}
-    self.exposed_by: dict[str, float] = {}
+    self._memo: dict[str, tuple] = {}
 
-  def _add(self, table: dict[str, float], key: str, value: float, times: int) -> None:
+  @staticmethod
+  def _add(table: dict[str, float], key: str, value: float, times: float = 1) -> None:
     table[key] = table.get(key, 0.0) + value * times
 
   def kernel_s(self, ins: Instr, shapes: dict[str, Instr]) -> float:
@@ -205,11 +204,12 @@ class _Walk:
     return LAUNCH_S + max(flops / self.rates.flops_per_s,
                           _kernel_bytes(self.module, ins, shapes) / self.rates.hbm_bytes_per_s)
 
-  def run(self, comp: str, times: int = 1) -> tuple[float, float, float, float]:
-    """(time, exposed communication, compute, communication) of one run of `comp`, which
-    runs `times` per step (for the per-label totals)."""
+  def run(self, comp: str) -> tuple:
+    """(time, exposed communication, compute, communication, {label: communication},
+    {label: exposed}) of one run of `comp`."""
     if comp in self._memo:
       return self._memo[comp]
+    comm_by, exposed_by = {}, {}
     shapes = self.module.by_name(comp)
     t = exposed = compute = comm = 0.0
     comm_free, pending = 0.0, {}
@@ -224,7 +224,7 @@ class _Walk:
         cost = collective_s(kind, size, ins.line, self.rates)
         comm += cost
         tag = label(kind, ins.line)
-        self._add(self.comm_by, tag, cost, times)
+        self._add(comm_by, tag, cost)
         if ins.opcode.endswith("-start"):
           begin = max(t, comm_free)
           comm_free = begin + cost
@@ -232,30 +232,36 @@ class _Walk:
         else:                                   # synchronous: on the compute stream
           start = max(t, comm_free)
           exposed += start + cost - t
-          self._add(self.exposed_by, tag, start + cost - t, times)
+          self._add(exposed_by, tag, start + cost - t)
           t = comm_free = start + cost
       elif ins.opcode.endswith("-done") and ins.operands and ins.operands[0] in pending:
         finish, tag = pending.pop(ins.operands[0])
         if finish > t:
           exposed += finish - t
-          self._add(self.exposed_by, tag, finish - t, times)
+          self._add(exposed_by, tag, finish - t)
           t = finish
       elif ins.opcode == "while":
         trip = re.search(r'known_trip_count":\{"n":"(\d+)"', ins.line)
         body = ins.attr("body")
         n = int(trip.group(1)) if trip else 1
-        bt, be, bc, bm = self.run(body, times * n)
+        bt, be, bc, bm, b_comm, b_exposed = self.run(body)
+        for table, child in ((comm_by, b_comm), (exposed_by, b_exposed)):
+          for key, value in child.items():
+            self._add(table, key, value, n)
         t, exposed, compute, comm = t + n * bt, exposed + n * be, compute + n * bc, comm + n * bm
       elif ins.opcode in ("call", "conditional"):
-        parts = [self.run(c, times) for c in ins.callees if c in self.module.computations]
+        parts = [self.run(c) for c in ins.callees if c in self.module.computations]
         if parts:
-          ct, ce, cc, cm = max(parts)
+          ct, ce, cc, cm, c_comm, c_exposed = max(parts, key=lambda part: part[0])
+          for table, child in ((comm_by, c_comm), (exposed_by, c_exposed)):
+            for key, value in child.items():
+              self._add(table, key, value)
           t, exposed, compute, comm = t + ct, exposed + ce, compute + cc, comm + cm
       elif ins.opcode in KERNELS:
         cost = self.kernel_s(ins, shapes)
         t += cost
         compute += cost
-    self._memo[comp] = (t, exposed, compute, comm)
+    self._memo[comp] = (t, exposed, compute, comm, comm_by, exposed_by)
     return self._memo[comp]
 
 
@@ -265,6 +271,5 @@ def estimate(hlo: str | Module, gpu: str | Gpu = "h100", topology: str = "1x1x8"
   module = parse(hlo) if isinstance(hlo, str) else hlo
   name = gpu.name if isinstance(gpu, Gpu) else gpu
   rates = rates or Rates.for_gpu(name, topology)
-  walk = _Walk(module, rates)
-  t, exposed, compute, comm = walk.run(module.entry)
-  return Estimate(t, exposed, compute, comm, walk.comm_by, walk.exposed_by)
+  t, exposed, compute, comm, comm_by, exposed_by = _Walk(module, rates).run(module.entry)
+  return Estimate(t, exposed, compute, comm, comm_by, exposed_by)
