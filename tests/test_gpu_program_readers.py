@@ -111,3 +111,17 @@ def test_gpu_flags_become_typed_compiler_options():
   assert options["xla_gpu_enable_latency_hiding_scheduler"] is True
   assert options["xla_gpu_experimental_parallel_collective_overlap_limit"] == 4
   assert len(options) == len(GPU_FLAGS)
+
+
+@pytest.mark.parametrize("gpu,kind", [("h100", "H100"), ("h200", "H200")])
+def test_targets_give_compile_only_devices(gpu, kind):
+  """Each target's text parses into a topology of 8 compile-only GPUs (the CUDA plugin
+  reads it; no GPU needed) with the target's compute capability."""
+  from moejax.aot import gpus
+
+  if why := gpus.has_cuda_plugin():
+    pytest.skip(why)
+  devices = gpus.compile_only_devices(gpu, "1x1x8")
+  assert len(devices) == 8 and all(kind in d.device_kind for d in devices), devices
+  assert str(devices[0].compute_capability) == "9.0"
+  assert len(gpus.compile_only_devices(gpu, "2x1x8")) == 16
