@@ -18,7 +18,8 @@ import sys
 from moejax import config as config_lib
 from moejax.frontend import DEFAULT_GIN, operative_config, parse_config
 from moejax.runtime import xla_flags
-from moejax.train.faults import DiskErrorNoise, NonFiniteError, WriteError
+from moejax.runtime.cli import ArgumentParser
+from moejax.train.faults import DiskErrorNoise, NonFiniteError, RecoveredNoise, WriteError
 from moejax.train.preempt import StopRequest
 
 __all__ = ["DEFAULT_GIN", "main", "parse_config"]
@@ -35,23 +36,36 @@ def set_xla_flags(host_device_count: int) -> None:
           flush=True)
 
 
-def quiet_write_noise() -> None:
+def quiet_library_noise() -> None:
   """A full disk is reported once, by the `error:` line; orbax's threads would log one
-  traceback per array (through the `absl` and `asyncio` loggers)."""
+  traceback per array (through the `absl` and `asyncio` loggers). Damage the resume recovers
+  from by itself (an unreadable `_CHECKPOINT_METADATA`) is not the user's to act on."""
   import logging
 
   for name in ("absl", "asyncio"):
-    logging.getLogger(name).addFilter(DiskErrorNoise())
+    logger = logging.getLogger(name)
+    for noise in (DiskErrorNoise, RecoveredNoise):
+      if not any(isinstance(f, noise) for f in logger.filters):
+        logger.addFilter(noise())
+
+
+def parser() -> ArgumentParser:
+  p = ArgumentParser(
+      prog="python train.py",
+      description="Trains a GPT-MoE from gin config files and bindings, resuming from the run "
+                  "dir's latest checkpoint when it has one; with no flags, the embedded default "
+                  "job on 8 fake CPU devices.")
+  p.add_argument("--gin_file", action="append", default=None,
+                 help=f"A gin config file (repeatable); default: {os.path.relpath(DEFAULT_GIN)}.")
+  p.add_argument("--gin_bindings", action="append", default=[],
+                 help="A gin binding such as 'train.num_steps = 10' (repeatable); strings take "
+                      "quotes, e.g. \"moe.expert_mode = 'fsep'\".")
+  return p
 
 
 def main(argv: list[str] | None = None) -> int:
-  quiet_write_noise()
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--gin_file", action="append", default=None,
-                      help=f"gin config file (repeatable); default {os.path.relpath(DEFAULT_GIN)}")
-  parser.add_argument("--gin_bindings", action="append", default=[],
-                      help="gin binding such as 'train.num_steps = 10' (repeatable)")
-  args = parser.parse_args(argv)
+  quiet_library_noise()
+  args = parser().parse_args(argv)
   with StopRequest() as stop:   # from the start: a SIGTERM during start-up also ends in a save
     return _run(args, stop)
 
@@ -97,9 +111,25 @@ def _run(args: argparse.Namespace, stop: StopRequest) -> int:
       print(describe_balance(summary["balance"], cfg.planner.policy, cfg.moe.capacity))
   else:
     print(f"nothing to do: the latest checkpoint in {cfg.train.run_dir} is at or past "
-          f"train.num_steps={cfg.train.num_steps}; raise it to train further")
+          f"train.num_steps={cfg.train.num_steps}. To train further, raise train.num_steps: "
+          f"the learning rate then continues its saved schedule (optim.decay_steps="
+          f"{summary['decay_steps']}) unless you set optim.decay_steps.")
   return 0
 
 
+def plain_log_lines() -> None:
+  """The trainer's log lines ("warning: ...", "resuming from ...") as they are, on stderr,
+  rather than under the "WARNING:moejax:" prefix of the root handler a library installs."""
+  import logging
+
+  handler = logging.StreamHandler(sys.stderr)
+  handler.setFormatter(logging.Formatter("%(message)s"))
+  logger = logging.getLogger("moejax")
+  logger.addHandler(handler)
+  logger.setLevel(logging.INFO)   # "resuming from step N" too
+  logger.propagate = False
+
+
 if __name__ == "__main__":
+  plain_log_lines()
   sys.exit(main())

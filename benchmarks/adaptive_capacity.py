@@ -20,10 +20,10 @@ only; no timing.
 from __future__ import annotations
 
 import argparse
-import json
 
 import numpy as np
 
+from benchmarks.common import command, write_result
 from moejax.layout import adaptive, capacity, placement as placement_lib
 from moejax.layout.flow import max_over_mean
 from moejax.placement.fsep import FsepOptions
@@ -47,7 +47,7 @@ def _steps(counts, devices, slots, every, window, factor=None):
       for layer in range(layers):
         current[layer] = place(pred[layer], static, slots=slots, src_dev_W=src,
                                cost=CostModel(), num_devices=devices,
-                               samples_ZxWxE=counts[max(0, t - window):t, layer],
+                               samples_stepsxWxE=counts[max(0, t - window):t, layer],
                                options=FsepOptions(capacity_factor=factor))
     for layer in range(layers):
       yield (placement_lib.device_counts(counts[t, layer], src, devices).astype(np.int64),
@@ -124,11 +124,10 @@ def main(argv=None) -> None:
     print(f"cf {factor}: dropped " + "; ".join(
         f"{rule} slot {r['slot']:.2%} device {r['device']:.2%}" for rule, r in at[factor].items()))
   if a.json:
-    with open(a.json, "w") as f:
-      json.dump({"trace": a.trace, "devices": a.devices, "slots": a.slots, "every": a.every,
-                 "window": a.window, "max_drop": a.max_drop, "top_k": top_k, **res,
-                 "dropped_at": {str(k): v for k, v in at.items()}}, f, indent=1)
-    print(f"wrote {a.json}")
+    write_result({"trace": a.trace, "devices": a.devices, "slots": a.slots, "every": a.every,
+                  "window": a.window, "max_drop": a.max_drop, "top_k": top_k, **res,
+                  "dropped_at": {str(k): v for k, v in at.items()},
+                  "command": command("adaptive_capacity", argv)}, a.json)
 
 
 if __name__ == "__main__":

@@ -11,24 +11,7 @@ log-normal popularity (sigma 1 by default) that is stable across steps. Policies
   fsep           pooled capacity, fsep weights with C = 4 slots per device and the fsep
                  planner's replicas from the warm-up batches
 
-Each policy plans on warm-up batches, then its capacity factor is the smallest with <= 1% of
-a different, timed batch's choices dropped (bisection on the counts, `moejax.layout.capacity`;
-the dropped fraction reported is the compiled program's own count). Timed, all policies
-interleaved step by step in rotating order:
-  * the MoE layer, forward + backward, d_model 256, d_ff 1024, 2048 tokens per device
-    (as `benchmarks.fsep_vs_ep` builds it): the popularity enters through a constant input
-    feature the router maps to log-popularity;
-  * beside it (`--step`, on by default), a whole training step of the default model
-    (configs/default.gin with E = 16, top-2, on the (1, 8, 1) mesh): the popularity enters
-    as the layout's router bias, the learning rate is 1e-9 so the routing of the timed batch
-    stays the one the factor was chosen for. The bias is scaled by `--step_bias_scale`
-    (0.02): the initial router's logits hardly differ between tokens, so at scale 1 the bias
-    decides alone and every token picks the two most popular experts; 0.02 gives about the
-    layer's spread (its hottest expert taking ~30% of the choices).
-On CPU the 8 devices share the host's cores: a ratio reflects work (rows computed and
-exchanged, fsep's restores), not network time or a GPU's speed.
-
-  python -m benchmarks.balance_pays [--quick] [--json benchmarks/results/balance_pays_cpu.json]
+`main`'s docstring says how.
 """
 
 from __future__ import annotations
@@ -167,9 +150,9 @@ def step_runs(args, seed: int) -> dict:
   for batch in batches:
     state, m = prog.train_step(state, batch, prog.layout)
     counts.append(np.asarray(m["counts_LxWxE"]))
-  warm_ZxLxWxE, timed_LxWxE = np.stack(counts[:-1]), counts[-1]
+  warm_stepsxLxWxE, timed_LxWxE = np.stack(counts[:-1]), counts[-1]
   tokens = cfg.data.global_batch_size * cfg.data.seq_len // N
-  per_layer = [setup.plan(warm_ZxLxWxE[:, layer], N, args.fsep_slots, cfg.model.d_model,
+  per_layer = [setup.plan(warm_stepsxLxWxE[:, layer], N, args.fsep_slots, cfg.model.d_model,
                           cfg.moe.d_ff) for layer in range(layers)]
   runs = {}
   for policy in setup.POLICIES:
@@ -208,6 +191,25 @@ def _geomean(xs):
 
 
 def main(argv=None) -> int:
+  """Each policy plans on warm-up batches, then its capacity factor is the smallest with <= 1% of
+  a different, timed batch's choices dropped (bisection on the counts, `moejax.layout.capacity`;
+  the dropped fraction reported is the compiled program's own count). Timed, all policies
+  interleaved step by step in rotating order:
+    * the MoE layer, forward + backward, d_model 256, d_ff 1024, 2048 tokens per device
+      (as `benchmarks.fsep_vs_ep` builds it): the popularity enters through a constant input
+      feature the router maps to log-popularity;
+    * beside it (`--step`, on by default), a whole training step of the default model
+      (configs/default.gin with E = 16, top-2, on the (1, 8, 1) mesh): the popularity enters
+      as the layout's router bias, the learning rate is 1e-9 so the routing of the timed batch
+      stays the one the factor was chosen for. The bias is scaled by `--step_bias_scale`
+      (0.02): the initial router's logits hardly differ between tokens, so at scale 1 the bias
+      decides alone and every token picks the two most popular experts; 0.02 gives about the
+      layer's spread (its hottest expert taking ~30% of the choices).
+  On CPU the 8 devices share the host's cores: a ratio reflects work (rows computed and
+  exchanged, fsep's restores), not network time or a GPU's speed.
+
+    python -m benchmarks.balance_pays [--quick] [--json benchmarks/results/balance_pays_cpu.json]
+  """
   args = parse_args(argv)
   mesh = mesh_of_shape((1, N, 1))
   rows, t_start = [], time.perf_counter()

@@ -26,15 +26,15 @@ def log_popularity(seed: int, experts: int, sigma: float) -> np.ndarray:
   return sigma * np.random.default_rng(seed).standard_normal(experts)
 
 
-def plan(warm_ZxWxE: np.ndarray, num_devices: int, fsep_slots: int, d_model: int,
+def plan(warm_stepsxWxE: np.ndarray, num_devices: int, fsep_slots: int, d_model: int,
          d_ff: int) -> dict[str, placement_lib.Placement]:
   """Each policy's placement of one layer, from the warm-up steps' counts only."""
-  warm = np.asarray(warm_ZxWxE, np.float64)
+  warm = np.asarray(warm_stepsxWxE, np.float64)
   pred_WxE, experts = warm.mean(0), warm.shape[-1]
   static = placement_lib.static(experts, num_devices)
   src = np.arange(warm.shape[1]) % num_devices
   smartmoe = get_policy("smartmoe")(
-      pred_WxE, static, samples_ZxWxE=warm,
+      pred_WxE, static, samples_stepsxWxE=warm,
       options=make_options("smartmoe", min_gain=0.0,
                            pooled_capacity_factor=SMARTMOE_SCORE_FACTOR))
   fsep = get_policy("fsep")(pred_WxE, round_robin_placement(experts, num_devices, fsep_slots),

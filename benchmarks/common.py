@@ -1,11 +1,18 @@
-"""What every benchmark does the same way: where results go, how they are written, how a
-lowered module's operations are walked."""
+"""What every benchmark does the same way: where results go, how they are written (stamped
+with the metadata that says what ran where: `metadata()`), how a lowered module's operations
+are walked. `python -m benchmarks.common stamp FILE --command CMD` stamps a result that a tool
+outside benchmarks/ wrote (e.g. `moejax.replay --json`)."""
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import importlib.metadata
 import json
 import os
+import platform
 import shlex
+import subprocess
 import sys
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -17,8 +24,90 @@ def command(name: str, argv: list[str] | None = None) -> str:
                      *(sys.argv[1:] if argv is None else argv)])
 
 
-def write_result(result: dict, path: str) -> None:
-  """Writes `result` as indented JSON to `path` (folders made) and says where."""
+# The fields every committed result carries under "metadata" (tests/test_results_render.py).
+METADATA_FIELDS = ("command", "commit", "date", "machine", "load")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _git(*args: str) -> str | None:
+  try:
+    out = subprocess.run(["git", "-C", REPO, *args], capture_output=True, text=True, timeout=30)
+  except (OSError, subprocess.TimeoutExpired):
+    return None
+  return out.stdout.strip() if out.returncode == 0 else None
+
+
+def commit() -> str:
+  """HEAD's short hash, with `-dirty` when tracked code outside benchmarks/results differs."""
+  head = _git("rev-parse", "--short=12", "HEAD")
+  if head is None:
+    return "unknown (not run from a git checkout)"
+  dirty = _git("status", "--porcelain", "--untracked-files=no", "--", ".",
+               ":(exclude)benchmarks/results")
+  return head + ("-dirty" if dirty else "")
+
+
+def cpu_model() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def machine() -> dict:
+  """The devices the run used (from JAX when this process imported it), the host CPU and the
+  jax version."""
+  try:
+    jax_version = importlib.metadata.version("jax")
+  except importlib.metadata.PackageNotFoundError:
+    jax_version = "not installed"
+  device = "host CPU only (JAX not used)"
+  if "jax" in sys.modules:
+    devices = sys.modules["jax"].devices()
+    kind = devices[0].device_kind
+    device = (f"{len(devices)} fake CPU devices" if devices[0].platform == "cpu"
+              else f"{len(devices)} x {kind}")
+  return {"device": device, "host": f"{cpu_model()}, {os.cpu_count()} cores",
+          "jax": jax_version}
+
+
+def load() -> dict:
+  """The host's 1, 5 and 15-minute load averages now: how shared the machine was."""
+  one, five, fifteen = os.getloadavg()
+  return {"1min": round(one, 2), "5min": round(five, 2), "15min": round(fifteen, 2),
+          "cores": os.cpu_count()}
+
+
+def metadata(cmd: str) -> dict:
+  """command, commit, date, machine and load of a result written now by `cmd`."""
+  now = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
+  return {"command": cmd, "commit": commit(), "date": now.isoformat(),
+          "machine": machine(), "load": load()}
+
+
+def stamp(result: dict, cmd: str | None = None) -> dict:
+  """Puts `metadata(cmd)` into result["metadata"], keeping the keys a benchmark put there
+  itself. The command is `cmd`, else the result's own "command" (top level, moved into
+  metadata, or already in metadata)."""
+  meta = result.setdefault("metadata", {})
+  cmd = cmd or result.pop("command", None) or meta.get("command")
+  if not cmd:
+    raise ValueError("a result needs the command that reran it: pass cmd= or set "
+                     "result['command'] (benchmarks.common.command builds it)")
+  meta.update(metadata(cmd))
+  return result
+
+
+def write_result(result: dict, path: str, *, restamp: bool = True) -> None:
+  """Stamps `result` (`stamp`; restamp=False keeps the metadata of a result rewritten in
+  place, e.g. a refit of stored timings) and writes it as indented JSON to `path` (folders
+  made), and says where."""
+  if restamp:
+    stamp(result)
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   with open(path, "w") as f:
     json.dump(result, f, indent=2)
@@ -38,34 +127,17 @@ def ir_operations(module):
   return walk(module.operation)
 
 
-def cpu_model() -> str:
-  """The host CPU's model name (Linux /proc/cpuinfo), or the platform's processor."""
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  import platform
-  return platform.processor() or platform.machine()
+def main(argv: list[str] | None = None) -> None:
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.common")
+  sub = ap.add_subparsers(dest="what", required=True)
+  st = sub.add_parser("stamp", help="stamp a result JSON written by a tool outside benchmarks/")
+  st.add_argument("path")
+  st.add_argument("--command", required=True, help="the command line that wrote it")
+  args = ap.parse_args(argv)
+  with open(args.path) as f:
+    result = json.load(f)
+  write_result(stamp(result, args.command), args.path, restamp=False)
 
 
-def provenance(name: str, argv: list[str] | None = None, device: str | None = None) -> dict:
-  """`command`, `commit`, `date`, `machine` (CPU model or `device`, jax version) and `load`
-  (the 1-minute load average now) of a benchmark result."""
-  import datetime
-  import subprocess
-
-  import jax
-
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  try:
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                            text=True, timeout=10).stdout.strip() or None
-  except (OSError, subprocess.SubprocessError):
-    commit = None
-  return {"command": command(name, argv), "commit": commit,
-          "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-          "machine": f"{device or cpu_model()}, {os.cpu_count()} cores, jax {jax.__version__}",
-          "load": os.getloadavg()[0]}
+if __name__ == "__main__":
+  main()

@@ -2,23 +2,10 @@
 
     python -m benchmarks.cost_model [--gin_file F] [--pool SPEC ...] [--rounds 3] [--steps 5]
 
-1. Calibrates a hardware profile by micro-benchmarks on this machine's devices
-   (`moejax.strategy.calibrate`: matmul, elementwise, all_to_all and psum over 2..N devices).
-2. Picks the pool as `python -m moejax.plan` does, under that profile (or takes `--pool`).
-3. Compiles every member, then times train steps in interleaved rounds (fastest per
-   member; the machine is shared, interleaving spreads its noise evenly).
-4. Fits the whole-step scales (`moejax.strategy.calibrate.fit_steps`) on `--calib` other
-   strategies of every kind (ep/fsep, with/without expert and model axes) timed the
-   same way, then predicts each pool member (never seen by the fit) under the expert
-   load its timed steps really had: error and MAPE, also for the micro-benchmarks
-   alone and the uncalibrated preset. The fit sees no pipeline or FSDP strategy, so pool
-   members with stages (`ep/1x4x1/p2/m4/cf1.25`) test the bubble and stage terms; members
-   differing only in M are also compared side by side (step time over the smallest M's).
-Writes benchmarks/results/cost_model_<platform>.json (`--out` elsewhere). Default: 8 fake
-CPU devices. The pipeline run of the README:
-
     python -m benchmarks.cost_model --gin_bindings="moe.capacity = 'slot'" \
       --gin_bindings="moe.moe_every = 1" --pool ep/1x4x1/p2/m2/cf1.25 ...
+
+`main`'s docstring says how.
 """
 
 from __future__ import annotations
@@ -33,11 +20,11 @@ import time
 import jax
 import numpy as np
 
-from benchmarks.common import RESULTS, command, write_result
+from benchmarks.common import RESULTS, command, metadata, write_result
 from moejax.frontend import DEFAULT_GIN, parse_config
 from moejax.strategy import offline as plan
-from moejax.strategy.calibrate import calibrate, fit_steps
 from moejax.strategy.cost import PRESETS, HardwareProfile, predict_step
+from moejax.strategy.profile_fit import calibrate, fit_steps
 from moejax.strategy.spec import parse
 from moejax.strategy.switcher import expert_shares
 from moejax.train.data import BatchLoader, load_tokens
@@ -147,19 +134,21 @@ def refit(path: str, argv) -> int:
   The model and batch come from the stored command's gin flags."""
   with open(path) as f:
     stored = json.load(f)
-  words = shlex.split(stored["command"])
+  stored_command = stored["metadata"]["command"]
+  words = shlex.split(stored_command)
   first = next(i for i, x in enumerate(words) if "cost_model" in x) + 1
   args = _parser().parse_args(words[first:])
   w = plan.workload_of(parse_config(args.gin_file or [DEFAULT_GIN], args.gin_bindings))
   profile = HardwareProfile(**stored["profile_micro"])
   members = [{"strategy": parse(m["strategy"]), "measured": m["measured_s"], "role": m["role"],
               "share": np.asarray(m["expert_share_LxE"])} for m in stored["members"]]
-  print(f"refit of {path} ({stored['command']}): {len(members)} stored step times")
+  print(f"refit of {path} ({stored_command}): {len(members)} stored step times")
   result = dict(stored, **evaluate(profile, w, members))
-  result["refit"] = {"command": command("cost_model", argv), "mape_before": stored["mape"],
+  result["refit"] = {"metadata": metadata(command("cost_model", argv)),
+                     "mape_before": stored["mape"],
                      "note": "re-fitted and re-predicted from the stored measurements with "
                              "the cost model of this commit; no step was re-timed"}
-  write_result(result, path)
+  write_result(result, path, restamp=False)   # the metadata stays the timed run's
   return 0
 
 
@@ -180,6 +169,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+  """1. Calibrates a hardware profile by micro-benchmarks on this machine's devices
+     (`moejax.strategy.profile_fit`: matmul, elementwise, all_to_all and psum over 2..N devices).
+  2. Picks the pool as `python -m moejax.plan` does, under that profile (or takes `--pool`).
+  3. Compiles every member, then times train steps in interleaved rounds (fastest per
+     member; the machine is shared, interleaving spreads its noise evenly).
+  4. Fits the whole-step scales (`moejax.strategy.profile_fit.fit_steps`) on `--calib` other
+     strategies of every kind (ep/fsep, with/without expert and model axes) timed the
+     same way, then predicts each pool member (never seen by the fit) under the expert
+     load its timed steps really had: error and MAPE, also for the micro-benchmarks
+     alone and the uncalibrated preset. The fit sees no pipeline or FSDP strategy, so pool
+     members with stages (`ep/1x4x1/p2/m4/cf1.25`) test the bubble and stage terms; members
+     differing only in M are also compared side by side (step time over the smallest M's).
+  Writes benchmarks/results/cost_model_<platform>.json (`--out` elsewhere). Default: 8 fake
+  CPU devices. The pipeline run of the README:
+  """
   args = _parser().parse_args(argv)
   if args.refit:
     return refit(args.refit, argv)

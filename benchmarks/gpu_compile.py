@@ -11,13 +11,7 @@ and its PTX is assembled by the ptxas Triton ships, whose `-v` report gives regi
 spill bytes. XLA compiles the same IR with the Triton it bundles, whose version differs, so
 the counts are those of this toolchain, not a measurement of XLA's build.
 
-The grouped matmul's Mosaic GPU path (Hopper, `backend='mosaic_gpu'`) is lowered too (rows
-with `compiled: false` and the reason): its module is compiled by jaxlib's CUDA plugin when
-XLA compiles the program, which this CPU host cannot load.
-
-Run (from the repository root):
-  python -m benchmarks.gpu_compile --json benchmarks/results/gpu_compile_sm90a.json
-  python -m benchmarks.gpu_compile --only gather_dot --top_k 8 --sweep
+`main`'s docstring says how.
 """
 
 from __future__ import annotations
@@ -248,6 +242,14 @@ def _fmt(tiling: dict) -> str:
 
 
 def main(argv=None) -> int:
+  """The grouped matmul's Mosaic GPU path (Hopper, `backend='mosaic_gpu'`) is lowered too (rows
+  with `compiled: false` and the reason): its module is compiled by jaxlib's CUDA plugin when
+  XLA compiles the program, which this CPU host cannot load.
+
+  Run (from the repository root):
+    python -m benchmarks.gpu_compile --json benchmarks/results/gpu_compile_sm90a.json
+    python -m benchmarks.gpu_compile --only gather_dot --top_k 8 --sweep
+  """
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--json", default=os.path.join(RESULTS, "gpu_compile_sm90a.json"))
   ap.add_argument("--top_k", type=int, action="append",

@@ -22,7 +22,7 @@ import os
 import time
 import traceback
 
-from benchmarks.common import RESULTS, provenance, write_result
+from benchmarks.common import RESULTS, command, write_result
 from moejax.aot import compile_train_step
 from moejax.aot.gpus import parse_topology
 from moejax.aot.summary import summarize
@@ -120,12 +120,14 @@ def main(argv: list[str] | None = None) -> None:
                       help="compile without this GPU flag (its name), to see what it does")
   args = parser.parse_args(argv)
   path = args.json or os.path.join(RESULTS, f"gpu_program_{args.gpu}.json")
-  result = {**provenance("gpu_program", argv), "rows": [], "complete": False}
+  result = {"command": command("gpu_program", argv), "rows": [], "complete": False,
+            "metadata": {"target": f"compile-only {args.gpu} (moejax/aot/targets), topologies "
+                                   f"{' '.join(args.topology)}; no GPU used"}}
   if args.append and os.path.exists(path):
     with open(path) as f:
       earlier = json.load(f)
     result["rows"] = earlier.pop("rows")
-    result["earlier_runs"] = earlier.pop("earlier_runs", []) + [earlier]
+    result["earlier_runs"] = earlier.pop("earlier_runs", []) + [earlier.get("metadata", {})]
   extra = (TINY if args.tiny else []) + args.bindings
   flags = tuple(f for f in GPU_FLAGS if f.lstrip("-").split("=")[0] not in args.drop_flag)
   result["xla_flags"] = list(flags)

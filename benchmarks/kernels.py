@@ -62,16 +62,16 @@ def permute_sweep(num_tokens: int, d: int, top_k: int, tunings, dtype=jnp.float3
   in shuffled order. GB/s counts the rows read and written once each."""
   rng = np.random.default_rng(seed)
   rows = num_tokens * top_k
-  token_U = jnp.asarray(rng.permutation(np.repeat(np.arange(num_tokens), top_k)), jnp.int32)
+  token_rows = jnp.asarray(rng.permutation(np.repeat(np.arange(num_tokens), top_k)), jnp.int32)
   x = jnp.asarray(rng.standard_normal((num_tokens, d)), dtype)
-  rows_TxK = permute.invert(token_U, num_tokens, top_k)
-  ref = permute.permute_reference(x, token_U)
+  rows_TxK = permute.invert(token_rows, num_tokens, top_k)
+  ref = permute.permute_reference(x, token_rows)
   moved = 2 * rows * d * jnp.dtype(dtype).itemsize
   out = []
   for tuning in tunings:
-    fwd = jax.jit(lambda x, t=tuning: permute.permute(x, token_U, rows_TxK, t))
+    fwd = jax.jit(lambda x, t=tuning: permute.permute(x, token_rows, rows_TxK, t))
     bwd = jax.jit(jax.grad(lambda x, t=tuning: jnp.sum(
-        permute.permute(x, token_U, rows_TxK, t) ** 2)))
+        permute.permute(x, token_rows, rows_TxK, t) ** 2)))
     out.append(_row_record("permute", fwd, bwd, (x,), ref, moved, tuning, iters,
                            T=num_tokens, D=d, K=top_k, dtype=jnp.dtype(dtype).name))
   return out

@@ -77,7 +77,7 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m benchmarks.layer_profile",
                                description=__doc__.split("\n\n")[0])
   ap.add_argument("options", nargs="+", help="dispatch:kernels, e.g. ragged:pallas dense:xla")
-  ap.add_argument("--tag", default="default", help="names the JSON: layer_profile_TAG.json")
+  ap.add_argument("--tag", default="default", help="names the JSON: layer_profile_<tag>.json")
   args = ap.parse_args(argv)
   devices = jax.devices()
   if devices[0].platform != "gpu":

@@ -9,23 +9,7 @@ gradients taken with respect to both the parameters and the input tokens, for
     mesh of 8 devices: route, fixed-capacity dispatch, all_to_all over the expert axis,
     per-slot SwiGLU, all_to_all back, combine.
 
-Both get the same parameters and tokens (static layout: slot s hosts expert s). The loss is
-0.5 * mean(y^2) + 0.01 * balance_loss + 1e-3 * z_loss. After a warm-up (compile + one run)
-of every configuration, the configurations are timed in interleaved rounds (one iteration
-each per round, round order rotated) so that noise on a shared machine hits all of them
-alike; each row reports the median per-iteration time. The dropped fraction is
-sum(MoEStats.dropped_W) / (tokens * top_k).
-
-On a CPU host the 8 devices are faked with --xla_force_host_platform_device_count=8 and
-share the machine's cores, so the ratio to the reference measures the overhead of the
-sharded program (dispatch, collectives, per-device launch) plus its smaller expert FLOP
-count (capacity rows instead of all E experts per token), not a multi-device speed-up.
-
-Run (from the repository root):
-
-  python -m benchmarks.moe_layer
-  python -m benchmarks.moe_layer --tokens 8192 --d_model 256 --d_ff 512 --experts 8 \\
-      --top_k 2 --steps 10 --meshes 1x8x1,2x4x1,2x2x2 --json benchmarks/results/moe_layer_cpu.json
+`main`'s docstring says how.
 """
 
 from __future__ import annotations
@@ -130,6 +114,24 @@ def place_sharded(params: dict, x, layout_row, mesh):
 
 
 def main(argv=None) -> int:
+  """Both get the same parameters and tokens (static layout: slot s hosts expert s). The loss is
+  0.5 * mean(y^2) + 0.01 * balance_loss + 1e-3 * z_loss. After a warm-up (compile + one run)
+  of every configuration, the configurations are timed in interleaved rounds (one iteration
+  each per round, round order rotated) so that noise on a shared machine hits all of them
+  alike; each row reports the median per-iteration time. The dropped fraction is
+  sum(MoEStats.dropped_W) / (tokens * top_k).
+
+  On a CPU host the 8 devices are faked with --xla_force_host_platform_device_count=8 and
+  share the machine's cores, so the ratio to the reference measures the overhead of the
+  sharded program (dispatch, collectives, per-device launch) plus its smaller expert FLOP
+  count (capacity rows instead of all E experts per token), not a multi-device speed-up.
+
+  Run (from the repository root):
+
+    python -m benchmarks.moe_layer
+    python -m benchmarks.moe_layer --tokens 8192 --d_model 256 --d_ff 512 --experts 8 \\
+        --top_k 2 --steps 10 --meshes 1x8x1,2x4x1,2x2x2 --json benchmarks/results/moe_layer_cpu.json
+  """
   args = parse_args(argv)
   devices = jax.devices()
   batch = args.tokens // args.seq_len

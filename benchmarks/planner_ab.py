@@ -7,20 +7,11 @@ before it; each row also reports both plans' planned balance (the busiest device
 over the mean, on the load planned for), and the exit status is 1 only when a plan below
 LARGE_MESH differs.
 
-Times taken minutes apart on a shared VM move with what else runs; a ratio taken call by call
-in one process holds up better (decision 0035). The earlier planner is moejax/placement at
---base (a git revision), copied by `git archive` into a temporary package whose imports point
-at itself; both run on the benchmark load of `benchmarks.planner_time` (one lognormal step,
-top-2, 2048 tokens per source, sources = N, C = 8, default options). Each row: --rounds rounds,
-each `--calls` calls of the base planner then as many of this one; median wall (perf_counter)
-and CPU (process_time) ms, and their ratio new / base. The 1-minute load average is recorded
-before and after. Needs git and the repository's history.
-
-Run (from the repository root):
-
   python -m benchmarks.planner_ab --base c2974b0
   python -m benchmarks.planner_ab --base c2974b0 --rounds 11 \
       --json benchmarks/results/planner_ab.json
+
+`main`'s docstring says how.
 """
 
 from __future__ import annotations
@@ -111,6 +102,17 @@ def compare(base, experts: int, devices: int, rounds: int, calls: int, seed: int
 
 
 def main(argv=None) -> int:
+  """Times taken minutes apart on a shared VM move with what else runs; a ratio taken call by call
+  in one process holds up better (decision 0035). The earlier planner is moejax/placement at
+  --base (a git revision), copied by `git archive` into a temporary package whose imports point
+  at itself; both run on the benchmark load of `benchmarks.planner_time` (one lognormal step,
+  top-2, 2048 tokens per source, sources = N, C = 8, default options). Each row: --rounds rounds,
+  each `--calls` calls of the base planner then as many of this one; median wall (perf_counter)
+  and CPU (process_time) ms, and their ratio new / base. The 1-minute load average is recorded
+  before and after. Needs git and the repository's history.
+
+  Run (from the repository root):
+  """
   ap = argparse.ArgumentParser(prog="python -m benchmarks.planner_ab",
                                description=__doc__.split("\n\n")[0],
                                formatter_class=argparse.RawDescriptionHelpFormatter)

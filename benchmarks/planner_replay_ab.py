@@ -39,7 +39,7 @@ OPTIONS = ({}, {"locality": False})
 
 
 def replay_calls(counts: np.ndarray, every: int = 10, window: int = 10) -> list[tuple]:
-  """(pred_WxE, samples_ZxWxE or None) of every planner call replay makes on counts[T, L, W, E]
+  """(pred_WxE, samples_stepsxWxE or None) of every planner call replay makes on counts[T, L, W, E]
   (lagged, window oracle, oracle)."""
   steps, layers = counts.shape[:2]
   calls = [(counts[t, layer].astype(np.float64), None)
@@ -64,7 +64,7 @@ def compare(base, trace: str, devices: int, options: dict) -> dict:
   for pred, samples in calls:
     plans = [mod.place_replicas(pred, current, slots=8, src_dev_W=src, cost=CostModel(),
                                 num_devices=devices, options=mod.FsepOptions(**options),
-                                samples_ZxWxE=samples) for mod in (base, fsep)]
+                                samples_stepsxWxE=samples) for mod in (base, fsep)]
     differ += not _same(*plans)
   return {"trace": trace, "devices": devices, "options": options, "calls": len(calls),
           "different_plans": differ}

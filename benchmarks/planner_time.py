@@ -10,23 +10,7 @@ call, then the median (and min, max) over --repeats calls (>= 5). `max/mean` is 
 device's load over the mean when the planned layout routes that same predicted load
 (placement.route: whole SHARE_PARTS parts, local first).
 
-Configurations: E=64 on N=64 and N=256, plus E=256 on N=256, for every policy. One-copy
-policies (static, smartmoe) get C = E/N slots; the others get --slots (default 2); shadow needs
-the static base (E/N integer). Rows that cannot exist are printed as "n/a (...)". Then the
-fsep latency table: E=64 on N = 64, 256, 1024 and E=256 on N=4096 with C = --fsep_slots
-(default 8), with the default options and with exact_parts=False (no snapping/rounding of
-shares to router parts). No window of steps is passed, so plan_for='spread' plans for the
-mean; per-source shares are computed where an expert has >= 128 rows per device.
-
-Wall time depends on what else the machine runs: the JSON records the 1-minute load average
-before and after (`os.getloadavg`); quote a figure beside its load. `--fsep_only` runs only
-the fsep latency table.
-
-Run (from the repository root):
-
-  python -m benchmarks.planner_time
-  python -m benchmarks.planner_time --repeats 7 --json benchmarks/results/planner_time.json
-  python -m benchmarks.planner_time --fsep_only --repeats 21
+`main`'s docstring says how.
 """
 
 from __future__ import annotations
@@ -117,6 +101,24 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
+  """Configurations: E=64 on N=64 and N=256, plus E=256 on N=256, for every policy. One-copy
+  policies (static, smartmoe) get C = E/N slots; the others get --slots (default 2); shadow needs
+  the static base (E/N integer). Rows that cannot exist are printed as "n/a (...)". Then the
+  fsep latency table: E=64 on N = 64, 256, 1024 and E=256 on N=4096 with C = --fsep_slots
+  (default 8), with the default options and with exact_parts=False (no snapping/rounding of
+  shares to router parts). No window of steps is passed, so plan_for='spread' plans for the
+  mean; per-source shares are computed where an expert has >= 128 rows per device.
+
+  Wall time depends on what else the machine runs: the JSON records the 1-minute load average
+  before and after (`os.getloadavg`); quote a figure beside its load. `--fsep_only` runs only
+  the fsep latency table.
+
+  Run (from the repository root):
+
+    python -m benchmarks.planner_time
+    python -m benchmarks.planner_time --repeats 7 --json benchmarks/results/planner_time.json
+    python -m benchmarks.planner_time --fsep_only --repeats 21
+  """
   ap = argparse.ArgumentParser(prog="python -m benchmarks.planner_time",
                                description=__doc__.split("\n\n")[0],
                                formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -10,27 +10,9 @@ Megatron counts model FLOPs per token as 12 L d^2 [(1 + g/h + s/d) + (F/d) K 3/2
 (g/h = 8/32 query groups per head, s the sequence, F the expert width, K = 2, V the
 vocab), so 468 TFLOP/s per GPU is a step time of 256 x 4096 tokens x that / (64 x 468e12).
 
-moejax's prediction (`moejax.strategy.cost.predict_step`, what `python -m moejax.plan`
-ranks by) for configs/mixtral_8x7b.gin at the same shape, GPU count and parallel layout:
-P = 4 stages with V = 8 virtual stages each (the circular schedule's bubble, (P-1)/(V*M+P-1)),
-M = 16 microbatches (GBS 256 / (MBS 1 x DP 16)), and each stage's 16 GPUs as data 2 x expert
-8 (Megatron's data-parallel 16 for the dense layers with EP 8 folded into it), ragged
-(dropless) dispatch, even expert load. The profile `h100_ep_node` puts the expert axis on
-one node's NVLink and the data and stage axes on InfiniBand, as that mapping does; the
-GPU presets overlap the gradient reduce with the backward pass (Megatron's
---overlap-grad-reduce; for moejax, what the latency-hiding scheduler its GPU XLA flags turn
-on is for, not measured here: decision 0044).
-The H100 presets price dense dots and moejax's grouped kernel (ragged dispatch) at the two
-rates one H100 measured (decision 0058); the row `h100_ep_node, grouped at dot rate` prices
-the ragged layout's expert matmuls at the dense rate, which is what a grouped GEMM as fast as
-a dense one (the kind Megatron runs) would give, and the `capacity cf1.25` layout is moejax's
-dense dispatch (a batched dense dot over fixed capacity buffers; even load drops nothing).
-Rows with remat off price the work the published figure counts; moejax's own program needs
-remat at this layout (its pipeline scan keeps all 16 microbatches' activations), which adds
-the recomputed forward. Decision 0038's layout (data 8 x expert 8, no stages) is kept as a
-row for comparison.
-
   python -m benchmarks.published_mixtral [--json PATH]
+
+`main`'s docstring says how.
 """
 
 from __future__ import annotations
@@ -103,6 +85,26 @@ def compare() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+  """moejax's prediction (`moejax.strategy.cost.predict_step`, what `python -m moejax.plan`
+  ranks by) for configs/mixtral_8x7b.gin at the same shape, GPU count and parallel layout:
+  P = 4 stages with V = 8 virtual stages each (the circular schedule's bubble, (P-1)/(V*M+P-1)),
+  M = 16 microbatches (GBS 256 / (MBS 1 x DP 16)), and each stage's 16 GPUs as data 2 x expert
+  8 (Megatron's data-parallel 16 for the dense layers with EP 8 folded into it), ragged
+  (dropless) dispatch, even expert load. The profile `h100_ep_node` puts the expert axis on
+  one node's NVLink and the data and stage axes on InfiniBand, as that mapping does; the
+  GPU presets overlap the gradient reduce with the backward pass (Megatron's
+  --overlap-grad-reduce; for moejax, what the latency-hiding scheduler its GPU XLA flags turn
+  on is for, not measured here: decision 0044).
+  The H100 presets price dense dots and moejax's grouped kernel (ragged dispatch) at the two
+  rates one H100 measured (decision 0058); the row `h100_ep_node, grouped at dot rate` prices
+  the ragged layout's expert matmuls at the dense rate, which is what a grouped GEMM as fast as
+  a dense one (the kind Megatron runs) would give, and the `capacity cf1.25` layout is moejax's
+  dense dispatch (a batched dense dot over fixed capacity buffers; even load drops nothing).
+  Rows with remat off price the work the published figure counts; moejax's own program needs
+  remat at this layout (its pipeline scan keeps all 16 microbatches' activations), which adds
+  the recomputed forward. Decision 0038's layout (data 8 x expert 8, no stages) is kept as a
+  row for comparison.
+  """
   parser = argparse.ArgumentParser(prog="python -m benchmarks.published_mixtral",
                                    description=__doc__.splitlines()[0])
   parser.add_argument("--json", default=os.path.join(RESULTS, "published_mixtral.json"))

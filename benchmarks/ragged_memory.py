@@ -43,9 +43,9 @@ def _layer(n: int, factor: float, platform: str):
   ops = ops_for("xla", platform)
   rows = ragged.buffer_rows(T, K, n, factor)
 
-  def local(x_TxD, slot_A, gate_TxK, w_gate, w_up, w_down):
+  def local(x_TxD, slot_TK, gate_TxK, w_gate, w_up, w_down):
     def loss(x, gate, *w):
-      y = ragged.ragged_moe(x, slot_A, gate, w, ops, n, C, jnp.float32, rows)[0]
+      y = ragged.ragged_moe(x, slot_TK, gate, w, ops, n, C, jnp.float32, rows)[0]
       return jnp.sum(y ** 2)
     gx, gg, *gw = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(x_TxD, gate_TxK, w_gate, w_up,
                                                           w_down)

@@ -6,19 +6,9 @@ Each arm is the default job's model and data (configs/default.gin: 8 fake CPU de
 and the six arms run interleaved step by step (arm order rotating each step), so machine
 load drifts hit every arm alike. Arms:
 
-  softmax  moe.gate = 'softmax', switch balance loss 0.01 (the default job's router)
-  sigmoid  moe.gate = 'sigmoid', moe.bias_rate (aux-loss-free bias), sequence-wise balance
-           loss 1e-4, z-loss off
-  static   ep, the static layout; smartmoe: ep, SmartMoE re-placement every --every steps;
-  fsep     fsep experts, the fsep planner every --every steps
-
-Reported per arm: the eval loss after the last step (train.eval_batches batches), and over
-the second half of the steps the realised max/mean device load (rows each device computed
-after capacity), the dropped share of (token, k) choices, and tokens/s (median step time,
-each step timed alone with its metrics read back). On CPU the 8 devices share the host's
-cores: tokens/s reflects work, not a GPU's speed or network time.
-
   python -m benchmarks.routers [--steps 300] [--every 50] [--json PATH]
+
+`main`'s docstring says how.
 """
 
 from __future__ import annotations
@@ -144,6 +134,18 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+  """softmax  moe.gate = 'softmax', switch balance loss 0.01 (the default job's router)
+    sigmoid  moe.gate = 'sigmoid', moe.bias_rate (aux-loss-free bias), sequence-wise balance
+             loss 1e-4, z-loss off
+    static   ep, the static layout; smartmoe: ep, SmartMoE re-placement every --every steps;
+    fsep     fsep experts, the fsep planner every --every steps
+
+  Reported per arm: the eval loss after the last step (train.eval_batches batches), and over
+  the second half of the steps the realised max/mean device load (rows each device computed
+  after capacity), the dropped share of (token, k) choices, and tokens/s (median step time,
+  each step timed alone with its metrics read back). On CPU the 8 devices share the host's
+  cores: tokens/s reflects work, not a GPU's speed or network time.
+  """
   parser = argparse.ArgumentParser(prog="python -m benchmarks.routers",
                                    description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=300)

@@ -6,43 +6,7 @@
         [--max_drop 0.02] [--warmup_steps 150] [--balance_rate 0] [--repeats 1]
         [--profile benchmarks/results/cost_model_cpu.json]
 
-First `--warmup_steps` of plain training (the config's own strategy, balance
-loss on) take the router past its first steps, where a byte-level model's load
-is far from even; every run below restores that checkpoint (onto its own mesh
-and expert mode) and goes on from the same data position. Without `--pool`, the
-pool is moejax.plan's pick of 2 under the profile, with the expert shares and the
-count dispersion of the warm-up's last 10 steps as its `observed` regime (as
-`python -m moejax.plan --trace` does).
-
-The load then drifts in phases, steered by the router bias (data in the layout,
-so nothing recompiles). `uniform`: no steering, or with `--balance_rate` > 0 an
-aux-loss-free balancing controller (bias += rate * (mean share - share) per
-expert, from the last finished step). `hot`: a +1 bias puts one expert (another
-one in each hot phase) into every token's top-k, so it gets half of all choices,
-like a collapsed gate. The same data, seed and schedule is trained
-
-  * with the pool, the online stage deciding every `--every` steps, and
-  * with each pool member alone (no switching), and each `--also_fixed` spec alone.
-
-Every run re-plans its layout from the mean of the last `--window` finished steps:
-smartmoe for ep every 4 steps, the fsep planner for fsep every `--fsep_every` steps
-(0: 4). Steps are read one step late unless `--fresh` (`planner.fresh`), which
-plans each step on the one just finished (a turn below waits for its step anyway,
-so that costs these runs no time). The runs train side by side, in threads that
-take turns one step each, so a slow
-spell of this shared machine slows every run alike; each run's time is the sum of
-its own turns (a turn: steering, online stage, dispatch, the last step's metrics,
-until the step has finished) from the third phase step to the last, compilation
-outside it (compilations inside are counted and reported). With `--repeats N`
-this goes round N times, another run taking the first turn each round; each run
-keeps its fastest time (drops are deterministic) and the switching run's ratio to
-the best fixed one is given per round too. "Best fixed" is the fastest
-fixed run whose dropped share in every phase is at most the switching run's in
-that phase plus `--max_drop` (no fixed member keeps every phase under the limit
-once a gate collapses; phase by phase, so long even phases do not dilute a
-member's collapse in the hot one); the fastest fixed run of all is reported too,
-with its drops.
-Writes benchmarks/results/strategy_switch_<platform>.json.
+`main`'s docstring says how.
 """
 
 from __future__ import annotations
@@ -65,8 +29,8 @@ from benchmarks.turns import Turns, side_by_side
 from moejax.config import CheckpointConfig, ConfigError
 from moejax.frontend import DEFAULT_GIN, parse_config
 from moejax.strategy import offline as plan
-from moejax.strategy.calibrate import calibrate, save
 from moejax.strategy.cost import PRESETS, expert_shares, load_dispersion
+from moejax.strategy.profile_fit import calibrate, save
 from moejax.train.controllers import Hook
 from moejax.train.programs import CompileCounter
 from moejax.train.trainer import Trainer
@@ -225,6 +189,44 @@ def best_fixed(switching: dict, fixed: list[dict], max_drop: float) -> dict | No
 
 
 def main(argv=None) -> int:
+  """First `--warmup_steps` of plain training (the config's own strategy, balance
+  loss on) take the router past its first steps, where a byte-level model's load
+  is far from even; every run below restores that checkpoint (onto its own mesh
+  and expert mode) and goes on from the same data position. Without `--pool`, the
+  pool is moejax.plan's pick of 2 under the profile, with the expert shares and the
+  count dispersion of the warm-up's last 10 steps as its `observed` regime (as
+  `python -m moejax.plan --trace` does).
+
+  The load then drifts in phases, steered by the router bias (data in the layout,
+  so nothing recompiles). `uniform`: no steering, or with `--balance_rate` > 0 an
+  aux-loss-free balancing controller (bias += rate * (mean share - share) per
+  expert, from the last finished step). `hot`: a +1 bias puts one expert (another
+  one in each hot phase) into every token's top-k, so it gets half of all choices,
+  like a collapsed gate. The same data, seed and schedule is trained
+
+    * with the pool, the online stage deciding every `--every` steps, and
+    * with each pool member alone (no switching), and each `--also_fixed` spec alone.
+
+  Every run re-plans its layout from the mean of the last `--window` finished steps:
+  smartmoe for ep every 4 steps, the fsep planner for fsep every `--fsep_every` steps
+  (0: 4). Steps are read one step late unless `--fresh` (`planner.fresh`), which
+  plans each step on the one just finished (a turn below waits for its step anyway,
+  so that costs these runs no time). The runs train side by side, in threads that
+  take turns one step each, so a slow
+  spell of this shared machine slows every run alike; each run's time is the sum of
+  its own turns (a turn: steering, online stage, dispatch, the last step's metrics,
+  until the step has finished) from the third phase step to the last, compilation
+  outside it (compilations inside are counted and reported). With `--repeats N`
+  this goes round N times, another run taking the first turn each round; each run
+  keeps its fastest time (drops are deterministic) and the switching run's ratio to
+  the best fixed one is given per round too. "Best fixed" is the fastest
+  fixed run whose dropped share in every phase is at most the switching run's in
+  that phase plus `--max_drop` (no fixed member keeps every phase under the limit
+  once a gate collapses; phase by phase, so long even phases do not dilute a
+  member's collapse in the hot one); the fastest fixed run of all is reported too,
+  with its drops.
+  Writes benchmarks/results/strategy_switch_<platform>.json.
+  """
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--gin_file", action="append", default=None)
   p.add_argument("--gin_bindings", action="append", default=[])
@@ -269,9 +271,9 @@ def main(argv=None) -> int:
       summary = warm.run()
     records = [json.loads(x) for x in open(os.path.join(warm_dir, "metrics.jsonl"))]
     counts = [[m["counts_by_source"] for m in r["moe"]] for r in records if "loss" in r]
-    last_TxLxSxE = np.asarray(counts[-10:])
-    dispersion = load_dispersion(last_TxLxSxE)
-    observed, regimes = expert_shares(last_TxLxSxE), plan.OBSERVED_REGIMES
+    last_stepsxLxWxE = np.asarray(counts[-10:])
+    dispersion = load_dispersion(last_stepsxLxWxE)
+    observed, regimes = expert_shares(last_stepsxLxWxE), plan.OBSERVED_REGIMES
     print(f"warm-up: {args.warmup_steps} steps in {time.perf_counter() - tick:.0f}s, loss "
           f"{summary['last']['loss']:.3f}, dropped "
           f"{np.mean([m['dropped_fraction'] for m in summary['last']['moe']]):.1%}, count "

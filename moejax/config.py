@@ -16,6 +16,15 @@ class ConfigError(ValueError):
 
 
 PALLAS_BACKENDS = ("auto", "interpret", "triton", "mosaic_gpu")   # pallas_kernels.backend's
+# MoEConfig's string knobs and the values each accepts (tests/test_modes.py enumerates them).
+MOE_CHOICES = {
+    "expert_mode": ("ep", "fsep"), "dispatch": ("dense", "ragged"), "kernels": ("xla", "pallas"),
+    "pallas_backend": PALLAS_BACKENDS, "capacity": ("slot", "device"),
+    "gate": ("softmax", "sigmoid"), "fsep_shares": ("planned", "adaptive")}
+_MOE_CHOICE_HINTS = {
+    "dispatch": " ('ragged': dropless, GPU/TPU only)",
+    "pallas_backend": " ('auto' picks by platform and GPU)",
+    "capacity": " ('slot': per (source, slot) buffers; 'device': pooled per (source, device))"}
 
 # Field annotation (a string: postponed annotations) -> accepted types.
 _FIELD_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,),
@@ -73,7 +82,7 @@ class MeshConfig:
       if num_devices % known:
         raise ConfigError(
             f"mesh sizes {dict(zip(names, sizes))} cannot fill {num_devices} devices: "
-            f"{num_devices} is not divisible by {known}.")
+            f"{num_devices} is not divisible by {known}; fix the mesh or mesh.host_device_count.")
       sizes[sizes.index(-1)] = num_devices // known
     if math.prod(sizes) != num_devices:
       per_stage = f" per stage (mesh.stage={self.stage})" if self.stage > 1 else ""
@@ -134,6 +143,9 @@ class MoEConfig:
   # layout (by the best biased score each hosts), then its top-k among their experts (0: off).
   device_limit: int = 0
   first_dense: int = 0            # dense (non-MoE) first layers before the scanned groups
+  # Each MoE layer replaced by one dense SwiGLU of width top_k * d_ff (the active FLOPs of
+  # its k experts, no routing or exchange): the baseline that MoE overhead is measured against.
+  dense_equivalent: bool = False
 
   def validate(self) -> None:
     for name in ("num_experts", "d_ff", "moe_every", "exchange_chunks"):
@@ -147,17 +159,10 @@ class MoEConfig:
       raise ConfigError(
           f"moe.capacity_factor={self.capacity_factor} must be > 0; use e.g. 1.25 "
           "(1.0 = exactly the balanced share per expert).")
-    for name, allowed, hint in (
-        ("expert_mode", ("ep", "fsep"), ""),
-        ("dispatch", ("dense", "ragged"), " ('ragged': dropless, GPU/TPU only)"),
-        ("kernels", ("xla", "pallas"), ""),
-        ("pallas_backend", PALLAS_BACKENDS, " ('auto' picks by platform and GPU)"),
-        ("capacity", ("slot", "device"),
-         " ('slot': per (source, slot) buffers; 'device': pooled per (source, device))"),
-        ("gate", ("softmax", "sigmoid"), ""), ("fsep_shares", ("planned", "adaptive"), "")):
+    for name, allowed in MOE_CHOICES.items():
       if getattr(self, name) not in allowed:
         raise ConfigError(f"moe.{name}={getattr(self, name)!r} is not supported; use one of "
-                          f"{', '.join(map(repr, allowed))}{hint}.")
+                          f"{', '.join(map(repr, allowed))}{_MOE_CHOICE_HINTS.get(name, '')}.")
     if self.slots_per_device < 0:
       raise ConfigError(f"moe.slots_per_device={self.slots_per_device} must be >= 0.")
     if self.ragged_buffer_factor < 0:
@@ -188,6 +193,12 @@ class ModelConfig:
   norm_eps: float = 1e-6
   dtype: str = "float32"          # activation/compute dtype; params are float32
   remat: bool = False
+  # "auto": the fused cuDNN kernel on GPU where it applies (bf16/fp16, head dim a multiple of
+  # 8 up to 128), XLA's attention elsewhere; "xla" | "cudnn" force one (chosen at build time).
+  attention: str = "auto"
+  # Positions per tile of the tiled cross-entropy (moejax.train.loss): the [tokens, vocab]
+  # logits are never held whole; 0: plain logits (fine for small vocabularies).
+  loss_chunk: int = 0
 
   def validate(self, moe: MoEConfig) -> None:
     if self.vocab_size < 0:
@@ -195,6 +206,15 @@ class ModelConfig:
     for name in ("d_model", "num_layers", "num_heads", "d_ff", "max_seq_len"):
       if getattr(self, name) < 1:
         raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 1.")
+    if self.attention not in ("auto", "xla", "cudnn"):
+      raise ConfigError(f"model.attention={self.attention!r} is not supported; use 'auto', "
+                        "'xla' or 'cudnn'.")
+    if self.loss_chunk < 0:
+      raise ConfigError(f"model.loss_chunk={self.loss_chunk} must be >= 0; use e.g. 256 "
+                        "(0: plain logits).")
+    if moe.dense_equivalent and moe.expert_mode != "ep":
+      raise ConfigError(f"moe.dense_equivalent=True has no experts to shard with moe.expert_mode"
+                        f"={moe.expert_mode!r}; use moe.expert_mode = 'ep'.")
     if self.dtype not in ("float32", "bfloat16", "float16"):
       raise ConfigError(f"model.dtype={self.dtype!r} is not supported; use 'float32', "
                         "'bfloat16' or 'float16'.")
@@ -240,6 +260,7 @@ class OptimConfig:
   b1: float = 0.9
   b2: float = 0.95
   grad_clip_norm: float = 1.0
+  decay_steps: int = 0   # cosine horizon; 0: train.num_steps at the start (saved, kept on resume)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,6 +284,7 @@ class TrainConfig:
   microbatches: int = 1           # rows i % M == m; accumulated, or piped with mesh.stage > 1
   pipeline_schedule: str = "gpipe"   # or "circular": virtual_stages layer chunks per stage
   virtual_stages: int = 1         # V (moejax.model.pipeline): 1 for gpipe, >= 2 for circular
+  restart: bool = False   # start at 0 over an earlier run, its files moved to RUN_DIR/previous.N/
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,6 +351,17 @@ class TraceConfig:
   path: str | None = None
 
 
+# Fields whose range no other check covers: {field: the range in words}, the tests below.
+_RANGES = {"mesh.host_device_count": ">= 1", "data.seq_len": ">= 1", "optim.b1": "in [0, 1)",
+           "data.global_batch_size": ">= 1", "optim.learning_rate": "> 0", "optim.b2": "in [0, 1)",
+           "optim.warmup_steps": ">= 0", "optim.decay_steps": ">= 0", "train.eval_every": ">= 1",
+           "optim.weight_decay": ">= 0", "optim.grad_clip_norm": "> 0", "train.num_steps": ">= 0",
+           "optim.min_lr_ratio": "in [0, 1]", "checkpoint.keep": ">= 1", "checkpoint.every": ">= 1",
+           "train.eval_batches": ">= 1", "train.max_consecutive_nonfinite": ">= 1"}
+_TESTS = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0,
+          "in [0, 1]": lambda v: 0 <= v <= 1, "in [0, 1)": lambda v: 0 <= v < 1}
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   """The whole run. Built by train.py from gin bindings, or directly in code."""
@@ -346,6 +379,11 @@ class Config:
   def validate(self) -> Config:
     for field in dataclasses.fields(self):
       check_field_types(field.name, getattr(self, field.name))
+    for key, need in _RANGES.items():
+      part, name = key.split(".")
+      if not _TESTS[need](value := getattr(getattr(self, part), name)):
+        default = getattr(type(getattr(self, part)), name)
+        raise ConfigError(f"{key}={value} must be {need}; use e.g. {key} = {default}.")
     self.moe.validate()
     self.planner.validate(self.moe.expert_mode)
     self.strategy.validate()
@@ -354,16 +392,6 @@ class Config:
     if self.data.seq_len > self.model.max_seq_len:
       raise ConfigError(
           f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}.")
-    if self.train.num_steps < 0:
-      raise ConfigError(f"train.num_steps={self.train.num_steps} must be >= 0.")
-    for name, value in (("train.eval_every", self.train.eval_every),
-                        ("train.eval_batches", self.train.eval_batches),
-                        ("train.max_consecutive_nonfinite",
-                         self.train.max_consecutive_nonfinite),
-                        ("checkpoint.every", self.checkpoint.every),
-                        ("checkpoint.keep", self.checkpoint.keep)):
-      if value < 1:
-        raise ConfigError(f"{name}={value} must be >= 1; use e.g. {name} = 1.")
     return self
 
   def _validate_pipeline(self) -> None:

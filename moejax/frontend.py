@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tokenize
 
 import gin
@@ -50,12 +51,32 @@ def parse_config(gin_files: list[str], gin_bindings: list[str]) -> config_lib.Co
   # Python 3.11's tokenizer and a tokenize.TokenError under 3.12's.
   except (ValueError, TypeError, SyntaxError, tokenize.TokenError) as e:
     first = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
+    bare = _unquoted_word(gin_files, gin_bindings) if "malformed node" in first else None
+    if bare is not None:
+      name, value = bare
+      raise config_lib.ConfigError(
+          f"{name} = {value}: gin cannot read the bare word {value}; a string needs quotes: "
+          f"{name} = '{value}'.") from None
     raise config_lib.ConfigError(
         f"bad gin binding or file: {first}. Known configurables: {', '.join(CONFIGURABLES)}; "
         "see moejax/config.py for their fields.") from None
   cfg = config_lib.Config(**{name: _plain(name, obj) for name, obj in parts.items()}).validate()
   vocab = data_lib.declared_vocab(cfg.data)   # model.vocab_size = 0: the data's, known here
   return cfg if vocab is None else data_lib.resolve_vocab(cfg, vocab)
+
+
+def _unquoted_word(gin_files: list[str], gin_bindings: list[str]) -> tuple[str, str] | None:
+  """The first `name = word` line of the bindings or files whose value is a bare word (what
+  gin fails to read with "malformed node or string"), as (name, word); None if none is."""
+  lines = list(gin_bindings)
+  for path in gin_files:
+    with open(path) as f:
+      lines += f.read().splitlines()
+  for line in lines:
+    m = re.fullmatch(r"\s*([\w.]+)\s*=\s*([A-Za-z_]\w*)\s*(#.*)?", line)
+    if m and m.group(2) not in ("True", "False", "None"):
+      return m.group(1), m.group(2)
+  return None
 
 
 def operative_config() -> str:

@@ -1,20 +1,25 @@
 """`python -m moejax.plan`: the offline stage; ranks every strategy for a config on a hardware
-profile and picks a small pool (library: `moejax.strategy.offline`)."""
+profile, picks a small pool and prints a summary: the best strategy, the pool and why, and the
+`train.py` command that trains it; `--all` adds the table of every strategy (library:
+`moejax.strategy.offline`)."""
 
 from __future__ import annotations
 
-import argparse
 import json
+import os
+import shlex
 import sys
 
 from moejax.config import ConfigError
 from moejax.frontend import DEFAULT_GIN, parse_config
 from moejax.placement.workloads import load_trace
-from moejax.strategy.cost import expert_shares, load_dispersion, load_profile
+from moejax.runtime.cli import ArgumentParser
+from moejax.strategy.cost import PRESETS, expert_shares, load_dispersion, load_profile
 from moejax.strategy.offline import (
   OBSERVED_REGIMES,
   REGIMES,
   pick_pool,
+  pipeline_of,
   rank,
   table,
   to_json,
@@ -23,34 +28,73 @@ from moejax.strategy.offline import (
 )
 
 
+def parser() -> ArgumentParser:
+  p = ArgumentParser(
+      prog="python -m moejax.plan",
+      description="The offline stage: ranks every strategy (mesh, expert mode, capacity, "
+                  "dispatch, pipeline, FSDP) for a config on a hardware profile, picks a small "
+                  "pool to switch among, and prints how to train it.")
+  p.add_argument("--gin_file", action="append", default=None,
+                 help="A gin config file (repeatable); default: configs/default.gin.")
+  p.add_argument("--gin_bindings", action="append", default=[],
+                 help="A gin binding such as 'moe.num_experts = 16' (repeatable).")
+  p.add_argument("--profile", default="h100_node",
+                 help=f"The hardware profile: a preset ({', '.join(sorted(PRESETS))}), a JSON "
+                      "written by `python -m moejax.calibrate`, or a benchmarks/cost_model.py "
+                      "result (its fitted profile).")
+  p.add_argument("--devices", type=int, default=8,
+                 help="The number of devices to plan for (default 8).")
+  p.add_argument("--pool", type=int, default=4,
+                 help="How many strategies the pool holds, 1 to 4 (default 4); each is a "
+                      "compiled program the trainer can switch to.")
+  p.add_argument("--max_drop", type=float, default=0.01,
+                 help="The largest share of (token, k) choices a strategy may drop to count as "
+                      "fitting (default 0.01).")
+  p.add_argument("--dispersion", type=float, default=None,
+                 help="The count variance / mean per source and expert (1 = independent "
+                      "tokens; byte-level text after warm-up: about 6-9); default: the trace's, "
+                      "or 1.")
+  p.add_argument("--trace", default=None,
+                 help="A routing trace .npz of a run (trace.path): plan for its observed expert "
+                      "shares instead of even ones.")
+  p.add_argument("--trace_steps", type=int, default=10,
+                 help="How many of the trace's last steps make the observed load (default 10).")
+  p.add_argument("--json", default=None,
+                 help="Also write every row and the pool to this JSON file.")
+  p.add_argument("--all", action="store_true",
+                 help="Print the table of every strategy ranked, after the summary.")
+  p.add_argument("--verify", type=int, default=0, metavar="K",
+                 help="Compile the top K candidates with XLA:GPU for the profile's GPU and "
+                      "--devices (no GPU needed; the gpu_aot extra) and print XLA's memory "
+                      "and the schedule's step estimate beside the predictions.")
+  return p
+
+
+def why(rows: list, pool: list, max_drop: float, regimes) -> list[str]:
+  """One line per pool member: the load regime where it ranks best among the strategies that
+  fit (with the first member's pipeline), its predicted step time and drops there."""
+  ok = [r for r in rows if r.rejected is None and
+        pipeline_of(r.strategy) == pipeline_of(pool[0])]
+  order = {g: [r.strategy for r in sorted(ok, key=lambda r, g=g: r.score(g, max_drop))]
+           for g in regimes}
+  by_spec = {r.strategy: r for r in ok}
+  lines = []
+  for s in pool:
+    depth = min(order[g].index(s) for g in regimes)
+    where = [g for g in regimes if order[g].index(s) == depth]   # in the regimes' order
+    cost = by_spec[s].costs[where[0]]
+    rank_text = "the best" if depth == 0 else f"number {depth + 1}"
+    lines.append(f"  {s.spec}: {rank_text} under {' and '.join(where)} load, "
+                 f"{cost.total_s * 1e3:.2f} ms a step, {cost.drop_fraction:.1%} of choices "
+                 f"dropped" + (f" (under {where[0]})" if len(where) > 1 else ""))
+  return lines
+
+
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m moejax.plan",
-                                   description=__doc__.splitlines()[0].split(": ", 1)[-1])
-  parser.add_argument("--gin_file", action="append", default=None)
-  parser.add_argument("--gin_bindings", action="append", default=[])
-  parser.add_argument("--profile", default="h100_node",
-                      help="preset name, a JSON written by `python -m moejax.calibrate`, or a "
-                      "benchmarks/cost_model.py result (its fitted profile)")
-  parser.add_argument("--devices", type=int, default=8)
-  parser.add_argument("--pool", type=int, default=4)
-  parser.add_argument("--max_drop", type=float, default=0.01)
-  parser.add_argument("--dispersion", type=float, default=None,
-                      help="count variance / mean per source and expert (1 = independent "
-                      "tokens; byte-level text after warm-up: about 6-9); default: the "
-                      "trace's, or 1")
-  parser.add_argument("--trace", default=None,
-                      help="routing trace .npz of a run (trace.path): plan for its observed "
-                      "expert shares instead of even ones")
-  parser.add_argument("--trace_steps", type=int, default=10,
-                      help="the trace's last steps that make the observed load")
-  parser.add_argument("--json", default=None)
-  parser.add_argument("--verify", type=int, default=0, metavar="K",
-                      help="compile the top K candidates with XLA:GPU for the profile's GPU "
-                      "and --devices (no GPU needed; the gpu_aot extra) and print XLA's "
-                      "memory and the schedule's step estimate beside the predictions")
-  args = parser.parse_args(argv)
+  args = parser().parse_args(argv)
+  gin_files = args.gin_file or [DEFAULT_GIN]
   try:
-    cfg = parse_config(args.gin_file or [DEFAULT_GIN], args.gin_bindings)
+    cfg = parse_config(gin_files, args.gin_bindings)
     profile = load_profile(args.profile)
     dispersion, observed, regimes = args.dispersion, None, REGIMES
     if args.trace:
@@ -81,9 +125,22 @@ def main(argv: list[str] | None = None) -> int:
       print("\n".join(why_nothing_fits(cfg, profile, args.devices, rows, **rank_kwargs)))
     print(f"error: {e}", file=sys.stderr)
     return 2
-  print(table(rows, regimes))
+  fit = sum(r.rejected is None for r in rows)
+  best = pool[0]
+  cost = next(r for r in rows if r.strategy == best).costs[regimes[0]]
+  print(f"best: {best.spec}, {cost.total_s * 1e3:.2f} ms a step under {regimes[0]} load with "
+        f"{cost.drop_fraction:.1%} of choices dropped; {fit:,} of {len(rows):,} strategies fit" +
+        ("" if args.all else " (the table of all: --all)"))
   print("pool: " + ", ".join(s.spec for s in pool))
-  print("train with: " + " ".join(f'--gin_bindings="{b}"' for b in train_bindings(pool)))
+  print("why (the pool covers the load regimes; with strategy.every > 0 the trainer switches "
+        "among its members as the load changes):")
+  print("\n".join(why(rows, pool, args.max_drop, regimes)))
+  files = " ".join(f"--gin_file={shlex.quote(os.path.relpath(f))}" for f in gin_files)
+  bindings = [*args.gin_bindings, *train_bindings(pool)]
+  print(f"train with: python train.py {files} " +
+        " ".join(f'--gin_bindings="{b}"' for b in bindings))
+  if args.all:
+    print(table(rows, regimes))
   if args.json:
     with open(args.json, "w") as f:
       json.dump(to_json(rows, pool, profile), f, indent=2)

@@ -5,7 +5,6 @@ each step's own counts), and prints each policy's regret over it (library:
 
 from __future__ import annotations
 
-import argparse
 import ast
 import json
 
@@ -13,40 +12,55 @@ from moejax.config import ConfigError
 from moejax.placement.policies import POLICIES, make_options
 from moejax.placement.replay import format_table, oracle, policy_names, replay, with_regret
 from moejax.placement.workloads import load_trace
+from moejax.runtime.cli import ArgumentParser, fail
 from moejax.strategy.memory import report
 
 
-def main(argv=None) -> None:
-  ap = argparse.ArgumentParser(prog="python -m moejax.replay",
-                               description="Replay a routing trace through placement policies.")
-  ap.add_argument("trace", help="routing trace .npz (counts[steps, layers, sources, experts])")
-  ap.add_argument("--devices", type=int, required=True, help="devices N in the expert group")
+def parser() -> ArgumentParser:
+  ap = ArgumentParser(prog="python -m moejax.replay",
+                      description="Replays a routing trace through placement policies with "
+                                  "lagged statistics, beside the oracle, and prints each "
+                                  "policy's load balance and regret.")
+  ap.add_argument("trace", help="The routing trace .npz (counts[steps, layers, sources, "
+                                "experts]) a run writes with trace.path set.")
+  ap.add_argument("--devices", type=int, required=True,
+                  help="The number of devices N in the expert group.")
   ap.add_argument("--slots", type=int, required=True,
-                  help="expert slots per device C (one-copy policies use E/N)")
-  ap.add_argument("--policy", default="all", help=f"one of {sorted(POLICIES)} or 'all'")
-  ap.add_argument("--every", type=int, default=10, help="re-plan every K steps")
-  ap.add_argument("--window", type=int, default=10, help="predict from the last W steps")
-  ap.add_argument("--json", default=None, help="write results here")
+                  help="The expert slots per device C (one-copy policies use E/N).")
+  ap.add_argument("--policy", default="all",
+                  help=f"One of {sorted(POLICIES)}, or 'all' (the default).")
+  ap.add_argument("--every", type=int, default=10, help="Re-plan every K steps (default 10).")
+  ap.add_argument("--window", type=int, default=10,
+                  help="Predict from the last W steps (default 10).")
+  ap.add_argument("--json", default=None, help="Also write the results to this JSON file.")
   ap.add_argument("--fsep", action="append", default=[], metavar="NAME=VALUE",
-                  help="an fsep planner option (FsepOptions), e.g. plan_for='mean' or "
-                       "locality=False; repeatable; also used by the oracle")
+                  help="An fsep planner option (FsepOptions), e.g. plan_for='mean' or "
+                       "locality=False; repeatable; the oracle uses it too.")
   ap.add_argument("--shares", default="planned", choices=("planned", "adaptive"),
-                  help="fsep token shares: the planned ones, held between decisions, or "
+                  help="The fsep token shares: the planned ones, held between decisions, or "
                        "re-levelled every step from the step's own counts (the layer's "
-                       "moe.fsep_shares='adaptive'); for every fsep row and the oracle")
+                       "moe.fsep_shares='adaptive'); for every fsep row and the oracle.")
   ap.add_argument("--no_oracle", action="store_true",
-                  help="skip the oracle row (it plans every step of every layer)")
+                  help="Skip the oracle row (it plans every step of every layer).")
   ap.add_argument("--window_oracle", action="store_true",
-                  help="add a window_oracle row: fsep given the --every steps each layout "
-                       "will serve (the per-step noise floor of a held layout)")
+                  help="Add a window_oracle row: fsep given the --every steps each layout "
+                       "will serve (the per-step noise floor of a held layout).")
   ap.add_argument("--d_model", type=int, default=0,
-                  help="with --d_ff and --layers: also print expert memory per device")
-  ap.add_argument("--d_ff", type=int, default=0, help="expert hidden size (memory report)")
-  ap.add_argument("--layers", type=int, default=0, help="MoE layers (memory report)")
-  a = ap.parse_args(argv)
+                  help="With --d_ff and --layers: also print the expert memory per device.")
+  ap.add_argument("--d_ff", type=int, default=0,
+                  help="The expert hidden size, for the memory report.")
+  ap.add_argument("--layers", type=int, default=0, help="The MoE layers, for the memory report.")
+  return ap
+
+
+def main(argv=None) -> int:
+  a = parser().parse_args(argv)
   try:
     fsep_options = make_options("fsep", **dict(_option(text) for text in a.fsep))
     counts = load_trace(a.trace)["counts"]
+    if not counts.shape[0]:
+      raise ConfigError(f"trace {a.trace} holds 0 steps; give the trace of a run that trained "
+                        "at least one step with trace.path set.")
     results = {name: replay(counts, a.devices, a.slots, name, a.every, a.window,
                             options=fsep_options if name == "fsep" else None, shares=a.shares)
                for name in policy_names(a.policy)}
@@ -56,7 +70,7 @@ def main(argv=None) -> None:
                     options=fsep_options, lookahead=True, shares=a.shares)
              if a.window_oracle else None)
   except ConfigError as e:
-    raise SystemExit(f"error: {e}") from None
+    return fail(str(e))
   if bound is not None:
     with_regret({**results, **({"window_oracle": ahead} if ahead else {})}, bound)
   steps, layers, sources, experts = counts.shape
@@ -78,13 +92,14 @@ def main(argv=None) -> None:
     with open(a.json, "w") as f:
       json.dump(out, f, indent=1)
     print(f"wrote {a.json}")
+  return 0
 
 
 def _option(text: str) -> tuple[str, object]:
   """'name=value' -> (name, value), the value read as a Python literal where it is one."""
   name, sep, value = text.partition("=")
   if not sep or not name:
-    raise SystemExit(f"error: --fsep {text!r} is not NAME=VALUE; e.g. --fsep locality=False.")
+    raise ConfigError(f"--fsep {text!r} is not NAME=VALUE; e.g. --fsep locality=False.")
   try:
     return name.strip(), ast.literal_eval(value.strip())
   except (ValueError, SyntaxError):
@@ -92,4 +107,4 @@ def _option(text: str) -> tuple[str, object]:
 
 
 if __name__ == "__main__":
-  main()
+  raise SystemExit(main())

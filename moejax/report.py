@@ -8,11 +8,12 @@ into RUN_DIR/plots/) and prints their paths. matplotlib is imported lazily (extr
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
 import numpy as np
+
+from moejax.runtime.cli import ArgumentParser, fail
 
 NO_MATPLOTLIB = "moejax.report needs matplotlib: pip install -e '.[plot]'"
 
@@ -85,14 +86,14 @@ def plot_expert_load(xs: list[int], counts: list[list[int]], layer: int, out: st
   """Heatmap of each expert's share of the layer's routed tokens (counts per step at xs)."""
   from matplotlib.colors import TwoSlopeNorm
   plt = _pyplot()
-  counts_ZxE = np.asarray(counts, dtype=float)
-  share_ExZ = (counts_ZxE / np.maximum(counts_ZxE.sum(axis=1, keepdims=True), 1)).T
-  experts = share_ExZ.shape[0]
+  counts_stepsxE = np.asarray(counts, dtype=float)
+  share_Exsteps = (counts_stepsxE / np.maximum(counts_stepsxE.sum(axis=1, keepdims=True), 1)).T
+  experts = share_Exsteps.shape[0]
   uniform = 1 / experts
-  norm = TwoSlopeNorm(vcenter=uniform, vmin=0, vmax=max(share_ExZ.max(), 2 * uniform))
+  norm = TwoSlopeNorm(vcenter=uniform, vmin=0, vmax=max(share_Exsteps.max(), 2 * uniform))
   fig, ax = plt.subplots(figsize=(10, 1.5 + 0.25 * min(experts, 40)), layout="constrained")
   mesh = ax.pcolormesh(_cell_edges(np.asarray(xs, dtype=float)), np.arange(experts + 1) - 0.5,
-                       share_ExZ, cmap="RdBu_r", norm=norm)
+                       share_Exsteps, cmap="RdBu_r", norm=norm)
   fig.colorbar(mesh, ax=ax, label=f"share of tokens (white = 1/{experts})")
   if experts <= 32:
     ax.set_yticks(range(experts))
@@ -177,23 +178,41 @@ def plot_replay(path: str, out: str) -> str:
   return _save(fig, os.path.join(out, f"replay_{stem}.png"))
 
 
+def parser() -> ArgumentParser:
+  p = ArgumentParser(prog="python -m moejax.report",
+                     description="Writes PNG plots of a run's metrics (expert and device load, "
+                                 "loss) and of replay results, and prints their paths.")
+  p.add_argument("run_dir", help="The run directory holding metrics.jsonl (its train.run_dir).")
+  p.add_argument("--replay", action="extend", nargs="+", default=[],
+                 help="JSON files written by python -m moejax.replay --json, to plot too.")
+  p.add_argument("--out", help="The output directory (default: RUN_DIR/plots).")
+  return p
+
+
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m moejax.report",
-                                   description="PNG plots of a run's metrics and of replays.")
-  parser.add_argument("run_dir", help="run directory holding metrics.jsonl")
-  parser.add_argument("--replay", action="extend", nargs="+", default=[],
-                      help="JSON written by python -m moejax.replay --json")
-  parser.add_argument("--out", help="output directory (default RUN_DIR/plots)")
-  args = parser.parse_args(argv)
+  args = parser().parse_args(argv)
   _pyplot()   # fail early, with one line, when matplotlib is missing
   metrics_path = os.path.join(args.run_dir, "metrics.jsonl")
   if not os.path.exists(metrics_path):
-    raise SystemExit(f"error: {args.run_dir} holds no metrics.jsonl; give the directory a "
-                     "train.py run wrote into (its train.run_dir).")
-  out = args.out or os.path.join(args.run_dir, "plots")
-  os.makedirs(out, exist_ok=True)
+    return fail(f"{args.run_dir} holds no metrics.jsonl; give the directory a train.py run "
+                "wrote into (its train.run_dir).")
   metrics = load_metrics(metrics_path)
   steps = metrics["steps"]
+  if not steps and not metrics["evals"]:
+    return fail(f"{metrics_path} holds no step records (the run stopped before its first "
+                "step, or the file was emptied); give the run dir of a run that trained.")
+  for path in args.replay:   # all of them readable before any plot is written
+    try:
+      with open(path) as f:
+        replay = json.load(f)
+    except (OSError, ValueError) as e:
+      return fail(f"--replay {path}: not a readable JSON file ({type(e).__name__}); give a file "
+                  "written by python -m moejax.replay --json.")
+    if not isinstance(replay, dict) or "policies" not in replay:
+      return fail(f"--replay {path}: no 'policies' in it; give a file written by python -m "
+                  "moejax.replay --json.")
+  out = args.out or os.path.join(args.run_dir, "plots")
+  os.makedirs(out, exist_ok=True)
   loads = _layer_series(steps, "expert_counts")
   paths = [plot_expert_load(xs, counts, layer, out) for layer, (xs, counts) in loads.items()]
   if loads:

@@ -7,9 +7,10 @@ Backends (a kernel's tuning dataclass names one; resolved when the program is bu
   read from the device: H100, H200, H800, H20) when its operands are bf16/f16.
 * ``"interpret"``: ``pallas_call(interpret=True)``, runs anywhere (CPU tests and CI).
 * ``"triton"``: the Pallas Triton lowering, chosen by passing Triton ``CompilerParams``
-  (since jax 0.10 a GPU ``pallas_call`` without them lowers to Mosaic GPU). The kernels of
+  (a GPU ``pallas_call`` without them lowers to Mosaic GPU). The kernels of
   this package are written for it: row gathers by a vector of indices, masked loads and
-  stores, ``tl.dot`` tiles. Deprecated in jax 0.11 but still present there.
+  stores, ``tl.dot`` tiles. Deprecated by JAX, still present in the releases compat.py
+  supports.
 * ``"mosaic_gpu"``: Hopper (sm_90). Only the grouped matmul's forward and dx have this path
   (JAX's own Mosaic GPU ragged-dot kernel, ``jax.experimental.pallas.ops.gpu``); its dw and
   the row gathers keep the Triton lowering (see gmm_mosaic.py).

@@ -1,4 +1,4 @@
-"""Everything that differs between the JAX releases this package supports (0.10 and 0.11), and
+"""Everything that differs between the JAX releases this package supports (0.10 to 0.12), and
 what it needs to know about NVIDIA GPUs it has not been handed.
 
 * Lowering the Pallas Triton kernels for CUDA on a host without a GPU (`cuda_target`): jax
@@ -10,6 +10,8 @@ what it needs to know about NVIDIA GPUs it has not been handed.
   table lacks (H800, H20, L40S) known here too, so a name is enough on a CPU host.
 * The varying-axes type of an output inside `shard_map` (`varying_axes`, `out_struct`,
   `mark_varying`): jax >= 0.10 calls it `manual_axis_type`, earlier releases `vma`.
+* What these releases cannot check or batch in the MoE layer (`checks_varying_axes`,
+  `rerestores_fsep`): the layer and the pipeline ask here rather than name a release.
 """
 
 from __future__ import annotations
@@ -137,3 +139,22 @@ def mark_varying(x, axes):
   if hasattr(jax.lax, "pcast"):
     return jax.lax.pcast(x, missing, to="varying")
   return jax.lax.pvary(x, missing)
+
+
+# --- what the MoE layer's shard_map can do on these releases -----------------------------------
+
+def checks_varying_axes(interpreted: bool, staged: bool) -> bool:
+  """Whether the MoE layer's `shard_map` can run with `check_vma` on. Not with Pallas's
+  interpreter: its kernels fail the check inside ("Primitive pad requires varying manual axes
+  to match"). Not under the pipeline's stage vmap (`spmd_axis_name`): the batching leaves the
+  stage axis out of some values' types (jnp.searchsorted's loop, lax.cond, custom_vjp,
+  comparisons; docs/decisions/0046). Values and gradients do not depend on the check: the
+  interpreted kernels equal XLA's, and the pipeline equals one device, in the tests."""
+  return not interpreted and not staged
+
+
+def rerestores_fsep(staged: bool) -> bool:
+  """Whether fsep's backward pass can restore the experts' weights again (their
+  `custom_vjp` calls `jax.vjp` of the MoE layer) rather than keep the forward's: not under
+  the pipeline's stage vmap, which cannot batch that vjp's shard_map (docs/decisions/0047)."""
+  return not staged

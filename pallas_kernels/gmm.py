@@ -1,21 +1,16 @@
 """Grouped matmul for expert FFNs, with group sizes as data.
 
-    gmm:   out[m] = x[m] @ w[g(m)]            x [M, I], w [G, I, O] -> [M, O]
-    tgmm:  dw[g]  = x[rows of g]^T @ dy[rows of g]      x [M, I], dy [M, O] -> [G, I, O]
+    gmm:   out[m] = x[m] @ w[g(m)]                 x [rows, in], w [C, in, out] -> [rows, out]
+    tgmm:  dw[g]  = x[rows of g]^T @ dy[rows of g]  x [rows, in], dy [rows, out] -> [C, in, out]
 
-(M rows, G groups, I input and O output features: the letters of the `moejax` legend.)
-
-Rows are grouped contiguously: group g owns rows [sum(sizes[:g]), sum(sizes[:g+1])), clipped
-to M. Rows past the last group give zeros (and get zero gradient), so a buffer may carry
-padding at its end. Empty groups cost nothing.
-
-`gmm` walks a static-length work list of (row tile, group) pairs, at most cdiv(M, bm) + G
-long (a group boundary inside a tile adds one pair); each program masks the tile to its
-group's rows, so tiles shared by two groups are written by two programs, disjointly. The
-"tail" pairs (rows past the last group) store zeros. `tgmm` runs one program per
-(group, I tile, O tile) and loops over the group's row tiles.
-
-Backward of gmm: dx = gmm(dy, w^T) (same kernel, w read transposed), dw = tgmm(x, dy).
+C groups, one per slot of the device (moejax.SHAPE_LETTERS); rows, in and out are words.
+Group g owns the contiguous rows [sum(sizes[:g]), sum(sizes[:g+1])); rows past the last group
+give zeros (and get zero gradient), so a buffer may carry padding at its end; empty groups
+cost nothing. `gmm` walks a static-length work list of (row tile, group) pairs, at most
+cdiv(rows, bm) + C long (a group boundary inside a tile adds one pair), each program masking
+the tile to its group's rows, so a tile shared by two groups is written by two programs,
+disjointly; `tgmm` runs one program per (group, in tile, out tile) and loops over the group's
+row tiles. Backward of gmm: dx = gmm(dy, w^T) (w read transposed), dw = tgmm(x, dy).
 """
 
 from __future__ import annotations
@@ -63,41 +58,41 @@ class GmmTuning:
   grid_block_n: int = 1
 
 
-def gmm_reference(x_MxI, w_GxIxO, group_sizes_G):
+def gmm_reference(x_rowsxin, w_Cxinxout, group_sizes_C):
   """Dense per-row weight gather: memory O(M*I*O); for tests."""
-  m, num_groups = x_MxI.shape[0], w_GxIxO.shape[0]
-  ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes_G, 0)), m)
-  group_M = jnp.searchsorted(ends, jnp.arange(m), side="right")
-  ok = group_M < num_groups
-  w_MxIxO = w_GxIxO[jnp.minimum(group_M, num_groups - 1)]
-  out = jnp.einsum("mi,mio->mo", x_MxI.astype(jnp.float32), w_MxIxO.astype(jnp.float32))
-  return jnp.where(ok[:, None], out, 0.0).astype(x_MxI.dtype)
+  m, num_groups = x_rowsxin.shape[0], w_Cxinxout.shape[0]
+  ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes_C, 0)), m)
+  group_rows = jnp.searchsorted(ends, jnp.arange(m), side="right")
+  ok = group_rows < num_groups
+  w_rowsxinxout = w_Cxinxout[jnp.minimum(group_rows, num_groups - 1)]
+  out = jnp.einsum("mi,mio->mo", x_rowsxin.astype(jnp.float32), w_rowsxinxout.astype(jnp.float32))
+  return jnp.where(ok[:, None], out, 0.0).astype(x_rowsxin.dtype)
 
 
-def tgmm_reference(x_MxI, dy_MxO, group_sizes_G, out_dtype=None):
-  m, num_groups = x_MxI.shape[0], group_sizes_G.shape[0]
-  ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes_G, 0)), m)
-  onehot_MxG = jax.nn.one_hot(jnp.searchsorted(ends, jnp.arange(m), side="right"), num_groups)
-  out = jnp.einsum("mg,mi,mo->gio", onehot_MxG, x_MxI.astype(jnp.float32),
-                   dy_MxO.astype(jnp.float32))
-  return out.astype(out_dtype or x_MxI.dtype)
+def tgmm_reference(x_rowsxin, dy_rowsxout, group_sizes_C, out_dtype=None):
+  m, num_groups = x_rowsxin.shape[0], group_sizes_C.shape[0]
+  ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes_C, 0)), m)
+  onehot_rowsxC = jax.nn.one_hot(jnp.searchsorted(ends, jnp.arange(m), side="right"), num_groups)
+  out = jnp.einsum("mg,mi,mo->gio", onehot_rowsxC, x_rowsxin.astype(jnp.float32),
+                   dy_rowsxout.astype(jnp.float32))
+  return out.astype(out_dtype or x_rowsxin.dtype)
 
 
-def group_bounds(group_sizes_G, m):
-  """int32 starts/ends of the G groups plus the tail group G = [end of last group, M)."""
-  ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes_G.astype(jnp.int32), 0)), m)
+def group_bounds(group_sizes_C, m):
+  """int32 starts/ends of the C groups plus the tail group C = [end of last group, rows)."""
+  ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes_C.astype(jnp.int32), 0)), m)
   starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
   return starts, jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
 
 
-def work_list(starts_X, ends_X, m, block_m):
+def work_list(starts_C, ends_C, m, block_m):
   """(row tile, group, valid) for each of cdiv(M, bm) + G programs; groups include the tail."""
-  num_pairs = pl.cdiv(m, block_m) + starts_X.shape[0] - 1
-  first = starts_X // block_m
-  tiles = jnp.where(ends_X > starts_X, (ends_X - 1) // block_m - first + 1, 0)
+  num_pairs = pl.cdiv(m, block_m) + starts_C.shape[0] - 1
+  first = starts_C // block_m
+  tiles = jnp.where(ends_C > starts_C, (ends_C - 1) // block_m - first + 1, 0)
   cum = jnp.cumsum(tiles)
   p = jnp.arange(num_pairs, dtype=jnp.int32)
-  group = jnp.minimum(jnp.searchsorted(cum, p, side="right"), starts_X.shape[0] - 1)
+  group = jnp.minimum(jnp.searchsorted(cum, p, side="right"), starts_C.shape[0] - 1)
   tile = first[group] + p - (cum - tiles)[group]
   return tile.astype(jnp.int32), group.astype(jnp.int32), (p < cum[-1]).astype(jnp.int32)
 
@@ -117,9 +112,9 @@ def _gmm_kernel(starts_ref, ends_ref, tile_ref, group_ref, valid_ref, x_ref, w_r
     def body(kb, acc):
       ks = pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
       a = pltriton.load(x_ref.at[rows, ks], mask=mask, other=0)
-      if transpose_rhs:     # w [G, out, contraction]
+      if transpose_rhs:     # w [C, out, contraction]
         b, dims = w_ref[g, cols, ks], (((1,), (1,)), ((), ()))
-      else:                 # w [G, contraction, out]
+      else:                 # w [C, contraction, out]
         b, dims = w_ref[g, ks, cols], (((1,), (0,)), ((), ()))
       return acc + jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
@@ -132,28 +127,29 @@ def _gmm_kernel(starts_ref, ends_ref, tile_ref, group_ref, valid_ref, x_ref, w_r
                    mask=mask)
 
 
-def gmm_call(x_MxI, w_GxIxO, group_sizes_G, tuning: GmmTuning, backend: str,
+def gmm_call(x_rowsxin, w_Cxinxout, group_sizes_C, tuning: GmmTuning, backend: str,
              transpose_rhs: bool = False):
   """Generic Pallas grouped matmul (no custom_vjp); `backend` resolved, not mosaic_gpu."""
-  m, k = x_MxI.shape
-  num_groups = w_GxIxO.shape[0]
-  n = w_GxIxO.shape[1] if transpose_rhs else w_GxIxO.shape[2]
+  m, k = x_rowsxin.shape
+  num_groups = w_Cxinxout.shape[0]
+  n = w_Cxinxout.shape[1] if transpose_rhs else w_Cxinxout.shape[2]
   if m == 0 or n == 0 or k == 0 or num_groups == 0:
-    return jnp.zeros((m, n), x_MxI.dtype)
+    return jnp.zeros((m, n), x_rowsxin.dtype)
   bk, bn = backend_lib.pow2_tile(k, tuning.block_k), backend_lib.pow2_tile(n, tuning.block_n)
   backend_lib.check_dot_tile("contraction dim", k, bk, backend)
   backend_lib.check_dot_tile("output dim", n, bn, backend)
-  starts, ends = group_bounds(group_sizes_G, m)
+  starts, ends = group_bounds(group_sizes_C, m)
   tile, group, valid = work_list(starts, ends, m, tuning.block_m)
   kernel = functools.partial(_gmm_kernel, num_groups=num_groups, block_m=tuning.block_m,
                              block_k=bk, block_n=bn, k_blocks=k // bk,
                              transpose_rhs=transpose_rhs)
   return pl.pallas_call(
       kernel,
-      out_shape=backend_lib.out_struct((m, n), x_MxI.dtype, x_MxI, w_GxIxO, group_sizes_G),
+      out_shape=backend_lib.out_struct((m, n), x_rowsxin.dtype, x_rowsxin, w_Cxinxout,
+                                       group_sizes_C),
       grid=(tile.shape[0], n // bn), name="gmm",
       **backend_lib.call_kwargs(backend, tuning.num_warps, tuning.num_stages))(
-          starts, ends, tile, group, valid, x_MxI, w_GxIxO)
+          starts, ends, tile, group, valid, x_rowsxin, w_Cxinxout)
 
 
 def _tgmm_kernel(starts_ref, ends_ref, x_ref, dy_ref, out_ref, *, block_m, block_k, block_n):
@@ -177,19 +173,20 @@ def _tgmm_kernel(starts_ref, ends_ref, x_ref, dy_ref, out_ref, *, block_m, block
   out_ref[g, ks, ns] = acc.astype(out_ref.dtype)
 
 
-def tgmm_call(x_MxI, dy_MxO, group_sizes_G, tuning: GmmTuning, backend: str, out_dtype):
-  """Generic Pallas transposed grouped matmul: [G, I, O] in `out_dtype`."""
-  (m, k), n, num_groups = x_MxI.shape, dy_MxO.shape[1], group_sizes_G.shape[0]
+def tgmm_call(x_rowsxin, dy_rowsxout, group_sizes_C, tuning: GmmTuning, backend: str, out_dtype):
+  """Generic Pallas transposed grouped matmul: [C, in, out] in `out_dtype`."""
+  (m, k), n, num_groups = x_rowsxin.shape, dy_rowsxout.shape[1], group_sizes_C.shape[0]
   if m == 0 or n == 0 or k == 0 or num_groups == 0:
     return jnp.zeros((num_groups, k, n), out_dtype)
   bk, bn = backend_lib.pow2_tile(k, tuning.block_k), backend_lib.pow2_tile(n, tuning.block_n)
   backend_lib.check_dot_tile("x columns", k, bk, backend)
   backend_lib.check_dot_tile("dy columns", n, bn, backend)
-  starts, ends = group_bounds(group_sizes_G, m)
+  starts, ends = group_bounds(group_sizes_C, m)
   kernel = functools.partial(_tgmm_kernel, block_m=tuning.block_m, block_k=bk, block_n=bn)
   return pl.pallas_call(
-      kernel, out_shape=backend_lib.out_struct((num_groups, k, n), out_dtype, x_MxI, dy_MxO,
-                                               group_sizes_G),
+      kernel, out_shape=backend_lib.out_struct((num_groups, k, n), out_dtype, x_rowsxin,
+                                               dy_rowsxout,
+                                               group_sizes_C),
       grid=(num_groups, k // bk, n // bn), name="tgmm",
       **backend_lib.call_kwargs(backend, tuning.num_warps, tuning.num_stages))(
-          starts, ends, x_MxI, dy_MxO)
+          starts, ends, x_rowsxin, dy_rowsxout)

@@ -1,10 +1,11 @@
 """Hopper (sm_90) path of the grouped matmul's forward and dx: JAX's Mosaic GPU ragged dot.
 
-`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot` ships with jax 0.10 and 0.11. It
-takes bf16/f16 operands of one dtype and tile sizes that divide the feature dims; rows past
-the last group are not written there, so they are zeroed here; its row count is padded to a
-multiple of 8, which its TMA tiles need (`ROW_ALIGN`). Its output type names no mesh
-axes, so inside `shard_map` it is cast to vary like its operands.
+`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu.ragged_dot` ships with the jax releases
+this package supports (compat.py). It takes bf16/f16 operands of one dtype and tile sizes
+that divide the feature dims; rows past the last group are not written there, so they are
+zeroed here; its row count is padded to a multiple of 8, which its TMA tiles need
+(`ROW_ALIGN`). Its output type names no mesh axes, so inside `shard_map` it is cast to vary
+like its operands.
 
 The weight gradient (dw) is not computed here: JAX's `transposed_ragged_dot` reads
 `jax.devices()[0].core_count` when traced, so it cannot be lowered on a host without a GPU and
@@ -28,7 +29,7 @@ ROW_ALIGN = 8       # its TMA tiles read rows in 8s: M is padded to a multiple (
 
 
 def hopper_tuning(tuning):
-  """The tiles JAX's ragged dot ran fastest with on one H100 (jax 0.11.2, bf16, the MoE
+  """The tiles JAX's ragged dot ran fastest with on one H100 (bf16, the MoE
   layer's [131072, 1024] x [4, 1024, 2048] and [16384, 768] x [32, 768, 1536]): 128 x 128 x 64,
   4 steps in flight, 4 column tiles per program; 1.56 ms against 3.7 ms for 64 x 64 x 64 with
   1 (`benchmarks/results/gmm_mosaic_sweep_h100.json`). Triton's dw keeps 8 warps, 3 stages."""
@@ -45,16 +46,16 @@ def fitted(tuning, n: int):
   return dataclasses.replace(tuning, grid_block_n=grid)
 
 
-def unsupported(x_MxI, w_GxIxO, tuning, transpose_rhs=False) -> str | None:
+def unsupported(x_rowsxin, w_Cxinxout, tuning, transpose_rhs=False) -> str | None:
   """Why these operands cannot take the Mosaic path (None: they can)."""
-  if x_MxI.dtype != w_GxIxO.dtype or jnp.dtype(x_MxI.dtype).name not in MOSAIC_DTYPES:
-    return (f"gmm backend 'mosaic_gpu' needs bf16/f16 operands of one dtype, got {x_MxI.dtype} "
-            f"and {w_GxIxO.dtype}; cast them or use backend='triton'.")
+  if x_rowsxin.dtype != w_Cxinxout.dtype or jnp.dtype(x_rowsxin.dtype).name not in MOSAIC_DTYPES:
+    return (f"gmm backend 'mosaic_gpu' needs bf16/f16 operands of one dtype, got {x_rowsxin.dtype} "
+            f"and {w_Cxinxout.dtype}; cast them or use backend='triton'.")
   if tuning.block_m % WGMMA_ROWS:
     return (f"gmm backend 'mosaic_gpu': GmmTuning.block_m={tuning.block_m} is not a multiple of "
             f"{WGMMA_ROWS} (a Hopper wgmma's rows); use block_m={WGMMA_ROWS} or backend='triton'.")
-  n = w_GxIxO.shape[1] if transpose_rhs else w_GxIxO.shape[2]
-  for name, dim, tile in [("I", x_MxI.shape[1], tuning.block_k),
+  n = w_Cxinxout.shape[1] if transpose_rhs else w_Cxinxout.shape[2]
+  for name, dim, tile in [("I", x_rowsxin.shape[1], tuning.block_k),
                           ("O", n, tuning.block_n * tuning.grid_block_n)]:
     if dim % tile:
       return (f"gmm backend 'mosaic_gpu': {name}={dim} is not a multiple of {tile}; pad it or "
@@ -62,19 +63,21 @@ def unsupported(x_MxI, w_GxIxO, tuning, transpose_rhs=False) -> str | None:
   return None
 
 
-def ragged_dot(x_MxI, w_GxIxO, group_sizes_G, tuning, transpose_rhs=False):
+def ragged_dot(x_rowsxin, w_Cxinxout, group_sizes_C, tuning, transpose_rhs=False):
   from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-  tuning = fitted(tuning, w_GxIxO.shape[1] if transpose_rhs else w_GxIxO.shape[2])
-  if why := unsupported(x_MxI, w_GxIxO, tuning, transpose_rhs):
+  tuning = fitted(tuning, w_Cxinxout.shape[1] if transpose_rhs else w_Cxinxout.shape[2])
+  if why := unsupported(x_rowsxin, w_Cxinxout, tuning, transpose_rhs):
     raise ValueError(why)
-  m = x_MxI.shape[0]
-  x_PxI = jnp.pad(x_MxI, ((0, -m % ROW_ALIGN), (0, 0)))      # padded rows: past every group
+  m = x_rowsxin.shape[0]
+  padded_rowsxin = jnp.pad(x_rowsxin, ((0, -m % ROW_ALIGN), (0, 0)))   # padding: past every group
   out = ragged_dot_mgpu.ragged_dot(
-      x_PxI, w_GxIxO, group_sizes=group_sizes_G.astype(jnp.int32), block_m=tuning.block_m,
+      padded_rowsxin, w_Cxinxout, group_sizes=group_sizes_C.astype(jnp.int32),
+      block_m=tuning.block_m,
       block_n=tuning.block_n, block_k=tuning.block_k,
       max_concurrent_steps=tuning.max_concurrent_steps, grid_block_n=tuning.grid_block_n,
       transpose_rhs=transpose_rhs)
-  axes = frozenset().union(*(compat.varying_axes(a) for a in (x_MxI, w_GxIxO, group_sizes_G)))
+  axes = frozenset().union(*(compat.varying_axes(a)
+                             for a in (x_rowsxin, w_Cxinxout, group_sizes_C)))
   out = compat.mark_varying(out[:m], axes)
-  total = jnp.minimum(jnp.sum(jnp.maximum(group_sizes_G, 0)), m)
+  total = jnp.minimum(jnp.sum(jnp.maximum(group_sizes_C, 0)), m)
   return jnp.where(jnp.arange(m)[:, None] < total, out, jnp.zeros((), out.dtype))

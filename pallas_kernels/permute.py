@@ -1,6 +1,6 @@
 """Permute: gather token rows into expert/slot-contiguous order.
 
-    out[u] = x[token_U[u]]        (0 where token_U[u] is outside [0, T): empty rows)
+    out[u] = x[token_rows[u]]        (0 where token_rows[u] is outside [0, T): empty rows)
 
 A row of x may be copied to several output rows (one per top-k choice), so the backward pass
 is a scatter-add, done here as a gather by the inverse map `rows_TxK` (the output rows each
@@ -39,17 +39,17 @@ class PermuteTuning:
   backend: str = "auto"     # see pallas_kernels.backend
 
 
-def permute_reference(x_TxD: jax.Array, token_U: jax.Array) -> jax.Array:
-  ok = (token_U >= 0) & (token_U < x_TxD.shape[0])
-  rows = x_TxD[jnp.where(ok, token_U, 0)]
+def permute_reference(x_TxD: jax.Array, token_rows: jax.Array) -> jax.Array:
+  ok = (token_rows >= 0) & (token_rows < x_TxD.shape[0])
+  rows = x_TxD[jnp.where(ok, token_rows, 0)]
   return jnp.where(ok[:, None], rows, jnp.zeros((), x_TxD.dtype))
 
 
-def invert(token_U: jax.Array, num_tokens: int, max_copies: int) -> jax.Array:
+def invert(token_rows: jax.Array, num_tokens: int, max_copies: int) -> jax.Array:
   """rows_TxK for `permute`: the output rows holding each token, in row order, -1 padded.
   A token with more than `max_copies` rows loses the extra ones (and their gradient)."""
-  r = token_U.shape[0]
-  key = jnp.where((token_U >= 0) & (token_U < num_tokens), token_U, num_tokens)
+  r = token_rows.shape[0]
+  key = jnp.where((token_rows >= 0) & (token_rows < num_tokens), token_rows, num_tokens)
   order = jnp.argsort(key, stable=True)
   counts = jnp.zeros((num_tokens + 1,), jnp.int32).at[key].add(1)
   starts = jnp.cumsum(counts) - counts
@@ -59,11 +59,12 @@ def invert(token_U: jax.Array, num_tokens: int, max_copies: int) -> jax.Array:
   return out.at[key, rank].set(jnp.arange(r, dtype=jnp.int32), mode="drop")[:num_tokens]
 
 
-def _check(x_TxD, token_U, rows_TxK, tuning):
+def _check(x_TxD, token_rows, rows_TxK, tuning):
   if x_TxD.ndim != 2:
     raise ValueError(f"permute: x has shape {x_TxD.shape}; it must be [tokens, D].")
-  if token_U.ndim != 1 or not jnp.issubdtype(token_U.dtype, jnp.integer):
-    raise ValueError(f"permute: token_U is {token_U.dtype}{list(token_U.shape)}; it must be a "
+  if token_rows.ndim != 1 or not jnp.issubdtype(token_rows.dtype, jnp.integer):
+    raise ValueError(f"permute: token_rows is {token_rows.dtype}{list(token_rows.shape)}; it must "
+                     "be a "
                      "1-D integer array (one source token per output row).")
   if rows_TxK.ndim != 2 or rows_TxK.shape[0] != x_TxD.shape[0]:
     raise ValueError(f"permute: rows_TxK has shape {rows_TxK.shape}; it must be "
@@ -71,12 +72,12 @@ def _check(x_TxD, token_U, rows_TxK, tuning):
   backend_lib.check_pow2("PermuteTuning.block_rows", tuning.block_rows)
 
 
-def permute(x_TxD: jax.Array, token_U: jax.Array, rows_TxK: jax.Array,
+def permute(x_TxD: jax.Array, token_rows: jax.Array, rows_TxK: jax.Array,
             tuning: PermuteTuning = PermuteTuning()) -> jax.Array:
-  """[U, D] in x's dtype. `rows_TxK` must be the inverse of `token_U` (`invert` computes it);
+  """[rows, D] in x's dtype. `rows_TxK` must be the inverse of `token_rows` (`invert` computes it);
   it is used by the backward pass only."""
-  _check(x_TxD, token_U, rows_TxK, tuning)
-  return _permute(*backend_lib.match_varying(x_TxD, token_U.astype(jnp.int32),
+  _check(x_TxD, token_rows, rows_TxK, tuning)
+  return _permute(*backend_lib.match_varying(x_TxD, token_rows.astype(jnp.int32),
                                              rows_TxK.astype(jnp.int32)), tuning)
 
 
@@ -87,16 +88,16 @@ def _gather(src, idx, tuning, out_dtype):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _permute(x_TxD, token_U, rows_TxK, tuning):
-  return _gather(x_TxD, token_U[:, None], tuning, x_TxD.dtype)
+def _permute(x_TxD, token_rows, rows_TxK, tuning):
+  return _gather(x_TxD, token_rows[:, None], tuning, x_TxD.dtype)
 
 
-def _permute_fwd(x_TxD, token_U, rows_TxK, tuning):
-  return _permute(x_TxD, token_U, rows_TxK, tuning), rows_TxK
+def _permute_fwd(x_TxD, token_rows, rows_TxK, tuning):
+  return _permute(x_TxD, token_rows, rows_TxK, tuning), rows_TxK
 
 
-def _permute_bwd(tuning, rows_TxK, dout_UxD):   # dout has x's dtype
-  return _gather(dout_UxD, rows_TxK, tuning, dout_UxD.dtype), None, None
+def _permute_bwd(tuning, rows_TxK, dout_rowsxD):   # dout has x's dtype
+  return _gather(dout_rowsxD, rows_TxK, tuning, dout_rowsxD.dtype), None, None
 
 
 _permute.defvjp(_permute_fwd, _permute_bwd)

@@ -44,16 +44,16 @@ class CombineTuning:
   backend: str = "auto"     # see pallas_kernels.backend
 
 
-def unpermute_combine_reference(rows_UxD, row_TxK, gate_TxK, out_dtype=jnp.float32):
-  ok = (row_TxK >= 0) & (row_TxK < rows_UxD.shape[0])
-  picked = rows_UxD[jnp.where(ok, row_TxK, 0)].astype(jnp.float32)       # [T, K, D]
+def unpermute_combine_reference(buf_rowsxD, row_TxK, gate_TxK, out_dtype=jnp.float32):
+  ok = (row_TxK >= 0) & (row_TxK < buf_rowsxD.shape[0])
+  picked = buf_rowsxD[jnp.where(ok, row_TxK, 0)].astype(jnp.float32)       # [T, K, D]
   weights = jnp.where(ok, gate_TxK.astype(jnp.float32), 0.0)
   return jnp.einsum("tkd,tk->td", picked, weights).astype(out_dtype)
 
 
-def _check(rows_UxD, row_TxK, gate_TxK, tuning):
-  if rows_UxD.ndim != 2:
-    raise ValueError(f"unpermute_combine: rows has shape {rows_UxD.shape}; it must be [U, D].")
+def _check(buf_rowsxD, row_TxK, gate_TxK, tuning):
+  if buf_rowsxD.ndim != 2:
+    raise ValueError(f"unpermute_combine: rows has shape {buf_rowsxD.shape}; it must be [rows, D].")
   if row_TxK.ndim != 2 or not jnp.issubdtype(row_TxK.dtype, jnp.integer):
     raise ValueError(f"unpermute_combine: row_TxK is {row_TxK.dtype}{list(row_TxK.shape)}; it "
                      "must be a 2-D integer array [tokens, K].")
@@ -63,12 +63,12 @@ def _check(rows_UxD, row_TxK, gate_TxK, tuning):
   backend_lib.check_pow2("CombineTuning.block_rows", tuning.block_rows)
 
 
-def unpermute_combine(rows_UxD: jax.Array, row_TxK: jax.Array, gate_TxK: jax.Array,
+def unpermute_combine(buf_rowsxD: jax.Array, row_TxK: jax.Array, gate_TxK: jax.Array,
                       tuning: CombineTuning = CombineTuning(),
                       out_dtype=jnp.float32) -> jax.Array:
   """[T, D] in `out_dtype`, accumulated in float32."""
-  _check(rows_UxD, row_TxK, gate_TxK, tuning)
-  args = backend_lib.match_varying(rows_UxD, row_TxK.astype(jnp.int32), gate_TxK)
+  _check(buf_rowsxD, row_TxK, gate_TxK, tuning)
+  args = backend_lib.match_varying(buf_rowsxD, row_TxK.astype(jnp.int32), gate_TxK)
   return _combine(*args, tuning, jnp.dtype(out_dtype))
 
 
@@ -78,31 +78,32 @@ def _kw(tuning, d):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _combine(rows_UxD, row_TxK, gate_TxK, tuning, out_dtype):
-  return gather_sum(rows_UxD, row_TxK, gate_TxK, out_dtype=out_dtype,
-                    **_kw(tuning, rows_UxD.shape[1]))
+def _combine(buf_rowsxD, row_TxK, gate_TxK, tuning, out_dtype):
+  return gather_sum(buf_rowsxD, row_TxK, gate_TxK, out_dtype=out_dtype,
+                    **_kw(tuning, buf_rowsxD.shape[1]))
 
 
-def _combine_fwd(rows_UxD, row_TxK, gate_TxK, tuning, out_dtype):
-  return _combine(rows_UxD, row_TxK, gate_TxK, tuning, out_dtype), (rows_UxD, row_TxK, gate_TxK)
+def _combine_fwd(buf_rowsxD, row_TxK, gate_TxK, tuning, out_dtype):
+  return _combine(buf_rowsxD, row_TxK, gate_TxK, tuning, out_dtype), (buf_rowsxD, row_TxK, gate_TxK)
 
 
 def _combine_bwd(tuning, out_dtype, res, dy_TxD):
   del out_dtype
-  rows_UxD, row_TxK, gate_TxK = res
-  num_rows = rows_UxD.shape[0]
+  buf_rowsxD, row_TxK, gate_TxK = res
+  num_rows = buf_rowsxD.shape[0]
   top_k = row_TxK.shape[1]
   flat = row_TxK.reshape(-1)
   target = jnp.where((flat >= 0) & (flat < num_rows), flat, num_rows)
-  choice_U = jnp.full((num_rows,), -1, jnp.int32).at[target].set(
+  choice_rows = jnp.full((num_rows,), -1, jnp.int32).at[target].set(
       jnp.arange(flat.shape[0], dtype=jnp.int32), mode="drop")
-  used = choice_U >= 0
-  token_U = jnp.where(used, choice_U // top_k, -1)
-  w_U = jnp.where(used, gate_TxK.reshape(-1)[jnp.maximum(choice_U, 0)], 0.0)
-  kw = _kw(tuning, rows_UxD.shape[1])
-  d_rows = gather_sum(dy_TxD, token_U[:, None], w_U[:, None], out_dtype=rows_UxD.dtype, **kw)
-  d_gate = gather_dot(dy_TxD, rows_UxD, row_TxK, **dict(kw, block_d=backend_lib.pow2_tile(
-      rows_UxD.shape[1], min(tuning.block_d, tuning.dot_block_d))))
+  used = choice_rows >= 0
+  token_rows = jnp.where(used, choice_rows // top_k, -1)
+  w_rows = jnp.where(used, gate_TxK.reshape(-1)[jnp.maximum(choice_rows, 0)], 0.0)
+  kw = _kw(tuning, buf_rowsxD.shape[1])
+  d_rows = gather_sum(dy_TxD, token_rows[:, None], w_rows[:, None], out_dtype=buf_rowsxD.dtype,
+                      **kw)
+  d_gate = gather_dot(dy_TxD, buf_rowsxD, row_TxK, **dict(kw, block_d=backend_lib.pow2_tile(
+      buf_rowsxD.shape[1], min(tuning.block_d, tuning.dot_block_d))))
   return d_rows, None, d_gate.astype(gate_TxK.dtype)
 
 

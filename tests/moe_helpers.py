@@ -169,32 +169,32 @@ def fsep_loss_and_grad(shape, slots):
   return f, state.params, layout
 
 
-def pooled_keep(slot_A: np.ndarray, slots: int, cap_dev: int) -> np.ndarray:
+def pooled_keep(slot_TK: np.ndarray, slots: int, cap_dev: int) -> np.ndarray:
   """The pooled-capacity drop rule for one source, in numpy: its choices ordered by device,
-  slot, then token order; the first `cap_dev` to each device are kept. Bool [A]."""
-  slot_A = np.asarray(slot_A)
-  keep_A = np.zeros(slot_A.shape, bool)
+  slot, then token order; the first `cap_dev` to each device are kept. Bool [T*K]."""
+  slot_TK = np.asarray(slot_TK)
+  keep_TK = np.zeros(slot_TK.shape, bool)
   taken = {}
-  for a in np.argsort(slot_A, kind="stable"):
-    dev = int(slot_A[a]) // slots
+  for a in np.argsort(slot_TK, kind="stable"):
+    dev = int(slot_TK[a]) // slots
     taken[dev] = taken.get(dev, 0) + 1
-    keep_A[a] = taken[dev] <= cap_dev
-  return keep_A
+    keep_TK[a] = taken[dev] <= cap_dev
+  return keep_TK
 
 
-def ragged_keep(slot_WxA: np.ndarray, slots: int, rows: int) -> np.ndarray:
+def ragged_keep(slot_WxTK: np.ndarray, slots: int, rows: int) -> np.ndarray:
   """The bounded ragged buffer's drop rule in numpy, for the sources of one data row in
   order: each destination's `rows` fill source by source, a source's choices slot by slot in
-  token order. Bool [W, A]."""
-  slot_WxA = np.asarray(slot_WxA)
-  keep_WxA = np.zeros(slot_WxA.shape, bool)
+  token order. Bool [W, T*K]."""
+  slot_WxTK = np.asarray(slot_WxTK)
+  keep_WxTK = np.zeros(slot_WxTK.shape, bool)
   filled = {}
-  for w, slot_A in enumerate(slot_WxA):
-    for a in np.argsort(slot_A, kind="stable"):
-      dev = int(slot_A[a]) // slots
-      keep_WxA[w, a] = filled.get(dev, 0) < rows
-      filled[dev] = filled.get(dev, 0) + keep_WxA[w, a]
-  return keep_WxA
+  for w, slot_TK in enumerate(slot_WxTK):
+    for a in np.argsort(slot_TK, kind="stable"):
+      dev = int(slot_TK[a]) // slots
+      keep_WxTK[w, a] = filled.get(dev, 0) < rows
+      filled[dev] = filled.get(dev, 0) + keep_WxTK[w, a]
+  return keep_WxTK
 
 
 def stage_setup(model_cfg, moe_cfg, shape, stages=1):

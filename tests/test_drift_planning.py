@@ -83,7 +83,7 @@ def test_spread_plans_use_the_window_and_mean_plans_ignore_it(drift):
   def plan(plan_for, samples):
     return fsep.place_replicas(pred, static, slots=8, src_dev_W=src, num_devices=8,
                                options=fsep.FsepOptions(plan_for=plan_for),
-                               samples_ZxWxE=samples)
+                               samples_stepsxWxE=samples)
 
   a, b = plan("mean", drift[10:20, 0]), plan("mean", None)
   np.testing.assert_array_equal(a.slot_expert, b.slot_expert)
@@ -127,7 +127,7 @@ def test_replanner_switches_when_only_the_kept_parts_change():
 
 def test_recent_center_ignores_one_spiking_step_and_keeps_the_source_split():
   rng = np.random.default_rng(0)
-  win = rng.integers(50, 150, (10, 4, 6)).astype(float)           # [Z, W, E]
+  win = rng.integers(50, 150, (10, 4, 6)).astype(float)           # [steps, W, E]
   win[-1, :, 2] *= 5                                                # one heavy-tailed step
   pred = win.mean(0)
   got = recent_center(pred, win, 5)
@@ -146,7 +146,7 @@ def test_center_option_is_checked_and_mean_keeps_the_window_mean(drift):
 
   def plan(**kw):
     return fsep.place_replicas(pred, placement_lib.static(32, 8), slots=8, src_dev_W=src,
-                               num_devices=8, samples_ZxWxE=win,
+                               num_devices=8, samples_stepsxWxE=win,
                                options=fsep.FsepOptions(**kw))
 
   with pytest.raises(ConfigError, match="center='mode'"):

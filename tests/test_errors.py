@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -267,3 +268,120 @@ def test_plan_that_fits_nothing_prints_why_and_the_smallest_changes(capsys):
                         "--gin_bindings=data.global_batch_size = 256"]) == 0
   assert plan_cli.main([*gin, "--devices", "256"]) == 0
   assert "pool: " in capsys.readouterr().out
+
+
+# --- what real users type -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("binding,needle", [
+    ("data.global_batch_size = -16", "data.global_batch_size=-16 must be >= 1; use e.g. "
+     "data.global_batch_size = 16."),
+    ("data.seq_len = 0", "data.seq_len=0 must be >= 1"),
+    ("data.seq_len = -3", "data.seq_len=-3 must be >= 1"),
+    ("optim.learning_rate = -1.0", "optim.learning_rate=-1.0 must be > 0; use e.g."),
+    ("optim.b2 = 1.0", "optim.b2=1.0 must be in [0, 1)"),
+    ("optim.decay_steps = -5", "optim.decay_steps=-5 must be >= 0"),
+    ("mesh.host_device_count = 0", "mesh.host_device_count=0 must be >= 1"),
+    ("moe.expert_mode = fsep", "moe.expert_mode = fsep: gin cannot read the bare word fsep; a "
+     "string needs quotes: moe.expert_mode = 'fsep'."),
+])
+def test_bad_values_name_the_knob_and_the_fix(binding, needle):
+  with pytest.raises(ConfigError) as e:
+    train.parse_config([], [binding])
+  assert_one_line(e, needle)
+
+
+def test_a_mesh_that_cannot_fill_the_devices_names_the_device_count_knob():
+  with pytest.raises(ConfigError) as e:
+    MeshConfig(data=-1, expert=3).resolve(8)
+  assert_one_line(e, "cannot fill 8 devices", "mesh.host_device_count")
+
+
+def _cli(*args, cwd=REPO_ROOT) -> subprocess.CompletedProcess:
+  env = dict(os.environ, PYTHONPATH=REPO_ROOT, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
+                        timeout=300, env=env)
+
+
+def _one_error_line(proc, needle: str) -> None:
+  assert proc.returncode == 2, (proc.stdout, proc.stderr)
+  lines = [line for line in proc.stderr.splitlines() if line.strip()]
+  assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
+
+
+def test_the_tools_say_what_is_wrong_in_one_line(tmp_path):
+  np.savez(tmp_path / "empty.npz", counts=np.zeros((0, 2, 8, 8), np.int64))
+  _one_error_line(_cli("-m", "moejax.replay", str(tmp_path / "empty.npz"), "--devices", "4",
+                       "--slots", "2"), "holds 0 steps")
+  _one_error_line(_cli("-m", "moejax.launch", "-n", "2", "--", "nonexistent_cmd"),
+                  "command 'nonexistent_cmd' not found")
+  _one_error_line(_cli("-m", "moejax.launch", "--bogus"), "unrecognized arguments: --bogus")
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "metrics.jsonl").write_text("")
+  _one_error_line(_cli("-m", "moejax.report", str(run)), "holds no step records")
+  assert os.listdir(run) == ["metrics.jsonl"]   # no empty plots/
+  (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "loss": 5.0}) + "\n")
+  _one_error_line(_cli("-m", "moejax.report", str(run), "--replay", "notjson"),
+                  "--replay notjson: not a readable JSON file")
+  assert os.listdir(run) == ["metrics.jsonl"]
+
+
+@pytest.mark.parametrize("binding,needle", [
+    ("mesh.expert = 3", "cannot fill 8 devices"),
+    ("moe.num_experts = 6", "moe.num_experts=6 is not divisible"),
+])
+def test_a_mesh_error_leaves_no_run_dir_and_no_traceback(tmp_path, binding, needle):
+  """orbax's start-up thread (clearing a killed save's temporary files) is waited for before
+  exit: an error right after start-up once ended in a traceback from it."""
+  run = tmp_path / "run"
+  proc = _cli("train.py", f"--gin_bindings={binding}", f"--gin_bindings=train.run_dir = '{run}'")
+  _one_error_line(proc, needle)
+  assert not run.exists()
+
+
+def test_the_checkpointer_leaves_no_thread_behind(tmp_path):
+  import threading
+
+  from moejax.train.checkpoint import Checkpointer
+
+  def orbax_futures():   # the threads of orbax's futures run `_target_setting_result`
+    return [t for t in threading.enumerate() if "_target_setting_result" in t.name]
+
+  assert orbax_futures() == []
+  ckpt = Checkpointer(str(tmp_path), CheckpointConfig())
+  assert orbax_futures() == []
+  ckpt.close()
+  assert not os.path.exists(tmp_path / "checkpoints")   # nothing written: not left behind
+
+
+# --- data errors leave nothing behind -----------------------------------------------------------
+
+def _data_cases(tmp_path):
+  empty = tmp_path / "empty.bin"
+  empty.write_bytes(b"")
+  short = tmp_path / "short.txt"
+  short.write_text("too short")
+  floats = tmp_path / "floats.npy"
+  np.save(floats, np.zeros(1000, np.float32))
+  return [(f"data.path = '{tmp_path / 'missing.txt'}'", "does not exist"),
+          (f"data.path = '{empty}'", "has 0 tokens"),
+          (f"data.path = '{short}'", "too few for train and validation"),
+          (f"data.path = '{floats}'", "float32 array"),
+          (f"data.path = '{token_file(tmp_path)}'", "model.vocab_size=16")]
+
+
+def test_data_errors_leave_no_lock_and_no_empty_dirs(tmp_path, monkeypatch, capsys):
+  """In a fresh run dir nothing is left; in a run dir of earlier runs, no lock."""
+  existing = tmp_path / "existing"
+  existing.mkdir()
+  (existing / "notes.txt").write_text("mine")
+  for binding, needle in _data_cases(tmp_path):
+    for run in (tmp_path / "fresh", existing):
+      rc = train.main([f"--gin_bindings={binding}", "--gin_bindings=model.vocab_size = 16",
+                       f"--gin_bindings=train.run_dir = '{run}'"]
+                      if "tokens_" in binding else
+                      [f"--gin_bindings={binding}", f"--gin_bindings=train.run_dir = '{run}'"])
+      err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+      assert rc == 2 and len(err) == 1 and needle in err[0], (binding, err)
+      assert not (tmp_path / "fresh").exists(), binding
+      assert os.listdir(existing) == ["notes.txt"], (binding, os.listdir(existing))

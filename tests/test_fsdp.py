@@ -72,7 +72,7 @@ def test_fsdp_on_and_off_give_the_same_step():
   assert on_hlo.count("all-gather") > off_hlo.count("all-gather"), "no FSDP all-gathers"
   assert_close(on_loss, off_loss, LOSS_LEN, err_msg="loss")
   assert_trees_close(jax.device_get(on_grads), jax.device_get(off_grads), GRAD_LEN)
-  wq = on_state.params["layers"]["attn_0"]["wq"]          # [layers, D, H, J]
+  wq = on_state.params["layers"]["attn_0"]["wq"]          # [layers, D, heads, hdim]
   assert wq.sharding.spec[1] == "data", wq.sharding.spec
   assert on_grads["layers"]["attn_0"]["wq"].sharding.spec[1] == "data"
   mu = on_state.opt_state[1][0].mu["layers"]["attn_0"]["wq"]

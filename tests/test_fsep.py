@@ -46,12 +46,12 @@ def _scaled_floor(cum_parts, total):
   return cum_parts * q + (cum_parts * r) // SHARE_PARTS
 
 
-def local_first_slots(expert_A: jax.Array, counts_NxE: jax.Array, device: jax.Array,
+def local_first_slots(expert_TK: jax.Array, counts_NxE: jax.Array, device: jax.Array,
                       expert_slots_ExR: jax.Array, expert_parts_ExR: jax.Array,
                       slots_per_device: int) -> jax.Array:
   """The local-first rule on device, a reference for the host's `placement.route`.
 
-  Slot for each of this device's choices `expert_A`; `device` is its index in the group.
+  Slot for each of this device's choices `expert_TK`; `device` is its index in the group.
   Deterministic and identical on every device, from the all-gathered [N, E] counts:
     1. replica r of expert e serves a quota of e's tokens: with cumulative share parts P_r
        (replicas in slot order), floor(P_r * T_e / 1024) - floor(P_{r-1} * T_e / 1024);
@@ -77,13 +77,13 @@ def local_first_slots(expert_A: jax.Array, counts_NxE: jax.Array, device: jax.Ar
   bounds_ExR = jnp.cumsum(quota_ExR - taken_ExR, axis=1)
   local_slot_E = jnp.max(jnp.where(dev_ExR == device, expert_slots_ExR, -1), axis=1)
 
-  rank_A = rank_within_expert(expert_A, num_experts)
-  take_A = local_take_NxE[device, expert_A]
-  pos_A = offset_NxE[device, expert_A] + rank_A - take_A
-  r_A = jnp.sum(bounds_ExR[expert_A] <= pos_A[:, None], axis=1)
-  r_A = jnp.minimum(r_A, jnp.sum(valid, axis=1)[expert_A] - 1)
-  remote_A = jnp.take_along_axis(expert_slots_ExR[expert_A], r_A[:, None], axis=1)[:, 0]
-  return jnp.where(rank_A < take_A, local_slot_E[expert_A], remote_A).astype(jnp.int32)
+  rank_TK = rank_within_expert(expert_TK, num_experts)
+  take_TK = local_take_NxE[device, expert_TK]
+  pos_TK = offset_NxE[device, expert_TK] + rank_TK - take_TK
+  r_TK = jnp.sum(bounds_ExR[expert_TK] <= pos_TK[:, None], axis=1)
+  r_TK = jnp.minimum(r_TK, jnp.sum(valid, axis=1)[expert_TK] - 1)
+  remote_TK = jnp.take_along_axis(expert_slots_ExR[expert_TK], r_TK[:, None], axis=1)[:, 0]
+  return jnp.where(rank_TK < take_TK, local_slot_E[expert_TK], remote_TK).astype(jnp.int32)
 
 
 def _reference_objective(p, x):
@@ -153,19 +153,19 @@ def test_fsep_relayout_compiles_once():
 
 
 def _route_on_devices(pick, seed, n=8, slots=2, choices=40):
-  """Random replicated placement and per-device expert choices; runs `pick(expert_A,
-  expert_slots, expert_parts)` on each of n devices. Returns (placement, expert_NxA, slot_NxA)."""
+  """Random replicated placement and per-device expert choices; runs `pick(expert_TK,
+  expert_slots, expert_parts)` on each of n devices. Returns (placement, expert_NxTK, slot_NxTK)."""
   mesh = mesh_of_shape((1, n, 1))
   rng = np.random.default_rng(seed)
   placement = random_placement(rng, n, slots)
   layout = from_placements([placement], E, n)
-  expert_NxA = rng.choice(E, size=(n, choices), p=rng.dirichlet(np.full(E, 0.5)))
+  expert_NxTK = rng.choice(E, size=(n, choices), p=rng.dirichlet(np.full(E, 0.5)))
   fn = jax.jit(jax.shard_map(lambda a, s, p: pick(a[0], s, p)[None], mesh=mesh,
                              in_specs=(P("expert"), P(), P()), out_specs=P("expert")))
-  slot_NxA = np.asarray(fn(jnp.asarray(expert_NxA, jnp.int32), layout.expert_slots_LxExR[0],
+  slot_NxTK = np.asarray(fn(jnp.asarray(expert_NxTK, jnp.int32), layout.expert_slots_LxExR[0],
                            layout.expert_parts_LxExR[0]))
-  assert np.all(placement.slot_expert[slot_NxA] == expert_NxA), "a choice left its expert"
-  return placement, expert_NxA, slot_NxA
+  assert np.all(placement.slot_expert[slot_NxTK] == expert_NxTK), "a choice left its expert"
+  return placement, expert_NxTK, slot_NxTK
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -173,18 +173,18 @@ def test_in_graph_replica_routing_equals_host_routing(seed):
   """local_first_slots (device) and placement.route (host) agree slot by slot."""
   n, slots = 8, 2
 
-  def pick(expert_A, expert_slots, expert_parts):
-    counts_E = jnp.zeros((E,), jnp.int32).at[expert_A].add(1)
+  def pick(expert_TK, expert_slots, expert_parts):
+    counts_E = jnp.zeros((E,), jnp.int32).at[expert_TK].add(1)
     counts_NxE = jax.lax.all_gather(counts_E, "expert")
-    return local_first_slots(expert_A, counts_NxE, jax.lax.axis_index("expert"), expert_slots,
+    return local_first_slots(expert_TK, counts_NxE, jax.lax.axis_index("expert"), expert_slots,
                         expert_parts, slots)
 
-  placement, expert_NxA, slot_NxA = _route_on_devices(pick, seed, n, slots)
-  counts_WxE = np.stack([np.bincount(row, minlength=E) for row in expert_NxA])
+  placement, expert_NxTK, slot_NxTK = _route_on_devices(pick, seed, n, slots)
+  counts_WxE = np.stack([np.bincount(row, minlength=E) for row in expert_NxTK])
   slot_load, sent_WxN = placement_lib.route(placement, counts_WxE, np.arange(n))
-  got_load = np.bincount(slot_NxA.reshape(-1), minlength=n * slots)
+  got_load = np.bincount(slot_NxTK.reshape(-1), minlength=n * slots)
   np.testing.assert_array_equal(got_load, slot_load)
-  got_sent = np.stack([np.bincount(row // slots, minlength=n) for row in slot_NxA])
+  got_sent = np.stack([np.bincount(row // slots, minlength=n) for row in slot_NxTK])
   np.testing.assert_array_equal(got_sent, sent_WxN)
 
 
@@ -207,13 +207,13 @@ def test_in_graph_proportional_split_matches_host(seed):
   from moejax.model.moe.replicas import split_slots
   n, slots = 8, 2
 
-  def pick(expert_A, expert_slots, expert_parts):
+  def pick(expert_TK, expert_slots, expert_parts):
     phase = jax.lax.axis_index("expert") * SHARE_PARTS // n
-    return split_slots(expert_A, expert_slots, expert_parts, phase)
+    return split_slots(expert_TK, expert_slots, expert_parts, phase)
 
-  placement, expert_NxA, slot_NxA = _route_on_devices(pick, seed, n, slots)
-  counts_WxE = np.stack([np.bincount(row, minlength=E) for row in expert_NxA])
-  got = np.stack([np.bincount(row, minlength=n * slots) for row in slot_NxA])
+  placement, expert_NxTK, slot_NxTK = _route_on_devices(pick, seed, n, slots)
+  counts_WxE = np.stack([np.bincount(row, minlength=E) for row in expert_NxTK])
+  got = np.stack([np.bincount(row, minlength=n * slots) for row in slot_NxTK])
   np.testing.assert_array_equal(got, placement_lib.split_loads(placement, counts_WxE))
 
 

@@ -130,15 +130,15 @@ def test_in_graph_adaptive_split_matches_host_bit_for_bit(seed):
   rng = np.random.default_rng(seed)
   p = random_placement(rng, n, slots)
   layout = from_placements([p], E, n)
-  expert_NxA = rng.choice(E, size=(n, 60), p=rng.dirichlet(np.full(E, 0.5)))
+  expert_NxTK = rng.choice(E, size=(n, 60), p=rng.dirichlet(np.full(E, 0.5)))
   fn = jax.jit(jax.shard_map(
       lambda a, s, q: adaptive_slots(a[0], s, q, "expert", slots, cap)[None],
       mesh=mesh_of_shape((1, n, 1)), in_specs=(P("expert"), P(), P()), out_specs=P("expert")))
-  slot_NxA = np.asarray(fn(jnp.asarray(expert_NxA, jnp.int32), layout.expert_slots_LxExR[0],
+  slot_NxTK = np.asarray(fn(jnp.asarray(expert_NxTK, jnp.int32), layout.expert_slots_LxExR[0],
                            layout.expert_parts_LxExR[0]))
-  assert np.all(p.slot_expert[slot_NxA] == expert_NxA), "a choice left its expert"
-  got = np.stack([np.bincount(row, minlength=n * slots) for row in slot_NxA])
-  counts_NxE = np.stack([np.bincount(row, minlength=E) for row in expert_NxA])
+  assert np.all(p.slot_expert[slot_NxTK] == expert_NxTK), "a choice left its expert"
+  got = np.stack([np.bincount(row, minlength=n * slots) for row in slot_NxTK])
+  counts_NxE = np.stack([np.bincount(row, minlength=E) for row in expert_NxTK])
   np.testing.assert_array_equal(got, adaptive.split_adaptive(p, counts_NxE, cap))
 
 

@@ -27,31 +27,31 @@ def _snapped_case(n=512, e=64, rounds=8, seed=3):
 
 
 def test_deal_loads_are_the_even_device_loads():
-  load_E, r_YxE, _ = _snapped_case()
-  grid, even_YxN = fsep_deal.deal(r_YxE, load_E, 512, 8)
-  np.testing.assert_array_equal(np.bincount(grid.ravel(), minlength=len(load_E)), r_YxE[0])
+  load_E, r_candsxE, _ = _snapped_case()
+  grid, even_candsxN = fsep_deal.deal(r_candsxE, load_E, 512, 8)
+  np.testing.assert_array_equal(np.bincount(grid.ravel(), minlength=len(load_E)), r_candsxE[0])
   per_device = np.sort(grid[0], axis=1)                   # at most one replica per device
   assert not (per_device[:, 1:] == per_device[:, :-1]).any()
-  even_share = (1.0 / r_YxE[0])[grid]
-  np.testing.assert_allclose(even_YxN, fsep_score.device_load(grid, even_share, load_E),
+  even_share = (1.0 / r_candsxE[0])[grid]
+  np.testing.assert_allclose(even_candsxN, fsep_score.device_load(grid, even_share, load_E),
                              rtol=1e-12)
 
 
 def test_levelled_by_products_match_a_second_pass():
   """The frozen loads from the deal's loads (less the others' even loads) and the busiest
   device levelled reports equal a sum over every replica, up to rounding."""
-  load_E, r_YxE, coarse_YxE = _snapped_case()
-  grid, even_YxN = fsep_deal.deal(r_YxE, load_E, 512, 8)
-  fast = fsep_shares.levelled(grid, r_YxE, load_E, 3, coarse_YxE, even_YxN=even_YxN)
-  plain = fsep_shares.levelled(grid, r_YxE, load_E, 3, coarse_YxE)
+  load_E, r_candsxE, coarse_candsxE = _snapped_case()
+  grid, even_candsxN = fsep_deal.deal(r_candsxE, load_E, 512, 8)
+  fast = fsep_shares.levelled(grid, r_candsxE, load_E, 3, coarse_candsxE, even_candsxN=even_candsxN)
+  plain = fsep_shares.levelled(grid, r_candsxE, load_E, 3, coarse_candsxE)
   mean = load_E.sum() / 512
-  np.testing.assert_allclose(fast.fixed_YxN, plain.fixed_YxN, rtol=0, atol=1e-9 * mean)
+  np.testing.assert_allclose(fast.fixed_candsxN, plain.fixed_candsxN, rtol=0, atol=1e-9 * mean)
   np.testing.assert_array_equal(fast.live, plain.live)
   np.testing.assert_allclose(fast.share, plain.share, rtol=1e-9)
   peak = fsep_score.device_load(grid, fast.share, load_E).max(1)
-  np.testing.assert_allclose(fast.peak_Y, peak, rtol=1e-12)
-  frozen = coarse_YxE[0][grid[0]]                      # frozen replicas keep 1/r_e exactly
-  np.testing.assert_array_equal(fast.share[0][frozen], (1.0 / r_YxE[0])[grid[0]][frozen])
+  np.testing.assert_allclose(fast.peak_cands, peak, rtol=1e-12)
+  frozen = coarse_candsxE[0][grid[0]]                      # frozen replicas keep 1/r_e exactly
+  np.testing.assert_array_equal(fast.share[0][frozen], (1.0 / r_candsxE[0])[grid[0]][frozen])
 
 
 def test_packed_order_is_expert_then_key_then_tie_rank():

@@ -331,7 +331,7 @@ def test_fsep_beats_static_and_smartmoe_on_committed_traces(trace):
   for t in range(10, len(counts), 10):
     win = counts[t - 10:t, 0]
     p = fsep.place_replicas(win.mean(0), placement_lib.static(32, 8), slots=8, src_dev_W=src,
-                            num_devices=8, samples_ZxWxE=win)
+                            num_devices=8, samples_stepsxWxE=win)
     target = np.rint(recent_center(win.mean(0), win, 5)).astype(np.int64)
     planned.append(max_over_mean(flow(p, target, src).device_load_N))
   assert np.median(planned) <= 1.01, planned
@@ -353,6 +353,6 @@ def test_fsep_on_skewed_stays_near_the_noise_floor(n):
 @pytest.mark.xfail(strict=True, reason="the target is below this trace's noise floor for any "
                    "layout planned from finished steps")
 @pytest.mark.parametrize("n", [8, 16])
-def test_fsep_meets_the_issue_target_on_skewed(n):
+def test_fsep_reaches_1_05_median_1_10_p90_on_skewed(n):
   r = _replay("synthetic_skewed", n, "fsep")
   assert r["median"] <= 1.05 and r["p90"] <= 1.10, (n, r["median"], r["p90"])

@@ -34,14 +34,14 @@ def test_deal_bound_never_exceeds_the_score(seed):
     dev_NxE = rng.lognormal(0, 1.5, (n, e)) * 40
     dev_NxE[:, rng.random(e) < 0.1] = 0.0                         # some experts get nothing
     load_E = dev_NxE.sum(0)
-    r_YxE, m_YxE = _candidates(load_E, n, rounds)
+    r_candsxE, m_candsxE = _candidates(load_E, n, rounds)
     window = None if rng.random() < 0.5 else load_E * rng.lognormal(0, 0.3, (5, e))
     if window is not None:
       window *= load_E.sum() / window.sum(1, keepdims=True)
     total_N = dev_NxE.sum(1)
-    peak_lo, sent_lo = fsep._deal_bound(r_YxE, m_YxE, load_E, window, dev_NxE, total_N, n,
+    peak_lo, sent_lo = fsep._deal_bound(r_candsxE, m_candsxE, load_E, window, dev_NxE, total_N, n,
                                         rounds)
-    _, share, peak, sent = fsep._peaks(r_YxE, m_YxE, load_E=load_E, load_ZxE=window,
+    _, share, peak, sent = fsep._peaks(r_candsxE, m_candsxE, load_E=load_E, load_stepsxE=window,
                                        dev_NxE=dev_NxE, total_N=total_N, n=n, rounds=rounds,
                                        iters=3)
     assert np.all(peak_lo <= peak * (1 + 1e-9)), (peak_lo, peak)

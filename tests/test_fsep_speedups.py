@@ -32,15 +32,15 @@ def _top_values_ref(load_E, first_k, cap, take):
   return chosen.reshape(len(load_E), -1).sum(1)
 
 
-def _deal_ref(r_YxE, load_E, n, rounds):
-  r_YxE = np.atleast_2d(r_YxE)
-  k, num_experts = r_YxE.shape
-  per_YxE = load_E[None, :] / r_YxE
+def _deal_ref(r_candsxE, load_E, n, rounds):
+  r_candsxE = np.atleast_2d(r_candsxE)
+  k, num_experts = r_candsxE.shape
+  per_candsxE = load_E[None, :] / r_candsxE
   reps = np.empty((k, rounds, n), np.int64)
   for i in range(k):
-    order = np.lexsort((np.arange(num_experts), -per_YxE[i]))
-    reps[i] = np.repeat(order, r_YxE[i][order]).reshape(rounds, n)
-  per = per_YxE.ravel().take(reps + (np.arange(k) * num_experts)[:, None, None])
+    order = np.lexsort((np.arange(num_experts), -per_candsxE[i]))
+    reps[i] = np.repeat(order, r_candsxE[i][order]).reshape(rounds, n)
+  per = per_candsxE.ravel().take(reps + (np.arange(k) * num_experts)[:, None, None])
   if n >= fsep_deal.LARGE_MESH:                  # any bound above every device load will do
     last = 2.0 * float(load_E.sum()) + 1.0
     top = 2.0 * last
@@ -68,24 +68,24 @@ def _deal_ref(r_YxE, load_E, n, rounds):
   return grid.reshape(k, n, rounds), load_dev
 
 
-def _deal_bound_ref(r_YxE, coarse_YxE, load_E, load_ZxE, dev_NxE, total_N, n, rounds):
-  loads = load_E[None] if load_ZxE is None else load_ZxE
-  k, num_experts = r_YxE.shape
+def _deal_bound_ref(r_candsxE, coarse_candsxE, load_E, load_stepsxE, dev_NxE, total_N, n, rounds):
+  loads = load_E[None] if load_stepsxE is None else load_stepsxE
+  k, num_experts = r_candsxE.shape
   peak, sent = np.empty(k), np.empty(k)
   d = int(np.argmax(total_N))
   for y in range(k):
-    r_E = r_YxE[y]
+    r_E = r_candsxE[y]
     order = np.lexsort((np.arange(num_experts), -(load_E / r_E)))
     ends = np.cumsum(r_E[order])
     first_round, last_round = (ends - r_E[order]) // n, (ends - 1) // n
-    fixed_ZxE = np.where(coarse_YxE[y], loads / r_E, 0.0)[:, order]
+    fixed_stepsxE = np.where(coarse_candsxE[y], loads / r_E, 0.0)[:, order]
     lo, hi = np.empty((len(loads), rounds)), np.empty((len(loads), rounds))
     for j in range(rounds):
-      inside = fixed_ZxE[:, (first_round <= j) & (last_round >= j)]
+      inside = fixed_stepsxE[:, (first_round <= j) & (last_round >= j)]
       lo[:, j], hi[:, j] = inside.min(1), inside.max(1)
     best = (hi + lo.sum(1, keepdims=True) - lo).max(1)
     peak[y] = np.maximum(best, loads.sum(1) / n).mean()
-    keep = dev_NxE[d] * np.where(coarse_YxE[y], 1.0 / r_E, 1.0)
+    keep = dev_NxE[d] * np.where(coarse_candsxE[y], 1.0 / r_E, 1.0)
     sent[y] = total_N[d] - np.sort(keep)[-rounds:].sum()
   return peak, sent
 
@@ -101,8 +101,8 @@ def _order_ref(e_sel, key):
                      ((key - float(key.min())) * scale).astype(np.int64), e_sel))
 
 
-def _quantise_ref(grid, share, load_E, groups=8, base_YxN=None, whole_YxE=None, live=None,
-                  fixed_YxN=None):
+def _quantise_ref(grid, share, load_E, groups=8, base_candsxN=None, whole_candsxE=None, live=None,
+                  fixed_candsxN=None):
   del live                                # the reference counts and rounds every replica
   k, n, rounds = grid.shape
   num_experts = len(load_E)
@@ -112,17 +112,17 @@ def _quantise_ref(grid, share, load_E, groups=8, base_YxN=None, whole_YxE=None, 
   short = SHARE_PARTS - np.bincount(gflat, weights=parts, minlength=k * num_experts)
   unit = load_E / SHARE_PARTS
   unit_flat = unit.take(grid.ravel())
-  if fixed_YxN is not None and whole_YxE is not None:   # whole replicas' loads as given
-    other = np.flatnonzero(~np.atleast_2d(whole_YxE).ravel()[gflat])
-    dev_load = fixed_YxN.ravel() + np.bincount(other // rounds, weights=(parts * unit_flat)[other],
-                                               minlength=k * n)
+  if fixed_candsxN is not None and whole_candsxE is not None:   # whole replicas' loads as given
+    other = np.flatnonzero(~np.atleast_2d(whole_candsxE).ravel()[gflat])
+    dev_load = fixed_candsxN.ravel() + np.bincount(
+        other // rounds, weights=(parts * unit_flat)[other], minlength=k * n)
   else:
     dev_load = np.einsum("ir,ir->i", parts.reshape(k * n, rounds),
                          unit_flat.reshape(k * n, rounds))
   mean = np.full(k * n, load_E.sum() / n)
-  if base_YxN is not None:
-    dev_load += base_YxN.ravel()
-    mean += np.repeat(base_YxN.sum(1) / n, n)
+  if base_candsxN is not None:
+    dev_load += base_candsxN.ravel()
+    mean += np.repeat(base_candsxN.sum(1) / n, n)
   open_ = np.flatnonzero(short.take(gflat) > 0.5)
   if len(open_) == 0:
     return (parts / SHARE_PARTS).reshape(share.shape)
@@ -199,7 +199,7 @@ def test_planner_equals_its_reference_helpers(n, e, c, kind, window, opts, monke
   def plan():
     return fsep.place_replicas(pred, current, slots=c, src_dev_W=np.arange(n), cost=CostModel(),
                                num_devices=n, options=fsep.FsepOptions(**opts),
-                               samples_ZxWxE=samples)
+                               samples_stepsxWxE=samples)
 
   fast = plan()
   for name, ref in (("_top_values", _top_values_ref), ("deal", _deal_ref),

@@ -179,8 +179,8 @@ def _collectives(module) -> list[tuple[str, str, str]]:
 
 
 def _groups(attr: str, mesh) -> set[frozenset[int]]:
-  """Device groups of a collective: a dense list (jax 0.10), or mesh axes (jax 0.11: the
-  devices that differ only along those axes)."""
+  """Device groups of a collective: a dense list, or mesh axes (the devices that differ only
+  along those axes), the two forms the releases in pallas_kernels.compat print."""
   if inner := re.search(r"dense<(\[\[.*?\]\])>", attr):
     return {frozenset(g) for g in json.loads(inner.group(1))}
   axes = re.findall(r'axis_ref<name = "(\w+)"', attr)

@@ -131,9 +131,9 @@ def test_ragged_path_lowers_for_cuda():
   t, d, f, slots = 32, 64, 64, 2
   ROWS = ragged.buffer_rows(t, 2, 4, 2.0)        # noqa: N806  (a shape, named like one)
 
-  def local(x_TxD, slot_A, gate_TxK, w_gate, w_up, w_down):
+  def local(x_TxD, slot_TK, gate_TxK, w_gate, w_up, w_down):
     def loss(x, gate, *w):
-      y = ragged.ragged_moe(x, slot_A, gate, w, ops, 4, slots, jnp.bfloat16, ROWS)[0]
+      y = ragged.ragged_moe(x, slot_TK, gate, w, ops, 4, slots, jnp.bfloat16, ROWS)[0]
       return jnp.sum(y ** 2)
     gx, gg, *gw = jax.grad(loss, argnums=(0, 1, 2, 3, 4))(x_TxD, gate_TxK, w_gate, w_up, w_down)
     return gx, gg, *(jax.lax.psum(g, "data") for g in gw)

@@ -84,17 +84,17 @@ def test_distributed_plan_reads_explicit_env_and_clusters():
 
 def test_launcher_env_exit_codes_and_usage(capsys):
   from moejax import launch as launch_cli
-  from moejax.runtime import launch
+  from moejax.runtime import processes
 
-  env = launch.child_env({"XLA_FLAGS": "--xla_foo=1 --xla_force_host_platform_device_count=8"},
+  env = processes.child_env({"XLA_FLAGS": "--xla_foo=1 --xla_force_host_platform_device_count=8"},
                          1, 2, 4321, devices_per_process=4)
   assert env["JAX_COORDINATOR_ADDRESS"] == "127.0.0.1:4321"
   assert (env["JAX_NUM_PROCESSES"], env["JAX_PROCESS_ID"], env["JAX_PLATFORMS"]) == (
       "2", "1", "cpu")
   assert env["XLA_FLAGS"] == "--xla_foo=1 --xla_force_host_platform_device_count=4"
-  assert launch.exit_code(-9) == 137 and launch.exit_code(3) == 3
+  assert processes.exit_code(-9) == 137 and processes.exit_code(3) == 3
   # A failing child fails the launch, and its siblings are not left running.
-  code = launch.launch([sys.executable, "-c",
+  code = processes.launch([sys.executable, "-c",
                         "import os, time; pid = int(os.environ['JAX_PROCESS_ID']);"
                         "time.sleep(60) if pid == 0 else exit(5)"], processes=2)
   assert code == 5

@@ -93,22 +93,22 @@ PERMUTE_CASES = [pytest.param(11, 16, 30, 3, 8, marks=pytest.mark.slow),
 @pytest.mark.parametrize("t,d,r,k,block", PERMUTE_CASES, ids=lambda v: str(v))
 def test_permute_matches_reference(t, d, r, k, block, backend):
   rng = np.random.default_rng(t)
-  token_U = np.repeat(np.arange(t), k)[:r]
-  token_U = np.concatenate([token_U, rng.integers(-2, 0, max(0, r - len(token_U)))])
-  token_U[rng.random(r) < 0.2] = t + 1                     # out of range: an empty row
-  token_U = jnp.asarray(rng.permutation(token_U), jnp.int32)
+  token_rows = np.repeat(np.arange(t), k)[:r]
+  token_rows = np.concatenate([token_rows, rng.integers(-2, 0, max(0, r - len(token_rows)))])
+  token_rows[rng.random(r) < 0.2] = t + 1                     # out of range: an empty row
+  token_rows = jnp.asarray(rng.permutation(token_rows), jnp.int32)
   x = jnp.asarray(rng.standard_normal((t, d)), jnp.float32)
-  rows_TxK = invert(token_U, t, k)
+  rows_TxK = invert(token_rows, t, k)
   tuning = PermuteTuning(block_rows=block, block_d=16, backend=backend)
-  got = value_and_grads(lambda x: permute(x, token_U, rows_TxK, tuning), x)
-  want = value_and_grads(lambda x: permute_reference(x, token_U), x)
+  got = value_and_grads(lambda x: permute(x, token_rows, rows_TxK, tuning), x)
+  want = value_and_grads(lambda x: permute_reference(x, token_rows), x)
   # out: a copy; dx: a token's k copies summed.
   assert_trees_close(got, want, backend, ["out", "dx"], [1, k])
 
 
 def test_invert_lists_each_tokens_rows_in_order():
-  token_U = jnp.array([2, 0, 2, -1, 5, 0, 2], jnp.int32)
-  np.testing.assert_array_equal(np.asarray(invert(token_U, 4, 3)),
+  token_rows = jnp.array([2, 0, 2, -1, 5, 0, 2], jnp.int32)
+  np.testing.assert_array_equal(np.asarray(invert(token_rows, 4, 3)),
                                 [[1, 5, -1], [-1, -1, -1], [0, 2, 6], [-1, -1, -1]])
 
 
@@ -176,12 +176,12 @@ def _bf16(rng, shape, scale=1.0):
 def test_permute_bf16(backend):
   rng = np.random.default_rng(1)
   t, d, k = 11, 16, 3
-  token_U = jnp.asarray(rng.permutation(np.repeat(np.arange(t), k)), jnp.int32)
-  rows_TxK = invert(token_U, t, k)
+  token_rows = jnp.asarray(rng.permutation(np.repeat(np.arange(t), k)), jnp.int32)
+  rows_TxK = invert(token_rows, t, k)
   x, x32 = _bf16(rng, (t, d))
   tuning = PermuteTuning(block_rows=8, block_d=16, backend=backend)
-  got = value_and_grads(lambda x: permute(x, token_U, rows_TxK, tuning), x)
-  want = value_and_grads(lambda x: permute_reference(x, token_U), x32)
+  got = value_and_grads(lambda x: permute(x, token_rows, rows_TxK, tuning), x)
+  want = value_and_grads(lambda x: permute_reference(x, token_rows), x32)
   assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.bfloat16
   assert_trees_close(got, want, backend, ["out", "dx"], [1, k], EPS_BF16)
 
@@ -229,7 +229,7 @@ def test_gmm_bf16(backend, gmm_backend):
 
 @pytest.mark.parametrize("call,needle", [
     (lambda: permute(jnp.ones((4, 8)), jnp.zeros((3,), jnp.float32), jnp.zeros((4, 1), jnp.int32)),
-     "token_U"),
+     "token_rows"),
     (lambda: permute(jnp.ones((4, 8)), jnp.zeros((3,), jnp.int32), jnp.zeros((5, 1), jnp.int32)),
      "rows_TxK"),
     (lambda: unpermute_combine(jnp.ones((4, 8)), jnp.zeros((3, 2), jnp.int32), jnp.ones((3, 1))),
@@ -335,13 +335,13 @@ def test_kernels_fwd_and_bwd_lower_for_cuda_inside_shard_map(gmm_backend):
   pt, ct = PermuteTuning(backend="triton"), CombineTuning(backend="triton")
   gt = GmmTuning(backend=gmm_backend)
 
-  def local(x_TxD, w_GxDxF, token_U, rows_TxK, gate_TxK, sizes_G):
+  def local(x_TxD, w_CxDxffn, token_rows, rows_TxK, gate_TxK, sizes_C):
     def loss(x, w, gate):
-      rows = permute(x, token_U, rows_TxK, pt)
-      h = gmm(rows, w, sizes_G, gt)
-      h = gmm(h, jnp.swapaxes(w, 1, 2), sizes_G, gt)
+      rows = permute(x, token_rows, rows_TxK, pt)
+      h = gmm(rows, w, sizes_C, gt)
+      h = gmm(h, jnp.swapaxes(w, 1, 2), sizes_C, gt)
       return jnp.sum(unpermute_combine(h, rows_TxK, gate, ct) ** 2)
-    grads = jax.grad(loss, argnums=(0, 1, 2))(x_TxD, w_GxDxF, gate_TxK)
+    grads = jax.grad(loss, argnums=(0, 1, 2))(x_TxD, w_CxDxffn, gate_TxK)
     return grads[0], jax.lax.psum(grads[1], "x"), grads[2]
 
   fn = jax.shard_map(local, mesh=mesh, in_specs=(P("x"), P(), P("x"), P("x"), P("x"), P()),
@@ -359,18 +359,18 @@ def test_cuda_target_is_what_lets_jax_0_11_lower_triton_without_a_gpu():
   `compat.cuda_target` answers it (H800 / H20 / L40S by their architecture's kind). jax 0.10
   always assumes compute capability 9.0 there and refuses any other target."""
   x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
-  token_U = jax.ShapeDtypeStruct((96,), jnp.int32)
+  token_rows = jax.ShapeDtypeStruct((96,), jnp.int32)
   rows_TxK = jax.ShapeDtypeStruct((64, 2), jnp.int32)
   fn = lambda x, t, r: permute(x, t, r, PermuteTuning(backend="triton"))
   if compat.JAX_VERSION < (0, 11):
-    assert custom_calls(lower_for_cuda(fn, x, token_U, rows_TxK, target="NVIDIA H800"),
+    assert custom_calls(lower_for_cuda(fn, x, token_rows, rows_TxK, target="NVIDIA H800"),
                         "__gpu$xla.gpu.triton") == 1
     with pytest.raises(ValueError, match="compute capability 9.0 only"):
-      lower_for_cuda(fn, x, token_U, rows_TxK, target="NVIDIA L40S")
+      lower_for_cuda(fn, x, token_rows, rows_TxK, target="NVIDIA L40S")
     return
   for target in ("NVIDIA H800", "NVIDIA H20", "NVIDIA L40S"):
-    mlir = lower_for_cuda(fn, x, token_U, rows_TxK, target=target)
+    mlir = lower_for_cuda(fn, x, token_rows, rows_TxK, target=target)
     assert custom_calls(mlir, "__gpu$xla.gpu.triton") == 1, target
   with pytest.raises(RuntimeError, match="No supported GPU devices found"):
     jax.export.export(jax.jit(lambda x, t, r: fn(x + 1, t, r)), platforms=["cuda"],
-                      disabled_checks=_CUDA_CALLS)(x, token_U, rows_TxK)
+                      disabled_checks=_CUDA_CALLS)(x, token_rows, rows_TxK)

@@ -29,16 +29,16 @@ def test_device_router_realises_replays_per_source_counts(seed):
   rng = np.random.default_rng(seed)
   placement = with_local(random_placement(rng, n, slots), rng)
   layout = from_placements([placement], E, n)
-  expert_NxA = rng.choice(E, size=(n, choices), p=rng.dirichlet(np.full(E, 0.5)))
+  expert_NxTK = rng.choice(E, size=(n, choices), p=rng.dirichlet(np.full(E, 0.5)))
   mesh = mesh_of_shape((1, n, 1))
   fn = jax.jit(jax.shard_map(
       lambda a, s, p, lp: _replica_slots(a[0], s, p, lp, slots)[None], mesh=mesh,
       in_specs=(P("expert"), P(), P(), P()), out_specs=P("expert")))
-  slot_NxA = np.asarray(fn(jnp.asarray(expert_NxA, jnp.int32), layout.expert_slots_LxExR[0],
+  slot_NxTK = np.asarray(fn(jnp.asarray(expert_NxTK, jnp.int32), layout.expert_slots_LxExR[0],
                            layout.expert_parts_LxExR[0], layout.slot_local_parts_LxS[0]))
-  assert np.all(placement.slot_expert[slot_NxA] == expert_NxA), "a choice left its expert"
-  got_WxS = np.stack([np.bincount(row, minlength=n * slots) for row in slot_NxA])
-  counts_WxE = np.stack([np.bincount(row, minlength=E) for row in expert_NxA])
+  assert np.all(placement.slot_expert[slot_NxTK] == expert_NxTK), "a choice left its expert"
+  got_WxS = np.stack([np.bincount(row, minlength=n * slots) for row in slot_NxTK])
+  counts_WxE = np.stack([np.bincount(row, minlength=E) for row in expert_NxTK])
   want_WxS = placement_lib.split_loads(to_placements(layout, n)[0], counts_WxE)
   np.testing.assert_array_equal(got_WxS, want_WxS)
   np.testing.assert_array_equal(want_WxS, placement_lib.split_loads(placement, counts_WxE))

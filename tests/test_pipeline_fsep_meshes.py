@@ -1,10 +1,9 @@
-"""fsep under stages on the issue's other two meshes: P=2 x data=2 x expert=2 and P=4 x expert=2.
+"""fsep under stages on two more meshes: P=2 x data=2 x expert=2 and P=4 x expert=2.
 
-test_pipeline_schedules.py shows fsep at P=2 x expert=4; these cases complete the issue's
-"every mesh with ep and with fsep", with the same comparison (tests/moe_helpers.py's
-check_pipeline: loss, counts and every gradient against one device running the microbatches
-one by one). Each case compiles a pipelined fsep program for minutes on the 2-core VM, hence
-`slow`.
+test_pipeline_schedules.py shows fsep at P=2 x expert=4; with these every pipeline mesh runs
+with ep and with fsep, under the same comparison (tests/moe_helpers.py's check_pipeline: loss,
+counts and every gradient against one device running the microbatches one by one). Each case
+compiles a pipelined fsep program for minutes on the 2-core VM, hence `slow`.
 """
 
 from __future__ import annotations

@@ -161,20 +161,21 @@ def test_smartmoe_under_pooled_capacity_pairs_experts_whose_loads_alternate():
   same, so the busiest-device score sees nothing to gain, but the static pairs (0, 1), (2, 3)
   overflow a device on every step while (0, 2), (1, 3) never do."""
   z = np.arange(10) % 2
-  hot_Z, cold_Z = np.where(z, 30, 10), np.where(z, 10, 30)
-  steady_Z = np.full(10, 20)
-  samples_ZxWxE = np.stack([hot_Z, steady_Z, cold_Z, steady_Z], -1)[:, None, :].repeat(2, 1)
+  hot_steps, cold_steps = np.where(z, 30, 10), np.where(z, 10, 30)
+  steady_steps = np.full(10, 20)
+  samples_stepsxWxE = np.stack([hot_steps, steady_steps, cold_steps, steady_steps],
+                               -1)[:, None, :].repeat(2, 1)
   static = placement_lib.static(4, 2)
-  pred_WxE = samples_ZxWxE.mean(0)
+  pred_WxE = samples_stepsxWxE.mean(0)
   by_peak = smartmoe.place_permutation(pred_WxE, static)
   assert np.array_equal(by_peak.slot_expert, static.slot_expert)
   options = smartmoe.SmartMoEOptions(pooled_capacity_factor=1.0)
   by_drops = smartmoe.place_permutation(pred_WxE, static, options=options,
-                                        samples_ZxWxE=samples_ZxWxE)
+                                        samples_stepsxWxE=samples_stepsxWxE)
   dev_E = lambda p: p.device_of_slot[np.argsort(p.slot_expert)]
-  cap_ZxW = np.full((10, 2), 40.0)      # cf 1.0 x 80 choices per source / 2 devices
-  assert smartmoe.pooled_drops(samples_ZxWxE, dev_E(static), 2, cap_ZxW) == 200
-  assert smartmoe.pooled_drops(samples_ZxWxE, dev_E(by_drops), 2, cap_ZxW) == 0
+  cap_stepsxW = np.full((10, 2), 40.0)      # cf 1.0 x 80 choices per source / 2 devices
+  assert smartmoe.pooled_drops(samples_stepsxWxE, dev_E(static), 2, cap_stepsxW) == 200
+  assert smartmoe.pooled_drops(samples_stepsxWxE, dev_E(by_drops), 2, cap_stepsxW) == 0
   assert dev_E(by_drops)[0] == dev_E(by_drops)[2]
   # Without samples the option has nothing to score and the peak rule applies.
   assert np.array_equal(smartmoe.place_permutation(pred_WxE, static, options=options).slot_expert,

@@ -49,11 +49,11 @@ def reference_keep(params, x, layout_row, num_sources, n, slots, cap_dev):
   t_local = expert_TxK.shape[0] // num_sources
   keep = []
   for w in range(num_sources):
-    expert_A = jnp.asarray(expert_TxK[w * t_local:(w + 1) * t_local].reshape(-1))
+    expert_TK = jnp.asarray(expert_TxK[w * t_local:(w + 1) * t_local].reshape(-1))
     phase = (w % n) * SHARE_PARTS // n
-    slot_A = split_slots(expert_A, layout_row.expert_slots_LxExR,
+    slot_TK = split_slots(expert_TK, layout_row.expert_slots_LxExR,
                          layout_row.expert_parts_LxExR, phase)
-    keep.append(pooled_keep(np.asarray(slot_A), slots, cap_dev))
+    keep.append(pooled_keep(np.asarray(slot_TK), slots, cap_dev))
   return np.concatenate(keep).reshape(expert_TxK.shape)
 
 

@@ -131,8 +131,10 @@ def test_errors_are_one_line_and_nothing_is_overwritten(tmp_path, capsys):
       (["--input", pattern, "--out", str(tmp_path / "o3"), "--train_bpe", "100"], "too small"),
       (["--input", pattern, "--out", str(tmp_path / "o4"), "--tokenizer", "nope.json"],
        "does not exist"),
-      (["--input", pattern, "--out", str(tmp_path / "o5"), "--bytes", "--val_fraction", "1e-9"],
-       "both splits"),
+      (["--input", pattern, "--out", str(tmp_path / "o6"), "--train_bpe", "0"], "too small"),
+      # One file of one chunk (under 8 KiB) cannot make two splits, whatever the fraction.
+      (["--input", str(tmp_path / "in" / "d0" / "sub" / "f00.txt"), "--out", str(tmp_path / "o5"),
+        "--bytes", "--val_fraction", "0.5"], "both splits"),
   ]
   for argv, needle in cases:
     assert cli.main(argv + ["--no_progress"]) == 2
@@ -142,3 +144,20 @@ def test_errors_are_one_line_and_nothing_is_overwritten(tmp_path, capsys):
   assert not os.path.exists(tmp_path / "o5" / "meta.json")
   with pytest.raises(ConfigError, match="meta.json"):
     data.load_tokens(DataConfig(path=str(tmp_path / "in")))
+
+
+def test_one_big_file_is_split_by_chunk(tmp_path):
+  """The most common input, one corpus.txt: its chunks go to both splits (by hash, and the
+  last chunk to the split the hash left empty), and the bytes of both add up to the file."""
+  rng = np.random.default_rng(1)
+  text = "".join(" ".join(rng.choice(WORDS, size=8)) + "\n" for _ in range(4000)).encode()
+  (tmp_path / "corpus.txt").write_bytes(text)
+  for val_fraction, out in ((0.05, "a"), (1e-6, "b")):   # b: the hash picks no val chunk
+    meta = prepare(str(tmp_path / "corpus.txt"), str(tmp_path / out), byte_level=True,
+                   val_fraction=val_fraction, progress=False)
+    train = bytes(_read(tmp_path / out, "train.bin", meta).astype(np.uint8))
+    val = bytes(_read(tmp_path / out, "val.bin", meta).astype(np.uint8))
+    assert meta["train_tokens"] > 0 and meta["val_tokens"] > 0, meta
+    assert len(train) + len(val) == len(text) + len(data.SEPARATOR)
+    assert val in text and train.startswith(data.SEPARATOR)   # val: whole chunks, in order
+    assert meta["val_tokens"] < len(text) / 4   # a share near the fraction, not half

@@ -56,16 +56,16 @@ def test_overflow_is_dropped_by_its_rule_and_matches_the_reference(emulated_coll
   expert_TxK = np.asarray(route(x.reshape(-1, D), params["router"], 2,
                                 normalize_top_k=True).expert_TxK)
   sources = shape[0] * n
-  slot_WxA = expert_TxK.reshape(sources, -1)            # static layout: slot = expert
-  rows = ragged.buffer_rows(slot_WxA.shape[1] // 2, 2, n, factor)
-  keep_WxA = np.concatenate([ragged_keep(slot_WxA[r:r + n], slots, rows)
+  slot_WxTK = expert_TxK.reshape(sources, -1)            # static layout: slot = expert
+  rows = ragged.buffer_rows(slot_WxTK.shape[1] // 2, 2, n, factor)
+  keep_WxTK = np.concatenate([ragged_keep(slot_WxTK[r:r + n], slots, rows)
                              for r in range(0, sources, n)])
-  dropped_W = (~keep_WxA).sum(1)
+  dropped_W = (~keep_WxTK).sum(1)
   assert dropped_W.sum() > 0, "the test should overflow a buffer"
   np.testing.assert_array_equal(np.asarray(st.dropped_W), dropped_W)
-  np.testing.assert_array_equal(np.asarray(st.received_WxN).sum(), keep_WxA.sum())
+  np.testing.assert_array_equal(np.asarray(st.received_WxN).sum(), keep_WxTK.sum())
 
-  keep_TxK = jnp.asarray(keep_WxA.reshape(expert_TxK.shape))
+  keep_TxK = jnp.asarray(keep_WxTK.reshape(expert_TxK.shape))
 
   def ref(p, x):
     out, _, bal, z = moe_reference(p, x, 2, keep_TxK=keep_TxK)

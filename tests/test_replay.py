@@ -107,8 +107,8 @@ def test_policy_gets_the_lagged_prediction(skewed, monkeypatch):
 def test_lookahead_plans_from_the_steps_it_will_serve(skewed, monkeypatch):
   seen = []
 
-  def spy(pred_WxE, current, *, samples_ZxWxE, **_):
-    seen.append((np.array(pred_WxE), np.array(samples_ZxWxE)))
+  def spy(pred_WxE, current, *, samples_stepsxWxE, **_):
+    seen.append((np.array(pred_WxE), np.array(samples_stepsxWxE)))
     return current
 
   monkeypatch.setitem(POLICIES, "spy", spy)

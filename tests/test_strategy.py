@@ -159,7 +159,7 @@ def test_pool_covers_each_regime_and_rejects_what_does_not_fit():
 
 
 def test_whole_step_fit_recovers_known_scales_and_leaves_absent_terms_alone():
-  from moejax.strategy.calibrate import fit_steps
+  from moejax.strategy.profile_fit import fit_steps
   w, base = offline.workload_of(CFG), PRESETS["cpu"]
   specs = ["ep/8x1x1/cf1", "ep/1x8x1/cf1.25", "fsep/1x8x1/c2/cf1.5", "ep/2x2x2/cf1",
            "ep/1x4x2/cf2", "fsep/2x4x1/c2/cf1.25", "ep/4x2x1/cf3"]
@@ -229,7 +229,7 @@ def test_observed_regime_plans_for_the_measured_expert_shares(tmp_path, capsys):
   trace = tmp_path / "trace.npz"
   np.savez(trace, counts=counts)
   assert plan_cli.main(["--profile", "h100_node", "--pool", "2", "--max_drop", "0.03",
-                    "--dispersion", "3", "--trace", str(trace)]) == 0
+                    "--dispersion", "3", "--trace", str(trace), "--all"]) == 0
   printed = capsys.readouterr().out
   assert "observed ms" in printed and f"last 3 steps of {trace}" in printed
   flat_pool = "pool: ep/8x1x1/cf1.5" in printed

@@ -156,7 +156,7 @@ def test_plan_pool_shares_one_pipeline_and_prints_how_to_train_it(capsys):
   assert offline.train_bindings(piped)[:3] == ["mesh.stage = 2", "train.microbatches = 4",
                                                "mesh.fsdp = True"]
   assert not [b for b in offline.train_bindings(piped) if b.startswith("strategy.pool")]
-  assert plan_cli.main(["--profile", "h100_node", "--pool", "2",
+  assert plan_cli.main(["--profile", "h100_node", "--pool", "2", "--all",
                         "--gin_bindings", "moe.capacity = 'slot'"]) == 0
   printed = capsys.readouterr().out
   assert "state MiB" in printed and "/p2/m" in printed

@@ -11,11 +11,9 @@ its own replica, and every source's remaining tokens fill the quotas left, split
 proportion to each replica's room (`remote_parts`). Device loads are the quotas whichever
 sources fill them.
 
-Each rule is written once over an array namespace `xp` (numpy here and in replay, jax.numpy
-in the layer: `moejax.model.moe.replicas.adaptive_slots`) in int32 arithmetic and one float32
-ratio per device (IEEE divisions and products, no float sums), so host and device compute the
-same integers bit for bit. The int32 arithmetic holds below 2^26 (token, k) rows per expert
-and step in one device group.
+Each rule is written once over an array namespace `xp` (numpy here and in replay, jax.numpy in
+`moejax.model.moe.replicas.adaptive_slots`) in int32 arithmetic and one float32 ratio per
+device, so host and device compute the same integers bit for bit (below 2^26 rows per expert).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 `ep` keeps expert weights (and, mirrored, their optimizer moments) at `...['layers']['moe'][w]`
 in *slot* order; `fsep` keeps them at `...['fsep_experts'][w]` in expert-id order. Both are
-`[L, E, D, F]` (w_gate, w_up) and `[L, E, F, D]` (w_down); only their shardings differ. So a
+`[L, E, D, ffn]` (w_gate, w_up) and `[L, E, ffn, D]` (w_down); only their shardings differ. So a
 state moves between strategies as: `canonical_state` (ep slots -> expert-id order), then
 `convert_tree` (move the leaves to the other mode's paths), then a reshard, then
 `from_canonical_state` under the new layout.

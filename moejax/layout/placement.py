@@ -1,23 +1,9 @@
 """Placements (host-side layouts) and how tokens flow under them (numpy only).
 
-A `Placement` describes one MoE layer on N devices with C slots each: which
-expert each slot hosts (-1 = empty) and the share of that expert's tokens the
-slot is planned to serve. Three token rules (`Placement.routing`):
-- "local_first" (shadow experts): a source device's tokens for expert e go to a
-  replica of e on the same device while that replica's quota (share x the
-  expert's actual tokens) lasts; the rest fill the remaining quotas in slot order.
-- "split" (fsep training, the dense dispatch): a source on device d first keeps
-  floor(lambda c / 1024) of its c tokens for e on d's own replica of e, lambda being that
-  slot's `local` parts (per-source shares: the planner sets them so that devices stay
-  level and fewer rows leave their source; zero keeps nothing back). It splits the other
-  c' tokens over e's replicas by the shares, so every (source, slot) pair carries ~ share x
-  count: with cumulative parts P_r, replica r gets floor((P_r c' + phase) / 1024) -
-  floor((P_{r-1} c' + phase) / 1024), where a source on device d of N uses phase
-  d * 1024 // N, so rounding leftovers do not all land on the same replica.
-- "adaptive" (fsep with `moe.fsep_shares = 'adaptive'`): the held layout with its shares
-  re-levelled from each step's own counts (`moejax.layout.adaptive`; routed by `flow`).
-Planners return Placements; replay evaluates them; the trainer turns them into
-JAX `Layout`s.
+A `Placement` describes one MoE layer on N devices with C slots each: which expert each slot
+hosts (-1 = empty) and the share of that expert's tokens the slot is planned to serve, with
+one of three token rules ("local_first", "split", "adaptive"; `Placement` says each).
+Planners return Placements; replay evaluates them; the trainer turns them into JAX `Layout`s.
 """
 
 from __future__ import annotations
@@ -31,10 +17,25 @@ from moejax.config import ConfigError
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
+  """One layer's slots and shares; `routing` is the token rule:
+  - "local_first" (shadow experts): a source device's tokens for expert e go to a
+    replica of e on the same device while that replica's quota (share x the
+    expert's actual tokens) lasts; the rest fill the remaining quotas in slot order.
+  - "split" (fsep training, the dense dispatch): a source on device d first keeps
+    floor(lambda c / 1024) of its c tokens for e on d's own replica of e, lambda being that
+    slot's `local` parts (per-source shares: the planner sets them so that devices stay
+    level and fewer rows leave their source; zero keeps nothing back). It splits the other
+    c' tokens over e's replicas by the shares, so every (source, slot) pair carries ~ share x
+    count: with cumulative parts P_r, replica r gets floor((P_r c' + phase) / 1024) -
+    floor((P_{r-1} c' + phase) / 1024), where a source on device d of N uses phase
+    d * 1024 // N, so rounding leftovers do not all land on the same replica.
+  - "adaptive" (fsep with `moe.fsep_shares = 'adaptive'`): the held layout with its shares
+    re-levelled from each step's own counts (`moejax.layout.adaptive`; routed by `flow`).
+  """
   slot_expert: np.ndarray    # int32 [N*C]; -1 = empty slot
   share: np.ndarray          # float64 [N*C]; per expert, shares of its slots sum to 1
   num_devices: int
-  routing: str = "local_first"   # or "split" (see the module doc)
+  routing: str = "local_first"   # or "split" or "adaptive" (see above)
   # float [N*C] or None: "split" only, the share of its own device's tokens for the slot's
   # expert that a slot keeps before the rest is split by `share` (None: nothing kept back).
   local: np.ndarray | None = None

@@ -1,39 +1,14 @@
 """The transformer's layer groups as a pipeline over the `stage` mesh axis: GPipe, or circular.
 
 The G scanned layer groups split into P stages x V chunks (V: `train.virtual_stages`; 1 for
-GPipe) of K = G/(P*V) whole groups. Chunk c = r*P + s (the r-th chunk of stage s) computes
-groups c*K .. c*K + K - 1, so with V > 1 a stage holds V non-adjacent chunks and a microbatch
-goes V times around the ring of stages. The parameters of stage s's chunks are stored
-together in the `layers` axis sharded over `stage` (moejax.model.layer_order: the identity for
-V = 1), so the split moves no data. The batch splits into M microbatches, microbatch m being
-the rows i with i % M == m, so that each device's rows of a microbatch are rows it holds.
-
-One schedule serves both: V*M + P - 1 ticks; at tick t stage s runs step j = t - s, i.e.
-microbatch j % M through its chunk j // M (idle, on values nobody reads, outside
-0 <= j < V*M). Each tick's one stage transfer is a rotation, one `ppermute` over `stage` (in
-`shard_map`): stage s receives what stage s - 1 computed at the tick before, and stage 0
-what the last stage finished at step t - P. Every stage keeps its own loop buffer of M
-microbatch slots (sharded over `stage`; only stage 0's is read), which starts as the
-microbatches: stage 0 stores what the rotation brings into the slot of its microbatch and runs
-slot t % M. A microbatch the last stage finishes at tick r*M + m + P - 1 arrives at stage 0 at
-r*M + m + P and is read at (r+1)*M + m, which needs M >= P when V > 1. After the last tick one
-more rotation brings the last output to stage 0, and its slots, every microbatch's last chunk,
-go to every stage's head in one all-reduce over `stage` (the other stages add zeros). With
-V = 1 this is GPipe's fill-drain (bubble (P-1)/(M+P-1)); with V > 1 each tick runs one chunk,
-1/V of a stage's layers, and the bubble is (P-1)/(V*M+P-1) of the step.
-
-Every stage runs the same program: the stages are one `vmap` over the stage axis whose
-`spmd_axis_name` is `stage`, so each MoE layer's `shard_map` keeps its expert parallelism over
-`expert` inside each stage. In fsep mode a stage restores only its chunk's experts, layer by
-layer as the Transformer does (the first before the chunk's scan, the next in each step). The
-backward pass is the ticks' autodiff, which runs them in reverse.
-
-The embedding, the dense first blocks (`moe.first_dense`) and the head (final norm,
-unembedding, loss) are replicated over `stage` and computed by every stage, as SPMD makes
-them; only the layer groups are split. Hence the one collection of the outputs per step, not
-a head on the last stage alone: it costs one all-reduce of the batch's activations a step
-(and in the backward one more, the embedding output's cotangent summed over the stages'
-copies), against 2 (V*M + P - 1) rotations.
+GPipe) of K = G/(P*V) whole groups, stored together per stage in the `layers` axis sharded
+over `stage` (moejax.model.layer_order), so the split moves no data. The batch splits into M
+microbatches (rows i % M == m: each device's rows of a microbatch are rows it holds). One
+schedule of V*M + P - 1 ticks serves both, one `ppermute` rotation over `stage` a tick
+(`pipelined_apply` says how); the backward pass is the ticks' autodiff. Every stage runs the
+same program: one `vmap` over the stages with `spmd_axis_name='stage'`, so each MoE layer's
+`shard_map` keeps its expert parallelism inside each stage. The embedding, dense first blocks
+and head are replicated over `stage`, as SPMD makes them.
 
 `Pipelined` has the Transformer's `init` and `apply`, so the train and eval steps take it as
 the model. Its loss is the step's loss over the whole batch with each MoE layer's balance and
@@ -57,6 +32,7 @@ from moejax.model.mesh import BATCH_AXES, STAGE, logical_to_spec, num_stages
 from moejax.model.moe.fsep_experts import restore_layer
 from moejax.model.moe.layer import MoEStats
 from moejax.model.transformer import Attention, DenseMLP, LayerGroup, RMSNorm, Transformer
+from pallas_kernels import compat
 
 
 def _split(tree, stages: int, virtual: int):
@@ -105,7 +81,7 @@ def _chunk_runner(model: Transformer, virtual: int):
   """run(stage_args, chunk, x) -> (x, stats): one stage's chunk `chunk` of K groups on x.
   `stage_args` = (layer params, fsep stored experts or None, layout rows), each [V, K, ...]."""
   cfg, moe_cfg, mesh = model.cfg, model.moe_cfg, model.mesh
-  group = LayerGroup(cfg, moe_cfg, mesh, rerestore=num_stages(mesh) == 1)   # 0047 says why
+  group = LayerGroup(cfg, moe_cfg, mesh, rerestore=compat.rerestores_fsep(num_stages(mesh) > 1))
   fsep = moe_cfg.expert_mode == "fsep"
   dtype = jnp.dtype(cfg.dtype)
 
@@ -149,10 +125,47 @@ def _first_dense(model: Transformer, params, x_BxQxD, act):
 
 
 def pipelined_apply(model: Transformer, microbatches: int, params, tokens_BxQ: jax.Array,
-                    layout: Layout, virtual: int = 1) -> tuple[jax.Array, MoEStats]:
-  """The Transformer's (logits_BxQxV, stats) with its layer groups run as a pipeline over the
+                    layout: Layout, virtual: int = 1,
+                    hidden: bool = False) -> tuple[jax.Array, MoEStats]:
+  """The Transformer's (logits_BxQxvocab, stats) with its layer groups run as a pipeline over the
   mesh's stages, V = `virtual` chunks per stage (`params`' layer groups in
-  layer_order.storage_order; `layout` and the stats in canonical order)."""
+  layer_order.storage_order; `layout` and the stats in canonical order).
+
+  The G scanned layer groups split into P stages x V chunks (V: `train.virtual_stages`; 1 for
+  GPipe) of K = G/(P*V) whole groups. Chunk c = r*P + s (the r-th chunk of stage s) computes
+  groups c*K .. c*K + K - 1, so with V > 1 a stage holds V non-adjacent chunks and a microbatch
+  goes V times around the ring of stages. The parameters of stage s's chunks are stored
+  together in the `layers` axis sharded over `stage` (moejax.model.layer_order: the identity for
+  V = 1), so the split moves no data. The batch splits into M microbatches, microbatch m being
+  the rows i with i % M == m, so that each device's rows of a microbatch are rows it holds.
+
+  One schedule serves both: V*M + P - 1 ticks; at tick t stage s runs step j = t - s, i.e.
+  microbatch j % M through its chunk j // M (idle, on values nobody reads, outside
+  0 <= j < V*M). Each tick's one stage transfer is a rotation, one `ppermute` over `stage` (in
+  `shard_map`): stage s receives what stage s - 1 computed at the tick before, and stage 0
+  what the last stage finished at step t - P. Every stage keeps its own loop buffer of M
+  microbatch slots (sharded over `stage`; only stage 0's is read), which starts as the
+  microbatches: stage 0 stores what the rotation brings into the slot of its microbatch and runs
+  slot t % M. A microbatch the last stage finishes at tick r*M + m + P - 1 arrives at stage 0 at
+  r*M + m + P and is read at (r+1)*M + m, which needs M >= P when V > 1. After the last tick one
+  more rotation brings the last output to stage 0, and its slots, every microbatch's last chunk,
+  go to every stage's head in one all-reduce over `stage` (the other stages add zeros). With
+  V = 1 this is GPipe's fill-drain (bubble (P-1)/(M+P-1)); with V > 1 each tick runs one chunk,
+  1/V of a stage's layers, and the bubble is (P-1)/(V*M+P-1) of the step.
+
+  Every stage runs the same program: the stages are one `vmap` over the stage axis whose
+  `spmd_axis_name` is `stage`, so each MoE layer's `shard_map` keeps its expert parallelism over
+  `expert` inside each stage. In fsep mode a stage restores only its chunk's experts, layer by
+  layer as the Transformer does (the first before the chunk's scan, the next in each step). The
+  backward pass is the ticks' autodiff, which runs them in reverse.
+
+  The embedding, the dense first blocks (`moe.first_dense`) and the head (final norm,
+  unembedding, loss) are replicated over `stage` and computed by every stage, as SPMD makes
+  them; only the layer groups are split. Hence the one collection of the outputs per step, not
+  a head on the last stage alone: it costs one all-reduce of the batch's activations a step
+  (and in the backward one more, the embedding output's cotangent summed over the stages'
+  copies), against 2 (V*M + P - 1) rotations.
+  """
   cfg, mesh = model.cfg, model.mesh
   stages, micro = num_stages(mesh), microbatches
   dtype = jnp.dtype(cfg.dtype)
@@ -221,10 +234,12 @@ def pipelined_apply(model: Transformer, microbatches: int, params, tokens_BxQ: j
   x_BxQxD = jax.lax.with_sharding_constraint(
       outputs.transpose(1, 0, 2, 3).reshape(batch, length, d_model), act)
   x_BxQxD = RMSNorm(cfg.norm_eps).apply({"params": params["ln_final"]}, x_BxQxD)
-  logits_BxQxV = jnp.einsum("bqd,dv->bqv", x_BxQxD.astype(jnp.float32), params["unembed"])
   stats = _canonical_merge(stats_sum)
   stats = stats._replace(balance_loss=stats.balance_loss / micro, z_loss=stats.z_loss / micro)
-  return logits_BxQxV, stats
+  if hidden:                 # the Transformer's `hidden`: the loss applies the unembedding
+    return x_BxQxD, stats
+  logits_BxQxvocab = jnp.einsum("bqd,dv->bqv", x_BxQxD.astype(jnp.float32), params["unembed"])
+  return logits_BxQxvocab, stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,6 +265,6 @@ class Pipelined:
     variables = self.model.init(rng, tokens_BxQ, layout)
     return dict(variables, params=layer_order.params_to(variables["params"], self.layer_order))
 
-  def apply(self, variables, tokens_BxQ: jax.Array, layout: Layout):
+  def apply(self, variables, tokens_BxQ: jax.Array, layout: Layout, hidden: bool = False):
     return pipelined_apply(self.model, self.microbatches, variables["params"], tokens_BxQ,
-                           layout, self.virtual)
+                           layout, self.virtual, hidden)

@@ -12,6 +12,8 @@ them back through the scan (`_prefetching_moe`).
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -21,7 +23,18 @@ from moejax.config import ModelConfig, MoEConfig, num_moe_layers
 from moejax.layout.tables import Layout
 from moejax.model.mesh import logical_to_spec
 from moejax.model.moe.fsep_experts import FsepExperts, restore_layer
-from moejax.model.moe.layer import MoELayer, MoEStats
+from moejax.model.moe.layer import MoELayer, MoEStats, no_moe_stats
+
+
+def resolve_attention(cfg: ModelConfig, mesh: Mesh) -> ModelConfig:
+  """`cfg` with `attention = 'auto'` replaced by the implementation for `mesh`'s devices:
+  cuDNN's fused kernel on GPU where its constraints hold, XLA's attention elsewhere."""
+  if cfg.attention != "auto":
+    return cfg
+  head_dim = cfg.d_model // cfg.num_heads
+  fused = (mesh.devices.flat[0].platform in ("gpu", "cuda") and
+           cfg.dtype in ("bfloat16", "float16") and head_dim % 8 == 0 and head_dim <= 128)
+  return dataclasses.replace(cfg, attention="cudnn" if fused else "xla")
 
 
 def _dense(name_axes, shape, fan_in, mod: nn.Module, name: str):
@@ -41,14 +54,14 @@ class RMSNorm(nn.Module):
     return (y * scale).astype(x.dtype)
 
 
-def rope(x_BxQxHxJ: jax.Array, base: float) -> jax.Array:
-  length, head_dim = x_BxQxHxJ.shape[1], x_BxQxHxJ.shape[3]
+def rope(x_BxQxheadsxhdim: jax.Array, base: float) -> jax.Array:
+  length, head_dim = x_BxQxheadsxhdim.shape[1], x_BxQxheadsxhdim.shape[3]
   inv_freq = base ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
   angle = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]   # [Q, J/2]
   sin, cos = jnp.sin(angle)[None, :, None, :], jnp.cos(angle)[None, :, None, :]
-  x1, x2 = jnp.split(x_BxQxHxJ.astype(jnp.float32), 2, axis=-1)
+  x1, x2 = jnp.split(x_BxQxheadsxhdim.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BxQxHxJ.dtype)
+  return out.astype(x_BxQxheadsxhdim.dtype)
 
 
 class Attention(nn.Module):
@@ -66,11 +79,15 @@ class Attention(nn.Module):
     wv = _dense(qkv_axes, (d, h, head_dim), d, self, "wv")
     wo = _dense(("heads", "head_dim", "embed"), (h, head_dim, d), d, self, "wo")
     x = x_BxQxD.astype(dtype)
-    q_BxQxHxJ = rope(jnp.einsum("bqd,dhj->bqhj", x, wq.astype(dtype)), cfg.rope_base)
-    k_BxQxHxJ = rope(jnp.einsum("bqd,dhj->bqhj", x, wk.astype(dtype)), cfg.rope_base)
-    v_BxQxHxJ = jnp.einsum("bqd,dhj->bqhj", x, wv.astype(dtype))
-    o_BxQxHxJ = jax.nn.dot_product_attention(q_BxQxHxJ, k_BxQxHxJ, v_BxQxHxJ, is_causal=True)
-    return jnp.einsum("bqhj,hjd->bqd", o_BxQxHxJ, wo.astype(dtype))
+    q_BxQxheadsxhdim = rope(jnp.einsum("bqd,dhj->bqhj", x, wq.astype(dtype)), cfg.rope_base)
+    k_BxQxheadsxhdim = rope(jnp.einsum("bqd,dhj->bqhj", x, wk.astype(dtype)), cfg.rope_base)
+    v_BxQxheadsxhdim = jnp.einsum("bqd,dhj->bqhj", x, wv.astype(dtype))
+    # 'cudnn': the fused kernel; anything else (an unresolved 'auto' too): XLA's attention
+    impl = "cudnn" if cfg.attention == "cudnn" else None
+    o_BxQxheadsxhdim = jax.nn.dot_product_attention(q_BxQxheadsxhdim, k_BxQxheadsxhdim,
+                                                    v_BxQxheadsxhdim, is_causal=True,
+                                                    implementation=impl)
+    return jnp.einsum("bqhj,hjd->bqd", o_BxQxheadsxhdim, wo.astype(dtype))
 
 
 class DenseMLP(nn.Module):
@@ -182,8 +199,8 @@ class LayerGroup(nn.Module):
   cfg: ModelConfig
   moe_cfg: MoEConfig
   mesh: Mesh
-  # fsep: the backward pass restores the weights again (False: keeps the forward's; the
-  # pipeline's stage vmap, where jax 0.10 cannot batch the re-restoring vjp's shard_map)
+  # fsep: the backward pass restores the weights again (False: keeps the forward's, where
+  # pallas_kernels.compat.rerestores_fsep says the re-restoring vjp cannot run)
   rerestore: bool = True
   # fsep with rerestore: the carry has a third member, the backward restore's channel
   # (`_prefetching_moe`), so that layer l's backward restores layer l-1's weights
@@ -217,14 +234,18 @@ class LayerGroup(nn.Module):
       x_BxQxD = jax.lax.with_sharding_constraint(x_BxQxD, act)
     x_BxQxD = x_BxQxD + attn(cfg, name="attn_moe")(RMSNorm(cfg.norm_eps,
                                                             name="ln_attn_moe")(x_BxQxD))
-    moe = MoELayer(self.moe_cfg, self.mesh, jnp.dtype(cfg.dtype), name="moe")
     h_BxQxD = RMSNorm(cfg.norm_eps, name="ln_moe")(x_BxQxD)
-    if fsep is None or not self.rerestore:
+    if self.moe_cfg.dense_equivalent:   # the MoE layer's active FLOPs as one dense SwiGLU
+      y = mlp(cfg, self.moe_cfg.top_k * self.moe_cfg.d_ff, name="moe_dense")(h_BxQxD)
+      stats = no_moe_stats(self.moe_cfg, self.mesh, layout)
+    elif fsep is None or not self.rerestore:
+      moe = MoELayer(self.moe_cfg, self.mesh, jnp.dtype(cfg.dtype), name="moe")
       y, stats = moe(h_BxQxD, layout, slot_weights)
     elif self.prefetch_backward:
       (y, stats), channel = _prefetching_moe(moe)(moe, h_BxQxD, layout, slot_weights, channel,
                                                   stored, slot_expert_LxS, layer)
     else:
+      moe = MoELayer(self.moe_cfg, self.mesh, jnp.dtype(cfg.dtype), name="moe")
       y, stats = _rerestoring_moe(moe)(moe, h_BxQxD, layout, slot_weights, stored,
                                         slot_expert_LxS, layer)
     if self.moe_cfg.num_shared_experts:   # one SwiGLU as wide as all shared experts together
@@ -243,7 +264,10 @@ class Transformer(nn.Module):
   mesh: Mesh
 
   @nn.compact
-  def __call__(self, tokens_BxQ: jax.Array, layout: Layout) -> tuple[jax.Array, MoEStats]:
+  def __call__(self, tokens_BxQ: jax.Array, layout: Layout,
+               hidden: bool = False) -> tuple[jax.Array, MoEStats]:
+    """(logits_BxQxvocab, stats); `hidden`: (the final normed hidden states, stats), for a loss
+    that applies the unembedding itself (moejax.train.loss.tiled_cross_entropy)."""
     cfg = self.cfg
     embed = self.param("embed", nn.with_logical_partitioning(nn.initializers.normal(1.0),
                                                              ("vocab", "embed")),
@@ -278,7 +302,9 @@ class Transformer(nn.Module):
       x_BxQxD = _seed_backward_restore(self.mesh, jnp.dtype(cfg.dtype))(x_BxQxD, carry[2],
                                                                          *fsep[0])
     x_BxQxD = RMSNorm(cfg.norm_eps, name="ln_final")(x_BxQxD)
+    if hidden:
+      return x_BxQxD, stats
     w_out = _dense(("embed", "vocab"), (cfg.d_model, cfg.vocab_size), cfg.d_model, self,
                    "unembed")
-    logits_BxQxV = jnp.einsum("bqd,dv->bqv", x_BxQxD.astype(jnp.float32), w_out)
-    return logits_BxQxV, stats
+    logits_BxQxvocab = jnp.einsum("bqd,dv->bqv", x_BxQxD.astype(jnp.float32), w_out)
+    return logits_BxQxvocab, stats

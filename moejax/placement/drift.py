@@ -62,7 +62,7 @@ def drift_bursts_trace(steps: int = 600, layers: int = 2, sources: int = 16, exp
       bursts.append((layer, e, int(t0), min(dur, steps - int(t0))))
   p = _scale_shares(p, factor)
   src = np.exp(source_sigma * rng.standard_normal((layers, sources, experts)))
-  p = p[:, :, None, :] * src[None]                                     # [Z, L, W, E]
+  p = p[:, :, None, :] * src[None]                                     # [steps, L, W, E]
   p /= p.sum(-1, keepdims=True)
   counts = rng.multinomial(top_k * tokens_per_source, p).astype(np.int64)
   return {"counts": counts, "top_k": int(top_k), "step": np.arange(steps, dtype=np.int64),
@@ -85,27 +85,27 @@ def _smooth_drift(rng, steps: int, shape: tuple[int, ...], tau: int) -> np.ndarr
   return out / max(float(out.std(0).mean()), 1e-12)
 
 
-def _scale_shares(p_ZxLxE: np.ndarray, factor_ZxLxE: np.ndarray) -> np.ndarray:
+def _scale_shares(p_stepsxLxE: np.ndarray, factor_stepsxLxE: np.ndarray) -> np.ndarray:
   """Shares with the bursting experts' shares multiplied by their factor and the others
   shrunk in proportion to keep the sum at 1 (a bursting share is capped at 0.9)."""
-  boosted = np.where(factor_ZxLxE != 1.0, np.minimum(p_ZxLxE * factor_ZxLxE, 0.9), 0.0)
+  boosted = np.where(factor_stepsxLxE != 1.0, np.minimum(p_stepsxLxE * factor_stepsxLxE, 0.9), 0.0)
   total = np.minimum(boosted.sum(-1, keepdims=True), 0.9)
   boosted *= np.where(boosted.sum(-1, keepdims=True) > 0,
                       total / np.maximum(boosted.sum(-1, keepdims=True), 1e-300), 1.0)
-  rest = np.where(factor_ZxLxE != 1.0, 0.0, p_ZxLxE)
+  rest = np.where(factor_stepsxLxE != 1.0, 0.0, p_stepsxLxE)
   rest *= (1.0 - total) / np.maximum(rest.sum(-1, keepdims=True), 1e-300)
   return boosted + rest
 
 
-def step_change(counts_ZxLxWxE: np.ndarray, hot: int = 8) -> dict:
+def step_change(counts_stepsxLxWxE: np.ndarray, hot: int = 8) -> dict:
   """Relative change |share_{t+1} - share_t| / share_t of each layer's `hot` largest experts
   (by mean share), pooled over steps and layers: median, p90; plus the consecutive-step
   correlation of the expert-load vectors, the hottest expert's mean share and the choices per
   step and layer."""
-  load = np.asarray(counts_ZxLxWxE, np.float64).sum(2)               # [Z, L, E]
+  load = np.asarray(counts_stepsxLxWxE, np.float64).sum(2)               # [steps, L, E]
   share = load / np.maximum(load.sum(-1, keepdims=True), 1.0)
   top = np.argsort(-share.mean(0), axis=-1)[:, :hot]                  # [L, hot]
-  s = np.take_along_axis(share, top[None], axis=-1)                   # [Z, L, hot]
+  s = np.take_along_axis(share, top[None], axis=-1)                   # [steps, L, hot]
   rel = np.abs(np.diff(s, axis=0)) / np.maximum(s[:-1], 1e-12)
   corr = [np.corrcoef(load[t, i], load[t + 1, i])[0, 1]
           for t in range(len(load) - 1) for i in range(load.shape[1])]

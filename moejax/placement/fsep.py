@@ -208,12 +208,12 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
                    src_dev_W: np.ndarray, cost: CostModel | None = None,
                    num_devices: int | None = None,
                    options: FsepOptions = FsepOptions(),
-                   samples_ZxWxE: np.ndarray | None = None) -> Placement:
+                   samples_stepsxWxE: np.ndarray | None = None) -> Placement:
   """One MoE layer's FSEP layout for the predicted counts pred_WxE (see the module doc).
   `current` is not needed (a layout change is free in FSEP); only its num_devices is used when
   num_devices is not given. options.exact_parts=False skips snapping and rounding to router
   parts (faster, but on N >= 256 the router's own rounding then costs a few percent of
-  balance). `samples_ZxWxE`: the finished steps pred_WxE averages, which plan_for='spread'
+  balance). `samples_stepsxWxE`: the finished steps pred_WxE averages, which plan_for='spread'
   plans for (moejax.placement.spread); without two or more it plans for the mean."""
   o = options
   if o.plan_for not in PLAN_FOR:
@@ -230,15 +230,15 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
                       f"devices x C={c} slots = {n * max(c, 0)}; set slots per device to at "
                       f"least ceil(E/N)={-(-num_experts // n)}.")
   cost = cost or CostModel()
-  spread = (o.plan_for == "spread" and samples_ZxWxE is not None and len(samples_ZxWxE) > 1)
+  spread = (o.plan_for == "spread" and samples_stepsxWxE is not None and len(samples_stepsxWxE) > 1)
   if spread and o.center == "median":
-    pred = recent_center(pred, samples_ZxWxE, o.center_steps)
+    pred = recent_center(pred, samples_stepsxWxE, o.center_steps)
   dev_NxE = fold_sources(pred, src_dev_W, n)
   load_E = column_sums(dev_NxE)
   rounds = min(c, num_experts)              # more than E slots: every device holds all E
   total = n * rounds
-  load_ZxE = window_loads(samples_ZxWxE, src_dev_W, n, load_E.sum()) if spread else None
-  targets = [load_E] + (hedge_loads(load_ZxE) if spread else [])
+  load_stepsxE = window_loads(samples_stepsxWxE, src_dev_W, n, load_E.sum()) if spread else None
+  targets = [load_E] + (hedge_loads(load_stepsxE) if spread else [])
   counts = {}
   for kind, target in itertools.product(o.candidates, targets):
     r_E = replica_counts(kind, target, total, n)
@@ -246,31 +246,31 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
     if o.exact_parts:
       r_E, coarse_E = snap_counts(r_E, load_E, total, n, o.min_parts, o.max_part, kind)
     counts.setdefault(r_E.tobytes(), (r_E, coarse_E))      # duplicates evaluated once
-  r_YxE = np.stack([r for r, _ in counts.values()])
-  coarse_YxE = np.stack([m for _, m in counts.values()])
+  r_candsxE = np.stack([r for r, _ in counts.values()])
+  coarse_candsxE = np.stack([m for _, m in counts.values()])
   total_N = np.einsum("ne->n", dev_NxE)
   cap_N = None if o.capacity_factor is None else o.capacity_factor * total_N / (n * c)
-  peak_of = functools.partial(_peaks, load_E=load_E, load_ZxE=load_ZxE, dev_NxE=dev_NxE,
+  peak_of = functools.partial(_peaks, load_E=load_E, load_stepsxE=load_stepsxE, dev_NxE=dev_NxE,
                               total_N=total_N, n=n, rounds=rounds, iters=o.level_iters)
   # The candidate with the lowest bound on its score first; the others only where their
   # bound does not already rule them out, before they are placed (at N = 4096 'even' snaps
   # every expert to even shares, and its bound, 1.6x the mean load, rules it out). Bounds
   # are checked against the score before it is tie-broken, so pruning changes no choice.
-  peak_lo, sent_lo = _deal_bound(r_YxE, coarse_YxE, load_E, load_ZxE, dev_NxE, total_N, n,
-                                 rounds)
+  peak_lo, sent_lo = _deal_bound(r_candsxE, coarse_candsxE, load_E, load_stepsxE, dev_NxE,
+                                 total_N, n, rounds)
   bound_s = np.array([cost.compute_s(float(b)) + cost.exchange_s(float(x))
                       for b, x in zip(peak_lo, sent_lo)])
   first = [int(np.argmin(bound_s))]
   lev = []                                  # the first candidate's levelling, for `quantise`
-  grid, share, peak, _ = peak_of(r_YxE[first], coarse_YxE[first], sent_too=False,
+  grid, share, peak, _ = peak_of(r_candsxE[first], coarse_candsxE[first], sent_too=False,
                                  levelled_out=lev)
   sent = _first_sent(grid, share, peak, bound_s, first[0], cost, dev_NxE, load_E, total_N)
   first_s = cost.compute_s(float(peak[0])) + cost.exchange_s(float(sent[0]))
-  rest = [y for y in range(len(r_YxE)) if y != first[0]
+  rest = [y for y in range(len(r_candsxE)) if y != first[0]
           and bound_s[y] <= first_s * (1 + TIME_SLACK)]
   if rest:
     lev = []
-    more = peak_of(r_YxE[rest], coarse_YxE[rest])
+    more = peak_of(r_candsxE[rest], coarse_candsxE[rest])
     order = np.argsort(first + rest, kind="stable")           # candidates in their given order
     grid, share, peak, sent = (np.concatenate([a, b])[order]
                                for a, b in zip((grid, share, peak, sent), more))
@@ -282,13 +282,13 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
     best = int(min(np.flatnonzero(close), key=lambda k: (dropped[k], step_s[k])))
   else:
     best = int(np.argmin(step_s))
-  coarse_E = coarse_YxE[kept_y[best]]
+  coarse_E = coarse_candsxE[kept_y[best]]
   grid = grid[best]
   share = share[best]
   if o.exact_parts:
-    live, fixed = (lev[0].live, lev[0].fixed_YxN) if lev else (None, None)
+    live, fixed = (lev[0].live, lev[0].fixed_candsxN) if lev else (None, None)
     share = quantise(grid[None], share[None], load_E, o.quantise_groups,  # `level` kept
-                     whole_YxE=coarse_E[None], live=live, fixed_YxN=fixed)[0]  # them 1/r_e
+                     whole_candsxE=coarse_E[None], live=live, fixed_candsxN=fixed)[0]  # them 1/r_e
   if c == rounds:
     slot_expert, slot_share = grid.astype(np.int32), share
   else:
@@ -316,23 +316,23 @@ def _first_sent(grid, share, peak, bound_s, first, cost, dev_NxE, load_E, total_
   return np.array([total_N.max()])
 
 
-def _peaks(r_YxE, coarse_YxE, *, load_E, load_ZxE, dev_NxE, total_N, n, rounds, iters,
+def _peaks(r_candsxE, coarse_candsxE, *, load_E, load_stepsxE, dev_NxE, total_N, n, rounds, iters,
            sent_too=True, levelled_out=None):
-  """(grid, shares, score load, max sent) [Y, ...] of candidate replica counts r_YxE: placed,
+  """(grid, shares, score load, max sent) [Y, ...] of candidate replica counts r_candsxE: placed,
   levelled, scored on the busiest device (averaged over the window's steps when given).
   sent_too=False: max sent is None (not computed). `levelled_out`: a list that receives
   `fsep_shares.levelled`'s answer (for `quantise`). With snapped experts the busiest device
   is `levelled`'s own figure (snapped loads + the levelled rest), not a second sum over
   every replica."""
-  grid, even_YxN = deal(r_YxE, load_E, n, rounds)
-  lev = levelled(grid, r_YxE, load_E, iters, coarse_YxE, even_YxN=even_YxN)
+  grid, even_candsxN = deal(r_candsxE, load_E, n, rounds)
+  lev = levelled(grid, r_candsxE, load_E, iters, coarse_candsxE, even_candsxN=even_candsxN)
   share = lev.share
   if levelled_out is not None:
     levelled_out.append(lev)
-  if load_ZxE is not None:
-    peak = mean_peak(grid, share, load_ZxE)
-  elif lev.peak_Y is not None:
-    peak = lev.peak_Y
+  if load_stepsxE is not None:
+    peak = mean_peak(grid, share, load_stepsxE)
+  elif lev.peak_cands is not None:
+    peak = lev.peak_cands
   else:
     peak = device_load(grid, share, load_E).max(1)
   if not sent_too:

@@ -1,7 +1,7 @@
 """How the fsep planner scores its candidate layouts on predicted counts (numpy only).
 
-Candidates are Y layouts grid[Y, N, rounds] (the expert of each replica, one per (device,
-expert)) with token shares share[Y, N, rounds]; counts are folded onto devices first.
+Candidates are Y layouts grid[cands, N, rounds] (the expert of each replica, one per (device,
+expert)) with token shares share[cands, N, rounds]; counts are folded onto devices first.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from moejax.placement.fsep_deal import LARGE_MESH
 
 
 def own_counts(grid: np.ndarray, dev_NxE: np.ndarray) -> np.ndarray:
-  """[Y, N, rounds]: device d's own count of the expert of each of its replicas."""
+  """[cands, N, rounds]: device d's own count of the expert of each of its replicas."""
   n, num_experts = dev_NxE.shape
   return dev_NxE.ravel().take(grid + (np.arange(n) * num_experts)[None, :, None])
 
@@ -21,11 +21,11 @@ def estimate(grid: np.ndarray, share: np.ndarray, dev_NxE: np.ndarray,
              load_E: np.ndarray, kept: np.ndarray | None = None,
              remote: np.ndarray | None = None, own: np.ndarray | None = None,
              total_N: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-  """(device load [Y, N], tokens each device sends off itself [Y, N]) under the "split"
-  routing of the dense dispatch on the counts dev_NxE, for replicas grid[Y, N, rounds] (one
-  per (device, expert)) with token shares share[Y, N, rounds]. Without `kept`, each source
+  """(device load [cands, N], tokens each device sends off itself [cands, N]) under the "split"
+  routing of the dense dispatch on the counts dev_NxE, for replicas grid[cands, N, rounds] (one
+  per (device, expert)) with token shares share[cands, N, rounds]. Without `kept`, each source
   splits its tokens for e by the shares, so it keeps share x own tokens local; with the kept
-  fraction kept[Y, N, rounds] of a device's own tokens and the shares `remote` of the rest
+  fraction kept[cands, N, rounds] of a device's own tokens and the shares `remote` of the rest
   (`locality.keep_local`), it keeps kept x own + remote x (1 - kept) x own. `own`
   (own_counts) and `total_N` (dev_NxE's row sums) may be passed when already computed."""
   own = own_counts(grid, dev_NxE) if own is None else own
@@ -35,20 +35,20 @@ def estimate(grid: np.ndarray, share: np.ndarray, dev_NxE: np.ndarray,
 
 
 def device_load(grid: np.ndarray, share: np.ndarray, load_E: np.ndarray) -> np.ndarray:
-  """[Y, N]: each device's quota load, the first half of `estimate`."""
+  """[cands, N]: each device's quota load, the first half of `estimate`."""
   return np.einsum("knr->kn", share * load_E.take(grid))
 
 
 def overflow(grid: np.ndarray, share: np.ndarray, dev_NxE: np.ndarray,
              cap_N: np.ndarray) -> np.ndarray:
-  """Dropped share [Y] of all choices when source device s sends dev_NxE[s, e] x share to
-  each replica of e (grid[Y, N, rounds], share[Y, N, rounds]) and a (source, slot) pair
+  """Dropped share [cands] of all choices when source device s sends dev_NxE[s, e] x share to
+  each replica of e (grid[cands, N, rounds], share[cands, N, rounds]) and a (source, slot) pair
   takes at most cap_N[s] rows. An estimate for ranking candidates: mean counts (no spread),
   no rounding of the capacity, and sources already folded onto their expert-axis device
   (with data > 1, sources that differ overflow more than this says). Memory grows as
   Y x N^2 x rounds (about 1 GB at N=1024, C=64)."""
-  rows_YxNxNxC = dev_NxE[:, grid].transpose(1, 0, 2, 3) * share[:, None]
-  over = np.maximum(rows_YxNxNxC - cap_N[None, :, None, None], 0.0).sum((1, 2, 3))
+  rows_candsxNxNxC = dev_NxE[:, grid].transpose(1, 0, 2, 3) * share[:, None]
+  over = np.maximum(rows_candsxNxNxC - cap_N[None, :, None, None], 0.0).sum((1, 2, 3))
   return over / max(float(dev_NxE.sum()), 1e-12)
 
 

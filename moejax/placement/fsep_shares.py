@@ -1,7 +1,7 @@
 """Token shares of the fsep planner's placed candidates: levelling and rounding (numpy only).
 
-Candidates are Y layouts grid[Y, N, rounds] (the expert of each replica, at most one per
-(device, expert)); shares are [Y, N, rounds] and sum to 1 per expert and candidate. Both steps
+Candidates are Y layouts grid[cands, N, rounds] (the expert of each replica, at most one per
+(device, expert)); shares are [cands, N, rounds] and sum to 1 per expert and candidate. Both steps
 work on a flat list of the replicas that can still change: at N = 4096, E = 256, C = 8 the
 experts snapped to even power-of-two shares (fsep.snap_counts) hold ~86% of the replicas, so
 the other 14% are all that levelling and rounding touch.
@@ -18,7 +18,7 @@ from moejax.placement.fsep_deal import LARGE_MESH
 
 
 def expert_index(grid: np.ndarray, num_experts: int) -> np.ndarray:
-  """[Y * N * rounds]: each replica's expert, offset by E per candidate (one table of all Y)."""
+  """[cands * N * rounds]: each replica's expert, offset by E per candidate (one table of all Y)."""
   k = grid.shape[0]
   if k == 1:                                 # the common case: no offsets to add
     return grid.reshape(-1)
@@ -27,16 +27,16 @@ def expert_index(grid: np.ndarray, num_experts: int) -> np.ndarray:
 
 class Levelled(NamedTuple):
   """What `levelled` returns; the last three are None where no expert is frozen."""
-  share: np.ndarray                 # [Y, N, rounds]
+  share: np.ndarray                 # [cands, N, rounds]
   live: np.ndarray | None           # flat indices of the replicas of experts not frozen
-  fixed_YxN: np.ndarray | None      # each device's load from its frozen replicas
-  peak_Y: np.ndarray | None         # the busiest device's load under `share`
+  fixed_candsxN: np.ndarray | None      # each device's load from its frozen replicas
+  peak_cands: np.ndarray | None         # the busiest device's load under `share`
 
 
-def levelled(grid: np.ndarray, r_YxE: np.ndarray, load_E: np.ndarray, iters: int,
-             frozen_YxE: np.ndarray | None = None, alpha: float = 1.5,
-             tol: float = 1e-3, even_YxN: np.ndarray | None = None) -> Levelled:
-  """Token shares [Y, N, rounds] of the replicas in grid[Y, N, rounds]. They start even
+def levelled(grid: np.ndarray, r_candsxE: np.ndarray, load_E: np.ndarray, iters: int,
+             frozen_candsxE: np.ndarray | None = None, alpha: float = 1.5,
+             tol: float = 1e-3, even_candsxN: np.ndarray | None = None) -> Levelled:
+  """Token shares [cands, N, rounds] of the replicas in grid[cands, N, rounds]. They start even
   (1/r_e); the replicas of experts not frozen (see snap_counts) are levelled towards equal
   device loads by up to `iters` Sinkhorn steps: each share is scaled by (its device's target /
   its device's levelled load) ** alpha, the target being the mean load less the device's
@@ -50,20 +50,20 @@ def levelled(grid: np.ndarray, r_YxE: np.ndarray, load_E: np.ndarray, iters: int
   indices of the other replicas (what `quantise` rounds), the devices' frozen loads, and the
   busiest device's load (frozen + levelled), so that scoring and rounding need no second
   pass over all N x rounds replicas (at N = 4096 the frozen ones are 86% of 32,768).
-  `even_YxN`: each device's load at even shares (`fsep_deal.deal`'s); the frozen loads are
+  `even_candsxN`: each device's load at even shares (`fsep_deal.deal`'s); the frozen loads are
   then that less the other replicas' even loads, not a gather and sum over every replica."""
-  r_YxE = np.atleast_2d(r_YxE)
+  r_candsxE = np.atleast_2d(r_candsxE)
   k, n, rounds = grid.shape
   num_experts = len(load_E)
   gflat = expert_index(grid, num_experts)
-  share = (1.0 / r_YxE.ravel()).take(gflat)
+  share = (1.0 / r_candsxE.ravel()).take(gflat)
   mean = load_E.sum() / n
   if mean <= 0 or iters < 1:
     return Levelled(share.reshape(grid.shape), None, None, None)
   fixed = np.zeros(k * n)
-  frozen = frozen_YxE is not None and frozen_YxE.any()
+  frozen = frozen_candsxE is not None and frozen_candsxE.any()
   if frozen:
-    frozen_E = np.atleast_2d(frozen_YxE).ravel()
+    frozen_E = np.atleast_2d(frozen_candsxE).ravel()
     live = np.flatnonzero((~frozen_E).take(gflat))
   else:
     live = np.arange(len(gflat))
@@ -73,10 +73,10 @@ def levelled(grid: np.ndarray, r_YxE: np.ndarray, load_E: np.ndarray, iters: int
   cand = d // n if k > 1 else None
   best = share[live]
   best_load = np.bincount(d, weights=best * w, minlength=k * n)
-  if frozen and even_YxN is not None:    # the deal's loads less the live replicas' (>= 0:
-    fixed = np.maximum(even_YxN.ravel() - best_load, 0.0)     # rounding at devices of none)
+  if frozen and even_candsxN is not None:    # the deal's loads less the live replicas' (>= 0:
+    fixed = np.maximum(even_candsxN.ravel() - best_load, 0.0)     # rounding at devices of none)
   elif frozen:
-    per_E = np.where(frozen_E, np.tile(load_E, k) / r_YxE.ravel(), 0.0)
+    per_E = np.where(frozen_E, np.tile(load_E, k) / r_candsxE.ravel(), 0.0)
     fixed = np.einsum("ir->i", per_E.take(gflat).reshape(k * n, rounds))  # stay 1/r_e
   target = np.maximum(mean - fixed, mean * 1e-6)
   a = np.full(k, float(alpha))
@@ -107,10 +107,10 @@ def levelled(grid: np.ndarray, r_YxE: np.ndarray, load_E: np.ndarray, iters: int
 
 
 def quantise(grid: np.ndarray, share: np.ndarray, load_E: np.ndarray,
-             groups: int = 8, base_YxN: np.ndarray | None = None,
-             whole_YxE: np.ndarray | None = None, live: np.ndarray | None = None,
-             fixed_YxN: np.ndarray | None = None) -> np.ndarray:
-  """Shares [Y, N, rounds] rounded to whole parts of SHARE_PARTS, the unit in which the
+             groups: int = 8, base_candsxN: np.ndarray | None = None,
+             whole_candsxE: np.ndarray | None = None, live: np.ndarray | None = None,
+             fixed_candsxN: np.ndarray | None = None) -> np.ndarray:
+  """Shares [cands, N, rounds] rounded to whole parts of SHARE_PARTS, the unit in which the
   router (`placement.share_parts` / `quotas`) splits an expert's tokens, keeping device loads
   level: floor every share, then give each expert's missing parts one each to its replicas on
   the devices furthest below the mean load (ties: larger fractional part). Experts go in
@@ -121,12 +121,12 @@ def quantise(grid: np.ndarray, share: np.ndarray, load_E: np.ndarray,
   With many devices one part of a hot expert is a large slice of a device's load (for E=64 on
   N=1024 the hottest part is ~8% of the mean device load), so leaving the rounding to the
   router's largest-remainder rule costs several percent of balance. share * SHARE_PARTS is an
-  integer here, so share_parts reproduces these parts exactly. `base_YxN`: load the devices
+  integer here, so share_parts reproduces these parts exactly. `base_candsxN`: load the devices
   already carry (the tokens replicas keep locally), levelled together with these parts.
-  `whole_YxE`: experts whose shares are known to be whole parts summing to SHARE_PARTS (the
+  `whole_candsxE`: experts whose shares are known to be whole parts summing to SHARE_PARTS (the
   snapped ones, 1/r_e with r_e a power of two <= SHARE_PARTS): their replicas are skipped
   when counting the parts still missing (at N = 4096, 86% of them), and their parts are
-  their shares x SHARE_PARTS already. `live`, `fixed_YxN`: the flat indices of the other
+  their shares x SHARE_PARTS already. `live`, `fixed_candsxN`: the flat indices of the other
   replicas and each device's load from the whole ones, when the caller has them (`levelled`
   on the same grid and mask): the devices' loads are then that plus the other replicas'
   parts, not a sum over every replica (each whole replica's parts x tokens per part is
@@ -135,12 +135,12 @@ def quantise(grid: np.ndarray, share: np.ndarray, load_E: np.ndarray,
   num_experts = len(load_E)
   gflat = expert_index(grid, num_experts)
   flat = share.ravel()
-  if whole_YxE is None:           # every replica is rounded; arrays below are over `live`
+  if whole_candsxE is None:           # every replica is rounded; arrays below are over `live`
     live, g_live = np.arange(len(gflat)), gflat
     exact = flat * SHARE_PARTS
   else:                           # whole ones keep their shares: 1024 / r_e parts already
     if live is None:
-      live = np.flatnonzero((~np.atleast_2d(whole_YxE).ravel()).take(gflat))
+      live = np.flatnonzero((~np.atleast_2d(whole_candsxE).ravel()).take(gflat))
     g_live = gflat.take(live)
     exact = flat.take(live) * SHARE_PARTS
   parts = np.floor(exact + 1e-9)
@@ -148,20 +148,20 @@ def quantise(grid: np.ndarray, share: np.ndarray, load_E: np.ndarray,
   short = SHARE_PARTS - np.bincount(g_live, weights=parts, minlength=k * num_experts)
   unit = load_E / SHARE_PARTS                                   # tokens per part
   expert = grid.reshape(-1)                                      # without candidate offsets
-  if whole_YxE is not None and fixed_YxN is not None:
-    dev_load = fixed_YxN.ravel() + np.bincount(
+  if whole_candsxE is not None and fixed_candsxN is not None:
+    dev_load = fixed_candsxN.ravel() + np.bincount(
         live // rounds, weights=parts * unit.take(expert.take(live)), minlength=k * n)
   else:
     parts_all = parts
-    if whole_YxE is not None:
+    if whole_candsxE is not None:
       parts_all = flat * SHARE_PARTS
       parts_all[live] = parts
     dev_load = np.einsum("ir,ir->i", parts_all.reshape(k * n, rounds),
                          unit.take(expert).reshape(k * n, rounds))
   mean_D = np.full(k * n, load_E.sum() / n)                    # each device's level
-  if base_YxN is not None:
-    dev_load += base_YxN.ravel()
-    mean_D += np.repeat(base_YxN.sum(1) / n, n)
+  if base_candsxN is not None:
+    dev_load += base_candsxN.ravel()
+    mean_D += np.repeat(base_candsxN.sum(1) / n, n)
   open_pos = np.flatnonzero(short.take(g_live) > 0.5)   # (in `live`) of unfinished experts
   if len(open_pos):
     frac = exact.take(open_pos) - parts.take(open_pos)
@@ -197,7 +197,7 @@ def quantise(grid: np.ndarray, share: np.ndarray, load_E: np.ndarray,
       up = live.take(up)
       dev_load += np.bincount(up // rounds, weights=unit.take(expert.take(up)),
                               minlength=k * n)
-  if whole_YxE is None:
+  if whole_candsxE is None:
     return (parts / SHARE_PARTS).reshape(share.shape)
   out = flat.copy()
   out[live] = parts / SHARE_PARTS

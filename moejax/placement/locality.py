@@ -25,16 +25,16 @@ from moejax.placement.fsep_score import own_counts
 
 
 def keep_local(grid: np.ndarray, share: np.ndarray, dev_NxE: np.ndarray, load_E: np.ndarray,
-               cap_N: np.ndarray | None = None, coarse_YxE: np.ndarray | None = None
+               cap_N: np.ndarray | None = None, coarse_candsxE: np.ndarray | None = None
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """(kept [Y, N, rounds], remote [Y, N, rounds], rest [Y, E]) for the replicas
-  grid[Y, N, rounds] with shares share[Y, N, rounds] on device counts dev_NxE: the fraction of
-  its own tokens each replica keeps (1 where the device predicts none, so unexpected tokens
-  stay home), the shares of the rest per expert (the plain shares where nothing is left), and
-  each expert's predicted tokens left to split. Experts marked in `coarse_YxE` (see
-  fsep.snap_counts: their shares are whole, even router parts) keep nothing back: the rest's
-  shares would no longer be even, and one part of a hot expert on many devices is a few
-  percent of a device's load, so rounding them would unlevel the devices."""
+  """(kept [cands, N, rounds], remote [cands, N, rounds], rest [cands, E]) for the replicas
+  grid[cands, N, rounds] with shares share[cands, N, rounds] on device counts dev_NxE: the fraction
+  of its own tokens each replica keeps (1 where the device predicts none, so unexpected tokens stay
+  home), the shares of the rest per expert (the plain shares where nothing is left), and each
+  expert's predicted tokens left to split. Experts marked in `coarse_candsxE` (see fsep.snap_counts:
+  their shares are whole, even router parts) keep nothing back: the rest's shares would no longer be
+  even, and one part of a hot expert on many devices is a few percent of a device's load, so
+  rounding them would unlevel the devices."""
   k = grid.shape[0]
   num_experts = len(load_E)
   quota = share * load_E.take(grid)
@@ -44,8 +44,8 @@ def keep_local(grid: np.ndarray, share: np.ndarray, dev_NxE: np.ndarray, load_E:
     keep = np.minimum(keep, cap_N[None, :, None])
   gflat = grid + (np.arange(k) * num_experts)[:, None, None]
   kept = np.where(own > 0, keep / np.maximum(own, 1e-300), 1.0)
-  if coarse_YxE is not None and coarse_YxE.any():
-    coarse = np.atleast_2d(coarse_YxE).ravel().take(gflat)
+  if coarse_candsxE is not None and coarse_candsxE.any():
+    coarse = np.atleast_2d(coarse_candsxE).ravel().take(gflat)
     keep, kept = np.where(coarse, 0.0, keep), np.where(coarse, 0.0, kept)
   left = quota - keep
   rest = np.bincount(gflat.ravel(), weights=left.ravel(), minlength=k * num_experts)

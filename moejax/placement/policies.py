@@ -2,9 +2,9 @@
 
 Every policy is called as
   policy(pred_WxE, current, *, slots, src_dev_W, cost, num_devices, options,
-         samples_ZxWxE=None) -> Placement
+         samples_stepsxWxE=None) -> Placement
 for one MoE layer; `pred_WxE` is the predicted (token, k) count each source sends to each
-expert, built only from finished steps (see `predict`); `samples_ZxWxE`, when given, the
+expert, built only from finished steps (see `predict`); `samples_stepsxWxE`, when given, the
 finished steps it averages, for a policy that scores drops step by step. A policy uses what
 it needs of the shared keywords; `options` is its own frozen dataclass (`make_options` builds
 it by name and rejects an option the policy does not have).
@@ -31,9 +31,9 @@ def place_static(pred_WxE: np.ndarray, current: placement_lib.Placement, *,
                  slots: int | None = None, src_dev_W: np.ndarray | None = None,
                  cost: CostModel | None = None, num_devices: int | None = None,
                  options: StaticOptions = StaticOptions(),
-                 samples_ZxWxE: np.ndarray | None = None) -> placement_lib.Placement:
+                 samples_stepsxWxE: np.ndarray | None = None) -> placement_lib.Placement:
   """Expert e on device e // (E/N), whatever the load."""
-  del samples_ZxWxE
+  del samples_stepsxWxE
   return placement_lib.static(np.asarray(pred_WxE).shape[1], current.num_devices)
 
 
@@ -63,9 +63,9 @@ def make_options(name: str, **given):
   return cls(**given)
 
 
-def predict(history_ZxLxWxE: np.ndarray, window: int) -> np.ndarray:
+def predict(history_stepsxLxWxE: np.ndarray, window: int) -> np.ndarray:
   """Predicted counts [L, W, E]: mean of the last `window` finished steps."""
-  h = np.asarray(history_ZxLxWxE, np.float64)
+  h = np.asarray(history_stepsxLxWxE, np.float64)
   if len(h) == 0 or window < 1:
     raise ValueError(f"predict needs >= 1 finished step and window >= 1 (got {len(h)}, {window})")
   return h[-window:].mean(0)

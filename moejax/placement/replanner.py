@@ -82,15 +82,15 @@ class OnlinePlanner:
 
   def propose(self, current: list[Placement]) -> tuple[list[Placement], list[Switch]]:
     """New placements per layer (the current one where no switch pays off)."""
-    history_ZxLxNxE = np.stack(self.history)[-self.cfg.window:]
-    pred_LxNxE = policies.predict(history_ZxLxNxE, self.cfg.window)
+    history_stepsxLxNxE = np.stack(self.history)[-self.cfg.window:]
+    pred_LxNxE = policies.predict(history_stepsxLxNxE, self.cfg.window)
     src = np.arange(self.num_devices)
     out, switches = list(current), []
     for layer, pred_NxE in enumerate(pred_LxNxE):
       cur = current[layer]
       new = self.policy(pred_NxE, cur, slots=cur.slots_per_device, src_dev_W=src,
                         cost=self.cost, num_devices=self.num_devices, options=self.options,
-                        samples_ZxWxE=history_ZxLxNxE[:, layer])
+                        samples_stepsxWxE=history_stepsxLxNxE[:, layer])
       if (np.array_equal(new.slot_expert, cur.slot_expert) and
           np.allclose(new.share, cur.share, atol=0.5 / placement_lib.SHARE_PARTS) and
           np.array_equal(placement_lib.local_parts(new), placement_lib.local_parts(cur))):

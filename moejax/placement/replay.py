@@ -12,7 +12,7 @@ use at step t is evaluated with `flow` on the actual counts of step t: max/mean 
 (median, p90 and mean over steps x layers), tokens whose expert runs off their source device,
 and, per decision, experts moved ((expert, device) copies in the new layout that the old one
 lacked) and the policy call's wall time. The policy also gets the window's steps themselves
-(`samples_ZxWxE`), for a planner that plans for their spread. One-copy policies (static,
+(`samples_stepsxWxE`), for a planner that plans for their spread. One-copy policies (static,
 smartmoe) get E/N slots per device whatever --slots says (E must divide by N); the others get
 --slots (>= E/N).
 
@@ -83,7 +83,7 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
       for layer in range(layers):
         t0 = time.perf_counter()
         new = place(pred[layer], current[layer], slots=c_eff, src_dev_W=src_dev, cost=cost,
-                    num_devices=devices, samples_ZxWxE=seen[:, layer])
+                    num_devices=devices, samples_stepsxWxE=seen[:, layer])
         times.append(time.perf_counter() - t0)
         new.validate(experts)
         planned = flow(held(new, shares), pred[layer], src_dev)

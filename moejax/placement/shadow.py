@@ -46,9 +46,9 @@ class ShadowOptions:
 def place_shadows(pred_WxE: np.ndarray, current: placement_lib.Placement, *, slots: int,
                   src_dev_W: np.ndarray, cost: CostModel, num_devices: int | None = None,
                   options: ShadowOptions = ShadowOptions(),
-                  samples_ZxWxE: np.ndarray | None = None) -> placement_lib.Placement:
+                  samples_stepsxWxE: np.ndarray | None = None) -> placement_lib.Placement:
   """The static layout plus the shadows that pay off (see the module doc)."""
-  del samples_ZxWxE
+  del samples_stepsxWxE
   pred_WxE = np.asarray(pred_WxE, np.float64)
   num_experts, n = pred_WxE.shape[1], current.num_devices
   base = placement_lib.static(num_experts, n)

@@ -13,7 +13,7 @@ Under pooled capacity (`moe.capacity = 'device'`, `pooled_capacity_factor` > 0) 
 not the busiest device's mean load but the choices each (source, device) buffer drops, step
 by step: two pairings with the same mean peak can drop very differently once per-step
 fluctuations are counted. Then every candidate is scored by the drops it would have had on
-each recent step (`samples_ZxWxE`), the best is improved by pair swaps on that score, and
+each recent step (`samples_stepsxWxE`), the best is improved by pair swaps on that score, and
 `min_gain` applies to the predicted drops.
 """
 
@@ -85,24 +85,26 @@ class SmartMoEOptions:
   pooled_capacity_factor: float = 0.0   # > 0: score by pooled drops at this factor (see doc)
 
 
-def pooled_drops(samples_ZxWxE: np.ndarray, dev_E: np.ndarray, n: int,
-                 cap_ZxW: np.ndarray) -> float:
-  """Choices the (source, device) buffers of `cap_ZxW` rows drop over the sampled steps."""
-  load_ZxWxN = samples_ZxWxE @ np.eye(n)[dev_E]
-  return float(np.maximum(load_ZxWxN - cap_ZxW[..., None], 0).sum())
+def pooled_drops(samples_stepsxWxE: np.ndarray, dev_E: np.ndarray, n: int,
+                 cap_stepsxW: np.ndarray) -> float:
+  """Choices the (source, device) buffers of `cap_stepsxW` rows drop over the sampled steps."""
+  load_stepsxWxN = samples_stepsxWxE @ np.eye(n)[dev_E]
+  return float(np.maximum(load_stepsxWxN - cap_stepsxW[..., None], 0).sum())
 
 
-def _swaps_for_drops(samples_ZxWxE, dev_E, n, cap_ZxW, max_iters):
+def _swaps_for_drops(samples_stepsxWxE, dev_E, n, cap_stepsxW, max_iters):
   """Best pair swap (on pooled drops) until none lowers them."""
   dev_E = dev_E.copy()
-  s_ExZxW = np.moveaxis(samples_ZxWxE, -1, 0)
+  s_ExstepsxW = np.moveaxis(samples_stepsxWxE, -1, 0)
   for _ in range(max_iters):
-    load_NxZxW = np.moveaxis(samples_ZxWxE @ np.eye(n)[dev_E], -1, 0)
-    drop_N = np.maximum(load_NxZxW - cap_ZxW, 0).sum((1, 2))
+    load_NxstepsxW = np.moveaxis(samples_stepsxWxE @ np.eye(n)[dev_E], -1, 0)
+    drop_N = np.maximum(load_NxstepsxW - cap_stepsxW, 0).sum((1, 2))
     # Swap a <-> b: a's device loses a and gains b, b's device the reverse.
-    delta_ExExZxW = s_ExZxW[None] - s_ExZxW[:, None]                     # [a, b]: s_b - s_a
-    at_a = np.maximum(load_NxZxW[dev_E][:, None] + delta_ExExZxW - cap_ZxW, 0).sum((2, 3))
-    at_b = np.maximum(load_NxZxW[dev_E][None, :] - delta_ExExZxW - cap_ZxW, 0).sum((2, 3))
+    delta_ExExstepsxW = s_ExstepsxW[None] - s_ExstepsxW[:, None]        # [a, b]: s_b - s_a
+    at_a = np.maximum(load_NxstepsxW[dev_E][:, None] + delta_ExExstepsxW - cap_stepsxW,
+                      0).sum((2, 3))
+    at_b = np.maximum(load_NxstepsxW[dev_E][None, :] - delta_ExExstepsxW - cap_stepsxW,
+                      0).sum((2, 3))
     gain_ExE = drop_N[dev_E][:, None] + drop_N[dev_E][None, :] - at_a - at_b
     gain_ExE[dev_E[:, None] == dev_E[None, :]] = 0
     a, b = np.unravel_index(np.argmax(gain_ExE), gain_ExE.shape)
@@ -116,9 +118,9 @@ def place_permutation(pred_WxE: np.ndarray, current: placement_lib.Placement, *,
                       slots: int | None = None, src_dev_W: np.ndarray | None = None,
                       cost: CostModel | None = None, num_devices: int | None = None,
                       options: SmartMoEOptions = SmartMoEOptions(),
-                      samples_ZxWxE: np.ndarray | None = None) -> placement_lib.Placement:
+                      samples_stepsxWxE: np.ndarray | None = None) -> placement_lib.Placement:
   """A permutation of the experts, E/N per device, for the summed load (see the module doc);
-  the shared keywords other than `current` (and `samples_ZxWxE` under pooled capacity) are
+  the shared keywords other than `current` (and `samples_stepsxWxE` under pooled capacity) are
   not needed."""
   min_gain = options.min_gain
   load_E = np.asarray(pred_WxE, np.float64).sum(0)
@@ -136,13 +138,13 @@ def place_permutation(pred_WxE: np.ndarray, current: placement_lib.Placement, *,
   local = _improve_by_swaps(load_E, cur_dev_E, n, iters)
   reshuffle = _improve_by_swaps(load_E, _lpt(load_E, cur_dev_E, n, c), n, iters)
   static_dev_E = np.arange(num_experts) // c
-  if options.pooled_capacity_factor > 0 and samples_ZxWxE is not None:
-    samples = np.asarray(samples_ZxWxE, np.float64)
+  if options.pooled_capacity_factor > 0 and samples_stepsxWxE is not None:
+    samples = np.asarray(samples_stepsxWxE, np.float64)
     # A source's buffer to each device holds cf x its balanced share of its choices.
-    cap_ZxW = np.ceil(options.pooled_capacity_factor * samples.sum(-1) / n)
-    score = lambda d: pooled_drops(samples, d, n, cap_ZxW)
+    cap_stepsxW = np.ceil(options.pooled_capacity_factor * samples.sum(-1) / n)
+    score = lambda d: pooled_drops(samples, d, n, cap_stepsxW)
     best = min((local, reshuffle, static_dev_E, cur_dev_E), key=score)
-    dev_E = _swaps_for_drops(samples, best, n, cap_ZxW, iters)
+    dev_E = _swaps_for_drops(samples, best, n, cap_stepsxW, iters)
   else:
     score = peak
     dev_E = reshuffle if peak(reshuffle) < peak(local) * (1 - min_gain) else local

@@ -23,21 +23,21 @@ import numpy as np
 from moejax.placement.fsep_score import fold_sources
 
 
-def window_loads(samples_ZxWxE: np.ndarray, src_dev_W: np.ndarray, n: int,
+def window_loads(samples_stepsxWxE: np.ndarray, src_dev_W: np.ndarray, n: int,
                  total: float) -> np.ndarray:
-  """[Z, E]: each finished step's expert loads, scaled to `total` tokens."""
-  s = np.asarray(samples_ZxWxE, np.float64)
-  load_ZxE = fold_sources(s.transpose(1, 0, 2).reshape(s.shape[1], -1), src_dev_W, n)
-  load_ZxE = load_ZxE.reshape(n, len(s), -1).sum(0)
-  return load_ZxE * (total / np.maximum(load_ZxE.sum(1, keepdims=True), 1e-12))
+  """[steps, E]: each finished step's expert loads, scaled to `total` tokens."""
+  s = np.asarray(samples_stepsxWxE, np.float64)
+  load_stepsxE = fold_sources(s.transpose(1, 0, 2).reshape(s.shape[1], -1), src_dev_W, n)
+  load_stepsxE = load_stepsxE.reshape(n, len(s), -1).sum(0)
+  return load_stepsxE * (total / np.maximum(load_stepsxE.sum(1, keepdims=True), 1e-12))
 
 
-def recent_center(pred_WxE: np.ndarray, samples_ZxWxE: np.ndarray, steps: int) -> np.ndarray:
+def recent_center(pred_WxE: np.ndarray, samples_stepsxWxE: np.ndarray, steps: int) -> np.ndarray:
   """pred_WxE with each expert's total set to its median share over the last `steps` samples
   (renormalised to sum to 1) times pred's total; each expert's split over sources is kept."""
-  load_ZxE = np.asarray(samples_ZxWxE, np.float64)[-steps:].sum(1)
-  share_ZxE = load_ZxE / np.maximum(load_ZxE.sum(1, keepdims=True), 1e-12)
-  med_E = np.median(share_ZxE, axis=0)
+  load_stepsxE = np.asarray(samples_stepsxWxE, np.float64)[-steps:].sum(1)
+  share_stepsxE = load_stepsxE / np.maximum(load_stepsxE.sum(1, keepdims=True), 1e-12)
+  med_E = np.median(share_stepsxE, axis=0)
   load_E = pred_WxE.sum(0)
   if med_E.sum() <= 0 or load_E.sum() <= 0:
     return pred_WxE
@@ -45,13 +45,13 @@ def recent_center(pred_WxE: np.ndarray, samples_ZxWxE: np.ndarray, steps: int) -
   return pred_WxE * np.where(load_E > 0, want_E / np.maximum(load_E, 1e-300), 0.0)[None]
 
 
-def hedge_loads(load_ZxE: np.ndarray) -> list[np.ndarray]:
+def hedge_loads(load_stepsxE: np.ndarray) -> list[np.ndarray]:
   """Load vectors to apportion replicas to besides the mean: the last step, mean + std."""
-  return [load_ZxE[-1], load_ZxE.mean(0) + load_ZxE.std(0)]
+  return [load_stepsxE[-1], load_stepsxE.mean(0) + load_stepsxE.std(0)]
 
 
-def mean_peak(grid: np.ndarray, share: np.ndarray, load_ZxE: np.ndarray) -> np.ndarray:
-  """[Y]: the busiest device's load, averaged over the window's steps, for the replicas
-  grid[Y, N, rounds] with shares share[Y, N, rounds]."""
-  quota_ZxYxNxR = share[None] * load_ZxE[:, grid]
-  return np.einsum("zknr->zkn", quota_ZxYxNxR).max(2).mean(0)
+def mean_peak(grid: np.ndarray, share: np.ndarray, load_stepsxE: np.ndarray) -> np.ndarray:
+  """[cands]: the busiest device's load, averaged over the window's steps, for the replicas
+  grid[cands, N, rounds] with shares share[cands, N, rounds]."""
+  quota_stepsxcandsxNxR = share[None] * load_stepsxE[:, grid]
+  return np.einsum("zknr->zkn", quota_stepsxcandsxNxR).max(2).mean(0)

@@ -88,7 +88,7 @@ def synthetic_trace(steps: int, layers: int, sources: int, experts: int, top_k: 
   w = min(1.0, _rho_for(corr, scale) / slow)
   z = (np.sqrt(w) * _ar1(rng, steps, (layers, experts), slow) +
        np.sqrt(1.0 - w) * rng.standard_normal((steps, layers, experts)))
-  logp = base[None] + scale * z                                        # [Z, L, E]
+  logp = base[None] + scale * z                                        # [steps, L, E]
   p = np.exp(logp - logp.max(-1, keepdims=True))
   p /= p.sum(-1, keepdims=True)
   if kind == "collapse" and experts > 1:                               # pin the top at 40%
@@ -96,7 +96,7 @@ def synthetic_trace(steps: int, layers: int, sources: int, experts: int, top_k: 
     p = np.where(is_top, 0.0, p)
     p = np.where(is_top, 0.40, 0.60 * p / p.sum(-1, keepdims=True))
   src = np.exp(source_sigma * rng.standard_normal((layers, sources, experts)))
-  p = p[:, :, None, :] * src[None]                                     # [Z, L, W, E]
+  p = p[:, :, None, :] * src[None]                                     # [steps, L, W, E]
   p /= p.sum(-1, keepdims=True)
   counts = rng.multinomial(top_k * tokens_per_source, p).astype(np.int64)
   return {"counts": counts, "top_k": int(top_k), "step": np.arange(steps, dtype=np.int64)}

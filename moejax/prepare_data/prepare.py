@@ -47,14 +47,15 @@ def _check_out(out: str) -> None:
                       "or delete those files yourself (nothing is overwritten).")
 
 
-def prepare(pattern: str, out: str, *, tokenizer: str | None = None, bpe_vocab: int = 0,
-            byte_level: bool = False, val_fraction: float = 0.05, exclude: tuple[str, ...] = (),
-            progress: bool = True, chunk_bytes: int = CHUNK_BYTES) -> dict:
+def prepare(pattern: str, out: str, *, tokenizer: str | None = None,
+            bpe_vocab: int | None = None, byte_level: bool = False, val_fraction: float = 0.05,
+            exclude: tuple[str, ...] = (), progress: bool = True,
+            chunk_bytes: int | None = None) -> dict:
   """Writes `out`/{train.bin, val.bin, meta.json} (and tokenizer.json unless byte-level) from
   the files matching `pattern`; returns the meta. Exactly one of `tokenizer` (a tokenizer.json),
   `bpe_vocab` (train a byte-level BPE of that size on the input) or `byte_level`. meta.json is
   written last, so a directory is usable only once complete."""
-  if sum([tokenizer is not None, bpe_vocab > 0, byte_level]) != 1:
+  if sum([tokenizer is not None, bpe_vocab is not None, byte_level]) != 1:
     raise ConfigError("give exactly one of --tokenizer FILE, --train_bpe VOCAB or --bytes.")
   if not 0.0 < val_fraction < 1.0:
     raise ConfigError(f"--val_fraction {val_fraction} must be in (0, 1); use e.g. 0.05.")
@@ -97,9 +98,10 @@ def prepare(pattern: str, out: str, *, tokenizer: str | None = None, bpe_vocab: 
           counts[chunk.val] += len(ids)
           bar.update(len(chunk.data))
     if not counts[True] or not counts[False]:
-      raise ConfigError(f"the {len(files)} input files gave {counts[False]} train and "
-                        f"{counts[True]} val tokens; both splits need some: give more files or "
-                        f"raise --val_fraction {val_fraction} (chunks are split by a hash).")
+      raise ConfigError(f"the {len(files)} input files ({sum(map(os.path.getsize, files))} "
+                        f"bytes) gave {counts[False]} train and {counts[True]} val tokens, too "
+                        "little text to make two chunks (8 KiB); both splits need some: give "
+                        "more text.")
     for split in (False, True):
       os.replace(paths[split] + ".tmp", paths[split])
   finally:

@@ -11,6 +11,7 @@ from moejax.config import ConfigError
 from moejax.train.data import is_val_file
 
 CHUNK_BYTES = 1 << 18   # a chunk ends at the last newline within this many bytes
+MIN_CHUNKS = 64         # an input smaller than 64 chunks is cut into smaller ones to split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,14 +58,17 @@ def _pieces(f, chunk_bytes: int) -> Iterator[bytes]:
     rest = data[cut:]
 
 
-def stream_chunks(files: list[str], val_fraction: float, root: str | None = None,
-                  chunk_bytes: int = CHUNK_BYTES) -> Iterator[Chunk]:
-  """Every file's chunks in order. Chunk k of a file goes to validation iff
-  `is_val_file(f"{relpath}:{k}", val_fraction)` (crc32, so the split is stable), which keeps
-  a file of one chunk whole and still splits a single large file."""
-  root = root or os.path.commonpath([os.path.abspath(p) for p in files])
-  if os.path.isfile(root):
-    root = os.path.dirname(root)
+def chunk_size(files: list[str], chunk_bytes: int | None = None) -> int:
+  """`chunk_bytes`, or by default CHUNK_BYTES, made smaller for a small input so that it makes
+  at least MIN_CHUNKS chunks to split (never below 4 KiB)."""
+  if chunk_bytes is not None:
+    return chunk_bytes
+  total = sum(os.path.getsize(p) for p in files)
+  return max(4096, min(CHUNK_BYTES, total // MIN_CHUNKS))
+
+
+def _hashed(files: list[str], val_fraction: float, root: str, chunk_bytes: int
+            ) -> Iterator[Chunk]:
   for path in files:
     rel = os.path.relpath(os.path.abspath(path), root).replace(os.sep, "/")
     try:
@@ -74,3 +78,26 @@ def stream_chunks(files: list[str], val_fraction: float, root: str | None = None
     except OSError as e:
       raise ConfigError(f"cannot read input file {path!r} ({e.strerror}); fix its permissions "
                         "or leave it out with --exclude.") from None
+
+
+def stream_chunks(files: list[str], val_fraction: float, root: str | None = None,
+                  chunk_bytes: int | None = None) -> Iterator[Chunk]:
+  """Every file's chunks in order (of `chunk_size(files, chunk_bytes)` bytes at most). Chunk k
+  of a file goes to validation iff `is_val_file(f"{relpath}:{k}", val_fraction)` (crc32, so
+  the split is stable), which keeps a file of one chunk whole and still splits a single large
+  file. If the hash gave one split nothing by the last chunk, the last chunk goes to it, so
+  that an input of two chunks or more (one file of 8 KiB or more) always makes both splits."""
+  root = root or os.path.commonpath([os.path.abspath(p) for p in files])
+  if os.path.isfile(root):
+    root = os.path.dirname(root)
+  seen = {False: False, True: False}
+  previous = None
+  for chunk in _hashed(files, val_fraction, root, chunk_size(files, chunk_bytes)):
+    if previous is not None:
+      seen[previous.val] = True
+      yield previous
+    previous = chunk
+  if previous is not None:
+    if any(seen.values()) and not seen[not previous.val]:
+      previous = dataclasses.replace(previous, val=not previous.val)
+    yield previous

@@ -41,7 +41,7 @@ class HardwareProfile:
   memory_bytes: float            # usable device memory
   concurrency: float = 0.0
   latency_per_device_s: float = 0.0   # extra per call and per device in the group
-  # Whole-step fit (moejax.strategy.calibrate.fit_steps): measured steps of a few calibration
+  # Whole-step fit (moejax.strategy.profile_fit.fit_steps): measured steps of a few calibration
   # strategies vs the composed prediction; scales the compute and the collective terms.
   compute_scale: float = 1.0
   comm_scale: float = 1.0
@@ -88,7 +88,7 @@ def load_profile(name_or_path: str) -> HardwareProfile:
 
 # Public peak specs x a sustained fraction (0.7 for HBM, about half the per-direction link
 # bandwidth for all_to_all). Matmuls: H100 SXM's 989 TFLOP/s bf16 peak x the fractions one
-# H100 measured (benchmarks/results/gmm_tiles_h100.json, jax 0.11.2, tokens 131072, d 1024,
+# H100 measured (benchmarks/results/gmm_tiles_h100.json, which names the jax; tokens 131072, d 1024,
 # expert width 2048): 0.65 for XLA's dense dot (635-653 TFLOP/s), 0.40 for moejax's grouped
 # kernel with its Hopper tiles (353-438). The A100 presets keep an assumed 0.5 (not measured).
 # "node": 8 GPUs on NVLink; "cluster": the expert all_to_all crosses nodes on InfiniBand
@@ -336,9 +336,9 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
                   state_bytes=3 * FP32 * dense_dev / fs + experts["persistent"])
 
 
-def expert_shares(counts_ZxLxWxE: np.ndarray) -> np.ndarray:
-  """Expert shares [L, E] (rows sum to 1) of finished steps' counts [Z, L, W, E]."""
-  c = np.asarray(counts_ZxLxWxE, np.float64)
+def expert_shares(counts_stepsxLxWxE: np.ndarray) -> np.ndarray:
+  """Expert shares [L, E] (rows sum to 1) of finished steps' counts [steps, L, W, E]."""
+  c = np.asarray(counts_stepsxLxWxE, np.float64)
   if c.ndim != 4 or c.shape[0] < 1:
     raise ConfigError(f"expert shares need counts[steps, layers, sources, experts] with at "
                       f"least one step, got shape {c.shape}.")
@@ -346,12 +346,12 @@ def expert_shares(counts_ZxLxWxE: np.ndarray) -> np.ndarray:
   return counts_LxE / np.maximum(counts_LxE.sum(-1, keepdims=True), 1.0)
 
 
-def load_dispersion(counts_ZxLxWxE: np.ndarray) -> float:
+def load_dispersion(counts_stepsxLxWxE: np.ndarray) -> float:
   """How much more a source's count to an expert varies than independent tokens would:
   mean of (X - m)^2 / m over steps, layers, sources and experts, where m is the count the
   source would send at the window's mean shares. Byte-level batches repeat tokens within a
   sequence, so this is several times 1 (about 6-9 in the default run after warm-up)."""
-  x = np.asarray(counts_ZxLxWxE, np.float64)
+  x = np.asarray(counts_stepsxLxWxE, np.float64)
   if len(x) == 0:
     return 1.0
   m = x.sum(-1, keepdims=True) * expert_shares(x)[None, :, None, :]

@@ -6,12 +6,10 @@ Experts, per device, for `ep` and `fsep`:
               of restored slot weights and two of their gradients, in the compute dtype: the
               layer scan carries layer l's weights, restores layer l+1's and carries the
               backward restore's channel; the backward pass restores layer l-1's while it
-              computes layer l's, instead of keeping the forward's copies. XLA's memory
-              analysis of the compiled fsep loss-and-grad agrees: per added MoE layer its temp
-              bytes grow by well under one layer of restored weights (what grows is the stored
-              shards' fp32 gradient; tests/test_fsep_prefetch.py). Under pipeline stages the
-              backward keeps every layer's restored weights from the forward (the stage vmap
-              cannot re-restore): a stage's layers are all live.
+              computes layer l's, instead of keeping the forward's copies
+              (tests/test_fsep_prefetch.py checks it on XLA's memory analysis). Under pipeline
+              stages the backward keeps every layer's restored weights from the forward (the
+              stage vmap cannot re-restore): a stage's layers are all live.
 `step_bytes` adds the dense parameters (with gradients and Adam moments) and the activations:
 the peak the strategy cost model reports and the offline stage checks against the device.
 Under P pipeline stages a device holds 1/P of the layer groups (their parameters, moments and

@@ -6,21 +6,9 @@ time and dropped share are predicted under that load (moejax.strategy.cost), wit
 of a source's count per expert measured from the same steps (real batches cluster: a sequence
 repeats its tokens).
 
-Where a member drops more than predicted, the excess is remembered with the expert shares it
-was first seen under, and the median of the last `EXCESS_SAMPLES` excesses seen near that
-load (total variation distance of the shares at most `STALE_TV`) is added to that member's
-predictions there: a one-step spike then moves nothing, and an excess seen under one hot
-expert says nothing of the next. A member not yet measured near this load is given the
-running member's excess, since clustered batches drop on every member alike; otherwise a
-drop spike on the running member would make an idle one look better on paper alone.
-
-Members whose predicted drops are at most `max_drop`, or within `DROP_SLACK` of the least
-(one step's drops vary a lot), are acceptable and compete on time; the current member, if not
-acceptable, is left for the fastest acceptable one whatever the switch costs ("drops").
-Otherwise the trainer moves to the fastest acceptable member only when the time it is
-predicted to save over the next `horizon` steps exceeds the measured cost of going there and
-back ("time"), so two members of near time do not alternate.
+How remembered excess drops and the switch rule work: `StrategySwitcher`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,6 +39,22 @@ class Decision:
 
 
 class StrategySwitcher:
+  """The switch rule. Where a member drops more than predicted, the excess is remembered with the
+  expert shares it was first seen under, and the median of the last `EXCESS_SAMPLES` excesses seen
+  near that load (total variation distance of the shares at most `STALE_TV`) is added to that
+  member's predictions there: a one-step spike then moves nothing, and an excess seen under one hot
+  expert says nothing of the next. A member not yet measured near this load is given the running
+  member's excess, since clustered batches drop on every member alike; otherwise a drop spike on the
+  running member would make an idle one look better on paper alone.
+
+  Members whose predicted drops are at most `max_drop`, or within `DROP_SLACK` of the least
+  (one step's drops vary a lot), are acceptable and compete on time; the current member, if not
+  acceptable, is left for the fastest acceptable one whatever the switch costs ("drops").
+  Otherwise the trainer moves to the fastest acceptable member only when the time it is
+  predicted to save over the next `horizon` steps exceeds the measured cost of going there and
+  back ("time"), so two members of near time do not alternate.
+  """
+
   def __init__(self, cfg: StrategyConfig, pool: list[Strategy], workload: Workload,
                profile: HardwareProfile):
     self.cfg, self.pool, self.workload, self.profile = cfg, pool, workload, profile

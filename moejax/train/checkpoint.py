@@ -135,6 +135,7 @@ class Checkpointer:
                                              cleanup_tmp_directories=True),
         item_handlers={"state": ocp.StandardCheckpointHandler(),
                        "meta": ocp.JsonCheckpointHandler()})
+    self._await_cleanup()
     # The room one more checkpoint needs: the larger of the state's bytes (set by the trainer)
     # and the latest complete checkpoint's size on disk.
     self.needed_bytes = 0
@@ -184,24 +185,39 @@ class Checkpointer:
       return []
     return sorted(int(n) for n in os.listdir(self.directory) if n.isdigit())
 
-  def check_model(self, fields: dict[str, int]) -> None:
-    """Before any work: a run dir whose latest checkpoint holds another model (`model_fields`
-    of its config) stops with one line naming the first field that differs and both values.
-    Steps that predate these records, or whose meta does not read, are left to `restore`."""
+  def latest_meta(self) -> dict | None:
+    """The JSON meta of the latest complete step; None when there is none or it does not read
+    (`restore` then finds out which step is intact)."""
     step = self.latest_step()
     if step is None:
-      return
+      return None
     try:
       meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-      saved = dict(meta["meta"].get("model") or {})
+      return dict(meta["meta"], step=step)
     except Exception:
+      return None
+
+  def check_model(self, fields: dict[str, int], fixed_by_data: dict[str, str] | None = None
+                  ) -> None:
+    """Before any work: a run dir whose latest checkpoint holds another model (`model_fields`
+    of its config) stops with one line naming the first field that differs and both values.
+    `fixed_by_data`: {field: what fixes it}, fields the data decides (a prepared directory's
+    vocabulary), where setting the field to the checkpoint's value cannot help. Steps that
+    predate these records, or whose meta does not read, are left to `restore`."""
+    meta = self.latest_meta()
+    if meta is None:
       return
+    step, saved = meta["step"], dict(meta.get("model") or {})
     for name, value in fields.items():
       if name in saved and saved[name] != value:
-        raise CheckpointError(
-            f"checkpoint {self.directory}/{step} holds another model: {name}={saved[name]} "
-            f"there, {name}={value} in this config; set {name} = {saved[name]} to resume it, "
-            "or use a new train.run_dir for this model.")
+        where = f"checkpoint {self.directory}/{step} holds another model: {name}={saved[name]} " \
+                f"there, {name}={value} in this config"
+        if name in (fixed_by_data or {}):
+          raise CheckpointError(f"{where} ({fixed_by_data[name]}); a model keeps its {name}, so "
+                                "train this one in a new run dir: set train.run_dir to a new "
+                                "directory.")
+        raise CheckpointError(f"{where}; set {name} = {saved[name]} to resume it, or use a new "
+                              "train.run_dir for this model.")
 
   def restore(self, state_like: Any, layout_like: Layout, expert_mode: str = "ep",
               step: int | None = None) -> Restored | None:
@@ -230,7 +246,9 @@ class Checkpointer:
                       f"{moved} and fell back to the previous checkpoint")
     raise CheckpointError(
         f"no intact checkpoint in {self.directory} (tried steps {steps}; damaged ones are in "
-        f"{self.damaged_directory}); restore a backup or use a new train.run_dir to start over.")
+        f"{self.damaged_directory}); restore a backup into {self.directory}, or start over: "
+        "in this run dir with train.restart = True (the earlier files are kept aside), or in a "
+        "new train.run_dir.")
 
   def _read(self, step: int, state_like: Any, layout_like: Layout, expert_mode: str) -> Restored:
     saved = _saved_arrays(self._mngr, step)
@@ -300,6 +318,23 @@ class Checkpointer:
     with self.writing(f"checkpoint step {self._in_flight}"):
       self._mngr.wait_until_finished()
 
+  def _await_cleanup(self) -> None:
+    """Waits for the thread orbax starts with the manager to clear temporary directories of
+    killed saves: one still running when the interpreter exits (a run stopped by an error
+    right after start-up) fails with a traceback on the way out ("cannot schedule new
+    futures after interpreter shutdown"). The manager has no public call for it."""
+    wait = getattr(self._mngr, "_maybe_await_cleanup_tmp_directory", None)
+    if wait is not None:
+      wait()
+
   def close(self) -> None:
-    with self.writing(f"checkpoint step {self._in_flight}"):
-      self._mngr.close()
+    """Stops orbax's threads (before the interpreter shuts down, which they would outlive) and
+    removes the checkpoint directory if nothing was ever written into it."""
+    try:
+      self._await_cleanup()
+      with self.writing(f"checkpoint step {self._in_flight}"):
+        self._mngr.close()
+    finally:
+      if jax.process_index() == 0:
+        with contextlib.suppress(OSError):
+          os.rmdir(self.directory)   # only when empty

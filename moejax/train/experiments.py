@@ -19,7 +19,7 @@ from moejax.model.moe.reference import moe_reference
 
 
 def init_moe_params(key: jax.Array, d_model: int, d_ff: int, num_experts: int) -> dict:
-  """One MoE layer's router [D, E] and expert weights [E, D, F] / [E, F, D], in expert-id
+  """One MoE layer's router [D, E] and expert weights [E, D, ffn] / [E, ffn, D], in expert-id
   (= static slot) order."""
   kr, kg, ku, kd = jax.random.split(key, 4)
   normal = lambda k, shape, std: std * jax.random.normal(k, shape, jnp.float32)

@@ -107,3 +107,16 @@ class DiskErrorNoise(logging.Filter):
       return False
     text = record.getMessage()
     return not any(t in text for t in _DISK_TEXTS)
+
+
+class RecoveredNoise(logging.Filter):
+  """Drops orbax's reports of damage the run recovers from by itself: a checkpoint's
+  `_CHECKPOINT_METADATA` file that does not parse (a kill during its write) is logged as an
+  error on every read, though the step's arrays and meta, which the resume reads and verifies
+  by their digest, are whole. A step that really is damaged gets the trainer's own warning."""
+
+  TEXTS = ("Failed to json parse",)
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    text = record.getMessage()
+    return not any(t in text for t in self.TEXTS)

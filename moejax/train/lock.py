@@ -104,11 +104,13 @@ class RunDirLock:
     self.force = force
     self.me = Holder.me()
     self.acquired = False
+    self.created_run_dir = False   # acquire made it: release removes it again if left empty
     self.warnings: list[str] = []
 
   def acquire(self) -> list[str]:
     """Takes the lock; returns warnings (a stale or forced lock taken over)."""
     try:
+      self.created_run_dir = not os.path.isdir(self.run_dir)
       os.makedirs(self.run_dir, exist_ok=True)
       self._link_probe()
     except OSError as e:
@@ -145,8 +147,15 @@ class RunDirLock:
     return holder is not None and holder.same_process(self.me)
 
   def release(self) -> None:
+    """Removes the lock if it is still ours, and the run dir if this lock made it and the run
+    left nothing in it (a run stopped by a configuration or data error)."""
     if self.acquired and self.held():
       os.unlink(self.path)
+      if self.created_run_dir:
+        try:
+          os.rmdir(self.run_dir)
+        except OSError:
+          pass   # not empty: the run wrote something
     self.acquired = False
 
   def _link_probe(self) -> None:

@@ -33,13 +33,13 @@ def moe_layer_records(metrics: dict, expert_devices: int) -> list[dict]:
   records = []
   counts_LxWxE = np.asarray(metrics["counts_LxWxE"])
   dropped_LxW = np.asarray(metrics["dropped_LxW"])
-  for layer, counts_SxE in enumerate(counts_LxWxE):
+  for layer, counts_WxE in enumerate(counts_LxWxE):
     load = device_load(metrics["slot_counts_LxWxS"][layer], expert_devices)
-    total = int(counts_SxE.sum())
+    total = int(counts_WxE.sum())
     records.append({
         "layer": layer,
-        "expert_counts": counts_SxE.sum(axis=0).tolist(),
-        "counts_by_source": counts_SxE.tolist(),
+        "expert_counts": counts_WxE.sum(axis=0).tolist(),
+        "counts_by_source": counts_WxE.tolist(),
         "device_load": load.tolist(),
         "max_over_mean_load": max_over_mean(load),
         **_realised(metrics, layer),
@@ -85,10 +85,12 @@ class JsonlWriter:
   """Appends one JSON object per line; a no-op on processes other than 0.
 
   On resume from step `start`, records of steps >= start (written after the checkpoint the run
-  resumes from) are dropped first, and so is a torn last line (a run killed in the middle of a
-  write, or stopped by a full disk), so that every step appears once. The file is rewritten
-  into a new one that replaces it only when complete. `guard(what, path)`: a context manager
-  around every write that turns a failed one into the caller's error (default: none).
+  resumes from, and about to be redone) move to `<name>.redone.jsonl` beside the file, and a
+  torn last line (a run killed in the middle of a write, or stopped by a full disk) is dropped,
+  so that every step appears once and the records before `start` stay as they were. The file
+  is rewritten into a new one that replaces it only when complete. `guard(what, path)`: a
+  context manager around every write that turns a failed one into the caller's error (default:
+  none).
   """
 
   def __init__(self, path: str, enabled: bool = True, start: int = 0, guard=None):
@@ -99,7 +101,18 @@ class JsonlWriter:
       os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
       if os.path.exists(path):
         with open(path) as f:
-          kept = [line for line in f if _step_of(line) < start]
+          lines = f.readlines()
+        kept = [line for line in lines if _step_of(line) < start]
+        redone = [line for line in lines if start <= _step_of(line) < float("inf")]
+        if redone:   # appended: earlier resumes' redone records stay
+          redone_path = os.path.splitext(path)[0] + ".redone.jsonl"
+          before = ""
+          if os.path.exists(redone_path):
+            with open(redone_path) as f:
+              before = f.read()
+          with self._guard("the metrics of redone steps", redone_path + ".tmp"):
+            replace_file(redone_path, before + "".join(
+                line if line.endswith("\n") else line + "\n" for line in redone))
         with self._guard("the metrics kept on resume", path + ".tmp"):
           replace_file(path, "".join(kept))
       self._file = open(path, "a", buffering=1)

@@ -37,7 +37,7 @@ from moejax.layout.tables import Layout, round_robin_layout, static_layout
 from moejax.model import layer_order
 from moejax.model.mesh import batch_sharding, build_mesh, param_rules, replicated
 from moejax.model.pipeline import Pipelined
-from moejax.model.transformer import Transformer
+from moejax.model.transformer import Transformer, resolve_attention
 from moejax.strategy.spec import Strategy
 from moejax.train import step as step_lib
 from moejax.train.state import TrainState, abstract, init_state, state_shardings
@@ -148,6 +148,7 @@ def build_program(cfg: Config, strategy: Strategy, tx: optax.GradientTransformat
   cfg = strategy.apply(cfg)
   mesh = build_mesh(cfg.mesh, devices)
   _check_split(cfg, mesh)
+  cfg = dataclasses.replace(cfg, model=resolve_attention(cfg.model, mesh))
   model = Transformer(cfg.model, cfg.moe, mesh)
   if cfg.mesh.stage > 1 or cfg.train.microbatches > 1 or cfg.train.virtual_stages > 1:
     model = Pipelined(model, cfg.train.microbatches, cfg.train.virtual_stages)

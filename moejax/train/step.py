@@ -9,19 +9,22 @@ import optax
 
 from moejax.config import MoEConfig
 from moejax.layout.tables import Layout
+from moejax.model.pipeline import Pipelined
+from moejax.train.loss import cross_entropy, tiled_cross_entropy
 from moejax.train.state import TrainState
-
-
-def cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:
-  logp = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
-  return -jnp.mean(jnp.take_along_axis(logp, targets_BxL[..., None], axis=-1))
 
 
 def loss_fn(params, model: nn.Module, moe_cfg: MoEConfig, batch_BxQ1: jax.Array,
             layout: Layout):
   inputs, targets = batch_BxQ1[:, :-1], batch_BxQ1[:, 1:]
-  logits, stats = model.apply({"params": params}, inputs, layout)
-  ce = cross_entropy(logits, targets)
+  model_cfg = model.model.cfg if isinstance(model, Pipelined) else model.cfg
+  if model_cfg.loss_chunk:     # the logits one tile of positions at a time
+    h, stats = model.apply({"params": params}, inputs, layout, hidden=True)
+    ce = tiled_cross_entropy(h, params["unembed"], targets, model_cfg.loss_chunk,
+                             jnp.dtype(model_cfg.dtype))
+  else:
+    logits, stats = model.apply({"params": params}, inputs, layout)
+    ce = cross_entropy(logits, targets)
   balance = jnp.sum(stats.balance_loss)
   z = jnp.sum(stats.z_loss)
   loss = ce + moe_cfg.balance_loss_weight * balance + moe_cfg.z_loss_weight * z

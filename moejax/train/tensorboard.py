@@ -22,10 +22,10 @@ _LAYER_SCALARS = (("dropped_fraction", "dropped_fraction"),
                   ("realised_max_over_mean", "realised_max_over_mean"))
 
 
-def heatmap(counts_SxE: np.ndarray, cell: int = CELL) -> np.ndarray:
+def heatmap(counts_WxE: np.ndarray, cell: int = CELL) -> np.ndarray:
   """uint8 [S*cell, E*cell, 3] image of a count matrix, black (0) to white (the max) through
   red and yellow."""
-  x = np.asarray(counts_SxE, np.float64)
+  x = np.asarray(counts_WxE, np.float64)
   x = x / x.max() if x.max() > 0 else x
   rgb = np.stack([np.clip(3 * x - k, 0, 1) for k in range(3)], axis=-1)
   return np.kron((rgb * 255).round().astype(np.uint8), np.ones((cell, cell, 1), np.uint8))
@@ -53,8 +53,8 @@ class TensorBoard(Hook):
         if key in layer:
           self.writer.add_scalar(f"moe/layer{layer['layer']}/{name}", layer[key], step)
     if step % self.image_every == 0:
-      for layer, counts_SxE in enumerate(counts_LxWxE):
-        self.writer.add_image(f"moe/layer{layer}/expert_load", heatmap(counts_SxE), step,
+      for layer, counts_WxE in enumerate(counts_LxWxE):
+        self.writer.add_image(f"moe/layer{layer}/expert_load", heatmap(counts_WxE), step,
                               dataformats="HWC")
 
   def after_eval(self, trainer, step, eval_loss) -> None:

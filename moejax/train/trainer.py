@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ from moejax.strategy import memory
 from moejax.train import (
   data as data_lib,
   faults,
+  history as history_lib,
   metrics as metrics_lib,
   preempt,
   step as step_lib,
@@ -60,24 +62,54 @@ class Trainer:
   by the caller with `take_run_dir`, or by `run` itself). A context manager (closes the
   checkpointer on exit)."""
 
-  def __init__(self, cfg: Config, devices=None, lock: RunDirLock | None = None):
-    """`devices`: the devices of the mesh (default: all of them, over all processes)."""
-    train_tokens, val_tokens, data_vocab = data_lib.load_tokens(cfg.validate().data)
-    self.cfg = cfg = data_lib.resolve_vocab(cfg, data_vocab).validate()
+  def __init__(self, cfg: Config, devices=None, lock: RunDirLock | None = None,
+               skip_if_finished: bool = False):
+    """`devices`: the devices of the mesh (default: all of them, over all processes).
+    `skip_if_finished`: when the run dir's latest checkpoint is at or past train.num_steps,
+    build nothing (no compiling); `run` then returns at once."""
     self.lock = lock
-    self.checkpointer = Checkpointer(cfg.train.run_dir, cfg.checkpoint)
+    self.checkpointer: Checkpointer | None = None
     try:
-      self.checkpointer.check_model(model_fields(cfg))   # before compiling anything
-      self._build(cfg, devices, train_tokens, val_tokens)
+      train_tokens, val_tokens, data_vocab = data_lib.load_tokens(cfg.validate().data)
+      cfg = data_lib.resolve_vocab(cfg, data_vocab).validate()
+      self.checkpointer = Checkpointer(cfg.train.run_dir, cfg.checkpoint)
+      self.cfg = cfg = self._check_run_dir(cfg)   # before compiling anything
+      if not skip_if_finished:
+        self.finished_step = None
+      if self.finished_step is None:
+        self._build(cfg, devices, train_tokens, val_tokens)
     except BaseException:
       with contextlib.suppress(Exception):   # keep the error that is on its way out
         self.close()
       raise
 
+  def _check_run_dir(self, cfg: Config) -> Config:
+    """The run dir against this config: a checkpoint of another model stops the run, a start
+    at step 0 over an earlier run's record is refused (unless train.restart), and the
+    learning-rate horizon is the saved one unless the config sets it."""
+    saved = self.checkpointer.latest_meta()
+    vocab_fixed = {}
+    if data_lib.declared_vocab(cfg.data) is not None and cfg.data.path is not None:
+      vocab_fixed["model.vocab_size"] = f"the vocabulary of data.path={cfg.data.path!r}"
+    self.checkpointer.check_model(model_fields(cfg), vocab_fixed)
+    self.aside: str | None = None   # an earlier run to move aside before this one writes
+    if self.checkpointer.latest_step() is None:
+      earlier = history_lib.earlier_run(cfg.train.run_dir, cfg.checkpoint.every)
+      if earlier and not cfg.train.restart:
+        raise history_lib.refuse_fresh_start(cfg.train.run_dir, earlier)
+      self.aside = earlier
+    decay, self.schedule_note = history_lib.decay_steps(cfg, saved)
+    # Nothing to train: `run` says so at once, without building (compiling) anything.
+    self.finished_step = saved["step"] if saved and saved["step"] >= cfg.train.num_steps \
+        else None
+    if saved and self.finished_step is None and jax.process_index() == 0:
+      log.info("resuming from step %d of %s", saved["step"], self.checkpointer.directory)
+    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, decay_steps=decay))
+
   def _build(self, cfg: Config, devices, train_tokens, val_tokens) -> None:
     devices = list(jax.devices() if devices is None else devices)
-    self.lr = schedule(cfg.optim, cfg.train.num_steps)
-    self.tx = optimizer(cfg.optim, cfg.train.num_steps)
+    self.lr = schedule(cfg.optim, cfg.optim.decay_steps)
+    self.tx = optimizer(cfg.optim, cfg.optim.decay_steps)
     self.pool = StrategyPool(cfg, self.tx, self.lr, devices)
     self.is_main = jax.process_index() == 0
     prog = self.pool.program
@@ -113,7 +145,8 @@ class Trainer:
 
   def close(self) -> None:
     try:
-      self.checkpointer.close()
+      if self.checkpointer is not None:
+        self.checkpointer.close()
     finally:
       if self.lock is not None:
         self.lock.release()
@@ -137,6 +170,11 @@ class Trainer:
       self.restore_warnings.append("planner statistics were saved on another expert-axis size; "
                                    "they start afresh")
     self.pool.planner.load_state_dict(planner_state)
+    self.restore_warnings += history_lib.training_changes(
+        meta, self.cfg, f"checkpoint {self.checkpointer.directory}/{restored.step}",
+        restored.step)
+    if self.schedule_note:
+      self.restore_warnings.append(self.schedule_note)
     self.guard.load_state_dict(meta.get("nonfinite", {}))
     self.state = self.pool.load_state_dict(meta.get("strategy") or {}, self.state)
     if self.is_main:
@@ -148,7 +186,8 @@ class Trainer:
     """With a pool, the checkpoint holds member 0's form of the state (an exact move), the
     active member and every member's layout, so a resume lands on the same member."""
     meta = {"data_position": self.loader.position, "planner": self.pool.planner.state_dict(),
-            "nonfinite": self.guard.state_dict(), "model": model_fields(self.cfg)}
+            "nonfinite": self.guard.state_dict(), "model": model_fields(self.cfg),
+            "training": history_lib.training_fields(self.cfg)}
     if self.pool.switching:
       meta["strategy"] = self.pool.state_dict()
     self._check_lock()
@@ -188,6 +227,10 @@ class Trainer:
     this call) every process finishes the same step, saves it and returns. `run_files`:
     {name: text} written into the run dir once it is known to be this run's (e.g. the
     operative gin config)."""
+    if self.finished_step is not None:
+      return {"start_step": self.finished_step, "first": None, "last": None, "preempted": None,
+              "saved_step": self.finished_step, "checkpoint_dir": self.checkpointer.directory,
+              "decay_steps": self.cfg.optim.decay_steps, "balance": None}
     if self.lock is not None:
       return self._run(hooks, stop, run_files or {})
     self.lock = take_run_dir(self.cfg)
@@ -199,8 +242,13 @@ class Trainer:
 
   def _run(self, hooks, stop, run_files: dict[str, str]) -> dict:
     cfg = self.cfg
+    if self.aside and self.is_main:   # train.restart: the earlier run's files, kept
+      moved = history_lib.move_aside(cfg.train.run_dir)
+      if moved:
+        log.warning("warning: train.restart: moved the earlier run's files (%s) into %s",
+                    self.aside, moved)
     start = self.maybe_restore()   # before any file of the run dir is written
-    self._write_run_files(run_files)
+    self._write_run_files(run_files, start)
     if cfg.trace.path and self.is_main:
       self.trace = TraceRecorder(cfg.trace.path, cfg.moe.top_k, start)
       if self.trace.warning:
@@ -270,10 +318,11 @@ class Trainer:
       self.checkpointer.wait()
     return {**self._finish(start, first, last, done, stop, bar), "balance": balance.summary()}
 
-  def _write_run_files(self, run_files: dict[str, str]) -> None:
+  def _write_run_files(self, run_files: dict[str, str], start: int) -> None:
     """`run_files`, config.json, and memory.txt: XLA's memory analysis of every pool member's
     compiled train step (what runs), then the arithmetic model of the expert bytes (what to
-    expect at other sizes)."""
+    expect at other sizes). config.json and `run_files` are this start's; a copy of each named
+    after the start step (config.0.json, config.30.json, ...) keeps what every start ran with."""
     cfg, prog = self.cfg, self.pool.program
     os.makedirs(cfg.train.run_dir, exist_ok=True)
     if not self.is_main:
@@ -285,8 +334,10 @@ class Trainer:
         num_moe_layers(cfg.model, cfg.moe), cfg.moe.num_experts, cfg.model.d_model,
         cfg.moe.d_ff, prog.mesh.shape["expert"], prog.mesh.shape["model"],
         prog.cfg.moe.slots_per_device or None))
-    files = {**run_files, "config.json": json.dumps(cfg.to_dict(), indent=2),
-             "memory.txt": "\n".join(lines) + "\n"}
+    files = {**run_files, "config.json": json.dumps(cfg.to_dict(), indent=2)}
+    files.update({f"{stem}.{start}{ext}": text for stem, ext, text in
+                  ((*os.path.splitext(name), text) for name, text in files.items())})
+    files["memory.txt"] = "\n".join(lines) + "\n"
     for name, text in files.items():
       path = os.path.join(cfg.train.run_dir, name)
       with self.checkpointer.writing(name, path):
@@ -300,7 +351,8 @@ class Trainer:
     bar.close()
     self.writer.close()
     return {"start_step": start, "first": first, "last": last, "preempted": preempted,
-            "saved_step": done, "checkpoint_dir": self.checkpointer.directory}
+            "saved_step": done, "checkpoint_dir": self.checkpointer.directory,
+            "decay_steps": self.cfg.optim.decay_steps}
 
   def _log(self, bar, rate, hooks, step, m, member) -> dict:
     """Reads and records `step`'s metrics; `member` is the pool member that ran it (the one
@@ -336,5 +388,11 @@ class Trainer:
 def train(cfg: Config, devices=None, stop: preempt.StopRequest | None = None,
           run_files: dict[str, str] | None = None) -> dict:
   """Takes the run dir, builds the trainer and trains (`Trainer.run`)."""
-  with Trainer(cfg, devices, lock=take_run_dir(cfg)) as trainer:
+  lock = take_run_dir(cfg)
+  try:
+    trainer = Trainer(cfg, devices, lock=lock, skip_if_finished=True)
+  except BaseException:
+    lock.release()   # Trainer releases it too once built; a second release does nothing
+    raise
+  with trainer:
     return trainer.run(stop=stop, run_files=run_files)

@@ -26,15 +26,15 @@ def split_error(num_tokens: int, pieces: int) -> str | None:
 
 
 def chunked(pipeline, pieces: int):
-  """`pipeline` (x_TxD, slot_A, gate_TxK, ...) -> (y_TxD, dropped, slot_counts_S, kept_S) run
+  """`pipeline` (x_TxD, slot_TK, gate_TxK, ...) -> (y_TxD, dropped, slot_counts_S, kept_S) run
   on `pieces` independent token pieces; same signature and results summed over pieces."""
-  def run(x_TxD, slot_A, gate_TxK, *rest):
+  def run(x_TxD, slot_TK, gate_TxK, *rest):
     t = x_TxD.shape[0] // pieces
     choices = t * gate_TxK.shape[1]
     outs = []
     for i in range(pieces):
       with jax.named_scope(f"exchange_chunk{i}"):
-        outs.append(pipeline(x_TxD[i * t:(i + 1) * t], slot_A[i * choices:(i + 1) * choices],
+        outs.append(pipeline(x_TxD[i * t:(i + 1) * t], slot_TK[i * choices:(i + 1) * choices],
                              gate_TxK[i * t:(i + 1) * t], *rest))
     y_TxD = jnp.concatenate([o[0] for o in outs], axis=0)
     return (y_TxD, *(sum(o[j] for o in outs) for j in (1, 2, 3)))

@@ -1,6 +1,6 @@
 """FSEP expert parameters: stored in expert order, F sharded over all group devices.
 
-`FsepExperts` owns the `[layers, E, D, F]` / `[layers, E, F, D]` weights of every MoE layer
+`FsepExperts` owns the `[layers, E, D, ffn]` / `[layers, E, ffn, D]` weights of every MoE layer
 (outside the layer scan, so the parameter paths are `['fsep_experts'][w]`). It restores only
 the first MoE layer's slots; the scanned layer group restores layer l+1's (`restore_layer`)
 in the iteration that computes layer l, so each restore can overlap the previous layer's
@@ -49,7 +49,7 @@ def restore_slot_weights(weights: dict, slot_expert_LxS: jax.Array, mesh: Mesh,
 
 def restore_layer(weights: dict, slot_expert_LxS: jax.Array, layer: jax.Array | int, mesh: Mesh,
                   dtype=None) -> dict:
-  """One MoE layer's slot-ordered weights ([S, D, F] / [S, F, D]) from every layer's stored
+  """One MoE layer's slot-ordered weights ([S, D, ffn] / [S, ffn, D]) from every layer's stored
   weights; `layer` may be traced (the layer scan's index)."""
   take = lambda a: jax.lax.dynamic_slice_in_dim(a, layer, 1, axis=0)
   restored = restore_slot_weights({n: take(w) for n, w in weights.items()}, take(slot_expert_LxS),
@@ -71,7 +71,7 @@ class FsepExperts(nn.Module):
     size = {"embed": self.d_model, "expert_mlp": self.d_ff}
     weights = {}
     for name in EXPERT_WEIGHTS:
-      axes = EXPERT_PARAM_AXES[name]     # [E, D, F] or [E, F, D]; stored per layer
+      axes = EXPERT_PARAM_AXES[name]     # [E, D, ffn] or [E, ffn, D]; stored per layer
       shape = (self.num_layers, self.num_experts) + tuple(size[a] for a in axes[1:])
       init = nn.initializers.normal(stddev=size[axes[1]] ** -0.5)      # fan-in
       weights[name] = self.param(

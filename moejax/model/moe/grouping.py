@@ -5,8 +5,8 @@ local slot c start at `starts_NxC[s, c]` and number `counts_NxC[s, c]` (the dens
 fixed `cap`-row blocks with empty rows between; the ragged one: packed chunks). A grouped
 matmul wants them slot-major and packed: slot c's rows (sources in order) form group c of
 `sizes_C[c]` rows, and the buffer ends with the unused rows. Both directions are row
-permutations: `recv_row_M` (grouped row -> received row, -1 for the unused tail) and
-`group_row_U` (received row -> grouped row, -1 for empty rows), each the other's inverse, so
+permutations: `recv_row` (grouped row -> received row, -1 for the unused tail) and
+`group_row` (received row -> grouped row, -1 for empty rows), each the other's inverse, so
 one permute op (and its transpose) moves rows either way.
 """
 
@@ -19,8 +19,8 @@ import jax.numpy as jnp
 
 
 class Grouping(NamedTuple):
-  recv_row_M: jax.Array      # int32 [M]: received row feeding each grouped row, or -1
-  group_row_U: jax.Array     # int32 [U]: grouped row of each received row, or -1
+  recv_row: jax.Array      # int32 [rows]: received row feeding each grouped row, or -1
+  group_row: jax.Array     # int32 [rows]: grouped row of each received row, or -1
   sizes_C: jax.Array         # int32 [C]: rows per local slot (group sizes of the matmul)
 
 
@@ -42,10 +42,10 @@ def group_received(starts_NxC: jax.Array, counts_NxC: jax.Array, rows: int, alig
   group_start_C = jnp.cumsum(padded_C) - padded_C
   before_NxC = jnp.cumsum(counts_NxC, axis=0) - counts_NxC      # earlier sources, same slot
   q = (group_start_C[f_safe % slots] + before_NxC.reshape(-1)[f_safe] + pos).astype(jnp.int32)
-  group_row_U = jnp.where(valid, q, -1)
-  recv_row_M = jnp.full((out_rows,), -1, jnp.int32).at[jnp.where(valid, q, out_rows)].set(
+  group_row = jnp.where(valid, q, -1)
+  recv_row = jnp.full((out_rows,), -1, jnp.int32).at[jnp.where(valid, q, out_rows)].set(
       r, mode="drop")
-  return Grouping(recv_row_M, group_row_U, sizes_C.astype(jnp.int32))
+  return Grouping(recv_row, group_row, sizes_C.astype(jnp.int32))
 
 
 def dense_starts(num_src: int, slots: int, cap: int) -> jax.Array:

@@ -1,22 +1,13 @@
 """The MoE layer: route -> layout -> dispatch -> experts -> combine, in shard_map.
 
-`moe_apply` is the pure function (params, tokens, layout row) -> (output, stats);
-`MoELayer` is the Flax module that owns the parameters and calls it. Tokens are
-sharded over (data, expert); expert slots over expert; the expert FFN dim over
-model. Each data row of the mesh exchanges tokens among its expert-axis devices.
+`moe_apply` is the pure function (params, tokens, layout row) -> (output, stats); `MoELayer`
+the Flax module that owns the parameters and calls it. Tokens are sharded over (data,
+expert), expert slots over expert, the expert FFN dim over model; each data row of the mesh
+exchanges tokens among its expert-axis devices.
 
-Chosen when the program is built (`moe.dispatch`, `moe.kernels`), never inside the step:
-  dense + xla     fixed-capacity buffers, all_to_all, per-slot batched einsum.
-  dense + pallas  the same buffers moved by the permute / unpermute-combine kernels; the
-                  received rows are packed by slot and the experts run as a grouped matmul
-                  over the real rows only (capacity padding costs no FLOPs).
-  ragged + either ragged_all_to_all of exactly the routed rows into a receive buffer of
-                  moe.ragged_buffer_factor x T*K rows (moejax.model.moe.ragged); GPU/TPU only.
-`moe.capacity = 'device'` (dense only) pools the capacity of a device's slots into one buffer
-per (source, device) and runs a grouped matmul over it (moejax.model.moe.pooled).
-`moe.exchange_chunks = K` runs any of these on K independent pieces of a device's tokens, so
-one piece's exchange can overlap another's expert compute (moejax.model.moe.chunks). The F
-shards' partial sums are added over 'model' once, on the combined output.
+The dispatch -> experts -> combine path is chosen when the program is built, never inside
+the step, from `moe.dispatch`, `moe.kernels`, `moe.capacity` and `moe.exchange_chunks`
+(`dispatch_combine_fn` lists them).
 """
 
 from __future__ import annotations
@@ -66,30 +57,30 @@ class MoEStats(NamedTuple):
   overflow_W: jax.Array      # int32: choices routed to device w that capacity dropped
 
 
-def _ep_slots(expert_A, expert_slots_ExR, expert_parts_ExR, local_parts_S, slots):
+def _ep_slots(expert_TK, expert_slots_ExR, expert_parts_ExR, local_parts_S, slots):
   del expert_parts_ExR, local_parts_S, slots      # one copy per expert: the slot is fixed
-  return expert_slots_ExR[expert_A, 0]
+  return expert_slots_ExR[expert_TK, 0]
 
 
-def _replica_slots(expert_A, expert_slots_ExR, expert_parts_ExR, local_parts_S, slots):
+def _replica_slots(expert_TK, expert_slots_ExR, expert_parts_ExR, local_parts_S, slots):
   device = jax.lax.axis_index("expert")
   phase = device * SHARE_PARTS // jax.lax.axis_size("expert")
   kept_E, local_E = local_replicas(expert_slots_ExR, local_parts_S, device, slots)
-  return split_slots(expert_A, expert_slots_ExR, expert_parts_ExR, phase, kept_E, local_E)
+  return split_slots(expert_TK, expert_slots_ExR, expert_parts_ExR, phase, kept_E, local_E)
 
 
 def _adaptive_slots(cap):
   """`moe.fsep_shares = 'adaptive'`: shares levelled on the step's own counts; a device keeps
   at most `cap` rows on its own replica (the dense per-(source, slot) rows, also under pooled
   capacity, where a device's own C slots share C of them; None: ragged, no cap)."""
-  def pick(expert_A, expert_slots_ExR, expert_parts_ExR, local_parts_S, slots):
+  def pick(expert_TK, expert_slots_ExR, expert_parts_ExR, local_parts_S, slots):
     del local_parts_S      # the kept rows follow the levelled quotas, not the planned parts
-    return adaptive_slots(expert_A, expert_slots_ExR, expert_parts_ExR, "expert", slots, cap)
+    return adaptive_slots(expert_TK, expert_slots_ExR, expert_parts_ExR, "expert", slots, cap)
   return pick
 
 
-def _dense_einsum(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, dtype):
-  index = dispatch_lib.buffer_index(slot_A, gate_TxK.shape[1], num_dev * slots, cap)
+def _dense_einsum(x_TxD, slot_TK, gate_TxK, weights, ops, num_dev, slots, cap, dtype):
+  index = dispatch_lib.buffer_index(slot_TK, gate_TxK.shape[1], num_dev * slots, cap)
   recv = dispatch_lib.exchange(dispatch_lib.pack(x_TxD, index), num_dev, "expert")
   h = swiglu(dispatch_lib.to_slot_major(recv, num_dev, slots), *weights, dtype)
   back = dispatch_lib.exchange(dispatch_lib.from_slot_major(h, num_dev), num_dev, "expert")
@@ -97,10 +88,10 @@ def _dense_einsum(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, dt
           jnp.minimum(index.slot_counts_S, cap))
 
 
-def _dense_grouped(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, dtype):
-  index = dispatch_lib.buffer_index(slot_A, gate_TxK.shape[1], num_dev * slots, cap)
-  row_TxK = index.buf_index_A.reshape(gate_TxK.shape)
-  recv = dispatch_lib.exchange(ops.permute(x_TxD, index.buf_token_U, row_TxK), num_dev,
+def _dense_grouped(x_TxD, slot_TK, gate_TxK, weights, ops, num_dev, slots, cap, dtype):
+  index = dispatch_lib.buffer_index(slot_TK, gate_TxK.shape[1], num_dev * slots, cap)
+  row_TxK = index.buf_index_TK.reshape(gate_TxK.shape)
+  recv = dispatch_lib.exchange(ops.permute(x_TxD, index.buf_token_rows, row_TxK), num_dev,
                                "expert")
   # Rows each source kept for each of my slots: [sources, C].
   kept_S = jnp.minimum(index.slot_counts_S, cap)
@@ -111,9 +102,9 @@ def _dense_grouped(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap, d
   return ops.combine(back, row_TxK, gate_TxK), index.dropped, index.slot_counts_S, kept_S
 
 
-def _ragged(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, rows, dtype):
+def _ragged(x_TxD, slot_TK, gate_TxK, weights, ops, num_dev, slots, rows, dtype):
   y_TxD, slot_counts_S, dropped, kept_S = ragged.ragged_moe(
-      x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, dtype, rows)
+      x_TxD, slot_TK, gate_TxK, weights, ops, num_dev, slots, dtype, rows)
   return y_TxD, dropped, slot_counts_S, kept_S
 
 
@@ -128,7 +119,20 @@ def _one_pipeline(cfg: MoEConfig):
 def dispatch_combine_fn(cfg: MoEConfig):
   """The dispatch -> experts -> combine pipeline for this config (a build-time choice): it
   returns (y_TxD, dropped, slot_counts_S, kept_S), kept_S the choices kept per slot. With
-  `moe.exchange_chunks = K` > 1 the device's tokens go through it in K pieces (chunks.py)."""
+  `moe.exchange_chunks = K` > 1 the device's tokens go through it in K pieces (chunks.py).
+
+    dense + xla     fixed-capacity buffers, all_to_all, per-slot batched einsum.
+    dense + pallas  the same buffers moved by the permute / unpermute-combine kernels; the
+                    received rows are packed by slot and the experts run as a grouped matmul
+                    over the real rows only (capacity padding costs no FLOPs).
+    ragged + either ragged_all_to_all of exactly the routed rows into a receive buffer of
+                    moe.ragged_buffer_factor x T*K rows (moejax.model.moe.ragged); GPU/TPU only.
+  `moe.capacity = 'device'` (dense only) pools the capacity of a device's slots into one buffer
+  per (source, device) and runs a grouped matmul over it (moejax.model.moe.pooled).
+  `moe.exchange_chunks = K` runs any of these on K pieces of a device's tokens, one piece's
+  exchange overlapping another's compute (moejax.model.moe.chunks). F shards' partial sums are
+  added over 'model' once, on the combined output.
+  """
   pipeline = _one_pipeline(cfg)
   if cfg.exchange_chunks == 1:
     return pipeline
@@ -137,7 +141,7 @@ def dispatch_combine_fn(cfg: MoEConfig):
 
 def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
               mesh: Mesh, dtype=jnp.float32) -> tuple[jax.Array, MoEStats]:
-  """`params`: router [D, E] and slot-ordered expert weights [S, D, F] / [S, F, D] (the ep
+  """`params`: router [D, E] and slot-ordered expert weights [S, D, ffn] / [S, ffn, D] (the ep
   params, or the fsep restore); `layout`: one layer's row of a Layout."""
   num_dev = mesh.shape["expert"]
   num_slots = params["w_gate"].shape[0]
@@ -178,13 +182,8 @@ def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
   ops = ops_for(cfg.kernels, platform, compat.compute_capability(mesh.devices.flat[0]), dtype,
                 cfg.pallas_backend)
   pipeline = dispatch_combine_fn(cfg)
-  # Pallas's interpreter (jax 0.10) fails shard_map's varying-axes check inside its kernels
-  # ("Primitive pad requires varying manual axes to match"), so interpreted kernels run with
-  # the check off; values and gradients do not depend on it (pallas == xla is tested).
-  # Vmapped over pipeline stages (spmd_axis_name) pooled capacity and fsep's replica split
-  # fail it too: jax 0.10's batching leaves the stage axis out of some values' types
-  # (jnp.searchsorted's loop, lax.cond, custom_vjp, comparisons; docs/decisions/0046).
-  check_vma = ops.backend != "interpret" and num_stages(mesh) == 1
+  # Off where these jax releases cannot check it (pallas_kernels.compat says where and why).
+  check_vma = compat.checks_varying_axes(ops.backend == "interpret", num_stages(mesh) > 1)
 
   def local(x, w_router, w_gate, w_up, w_down, expert_slots, expert_parts, local_parts, bias):
     x_TxD = x.reshape(-1, d_model)
@@ -192,8 +191,8 @@ def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
               token_axes=BATCH_AXES, bias_E=bias, gate=cfg.gate, route_scale=cfg.route_scale,
               seq_len=length, hosts_ExN=hosting_devices(expert_slots, num_dev, slots),
               device_limit=cfg.device_limit)
-    slot_A = pick_slots(r.expert_TxK.reshape(-1), expert_slots, expert_parts, local_parts, slots)
-    y_TxD, dropped, slot_counts, kept = pipeline(x_TxD, slot_A, r.gate_TxK,
+    slot_TK = pick_slots(r.expert_TxK.reshape(-1), expert_slots, expert_parts, local_parts, slots)
+    y_TxD, dropped, slot_counts, kept = pipeline(x_TxD, slot_TK, r.gate_TxK,
                                                  (w_gate, w_up, w_down), ops, num_dev, slots,
                                                  cap, dtype)
     # With F sharded over 'model' every pipeline returns partial sums: the exchange and the
@@ -215,6 +214,17 @@ def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
       layout.router_bias_LxE)
   received, overflow = realised_load(slot_counts, kept, num_dev)
   return y, MoEStats(counts, dropped, slot_counts, bal, z, received, overflow)
+
+
+def no_moe_stats(cfg: MoEConfig, mesh: Mesh, layout: Layout) -> MoEStats:
+  """Zero statistics of the shapes `moe_apply` returns, for a layer that routes nothing
+  (`moe.dense_equivalent`)."""
+  sources, num_dev = mesh.shape["data"] * mesh.shape["expert"], mesh.shape["expert"]
+  zeros = lambda *shape: jnp.zeros(shape, jnp.int32)
+  return MoEStats(zeros(sources, cfg.num_experts), zeros(sources),
+                  zeros(sources, layout.slot_local_parts_LxS.shape[-1]),
+                  jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32),
+                  zeros(sources, num_dev), zeros(sources))
 
 
 def hosting_devices(expert_slots_ExR: jax.Array, num_dev: int, slots: int) -> jax.Array:
@@ -251,7 +261,7 @@ class MoELayer(nn.Module):
         (d_model, self.cfg.num_experts), jnp.float32)}
     if slot_weights is None:
       size = {"embed": d_model, "expert_mlp": self.cfg.d_ff}
-      for name in EXPERT_WEIGHTS:      # ep: one slot per expert, [E, D, F] / [E, F, D]
+      for name in EXPERT_WEIGHTS:      # ep: one slot per expert, [E, D, ffn] / [E, ffn, D]
         axes = EXPERT_PARAM_AXES[name]
         init = nn.initializers.normal(stddev=size[axes[1]] ** -0.5)   # fan-in
         params[name] = self.param(

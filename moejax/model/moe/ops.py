@@ -7,10 +7,10 @@ read from the mesh's first device) in bf16/f16, which runs JAX's Mosaic GPU ragg
 pallas_kernels.backend). Both sets have the same contracts, so the layer calls `ops.permute`
 etc. without branching:
 
-  permute(x_TxD, token_U, rows_TxK) -> [U, D]   out[u] = x[token_U[u]] (0 if outside [0, T));
+  permute(x_TxD, token_rows, rows_TxK) -> [rows, D]  out[u] = x[token_rows[u]] (0 outside [0, T));
       rows_TxK is the inverse map (rows each token went to, -1 padded), for the backward.
-  combine(rows_UxD, row_TxK, gate_TxK) -> f32 [T, D]   sum_k gate * rows[row] (row -1: 0).
-  gmm(x_MxI, w_GxIxO, sizes_G) -> [M, O]       row group g times w[g]; rows past the groups 0.
+  combine(buf_rowsxD, row_TxK, gate_TxK) -> f32 [T, D]   sum_k gate * rows[row] (row -1: 0).
+  gmm(x_rowsxin, w_Cxinxout, sizes_C) -> [rows, out]   row group g times w[g]; rows past them 0.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def ops_for(kernels: str, platform: str, capability: str | None = None, dtype=No
   """The op set for `moe.kernels` on the mesh's `platform` ("cpu", "gpu", ...), whose devices
   have compute `capability` ("9.0"; None: not a GPU, or unknown) and compute in `dtype`."""
   if kernels == "xla":
-    return ExpertOps("xla", "xla", lambda x, token_U, rows_TxK: gather_rows(x, token_U),
+    return ExpertOps("xla", "xla", lambda x, token_rows, rows_TxK: gather_rows(x, token_rows),
                      combine_rows, lambda x, w, sizes: jax.lax.ragged_dot(x, w, sizes))
   if kernels == "pallas":
     requested = "triton" if pallas_backend == "mosaic_gpu" else pallas_backend

@@ -40,10 +40,10 @@ class PooledIndex(NamedTuple):
   kept_S: jax.Array          # int32 [S]: choices to each slot that the buffer kept
 
 
-def pooled_index(slot_A: jax.Array, top_k: int, num_devices: int, slots: int,
+def pooled_index(slot_TK: jax.Array, top_k: int, num_devices: int, slots: int,
                  cap_dev: int) -> PooledIndex:
   """Send-buffer rows for this source's choices under the drop rule in the module doc."""
-  index = dispatch_lib.buffer_index(slot_A, top_k, num_devices * slots, cap_dev, slots)
+  index = dispatch_lib.buffer_index(slot_TK, top_k, num_devices * slots, cap_dev, slots)
   counts_NxC = index.slot_counts_S.reshape(num_devices, slots)
   within_NxC = jnp.cumsum(counts_NxC, axis=1) - counts_NxC     # earlier slots, same device
   kept_NxC = jnp.clip(cap_dev - within_NxC, 0, counts_NxC)
@@ -59,25 +59,25 @@ def pooled_starts(kept_NxC: jax.Array, cap_dev: int) -> jax.Array:
       jnp.int32)
 
 
-def _tiled_ffn(recv_UxD, starts_NxC, kept_NxC, weights, ops, dtype):
+def _tiled_ffn(recv_rowsxD, starts_NxC, kept_NxC, weights, ops, dtype):
   """`grouped_ffn` with slot groups padded to whole tiles and the static-tile matmul."""
-  rows = recv_UxD.shape[0]
+  rows = recv_rowsxD.shape[0]
   slots = kept_NxC.shape[1]
   tile = tiled.tile_rows(rows, slots)
   tiles = tiled.num_tiles(rows, slots, tile)
   g = grouping.group_received(starts_NxC, kept_NxC, rows, align=tile, out_rows=tiles * tile)
   group_of_tile = tiled.tile_groups(g.sizes_C, tiles, tile)
   gmm = lambda x, w, sizes: tiled.tiled_gmm(x, w, group_of_tile, tile)
-  return grouped_ffn(recv_UxD, g, weights, ops._replace(gmm=gmm), dtype)
+  return grouped_ffn(recv_rowsxD, g, weights, ops._replace(gmm=gmm), dtype)
 
 
-def pooled_dispatch_combine(x_TxD, slot_A, gate_TxK, weights, ops, num_dev, slots, cap_dev,
+def pooled_dispatch_combine(x_TxD, slot_TK, gate_TxK, weights, ops, num_dev, slots, cap_dev,
                             dtype):
   """Pooled dispatch -> grouped experts -> combine on one device; returns
   (y_TxD, dropped, slot_counts_S, kept_S)."""
-  p = pooled_index(slot_A, gate_TxK.shape[1], num_dev, slots, cap_dev)
-  row_TxK = p.index.buf_index_A.reshape(gate_TxK.shape)
-  recv = dispatch_lib.exchange(ops.permute(x_TxD, p.index.buf_token_U, row_TxK), num_dev,
+  p = pooled_index(slot_TK, gate_TxK.shape[1], num_dev, slots, cap_dev)
+  row_TxK = p.index.buf_index_TK.reshape(gate_TxK.shape)
+  recv = dispatch_lib.exchange(ops.permute(x_TxD, p.index.buf_token_rows, row_TxK), num_dev,
                                "expert")
   # Rows each source kept for each of my slots: [sources, C].
   kept_NxC = jax.lax.all_to_all(p.kept_S.reshape(num_dev, slots), "expert", 0, 0)

@@ -1,21 +1,11 @@
 """`ragged` dispatch: each device sends exactly the rows it routes, with `ragged_all_to_all`,
 into a receive buffer bounded by a factor of the balanced share (dropless at factor 0).
 
-Inside shard_map, per device of the expert axis (N devices, C slots each, A = T*K choices):
-  1. sort choices by slot (stable); gather their token rows into that order: [A, D];
-  2. all_gather the [N, C] per-slot counts of every source of the group, so every device
-     knows every (source, destination, slot) count and the offsets follow from cumsums;
-  3. `ragged_all_to_all` sends device d the rows for its slots, packed source-major into a
-     receive buffer of `moe.ragged_buffer_factor` x A rows (`buffer_rows`; factor 0: N*A, the
-     worst case, every source sending all its choices to this device, which never drops).
-     Drop rule, computed by every device alike from the gathered counts (`kept_rows`): a
-     destination's buffer fills source by source in source order, a source's block slot by
-     slot, each slot's rows in token order; rows past the end are not sent, and those
-     choices add nothing to the combine, like dense drops;
-  4. group the received rows by slot, run the grouped SwiGLU (group sizes as data), back;
-  5. the reverse `ragged_all_to_all` returns each row to its source in the sorted order;
-  6. unpermute-combine by each choice's sorted position, weighted by the gates.
-Autodiff goes through JAX's transpose of `ragged_all_to_all` (a reverse ragged_all_to_all).
+Every device of the expert axis gathers every source's per-slot counts, so all of them know
+each (source, destination, slot) count, the offsets and the drop rule (`kept_rows`) alike;
+the rows go out sorted by slot, are grouped by slot on arrival for the grouped SwiGLU, and
+come back with the reverse exchange (`ragged_moe` lists the steps). Autodiff goes through
+JAX's transpose of `ragged_all_to_all` (a reverse ragged_all_to_all).
 
 XLA:CPU does not implement `ragged_all_to_all`; `check_platform` says so at build time.
 """
@@ -60,10 +50,10 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
   return output.at[dst.reshape(-1)].set(got.reshape(-1, d), mode="drop")
 
 
-def _zeros_like_rows(x_UxD, rows):
+def _zeros_like_rows(x_rowsxD, rows):
   """The output buffer of ragged_all_to_all, varying over the same mesh axes as `x` (the
   result takes the buffer's type; a replicated buffer would make autodiff psum the rows)."""
-  return match_varying(x_UxD, jnp.zeros((rows, x_UxD.shape[1]), x_UxD.dtype))[1]
+  return match_varying(x_rowsxD, jnp.zeros((rows, x_rowsxD.shape[1]), x_rowsxD.dtype))[1]
 
 
 def exclusive_cumsum(x, axis=0):
@@ -88,19 +78,35 @@ def kept_rows(counts_NxNxC: jax.Array, rows: int) -> jax.Array:
                   counts_NxNxC)
 
 
-def ragged_moe(x_TxD, slot_A, gate_TxK, weights, ops, num_dev: int, slots: int, dtype,
+def ragged_moe(x_TxD, slot_TK, gate_TxK, weights, ops, num_dev: int, slots: int, dtype,
                rows: int):
   """(y_TxD float32, slot_counts_S, dropped, kept_S) for one device; `weights` = slot-ordered
   (w_gate, w_up, w_down) of this device's C slots (F possibly sharded over 'model', so `y`
-  holds partial sums); `rows` the receive buffer (`buffer_rows`)."""
+  holds partial sums); `rows` the receive buffer (`buffer_rows`).
+
+  Inside shard_map, per device of the expert axis (N devices, C slots each, T*K choices):
+    1. sort choices by slot (stable); gather their token rows into that order: [T*K, D];
+    2. all_gather the [N, C] per-slot counts of every source of the group, so every device
+       knows every (source, destination, slot) count and the offsets follow from cumsums;
+    3. `ragged_all_to_all` sends device d the rows for its slots, packed source-major into a
+       receive buffer of `moe.ragged_buffer_factor` x T*K rows (`buffer_rows`; factor 0: N*T*K, the
+       worst case, every source sending all its choices to this device, which never drops).
+       Drop rule, computed by every device alike from the gathered counts (`kept_rows`): a
+       destination's buffer fills source by source in source order, a source's block slot by
+       slot, each slot's rows in token order; rows past the end are not sent, and those
+       choices add nothing to the combine, like dense drops;
+    4. group the received rows by slot, run the grouped SwiGLU (group sizes as data), back;
+    5. the reverse `ragged_all_to_all` returns each row to its source in the sorted order;
+    6. unpermute-combine by each choice's sorted position, weighted by the gates.
+  """
   num_tokens, top_k = gate_TxK.shape
   num_choices = num_tokens * top_k
   me = jax.lax.axis_index("expert")
-  order_A = jnp.argsort(slot_A, stable=True).astype(jnp.int32)
-  sorted_pos_A = jnp.zeros((num_choices,), jnp.int32).at[order_A].set(
+  order_TK = jnp.argsort(slot_TK, stable=True).astype(jnp.int32)
+  sorted_pos_TK = jnp.zeros((num_choices,), jnp.int32).at[order_TK].set(
       jnp.arange(num_choices, dtype=jnp.int32))
-  counts_S = jnp.zeros((num_dev * slots,), jnp.int32).at[slot_A].add(1)
-  send_AxD = ops.permute(x_TxD, order_A // top_k, sorted_pos_A.reshape(num_tokens, top_k))
+  counts_S = jnp.zeros((num_dev * slots,), jnp.int32).at[slot_TK].add(1)
+  send_TKxD = ops.permute(x_TxD, order_TK // top_k, sorted_pos_TK.reshape(num_tokens, top_k))
 
   counts_NxNxC = jax.lax.all_gather(counts_S.reshape(num_dev, slots), "expert")  # [src, dst, C]
   kept_NxNxC = kept_rows(counts_NxNxC, rows)
@@ -112,18 +118,18 @@ def ragged_moe(x_TxD, slot_A, gate_TxK, weights, ops, num_dev: int, slots: int, 
   recv_sizes = kept_NxN[:, me]                              # what each source sends me
   recv_offsets = exclusive_cumsum(recv_sizes)               # where it lands here
 
-  recv_UxD = ragged_all_to_all(
-      send_AxD, _zeros_like_rows(send_AxD, rows),
+  recv_rowsxD = ragged_all_to_all(
+      send_TKxD, _zeros_like_rows(send_TKxD, rows),
       input_offsets, send_sizes, output_offsets, recv_sizes, axis_name="expert")
   kept_NxC = kept_NxNxC[:, me, :]
   g = grouping.group_received(grouping.packed_starts(kept_NxC), kept_NxC, rows)
-  out_UxD = grouped_ffn(recv_UxD, g, weights, ops, dtype)
+  out_rowsxD = grouped_ffn(recv_rowsxD, g, weights, ops, dtype)
   # Reverse: my received chunk from s (at recv_offsets[s]) goes back to where s sent it from;
   # the rows of dropped choices stay zero in the returned buffer, so they add nothing.
-  back_AxD = ragged_all_to_all(
-      out_UxD, _zeros_like_rows(out_UxD, num_choices),
+  back_TKxD = ragged_all_to_all(
+      out_rowsxD, _zeros_like_rows(out_rowsxD, num_choices),
       recv_offsets, recv_sizes, exclusive_cumsum(sent_NxN, axis=1)[:, me], send_sizes,
       axis_name="expert")
-  y_TxD = ops.combine(back_AxD, sorted_pos_A.reshape(num_tokens, top_k), gate_TxK)
+  y_TxD = ops.combine(back_TKxD, sorted_pos_TK.reshape(num_tokens, top_k), gate_TxK)
   dropped = jnp.sum(sent_NxN[me] - send_sizes).astype(jnp.int32)
   return y_TxD, counts_S, dropped, kept_NxNxC[me].reshape(-1)

@@ -18,13 +18,13 @@ from moejax.layout import adaptive
 from moejax.layout.adaptive import scaled_floor
 
 
-def rank_within_expert(expert_A: jax.Array, num_experts: int) -> jax.Array:
+def rank_within_expert(expert_TK: jax.Array, num_experts: int) -> jax.Array:
   """For each choice, how many earlier choices on this device picked the same expert."""
-  n = expert_A.shape[0]
-  order = jnp.argsort(expert_A, stable=True)
-  counts = jnp.zeros((num_experts,), jnp.int32).at[expert_A].add(1)
+  n = expert_TK.shape[0]
+  order = jnp.argsort(expert_TK, stable=True)
+  counts = jnp.zeros((num_experts,), jnp.int32).at[expert_TK].add(1)
   starts = jnp.cumsum(counts) - counts
-  ranks_sorted = jnp.arange(n, dtype=jnp.int32) - starts[expert_A[order]]
+  ranks_sorted = jnp.arange(n, dtype=jnp.int32) - starts[expert_TK[order]]
   return jnp.zeros((n,), jnp.int32).at[order].set(ranks_sorted)
 
 
@@ -40,29 +40,29 @@ def local_replicas(expert_slots_ExR: jax.Array, slot_local_parts_S: jax.Array,
   return kept_E, slot_E
 
 
-def _counts(expert_A: jax.Array, num_experts: int) -> jax.Array:
-  return jnp.zeros((num_experts,), jnp.int32).at[expert_A].add(1)
+def _counts(expert_TK: jax.Array, num_experts: int) -> jax.Array:
+  return jnp.zeros((num_experts,), jnp.int32).at[expert_TK].add(1)
 
 
-def _split(expert_A, expert_slots_ExR, expert_parts_ExR, phase, kept_E, local_slot_E):
+def _split(expert_TK, expert_slots_ExR, expert_parts_ExR, phase, kept_E, local_slot_E):
   """The first kept_E[e] choices of e (token order) to local_slot_E[e], the rest by the
   cumulative parts with `phase` (see split_slots); kept_E None keeps nothing."""
   num_experts = expert_slots_ExR.shape[0]
-  counts_E = _counts(expert_A, num_experts)
-  rank_A = rank_within_expert(expert_A, num_experts)
+  counts_E = _counts(expert_TK, num_experts)
+  rank_TK = rank_within_expert(expert_TK, num_experts)
   cum_ExR = jnp.cumsum(expert_parts_ExR, axis=1)
   bounds_ExR = scaled_floor(cum_ExR, (counts_E - (0 if kept_E is None else kept_E))[:, None],
                             phase)
-  rest_A = rank_A - (0 if kept_E is None else kept_E[expert_A])
-  r_A = jnp.sum(bounds_ExR[expert_A] <= rest_A[:, None], axis=1)
-  r_A = jnp.minimum(r_A, jnp.sum(expert_slots_ExR >= 0, axis=1)[expert_A] - 1)
-  slot_A = jnp.take_along_axis(expert_slots_ExR[expert_A], r_A[:, None], axis=1)[:, 0]
+  rest_TK = rank_TK - (0 if kept_E is None else kept_E[expert_TK])
+  r_TK = jnp.sum(bounds_ExR[expert_TK] <= rest_TK[:, None], axis=1)
+  r_TK = jnp.minimum(r_TK, jnp.sum(expert_slots_ExR >= 0, axis=1)[expert_TK] - 1)
+  slot_TK = jnp.take_along_axis(expert_slots_ExR[expert_TK], r_TK[:, None], axis=1)[:, 0]
   if kept_E is None:
-    return slot_A
-  return jnp.where(rest_A < 0, local_slot_E[expert_A], slot_A)
+    return slot_TK
+  return jnp.where(rest_TK < 0, local_slot_E[expert_TK], slot_TK)
 
 
-def split_slots(expert_A: jax.Array, expert_slots_ExR: jax.Array,
+def split_slots(expert_TK: jax.Array, expert_slots_ExR: jax.Array,
                 expert_parts_ExR: jax.Array, phase: jax.Array,
                 kept_parts_E: jax.Array | None = None,
                 local_slot_E: jax.Array | None = None) -> jax.Array:
@@ -76,14 +76,14 @@ def split_slots(expert_A: jax.Array, expert_slots_ExR: jax.Array,
   `moejax.layout.placement.split_loads`."""
   kept_E = None
   if kept_parts_E is not None:
-    kept_E = scaled_floor(kept_parts_E, _counts(expert_A, expert_slots_ExR.shape[0]))
-  return _split(expert_A, expert_slots_ExR, expert_parts_ExR, phase, kept_E, local_slot_E)
+    kept_E = scaled_floor(kept_parts_E, _counts(expert_TK, expert_slots_ExR.shape[0]))
+  return _split(expert_TK, expert_slots_ExR, expert_parts_ExR, phase, kept_E, local_slot_E)
 
 
-def adaptive_slots(expert_A: jax.Array, expert_slots_ExR: jax.Array,
+def adaptive_slots(expert_TK: jax.Array, expert_slots_ExR: jax.Array,
                    expert_parts_ExR: jax.Array, axis: str, slots_per_device: int,
                    cap: int | None) -> jax.Array:
-  """Adaptive shares (`moejax.layout.adaptive`) for this device's choices expert_A, inside
+  """Adaptive shares (`moejax.layout.adaptive`) for this device's choices expert_TK, inside
   shard_map over `axis` (the expert axis: the devices that exchange tokens). One psum of the
   int32 [E] counts and one all_gather of the [C] counts of the experts this device hosts give
   every device the group's counts and each replica's own count, from which each computes the
@@ -93,7 +93,7 @@ def adaptive_slots(expert_A: jax.Array, expert_slots_ExR: jax.Array,
   device = jax.lax.axis_index(axis)
   num_devices = jax.lax.axis_size(axis)
   num_experts = expert_slots_ExR.shape[0]
-  counts_E = _counts(expert_A, num_experts)
+  counts_E = _counts(expert_TK, num_experts)
   total_E = jax.lax.psum(counts_E, axis)
   valid = expert_slots_ExR >= 0
   mine = valid & (expert_slots_ExR // slots_per_device == device)
@@ -107,4 +107,4 @@ def adaptive_slots(expert_A: jax.Array, expert_slots_ExR: jax.Array,
   phase = device * adaptive.SHARE_PARTS // num_devices
   kept_E = jnp.sum(jnp.where(mine, kept_ExR, 0), axis=1)
   local_slot_E = jnp.max(jnp.where(mine, expert_slots_ExR, -1), axis=1)
-  return _split(expert_A, expert_slots_ExR, remote, phase, kept_E, local_slot_E)
+  return _split(expert_TK, expert_slots_ExR, remote, phase, kept_E, local_slot_E)

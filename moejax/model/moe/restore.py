@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 
 
-def restore_local(w_LxExIxO: jax.Array, slot_expert_LxS: jax.Array, num_devices: int,
+def restore_local(w_LxExinxout: jax.Array, slot_expert_LxS: jax.Array, num_devices: int,
                   f_axis: int, dtype=None) -> jax.Array:
-  """Inside shard_map: [L, E, I, O] local shards -> [L, C, I, O*N] or [L, C, I*N, O].
+  """Inside shard_map: [L, E, in, out] local shards -> [L, C, in, out*N] or [L, C, in*N, out].
 
   `f_axis` (2 or 3) is the sharded FFN axis of the weight (3 for w_gate/w_up, 2 for w_down).
   `dtype` (default: the shards' own): the restored weights' dtype. The cast comes before the
@@ -29,9 +29,9 @@ def restore_local(w_LxExIxO: jax.Array, slot_expert_LxS: jax.Array, num_devices:
   layers, num_slots = slot_expert_LxS.shape
   slots = num_slots // num_devices
   idx = jnp.maximum(slot_expert_LxS, 0)
-  send = jnp.take_along_axis(w_LxExIxO, idx[:, :, None, None], axis=1)   # [L, S, I, O]
+  send = jnp.take_along_axis(w_LxExinxout, idx[:, :, None, None], axis=1)   # [L, S, in, out]
   send = send.reshape((layers, num_devices, slots) + send.shape[2:]).astype(dtype or send.dtype)
-  recv = jax.lax.all_to_all(send, "expert", 1, 1)                         # [L, N src, C, I, O]
+  recv = jax.lax.all_to_all(send, "expert", 1, 1)                         # [L, N src, C, in, out]
   recv = jnp.moveaxis(recv, 1, f_axis)                                     # Nsrc before F
   shape = list(recv.shape)
   shape[f_axis:f_axis + 2] = [shape[f_axis] * shape[f_axis + 1]]

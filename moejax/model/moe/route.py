@@ -37,8 +37,8 @@ def device_mask(choice_TxE: jax.Array, hosts_ExN: jax.Array, device_limit: int) 
   """bool [T, E]: the experts hosted on each token's `device_limit` best devices, a device
   scoring the best `choice_TxE` among the experts it hosts (`hosts_ExN`, bool)."""
   hosted_TxExN = jnp.where(hosts_ExN[None], choice_TxE[:, :, None], -jnp.inf)
-  _, device_TxM = jax.lax.top_k(jnp.max(hosted_TxExN, axis=1), device_limit)
-  return jnp.any(hosts_ExN.T[device_TxM], axis=1)
+  _, device_Txlimit = jax.lax.top_k(jnp.max(hosted_TxExN, axis=1), device_limit)
+  return jnp.any(hosts_ExN.T[device_Txlimit], axis=1)
 
 
 def _scores(logits_TxE: jax.Array, gate: str) -> jax.Array:

@@ -3,7 +3,7 @@
 `jax.lax.ragged_dot` on XLA:CPU costs about one dense matmul per group over all rows. Here
 each group is padded to a multiple of `tile` rows inside a buffer of a bounded number of
 tiles, and a `lax.scan` over the tiles multiplies each by its group's weights (a dynamic
-index into w_GxIxO), so the cost follows the buffer rows, not G times them; tiles past the
+index into w_Cxinxout), so the cost follows the buffer rows, not G times them; tiles past the
 groups are skipped. The backward is a `custom_vjp`: dx is the same scan with the weights
 transposed, dW the per-tile products summed by group (a segment sum, accumulated in a scan).
 """
@@ -32,24 +32,24 @@ def num_tiles(rows: int, groups: int, tile: int) -> int:
   return (rows + groups * (tile - 1)) // tile
 
 
-def tile_groups(sizes_G: jax.Array, tiles: int, tile: int) -> jax.Array:
+def tile_groups(sizes_C: jax.Array, tiles: int, tile: int) -> jax.Array:
   """int32 [tiles]: the group each tile belongs to, -1 for the unused tail tiles (zero rows:
   the matmul skips them and gives zeros)."""
-  end_G = jnp.cumsum(-(-sizes_G // tile))
+  end_C = jnp.cumsum(-(-sizes_C // tile))
   t = jnp.arange(tiles, dtype=jnp.int32)
-  group = jnp.searchsorted(end_G, t, side="right").astype(jnp.int32)
-  return jnp.where(group < sizes_G.shape[0], group, -1)
+  group = jnp.searchsorted(end_C, t, side="right").astype(jnp.int32)
+  return jnp.where(group < sizes_C.shape[0], group, -1)
 
 
-def _scan_tiles(x_MxI: jax.Array, w_GxIxO: jax.Array, group_of_tile: jax.Array,
+def _scan_tiles(x_rowsxin: jax.Array, w_Cxinxout: jax.Array, group_of_tile: jax.Array,
                 tile: int) -> jax.Array:
-  rows, width = x_MxI.shape
-  x_tiles = x_MxI.reshape(rows // tile, tile, width)   # [tiles, tile, I]
+  rows, width = x_rowsxin.shape
+  x_tiles = x_rowsxin.reshape(rows // tile, tile, width)   # [tiles, tile, in]
 
   def body(carry, xs):
     x_t, g = xs
-    y_t = jax.lax.cond(g >= 0, lambda: jnp.dot(x_t, w_GxIxO[jnp.maximum(g, 0)]),
-                       lambda: match_varying(jnp.zeros((tile, w_GxIxO.shape[-1]), x_t.dtype),
+    y_t = jax.lax.cond(g >= 0, lambda: jnp.dot(x_t, w_Cxinxout[jnp.maximum(g, 0)]),
+                       lambda: match_varying(jnp.zeros((tile, w_Cxinxout.shape[-1]), x_t.dtype),
                                              x_t)[0])
     return carry, y_t
 
@@ -57,43 +57,45 @@ def _scan_tiles(x_MxI: jax.Array, w_GxIxO: jax.Array, group_of_tile: jax.Array,
   return y_tiles.reshape(rows, -1)
 
 
-def tiled_gmm(x_MxI: jax.Array, w_GxIxO: jax.Array, group_of_tile: jax.Array,
+def tiled_gmm(x_rowsxin: jax.Array, w_Cxinxout: jax.Array, group_of_tile: jax.Array,
               tile: int) -> jax.Array:
-  """[M, O]: tile i of x (rows i*tile ..) times w[group_of_tile[i]], zeros where that is -1;
+  """[rows, out]: tile i of x (rows i*tile ..) times w[group_of_tile[i]], zeros where that is -1;
   M a multiple of tile."""
   # Inside shard_map the cotangents must vary over the axes their inputs vary over; the cast
   # of the weights to x's axes sums their gradient over the axes they were broadcast to.
-  x_MxI, w_GxIxO = match_varying(x_MxI, w_GxIxO)
-  return _tiled_gmm(x_MxI, w_GxIxO, group_of_tile, tile)
+  x_rowsxin, w_Cxinxout = match_varying(x_rowsxin, w_Cxinxout)
+  return _tiled_gmm(x_rowsxin, w_Cxinxout, group_of_tile, tile)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _tiled_gmm(x_MxI, w_GxIxO, group_of_tile, tile):
-  return _scan_tiles(x_MxI, w_GxIxO, group_of_tile, tile)
+def _tiled_gmm(x_rowsxin, w_Cxinxout, group_of_tile, tile):
+  return _scan_tiles(x_rowsxin, w_Cxinxout, group_of_tile, tile)
 
 
-def _fwd(x_MxI, w_GxIxO, group_of_tile, tile):
-  return _scan_tiles(x_MxI, w_GxIxO, group_of_tile, tile), (x_MxI, w_GxIxO, group_of_tile)
+def _fwd(x_rowsxin, w_Cxinxout, group_of_tile, tile):
+  return (_scan_tiles(x_rowsxin, w_Cxinxout, group_of_tile, tile),
+          (x_rowsxin, w_Cxinxout, group_of_tile))
 
 
-def _bwd(tile, res, dy_MxO):
-  x_MxI, w_GxIxO, group_of_tile = res
-  dx_MxI = _scan_tiles(dy_MxO, w_GxIxO.transpose(0, 2, 1), group_of_tile, tile)
-  rows = x_MxI.shape[0]
-  x_tiles = x_MxI.reshape(rows // tile, tile, -1)
-  dy_tiles = dy_MxO.reshape(rows // tile, tile, -1)
+def _bwd(tile, res, dy_rowsxout):
+  x_rowsxin, w_Cxinxout, group_of_tile = res
+  dx_rowsxin = _scan_tiles(dy_rowsxout, w_Cxinxout.transpose(0, 2, 1), group_of_tile, tile)
+  rows = x_rowsxin.shape[0]
+  x_tiles = x_rowsxin.reshape(rows // tile, tile, -1)
+  dy_tiles = dy_rowsxout.reshape(rows // tile, tile, -1)
 
-  # dW: each used tile's product added to its group's sum as the scan goes; a [tiles, I, O]
+  # dW: each used tile's product added to its group's sum as the scan goes; a [tiles, in, out]
   # stack of per-tile products summed afterwards would hold tiles x the weights' bytes.
-  def body(dw_GxIxO, xs):
+  def body(dw_Cxinxout, xs):
     x_t, dy_t, g = xs
-    add = lambda: dw_GxIxO.at[jnp.maximum(g, 0)].add(
+    add = lambda: dw_Cxinxout.at[jnp.maximum(g, 0)].add(
         jnp.dot(x_t.T, dy_t, preferred_element_type=jnp.float32))
-    return jax.lax.cond(g >= 0, add, lambda: dw_GxIxO), None
+    return jax.lax.cond(g >= 0, add, lambda: dw_Cxinxout), None
 
-  dw0 = match_varying(jnp.zeros(w_GxIxO.shape, jnp.float32), x_MxI, dy_MxO)[0]   # f32 sums
-  dw_GxIxO, _ = jax.lax.scan(body, dw0, (x_tiles, dy_tiles, group_of_tile))
-  return dx_MxI, dw_GxIxO.astype(w_GxIxO.dtype), None
+  # f32 sums
+  dw0 = match_varying(jnp.zeros(w_Cxinxout.shape, jnp.float32), x_rowsxin, dy_rowsxout)[0]
+  dw_Cxinxout, _ = jax.lax.scan(body, dw0, (x_tiles, dy_tiles, group_of_tile))
+  return dx_rowsxin, dw_Cxinxout.astype(w_Cxinxout.dtype), None
 
 
 _tiled_gmm.defvjp(_fwd, _bwd)

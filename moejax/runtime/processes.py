@@ -5,14 +5,16 @@
 Each child gets JAX_COORDINATOR_ADDRESS=127.0.0.1:<free port>, JAX_NUM_PROCESSES=P and
 JAX_PROCESS_ID=i (read by `moejax.runtime.distributed`), JAX_PLATFORMS=cpu unless set, and with
 --devices_per_process an XLA_FLAGS that fakes that many CPU devices. Output lines are prefixed
-with `[i] `. The first SIGTERM/SIGINT is forwarded to every child (they finish the step, save
-and exit 0); a second one kills them. If a child fails, the others are killed and the launcher
-exits with that child's code (128 + signal for a signal).
+with `[i] ` (Gloo's "connected to all peers" lines are left out). The first SIGTERM/SIGINT is
+forwarded to every child (they finish the step, save and exit 0); a second one kills them. If
+a child fails, the others are killed and the launcher exits with that child's code (128 +
+signal for a signal).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -40,8 +42,17 @@ def child_env(base: dict, index: int, processes: int, port: int,
   return env
 
 
+# Gloo (jax's CPU collectives) prints a line per rank for every communicator it sets up; one
+# that reached all its peers says nothing a user can act on. A shortfall is still shown.
+_GLOO_CONNECTED = re.compile(rb"is connected to (\d+) peer ranks\. Expected number of "
+                             rb"connected peer ranks is : (\d+)")
+
+
 def _pump(stream, prefix: bytes, out) -> None:
   for line in iter(stream.readline, b""):
+    m = _GLOO_CONNECTED.search(line)
+    if m and m.group(1) == m.group(2):
+      continue
     out.write(prefix + line)
     out.flush()
   stream.close()

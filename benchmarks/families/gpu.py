@@ -1,0 +1,127 @@
+"""Result families measured on a GPU, or compiled for one."""
+
+from __future__ import annotations
+
+from benchmarks.families import Section, family, num, pct, ratio, table
+
+# Layer rows measured before train.py's GPU flags (the ragged all-to-all decomposer) and the
+# Hopper tiles: the decision keeps them; the current layer times are layer_profile's.
+LAYER_SUPERSEDED = {"kernels_gpu.json": "0054-ragged-all-to-all-decomposed-on-gpu.md"}
+
+
+@family("kernels_", "Pallas kernels and the layer per kernels / dispatch")
+def _kernels(files):
+  lines = []
+  for name, d in files.items():
+    k = [[r["kernel"], f"T={r.get('T', '')} D={r.get('D', '')} K={r.get('K', '')}",
+          r["dtype"], num(r.get("fwd_ms")), num(r.get("fwd_bwd_ms"))] for r in d["kernels"]]
+    layer = [[f"{r['dispatch']}:{r['kernels']}", r["mesh"], num(r["tokens"]), r["dtype"],
+              num(r["fwd_bwd_ms"]), pct(r["dropped_fraction"])] for r in d["layer"]]
+    lines += [f"`{name}`: {d['metadata'].get('note', '')}", "",
+              *table(["kernel", "shape", "dtype", "fwd ms", "fwd+bwd ms"], k), ""]
+    if name in LAYER_SUPERSEDED:
+      record = LAYER_SUPERSEDED[name]
+      lines += [f"Its layer rows ran before the GPU flags and tiles the layer uses now: "
+                f"[decision {record[:4]}](decisions/{record}) keeps them.", ""]
+    else:
+      lines += [*table(["layer dispatch:kernels", "mesh", "tokens", "dtype", "fwd+bwd ms",
+                        "dropped"], layer), ""]
+  return Section(lines[:-1])
+
+
+@family("gmm_tiles", "Grouped-matmul tilings on one GPU")
+def _gmm_tiles(files):
+  rows = []
+  for name, d in files.items():
+    best = {}
+    for r in d["rows"]:
+      if r.get("ms") and (r["impl"] not in best or r["ms"] < best[r["impl"]]["ms"]):
+        best[r["impl"]] = r
+    for impl, r in sorted(best.items(), key=lambda kv: kv[1]["ms"]):
+      tiles = " x ".join(str(r[k]) for k in ("bm", "bn", "bk") if k in r)
+      rows.append([impl, f"[{r['M']}, {r['K']}] x [{r['G']}, {r['K']}, {r['N']}]", tiles,
+                   f"{r['ms']:.2f}", num(r["TFLOPs"], 0), f"`{name}`"])
+  return Section(["The fastest setting of each implementation.", "",
+                  *table(["implementation", "shape", "tiles", "ms", "TFLOP/s", "file"], rows)])
+
+
+@family("layer_profile", "The MoE layer on one GPU, per dispatch and kernels")
+def _layer_profile(files):
+  rows = []
+  for name, d in files.items():
+    for r in d["rows"]:
+      rows.append([r["option"], f"{r['fwd_ms']:.1f}", f"{r['fwd_bwd_ms']:.1f}",
+                   f"{r['gpu_ms_per_fwd_bwd']:.1f}", f"`{name}`"])
+  return Section(table(["dispatch:kernels", "fwd ms", "fwd+bwd ms", "GPU kernel ms per fwd+bwd",
+                        "file"], rows))
+
+
+@family("train_step", "The GPU config's train step on one GPU")
+def _train_step(files):
+  rows, head = [], []
+  for name, d in files.items():
+    # Rows measured before train.py's GPU flags gained the decomposer are superseded
+    # (decision 0054 keeps them).
+    current = [r for r in d["rows"] if "before the decomposer" not in r["setting"]]
+    for r in current:
+      rows.append([r["dispatch:kernels"], r["setting"], num(r["tokens_per_s_median_from_step_5"],
+                                                            0), f"`{name}`"])
+    best = {}
+    for r in current:
+      best[r["dispatch:kernels"]] = max(best.get(r["dispatch:kernels"], 0),
+                                        r["tokens_per_s_median_from_step_5"])
+    head.append(("`gpt_moe_gpu.gin` train step on one GPU, 8 x 1024 tokens, tokens/s: "
+                 "dense/xla, ragged/pallas", ", ".join(num(best[k], 0) for k in
+                                                     ("dense:xla", "ragged:pallas") if k in best),
+                 name))
+  return Section(table(["dispatch:kernels", "setting", "tokens/s (median from step 5)",
+                        "file"], rows), head)
+
+
+@family("gpu_compile", "Triton kernels compiled offline for sm_90a")
+def _gpu_compile(files):
+  rows = []
+  for name, d in files.items():
+    s = d["summary"]
+    worst = max((r for r in d["rows"] if r.get("default") and r.get("registers") is not None),
+                key=lambda r: r["registers"])
+    rows.append([d["jax"], d["triton"],
+                 f"{s['default_compiled']} of {s['default_tilings']}", s["default_spilling"],
+                 f"{worst['registers']} ({worst['kernel']}, top_k {worst['top_k']})",
+                 f"`{name}`"])
+  return Section(table(["jax", "triton", "default tilings compiled", "spilling",
+                        "most registers", "file"], rows))
+
+
+@family("on_gpu", "The prepared GPU run: the GPU config's train step on one GPU")
+def _on_gpu(files):
+  lines, head = [], []
+  for name, d in files.items():
+    train = d["steps"].get("train_steps", {})
+    rows = [[r["path"], r.get("attention", ""), r.get("loss_chunk", ""),
+             num(r.get("tokens_per_s"), 0), pct(r.get("mfu"), 1),
+             num(1e3 * r["step_s_median"], 1) if r.get("step_s_median") else r.get("error", "")]
+            for r in train.get("rows", []) + train.get("ablations", [])]
+    lines += [f"`{name}`: per-GPU batch {num(train.get('tokens_per_step'))} tokens "
+              f"(the GPU config's batch over an 8-GPU node), median of "
+              f"{max((r.get('steps_timed', 0) for r in train.get('rows', [])), default=0)} "
+              "interleaved steps per path; MFU at the bf16 dense peak, model FLOPs only.", "",
+              *table(["path", "attention", "loss tile", "tokens/s", "MFU", "step ms"], rows), ""]
+    tests = d["steps"].get("kernel_tests", {}).get("counts")
+    if tests:
+      lines += [f"Kernel tests on the GPU: {', '.join(f'{v} {k}' for k, v in tests.items())}.",
+                ""]
+    mock = d["steps"].get("mock_topology", {}).get("rows", [])
+    if mock:
+      lines += [*table(["mocked topology", "strategy", "result"],
+                       [[m["topology"], m["strategy"],
+                         m.get("error") or m.get("skipped") or
+                         f"compiled in {m['compile_s']:.0f} s"] for m in mock]), ""]
+    if train.get("best"):
+      best = next(r for r in train["rows"] if r["path"] == train["best"])
+      head.append((f"GPU config's train step on one H100 (8 x 1024 tokens), fastest MoE path "
+                   f"({best['path']}) vs the dense-equivalent model",
+                   f"{num(best['tokens_per_s'], 0)} tokens/s, MFU {pct(best.get('mfu'), 1)}; "
+                   f"{ratio(train['best_vs_dense_equivalent'])} the dense-equivalent's",
+                   name))
+  return Section(lines[:-1], head)

@@ -1,0 +1,106 @@
+"""Result families of the placement policies and their planners (host arithmetic)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from benchmarks.families import Section, family, num, pct, ratio, table
+
+
+@family("replay_", "Placement policies on routing traces")
+def _replay(files):
+  rows, head = [], []
+  for name, d in files.items():
+    pol = d["policies"]
+    cell = lambda p: f"{p['median']:.3f} / {p['p90']:.3f}" if p else ""
+    shares = f", shares {d['shares']}" if d.get("shares") else ""
+    rows.append([f"{os.path.basename(d['trace'])}{shares}", d["devices"], d["experts"],
+                 *(cell(pol.get(k)) for k in ("static", "smartmoe", "shadow", "fsep")),
+                 cell(d.get("oracle")), cell(d.get("window_oracle")), f"`{name}`"])
+  drift = files.get("replay_drift_bursts_N8.json")
+  adaptive = files.get("replay_drift_bursts_N8_adaptive.json")
+  if drift and adaptive:
+    p = drift["policies"]
+    head.append(("busiest device over the mean, drift-bursts trace, N = 8, median / p90: "
+                 "static, SmartMoE, fsep, fsep with adaptive shares",
+                 f"{p['static']['median']:.3f} / {p['static']['p90']:.3f}, "
+                 f"{p['smartmoe']['median']:.3f} / {p['smartmoe']['p90']:.3f}, "
+                 f"{p['fsep']['median']:.3f} / {p['fsep']['p90']:.3f}, "
+                 f"{adaptive['policies']['fsep']['median']:.3f} / "
+                 f"{adaptive['policies']['fsep']['p90']:.3f}",
+                 "replay_drift_bursts_N8.json"))
+  return Section(["The busiest device's routed load over the mean (choices before capacity), "
+                  "median / p90 over steps x layers, each layout planned from earlier steps "
+                  "only; `oracle` plans each step on its own counts, `window oracle` each "
+                  "decision on the steps it will serve.", "",
+                  *table(["trace", "N", "E", "static", "smartmoe", "shadow", "fsep", "oracle",
+                          "window oracle", "file"], rows)], head)
+
+
+@family("adaptive_capacity", "fsep with planned vs adaptive token shares")
+def _adaptive(files):
+  rows = []
+  for name, d in files.items():
+    for rule in ("planned", "adaptive"):
+      r = d[rule]
+      drops = d["dropped_at"]
+      rows.append([os.path.basename(d["trace"]), rule,
+                   f"{r['max_over_mean']['median']:.3f} / {r['max_over_mean']['p90']:.3f}",
+                   f"{r['slot']['median']:.2f}", f"{r['device']['median']:.2f}",
+                   *(f"{pct(drops[f][rule]['slot'])} / {pct(drops[f][rule]['device'])}"
+                     for f in sorted(drops, key=float)), f"`{name}`"])
+  factors = sorted(next(iter(files.values()))["dropped_at"], key=float)
+  return Section(["Host arithmetic on the traces: max/mean (median / p90), the smallest "
+                  "capacity factor that drops at most 1% (median over steps) per capacity "
+                  "mode, and the drops (slot / device) at fixed factors.", "",
+                  *table(["trace", "shares", "max/mean", "cf slot", "cf device",
+                          *(f"dropped at cf {f}" for f in factors), "file"], rows)])
+
+
+@family("planner_time", "Planner time per decision")
+def _planner_time(files):
+  rows, head = [], []
+  for name, d in files.items():
+    # planner_time.json's fsep rows predate the planner's current arithmetic; its other
+    # policies' rows are the only record. planner_time_fsep.json holds the fsep rows.
+    picked = [r for r in d["rows"] if r["policy"] != "fsep"]
+    if name == "planner_time_fsep.json":
+      picked = d["fsep_rows"]
+    for r in picked:
+      if r["status"] != "ok":
+        continue
+      options = ", ".join(f"{k}={v}" for k, v in (r.get("options") or {}).items())
+      rows.append([r["policy"], options or "defaults", r["experts"], r["devices"], r["slots"],
+                   num(r["ms_median"]), f"{num(r['ms_min'])} - {num(r['ms_max'])}",
+                   num(r["max_over_mean"]), f"`{name}`"])
+      if r["policy"] == "fsep" and r["devices"] == 4096 and not options:
+        head.append((f"fsep planner, E = {r['experts']} experts on N = 4096 devices, median "
+                     "time per decision", f"{r['ms_median']:.2f} ms", name))
+  return Section(["Wall time per planner call (numpy on the host), median and range over the "
+                  "calls, and the plan's max/mean on its own load.", "",
+                  *table(["policy", "options", "E", "N", "C", "median ms", "min - max ms",
+                          "max/mean", "file"], rows)], head)
+
+
+@family("planner_ab", "The fsep planner against a base commit, interleaved")
+def _planner_ab(files):
+  rows = []
+  for name, d in files.items():
+    for r in d["rows"]:
+      rows.append([d["base"], r["experts"], r["devices"], "yes" if r["same_plan"] else "no",
+                   f"{r['wall_base_ms']:.2f} -> {r['wall_new_ms']:.2f}", ratio(r["wall_ratio"]),
+                   ratio(r["cpu_ratio"]), f"`{name}`"])
+  return Section(table(["base", "E", "N", "same plan", "wall ms base -> this", "wall ratio",
+                        "CPU ratio", "file"], rows))
+
+
+@family("planner_replay_ab", "Every replay planner call against a base commit")
+def _planner_replay_ab(files):
+  rows = []
+  for name, d in files.items():
+    for r in d["rows"]:
+      rows.append([d["base"], r["trace"], r["devices"], json.dumps(r["options"]) if r["options"]
+                   else "defaults", r["calls"], r["different_plans"], f"`{name}`"])
+  return Section(table(["base", "trace", "N", "options", "calls", "different plans", "file"],
+                       rows))

@@ -1,0 +1,96 @@
+"""The language-model loss: mean next-token cross-entropy, plain or tiled.
+
+`cross_entropy` takes the [B, Q, vocab] logits. `tiled_cross_entropy` takes the final hidden
+states and the unembedding and never holds more than one tile of logits: it scans the
+sequence in tiles of `chunk` positions, keeps one log-sum-exp per token for the backward
+pass, and recomputes each tile's logits there (its own VJP). The [B, Q, vocab] fp32 logits and
+their gradient are most of a large-vocabulary step's temporary memory (GPT-2's 50,304
+classes: 13 GB per 65,536 tokens, twice).
+
+Dtype policy: the tile's matmuls take `compute_dtype` operands (the model's dtype) with fp32
+accumulation; log-sum-exp, the loss and the unembedding's gradient are fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def cross_entropy(logits_BxQxvocab: jax.Array, targets_BxQ: jax.Array) -> jax.Array:
+  logp = jax.nn.log_softmax(logits_BxQxvocab.astype(jnp.float32), axis=-1)
+  return -jnp.mean(jnp.take_along_axis(logp, targets_BxQ[..., None], axis=-1))
+
+
+def _tiles(h_BxQxD, targets_BxQ, chunk):
+  """[n, B, chunk, D] hidden tiles and [n, B, chunk] targets, the sequence padded to a
+  multiple of `chunk` with target -1 (no loss)."""
+  batch, length, d_model = h_BxQxD.shape
+  pad = -length % chunk
+  h = jnp.pad(h_BxQxD, ((0, 0), (0, pad), (0, 0)))
+  t = jnp.pad(targets_BxQ, ((0, 0), (0, pad)), constant_values=-1)
+  n = (length + pad) // chunk
+  return (h.reshape(batch, n, chunk, d_model).swapaxes(0, 1),
+          t.reshape(batch, n, chunk).swapaxes(0, 1))
+
+
+def _tile_logits(h_BxtilexD, w_Dxvocab, compute_dtype):
+  return jnp.einsum("bcd,dv->bcv", h_BxtilexD.astype(compute_dtype),
+                    w_Dxvocab.astype(compute_dtype), preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def tiled_cross_entropy(h_BxQxD: jax.Array, w_Dxvocab: jax.Array, targets_BxQ: jax.Array,
+                        chunk: int, compute_dtype=jnp.float32) -> jax.Array:
+  """mean over B x Q of -log softmax(h @ w)[target], `chunk` positions of logits at a time."""
+  return _forward(h_BxQxD, w_Dxvocab, targets_BxQ, chunk, compute_dtype)[0]
+
+
+def _forward(h_BxQxD, w_Dxvocab, targets_BxQ, chunk, compute_dtype):
+  h_n, t_n = _tiles(h_BxQxD, targets_BxQ, chunk)
+
+  def tile(total, xs):
+    h, t = xs
+    logits = _tile_logits(h, w_Dxvocab, compute_dtype)
+    lse_Bxtile = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, jnp.maximum(t, 0)[..., None], axis=-1)[..., 0]
+    return total + jnp.sum(jnp.where(t >= 0, lse_Bxtile - picked, 0.0)), lse_Bxtile
+
+  total, lse_n = jax.lax.scan(tile, jnp.zeros((), jnp.float32), (h_n, t_n))
+  loss = total / targets_BxQ.size
+  return loss, (h_BxQxD, w_Dxvocab, targets_BxQ, lse_n)
+
+
+def _fwd(h_BxQxD, w_Dxvocab, targets_BxQ, chunk, compute_dtype):
+  return _forward(h_BxQxD, w_Dxvocab, targets_BxQ, chunk, compute_dtype)
+
+
+def _bwd(chunk, compute_dtype, res, g):
+  h_BxQxD, w_Dxvocab, targets_BxQ, lse_n = res
+  h_n, t_n = _tiles(h_BxQxD, targets_BxQ, chunk)
+  scale = g / targets_BxQ.size
+  vocab = w_Dxvocab.shape[1]
+
+  def tile(dw_Dxvocab, xs):
+    h, t, lse_Bxtile = xs
+    logits = _tile_logits(h, w_Dxvocab, compute_dtype)
+    # d loss / d logits = softmax - one_hot(target), zero on padding
+    d_Bxtilexvocab = (jnp.exp(logits - lse_Bxtile[..., None]) -
+                      jax.nn.one_hot(t, vocab, dtype=jnp.float32))
+    d_Bxtilexvocab = jnp.where((t >= 0)[..., None], d_Bxtilexvocab * scale,
+                               0.0).astype(compute_dtype)
+    dh = jnp.einsum("bcv,dv->bcd", d_Bxtilexvocab, w_Dxvocab.astype(compute_dtype),
+                    preferred_element_type=jnp.float32)
+    dw_Dxvocab = dw_Dxvocab + jnp.einsum("bcd,bcv->dv", h.astype(compute_dtype), d_Bxtilexvocab,
+                                 preferred_element_type=jnp.float32)
+    return dw_Dxvocab, dh
+
+  dw, dh_n = jax.lax.scan(tile, jnp.zeros(w_Dxvocab.shape, jnp.float32), (h_n, t_n, lse_n))
+  batch, length, d_model = h_BxQxD.shape
+  dh = dh_n.swapaxes(0, 1).reshape(batch, -1, d_model)[:, :length]
+  return dh.astype(h_BxQxD.dtype), dw.astype(w_Dxvocab.dtype), None
+
+
+tiled_cross_entropy.defvjp(_fwd, _bwd)

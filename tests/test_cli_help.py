@@ -1,0 +1,69 @@
+"""Every command's `--help`: a description and a help text for every flag, each ending in a
+full sentence; the usage names the command as it is typed."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import pytest
+
+from moejax import calibrate, launch, plan, replay, report
+from moejax.prepare_data import __main__ as prepare_data
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+  sys.path.insert(0, REPO_ROOT)
+
+import train  # noqa: E402  (the CLI module at the repo root)
+
+COMMANDS = {"python train.py": train, "python -m moejax.plan": plan,
+            "python -m moejax.report": report, "python -m moejax.replay": replay,
+            "python -m moejax.launch": launch, "python -m moejax.calibrate": calibrate,
+            "python -m moejax.prepare_data": prepare_data}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_help_text_is_a_full_sentence(command):
+  parser = COMMANDS[command].parser()
+  assert parser.prog == command
+  assert parser.description and parser.description.endswith("."), parser.description
+  for action in parser._actions:
+    if isinstance(action, argparse._HelpAction):
+      continue
+    name = "/".join(action.option_strings) or action.dest
+    text = action.help or ""
+    assert text[:1].isupper() and text.endswith("."), f"{command} {name}: {text!r}"
+  assert "__main__" not in parser.format_help()
+
+
+def test_plan_prints_its_answer_first_and_the_table_on_request(capsys):
+  assert plan.main(["--profile", "h100_node", "--pool", "2"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[1].startswith("best: ") and "strategies fit (the table of all: --all)" in lines[1]
+  assert lines[2].startswith("pool: ") and len(lines[2].split(", ")) == 2
+  assert [line.split(":")[0].strip() for line in lines[4:6]] == lines[2][6:].split(", ")
+  command = lines[-1]
+  assert command.startswith("train with: python train.py --gin_file=") and (
+      "default.gin --gin_bindings=\"strategy.pool = [" in command), command
+  assert not any(line.startswith("strategy ") for line in lines)   # no table
+  assert len(lines) == 7, lines
+  assert plan.main(["--profile", "h100_node", "--pool", "2", "--all"]) == 0
+  full = capsys.readouterr().out.splitlines()
+  assert full[:7] == lines[:1] + [lines[1].replace(" (the table of all: --all)", "")] + lines[2:]
+  assert full[7].startswith("strategy ") and len(full) > 100
+
+
+def test_launch_passes_output_on_without_gloos_all_connected_lines():
+  import io
+
+  from moejax.runtime.launch import _pump
+
+  gloo = b"[Gloo] Rank %d is connected to %d peer ranks. Expected number of connected peer " \
+         b"ranks is : %d\n"
+  lines = [b"XLA_FLAGS=...\n", gloo % (0, 7, 7), b"[Gloo] Rank " + gloo % (1, 7, 7),
+           gloo % (2, 6, 7), b"steps 0..1: loss 6.4 -> 6.3\n"]
+  out = io.BytesIO()
+  _pump(io.BytesIO(b"".join(lines)), b"[1] ", out)
+  assert out.getvalue() == b"".join(b"[1] " + line for line in (lines[0], lines[3], lines[4]))
