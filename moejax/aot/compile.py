@@ -6,7 +6,9 @@ with the XLA flags `train.py` sets on GPU (`moejax.runtime.xla_flags.GPU_FLAGS`)
 compiler options: XLA_FLAGS is read once per process, and the CPU backend of this process
 has already started. On a host with one real GPU, pass `devices=jax.devices()` under
 `jax.config.update("jax_mock_gpu_topology", ...)` instead of the compile-only ones: the same
-program then compiles with autotuning.
+program then compiles with autotuning. On compile-only devices `model.attention = 'auto'`
+compiles XLA's attention: cuDNN's fused kernel needs the cuDNN library and a GPU to be built,
+so the attention there is not the one a GPU run picks (`GpuProgram.attention` says which).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import jax
 
 from moejax.aot.gpus import compile_only_devices
 from moejax.config import Config
+from moejax.model.transformer import resolve_attention
 from moejax.runtime.xla_flags import GPU_FLAGS
 from moejax.strategy.spec import Strategy, from_config
 from moejax.train.optim import optimizer, schedule
@@ -51,6 +54,7 @@ class GpuProgram:
   topology: str
   lower_s: float
   compile_s: float
+  attention: str = "xla"       # the attention implementation compiled
 
   @property
   def hlo(self) -> str:
@@ -68,6 +72,9 @@ def compile_train_step(cfg: Config, strategy: Strategy | None = None, *, gpu: st
   `topology` of `gpu` ('h100', 'h200'; moejax/aot/targets) with `flags`. `devices` replaces
   the compile-only topology (e.g. a real GPU's mock topology)."""
   devices = list(compile_only_devices(gpu, topology) if devices is None else devices)
+  if (cfg.model.attention == "auto" and
+      devices[0].client.runtime_type == "compile_only_runtime"):
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="xla"))
   strategy = strategy or from_config(cfg, len(devices))
   steps = cfg.train.num_steps
   tx, lr = optimizer(cfg.optim, steps), schedule(cfg.optim, steps)
@@ -80,4 +87,6 @@ def compile_train_step(cfg: Config, strategy: Strategy | None = None, *, gpu: st
   lower_s = time.perf_counter() - tick
   tick = time.perf_counter()
   compiled = lowered.compile(compiler_options=xla_options(flags))
-  return GpuProgram(prog, compiled, gpu, topology, lower_s, time.perf_counter() - tick)
+  attention = resolve_attention(cfg.model, prog.mesh).attention
+  return GpuProgram(prog, compiled, gpu, topology, lower_s, time.perf_counter() - tick,
+                    attention)

@@ -242,6 +242,7 @@ class LayerGroup(nn.Module):
       moe = MoELayer(self.moe_cfg, self.mesh, jnp.dtype(cfg.dtype), name="moe")
       y, stats = moe(h_BxQxD, layout, slot_weights)
     elif self.prefetch_backward:
+      moe = MoELayer(self.moe_cfg, self.mesh, jnp.dtype(cfg.dtype), name="moe")
       (y, stats), channel = _prefetching_moe(moe)(moe, h_BxQxD, layout, slot_weights, channel,
                                                   stored, slot_expert_LxS, layer)
     else:
