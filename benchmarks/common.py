@@ -127,6 +127,28 @@ def ir_operations(module):
   return walk(module.operation)
 
 
+def provenance() -> dict:
+  """commit, date, machine (CPU model, jax version) and load (1-minute average) of this run."""
+  import datetime
+  import platform
+  import subprocess
+
+  import jax
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                          text=True).stdout.strip() or None
+  cpu = platform.processor() or None
+  if os.path.exists("/proc/cpuinfo"):
+    with open("/proc/cpuinfo") as f:
+      cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                 cpu)
+  return {"commit": commit, "date": datetime.datetime.now(datetime.UTC).isoformat(
+      timespec="seconds"), "machine": {"cpu": cpu, "cores": os.cpu_count(), "jax": jax.__version__,
+                                       "python": platform.python_version()},
+          "load": os.getloadavg()[0]}
+
+
 def main(argv: list[str] | None = None) -> None:
   ap = argparse.ArgumentParser(prog="python -m benchmarks.common")
   sub = ap.add_subparsers(dest="what", required=True)

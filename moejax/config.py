@@ -187,6 +187,9 @@ class ModelConfig:
   d_model: int = 128
   num_layers: int = 4
   num_heads: int = 4
+  num_kv_heads: int = 0           # k/v heads, each shared by num_heads / num_kv_heads (0: MHA)
+  head_dim: int = 0               # 0: d_model // num_heads
+  qk_norm: str = "none"           # q, k RMSNorm before RoPE: per "head" (Qwen3), whole "proj"
   d_ff: int = 512                 # hidden size of the dense SwiGLU MLPs
   max_seq_len: int = 128
   rope_base: float = 10000.0
@@ -218,13 +221,16 @@ class ModelConfig:
     if self.dtype not in ("float32", "bfloat16", "float16"):
       raise ConfigError(f"model.dtype={self.dtype!r} is not supported; use 'float32', "
                         "'bfloat16' or 'float16'.")
-    if self.d_model % self.num_heads:
+    head_dim, kv = self.head_dim or self.d_model // self.num_heads, self.num_kv_heads or 1
+    if (not self.head_dim and self.d_model % self.num_heads) or head_dim % 2 or min(
+        self.head_dim, self.num_kv_heads) < 0 or self.num_heads % kv:
       raise ConfigError(
-          f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}.")
-    if (self.d_model // self.num_heads) % 2:
-      raise ConfigError(
-          f"head dim {self.d_model // self.num_heads} must be even for RoPE; "
-          "change model.d_model or model.num_heads.")
+          f"model.d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads="
+          f"{self.num_kv_heads}, head_dim={self.head_dim}: need num_kv_heads dividing num_heads "
+          "and an even head dim for RoPE (head_dim, or 0: d_model / num_heads, a whole number).")
+    if self.qk_norm not in ("none", "head", "proj"):
+      raise ConfigError(f"model.qk_norm={self.qk_norm!r} is not supported; use 'none', 'head' "
+                        "(per head, Qwen3) or 'proj' (whole projection, OLMoE).")
     if moe.first_dense >= self.num_layers or (self.num_layers - moe.first_dense) % moe.moe_every:
       raise ConfigError(
           f"model.num_layers={self.num_layers} minus moe.first_dense={moe.first_dense} must be "
@@ -285,6 +291,7 @@ class TrainConfig:
   pipeline_schedule: str = "gpipe"   # or "circular": virtual_stages layer chunks per stage
   virtual_stages: int = 1         # V (moejax.model.pipeline): 1 for gpipe, >= 2 for circular
   restart: bool = False   # start at 0 over an earlier run, its files moved to RUN_DIR/previous.N/
+  init_from: str | None = None    # a run dir whose weights start this one (moejax.convert)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,8 +17,8 @@ from moejax.strategy.spec import Strategy
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs")
 BIG = {"mixtral_8x7b": (32, 8, 2), "deepseek_v3": (58, 256, 8),
-       "deepseek_v3_node": (15, 16, 4), "qwen3_moe": (48, 128, 8)}
-MINI = ("mixtral_mini", "deepseek_v3_mini", "qwen3_mini")
+       "deepseek_v3_node": (15, 16, 4), "qwen3_moe": (48, 128, 8), "olmoe": (16, 64, 8)}
+MINI = ("mixtral_mini", "deepseek_v3_mini", "qwen3_mini", "olmoe_mini")
 
 
 @pytest.mark.parametrize("name", sorted(BIG))
@@ -35,7 +35,7 @@ def test_big_config_parses_and_is_priced(name):
   assert np.isfinite(cost.total_s) and cost.total_s > 0
 
 
-@pytest.mark.slow   # three models compiled and trained on 8 fake devices
+@pytest.mark.slow   # four models compiled and trained on 8 fake devices
 @pytest.mark.parametrize("name", MINI)
 def test_miniature_trains(name, tmp_path):
   from moejax.train.trainer import Trainer

@@ -1,4 +1,5 @@
-"""Decoder-only GPT-MoE in Flax Linen: RMSNorm, RoPE, causal attention, SwiGLU.
+"""Decoder-only GPT-MoE in Flax Linen: RMSNorm, RoPE, causal (grouped-query) attention with
+optional QK-norm, SwiGLU.
 
 After `moe.first_dense` dense first blocks, layers are scanned in groups of `moe_every`:
 (moe_every - 1) dense blocks then one MoE block (with the shared experts beside it, if any),
@@ -43,14 +44,17 @@ def _dense(name_axes, shape, fan_in, mod: nn.Module, name: str):
 
 
 class RMSNorm(nn.Module):
+  """Normalises over the trailing dims named by `axes` (logical names; one scale per element)."""
   eps: float
+  axes: tuple[str, ...] = ("embed",)
 
   @nn.compact
   def __call__(self, x):
-    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-                       (x.shape[-1],), jnp.float32)
+    dims = tuple(range(-len(self.axes), 0)) if len(self.axes) > 1 else -1
+    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, self.axes),
+                       x.shape[x.ndim - len(self.axes):], jnp.float32)
     x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=dims, keepdims=True) + self.eps)
     return (y * scale).astype(x.dtype)
 
 
@@ -70,24 +74,30 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x_BxQxD):
     cfg = self.cfg
-    d, h = cfg.d_model, cfg.num_heads
-    head_dim = d // h
+    d, h, kv = cfg.d_model, cfg.num_heads, cfg.num_kv_heads or cfg.num_heads
+    head_dim = cfg.head_dim or d // h
     dtype = jnp.dtype(cfg.dtype)
     qkv_axes = ("embed", "heads", "head_dim")
     wq = _dense(qkv_axes, (d, h, head_dim), d, self, "wq")
-    wk = _dense(qkv_axes, (d, h, head_dim), d, self, "wk")
-    wv = _dense(qkv_axes, (d, h, head_dim), d, self, "wv")
+    # kv < h k/v heads: dot_product_attention gives query head i the k/v head i // (h / kv)
+    wk = _dense(qkv_axes, (d, kv, head_dim), d, self, "wk")
+    wv = _dense(qkv_axes, (d, kv, head_dim), d, self, "wv")
     wo = _dense(("heads", "head_dim", "embed"), (h, head_dim, d), d, self, "wo")
     x = x_BxQxD.astype(dtype)
-    q_BxQxheadsxhdim = rope(jnp.einsum("bqd,dhj->bqhj", x, wq.astype(dtype)), cfg.rope_base)
-    k_BxQxheadsxhdim = rope(jnp.einsum("bqd,dhj->bqhj", x, wk.astype(dtype)), cfg.rope_base)
-    v_BxQxheadsxhdim = jnp.einsum("bqd,dhj->bqhj", x, wv.astype(dtype))
+    q_BxQxHxJ = jnp.einsum("bqd,dhj->bqhj", x, wq.astype(dtype))
+    k_BxQxHxJ = jnp.einsum("bqd,dhj->bqhj", x, wk.astype(dtype))
+    if cfg.qk_norm != "none":
+      axes = ("head_dim",) if cfg.qk_norm == "head" else ("heads", "head_dim")
+      q_BxQxHxJ = RMSNorm(cfg.norm_eps, axes, name="q_norm")(q_BxQxHxJ)
+      k_BxQxHxJ = RMSNorm(cfg.norm_eps, axes, name="k_norm")(k_BxQxHxJ)
+    q_BxQxHxJ = rope(q_BxQxHxJ, cfg.rope_base)
+    k_BxQxHxJ = rope(k_BxQxHxJ, cfg.rope_base)
+    v_BxQxHxJ = jnp.einsum("bqd,dhj->bqhj", x, wv.astype(dtype))
     # 'cudnn': the fused kernel; anything else (an unresolved 'auto' too): XLA's attention
     impl = "cudnn" if cfg.attention == "cudnn" else None
-    o_BxQxheadsxhdim = jax.nn.dot_product_attention(q_BxQxheadsxhdim, k_BxQxheadsxhdim,
-                                                    v_BxQxheadsxhdim, is_causal=True,
-                                                    implementation=impl)
-    return jnp.einsum("bqhj,hjd->bqd", o_BxQxheadsxhdim, wo.astype(dtype))
+    o_BxQxHxJ = jax.nn.dot_product_attention(q_BxQxHxJ, k_BxQxHxJ, v_BxQxHxJ, is_causal=True,
+                                             implementation=impl)
+    return jnp.einsum("bqhj,hjd->bqd", o_BxQxHxJ, wo.astype(dtype))
 
 
 class DenseMLP(nn.Module):

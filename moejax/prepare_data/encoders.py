@@ -31,14 +31,19 @@ class ByteEncoder:
 
 class HFEncoder:
   """A Hugging Face `tokenizers.Tokenizer`; files are separated by its END_OF_TEXT token
-  when it has one, else by nothing."""
+  when it has one, else by the model's end and start tokens (`model`: the config.json of the
+  model the tokenizer belongs to), else by nothing. A model's vocab_size (its embedding rows,
+  often padded past the tokenizer's ids) is the data's."""
 
-  def __init__(self, tokenizer, kind: str):
+  def __init__(self, tokenizer, kind: str, model: dict | None = None):
     self.tokenizer = tokenizer
     self.kind = kind
-    self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    model = model or {}
+    self.vocab_size = max(tokenizer.get_vocab_size(with_added_tokens=True),
+                          int(model.get("vocab_size") or 0))
     eot = tokenizer.token_to_id(END_OF_TEXT)
-    self.separator = () if eot is None else (eot,)
+    ends = [model.get("eos_token_id"), model.get("bos_token_id")]
+    self.separator = (eot,) if eot is not None else tuple(i for i in ends if isinstance(i, int))
 
   def encode(self, chunks: list[bytes]) -> list[np.ndarray]:
     texts = [c.decode("utf-8", errors="replace") for c in chunks]
@@ -48,7 +53,10 @@ class HFEncoder:
 
 
 def load_encoder(path: str) -> HFEncoder:
-  """A tokenizer.json file (what `tokenizers` saves and the Hugging Face hub serves)."""
+  """A tokenizer.json file (what `tokenizers` saves and the Hugging Face hub serves); a
+  config.json beside it (a model's directory) gives the vocab size and special tokens."""
+  import json
+
   from tokenizers import Tokenizer
 
   if not os.path.isfile(path):
@@ -59,7 +67,12 @@ def load_encoder(path: str) -> HFEncoder:
   except Exception as e:   # tokenizers raises a bare Exception on a malformed file
     first = str(e).splitlines()[0] if str(e) else type(e).__name__
     raise ConfigError(f"--tokenizer {path!r} is not a tokenizer.json ({first}).") from None
-  return HFEncoder(tokenizer, "tokenizer.json")
+  model_config = os.path.join(os.path.dirname(path), "config.json")
+  model = None
+  if os.path.isfile(model_config):
+    with open(model_config) as f:
+      model = json.load(f)
+  return HFEncoder(tokenizer, "tokenizer.json", model)
 
 
 def train_bpe(texts: Iterable[bytes], vocab_size: int, length: int | None = None) -> HFEncoder:

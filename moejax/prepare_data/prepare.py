@@ -115,6 +115,8 @@ def prepare(pattern: str, out: str, *, tokenizer: str | None = None,
       encoder.tokenizer.save(os.path.join(out, TOKENIZER_FILE))
   meta = {
       "vocab_size": encoder.vocab_size, "dtype": dtype.name,
+      "tokenizer_vocab_size": None if encoder.tokenizer is None else
+      encoder.tokenizer.get_vocab_size(with_added_tokens=True),
       "train_tokens": counts[False], "val_tokens": counts[True],
       "tokenizer": None if encoder.tokenizer is None else TOKENIZER_FILE,
       "tokenizer_kind": encoder.kind, "tokenizer_source": tokenizer,

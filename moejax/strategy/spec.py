@@ -167,6 +167,7 @@ def why_invalid(s: Strategy, cfg: Config) -> str | None:
   m, moe = cfg.model, cfg.moe
   e, n, mm = moe.num_experts, s.expert, s.model
   for name, size in (("model.num_heads", m.num_heads), ("model.d_ff", m.d_ff),
+                     ("model.num_kv_heads", m.num_kv_heads or m.num_heads),
                      ("model.vocab_size", m.vocab_size), ("moe.d_ff", moe.d_ff)):
     if size % mm:
       return f"{name}={size} not divisible by model axis {mm}"

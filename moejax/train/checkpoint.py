@@ -1,7 +1,7 @@
 """Checkpoints with orbax: canonical expert order, layout, data position, and a content digest.
 
 A checkpoint holds the state with expert weights in canonical expert-id order (`ep` slots are
-un-permuted by the layout; see `moejax.convert`), the layout beside it, and JSON meta: step,
+un-permuted by the layout; see `moejax.layout.convert`), the layout beside it, and JSON meta: step,
 data position, planner state, expert mode, and a digest of every array (`moejax.digest`),
 taken before the save so that it commits atomically with the arrays.
 
@@ -48,12 +48,13 @@ BIAS = "router_bias_LxE"   # the train state's field that checkpoints before 202
 # The fields that give the saved arrays their shapes; strategy fields (mesh, expert mode,
 # capacity) may change on resume, these may not.
 MODEL_FIELDS = (("model", "vocab_size"), ("model", "d_model"), ("model", "num_layers"),
-                ("model", "num_heads"), ("model", "d_ff"), ("model", "max_seq_len"),
+                ("model", "num_heads"), ("model", "num_kv_heads"), ("model", "head_dim"),
+                ("model", "qk_norm"), ("model", "d_ff"), ("model", "max_seq_len"),
                 ("moe", "num_experts"), ("moe", "d_ff"), ("moe", "moe_every"),
                 ("moe", "first_dense"), ("moe", "num_shared_experts"), ("moe", "shared_d_ff"))
 
 
-def model_fields(cfg: Config) -> dict[str, int]:
+def model_fields(cfg: Config) -> dict[str, int | str]:
   """{"model.d_model": 128, ...}: what a checkpoint records of the model it holds."""
   return {f"{part}.{name}": getattr(getattr(cfg, part), name) for part, name in MODEL_FIELDS}
 
@@ -148,12 +149,17 @@ class Checkpointer:
     return sorted(self._mngr.all_steps())
 
   def save(self, step: int, state: Any, layout: Layout, meta: dict,
-           expert_mode: str = "ep") -> None:
+           expert_mode: str = "ep", canonical: bool = False) -> None:
     """Starts writing `step` (orbax finishes it in the background, into a temporary directory
     renamed when complete). A write that fails, now or in the background of the previous
-    save, raises `faults.WriteError`; the complete checkpoints before it stay as they were."""
-    item = {"state": canonical_state(state, layout, expert_mode), "layout": layout}
-    meta = dict(meta, step=step, expert_mode=expert_mode, digest=digest_lib.tree_digest(item))
+    save, raises `faults.WriteError`; the complete checkpoints before it stay as they were.
+    `canonical`: `state` is in expert-id order already (no copy of the expert leaves), and
+    its digest is taken array by array (`digest.leafwise_digest`: a converter's host memory)."""
+    if not canonical:
+      state = canonical_state(state, layout, expert_mode)
+    item = {"state": state, "layout": layout}
+    digest = (digest_lib.leafwise_digest if canonical else digest_lib.tree_digest)(item)
+    meta = dict(meta, step=step, expert_mode=expert_mode, digest=digest)
     self.wait()   # orbax would wait here too; this way a failure names the step it belongs to
     latest = self._complete_steps()
     self.needed_bytes = max(self.needed_bytes, _disk_bytes(
@@ -197,7 +203,7 @@ class Checkpointer:
     except Exception:
       return None
 
-  def check_model(self, fields: dict[str, int], fixed_by_data: dict[str, str] | None = None
+  def check_model(self, fields: dict[str, int | str], fixed_by_data: dict[str, str] | None = None
                   ) -> None:
     """Before any work: a run dir whose latest checkpoint holds another model (`model_fields`
     of its config) stops with one line naming the first field that differs and both values.
@@ -249,6 +255,53 @@ class Checkpointer:
         f"{self.damaged_directory}); restore a backup into {self.directory}, or start over: "
         "in this run dir with train.restart = True (the earlier files are kept aside), or in a "
         "new train.run_dir.")
+
+  def restore_weights(self, state_like: TrainState, layout_like: Layout,
+                      expert_mode: str = "ep") -> Restored:
+    """The latest checkpoint's weights (`train.init_from`), in the current strategy; its
+    `state` holds the params only. Reads a weights-only checkpoint (`python -m moejax.convert
+    from_hf`) or a whole train state."""
+    step = self.latest_step()
+    if step is None:
+      raise CheckpointError(
+          f"train.init_from: {self.directory} holds no checkpoint; give a run dir written by "
+          "`python -m moejax.convert from_hf` or one that trained.")
+    saved = _saved_arrays(self._mngr, step)["state"]
+    weights_only = not any(n.startswith("opt_state") for n in saved)
+    like = state_like.replace(opt_state=None) if weights_only else state_like
+    return self.restore(like, layout_like, expert_mode, step=step)
+
+  def read_params(self, step: int | None = None) -> tuple[dict, dict]:
+    """(params in canonical ep paths and expert-id order, on one device; the step's meta) of
+    `step` (default: the latest), the optimizer state left unread; digests checked."""
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise CheckpointError(f"{self.directory} holds no checkpoint to read.")
+    saved = _saved_arrays(self._mngr, step)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    params: dict = {}
+    for name, m in saved["state"].items():
+      if name.startswith("params/"):
+        node = params
+        *parents, leaf = name.split("/")[1:]
+        for key in parents:
+          node = node.setdefault(key, {})
+        node[leaf] = jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=one)
+    meta = dict(self._mngr.restore(step, args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore()))["meta"])
+    target = {"state": {"params": params}}
+    with ocp.PyTreeCheckpointer() as reader:
+      item = reader.restore(os.path.join(self.directory, str(step), "state"),
+                            args=ocp.args.PyTreeRestore(
+                                target, ocp.checkpoint_utils.construct_restore_args(target),
+                                partial_restore=True))
+    got = digest_lib.leafwise_digest(item)
+    bad = [n for n, d in got.items() if n in meta.get("digest", {}) and meta["digest"][n] != d]
+    if bad:
+      raise CheckpointError(f"checkpoint {self.directory}/{step}: {bad[0]} differs from its "
+                            "digest; the files are damaged.")
+    src_mode = "fsep" if "fsep_experts" in item["state"]["params"] else "ep"
+    return convert_tree(item["state"]["params"], src_mode, "ep"), meta
 
   def _read(self, step: int, state_like: Any, layout_like: Layout, expert_mode: str) -> Restored:
     saved = _saved_arrays(self._mngr, step)

@@ -160,13 +160,19 @@ def resolve_vocab(cfg: Config, data_vocab: int) -> Config:
   model_vocab = cfg.model.vocab_size
   if model_vocab == 0:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=data_vocab))
+  # A run from another model's weights cannot change its vocabulary: the data must.
+  retokenize = (f"prepare data.path with the tokenizer of train.init_from="
+                f"{cfg.train.init_from!r} (its hf/tokenizer.json)")
   if cfg.data.path and os.path.isdir(cfg.data.path) and model_vocab != data_vocab:
+    fix = retokenize if cfg.train.init_from else (
+        f"set model.vocab_size = {data_vocab}, or 0 to take it from the data")
     raise ConfigError(f"model.vocab_size={model_vocab} but {cfg.data.path!r} was prepared with "
-                      f"vocab_size={data_vocab} ({META_FILE}); set model.vocab_size = "
-                      f"{data_vocab}, or 0 to take it from the data.")
+                      f"vocab_size={data_vocab} ({META_FILE}); {fix}.")
   if data_vocab > model_vocab:
+    fix = retokenize if cfg.train.init_from else (
+        f"set model.vocab_size >= {data_vocab} (0: the data's)")
     raise ConfigError(f"the data has token ids up to {data_vocab - 1} but model.vocab_size="
-                      f"{model_vocab}; set model.vocab_size >= {data_vocab} (0: the data's).")
+                      f"{model_vocab}; {fix}.")
   return cfg
 
 

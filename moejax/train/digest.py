@@ -69,6 +69,16 @@ def tree_digest(tree: Any) -> dict[str, list[int]]:
   return {n: [int(v) for v in s] for n, s in zip(names, sums)}
 
 
+def leafwise_digest(tree: Any) -> dict[str, list[int]]:
+  """`tree_digest`, one XLA program per array: its temporaries (twice the array's bytes on
+  CPU) are those of the largest array, not of the whole tree; a program per distinct shape."""
+  out = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    (name, value), = tree_digest({path_name(path): x}).items()
+    out[name] = value
+  return out
+
+
 def mismatches(tree: Any, expected: dict[str, list[int]]) -> list[str]:
   """Paths whose digest differs from `expected` (or that are missing on either side)."""
   got = tree_digest(tree)

@@ -181,6 +181,11 @@ def _check_split(cfg: Config, mesh: Mesh) -> None:
   if why := microbatch_split_error(cfg.data.global_batch_size, cfg.train.microbatches,
                                    mesh.shape["data"] * mesh.shape["expert"]):
     raise ConfigError(why + ".")
+  heads = cfg.model.num_kv_heads or cfg.model.num_heads   # q heads: a multiple of these
+  if heads % mesh.shape["model"]:
+    raise ConfigError(f"{heads} key/value heads (model.num_kv_heads, 0: model.num_heads) do "
+                      f"not split over mesh.model={mesh.shape['model']}; use a model axis "
+                      f"dividing {heads}.")
   if cfg.mesh.fsdp and cfg.model.d_model % mesh.shape["data"]:
     raise ConfigError(f"mesh.fsdp shards every parameter's d_model={cfg.model.d_model} over "
                       f"data={mesh.shape['data']} devices, which does not divide it; set "

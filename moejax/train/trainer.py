@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from moejax.config import Config, num_moe_layers
+from moejax.config import Config, ConfigError, num_moe_layers
 from moejax.placement.trace import TraceRecorder
 from moejax.runtime import distributed
 from moejax.strategy import memory
@@ -182,6 +182,25 @@ class Trainer:
         log.warning("warning: %s", w)
     return restored.step
 
+  def init_weights(self) -> None:
+    """`train.init_from`: that run dir's latest weights, in this run's strategy and layout;
+    the optimizer state, the step and the router bias stay those of a fresh run."""
+    cfg = self.cfg
+    source = Checkpointer(cfg.train.init_from, cfg.checkpoint)
+    try:
+      source.check_model(model_fields(cfg))
+      restored = source.restore_weights(self.state, self.pool.layout,
+                                        self.pool.program.expert_mode)
+    finally:
+      source.close()
+    state = self.state.replace(params=restored.state.params)
+    self.state = self.pool.program.canonical_state(state, back=True)
+    self.pool.set_layout(self.pool.active, restored.layout)
+    if self.is_main:
+      log.info("weights from %s (step %d)", source.directory, restored.step)
+      for w in restored.warnings:
+        log.warning("warning: %s", w)
+
   def save(self, step: int) -> None:
     """With a pool, the checkpoint holds member 0's form of the state (an exact move), the
     active member and every member's layout, so a resume lands on the same member."""
@@ -242,12 +261,18 @@ class Trainer:
 
   def _run(self, hooks, stop, run_files: dict[str, str]) -> dict:
     cfg = self.cfg
+    if cfg.train.init_from and os.path.abspath(cfg.train.init_from) == os.path.abspath(
+        cfg.train.run_dir):
+      raise ConfigError(f"train.init_from={cfg.train.init_from!r} is train.run_dir itself; "
+                        "give the new run its own train.run_dir.")
     if self.aside and self.is_main:   # train.restart: the earlier run's files, kept
       moved = history_lib.move_aside(cfg.train.run_dir)
       if moved:
         log.warning("warning: train.restart: moved the earlier run's files (%s) into %s",
                     self.aside, moved)
     start = self.maybe_restore()   # before any file of the run dir is written
+    if cfg.train.init_from and self.checkpointer.latest_step() is None:
+      self.init_weights()
     self._write_run_files(run_files, start)
     if cfg.trace.path and self.is_main:
       self.trace = TraceRecorder(cfg.trace.path, cfg.moe.top_k, start)
