@@ -33,8 +33,13 @@ pytestmark = [pytest.mark.slow,
 OVERLAP_FLAG = "--xla_gpu_experimental_parallel_collective_overlap_limit=4"
 
 
-@functools.cache
 def _compiled(family: str, bindings: tuple[str, ...] = (), flags: tuple[str, ...] = GPU_FLAGS):
+  """The family's program, compiled once per (family, bindings, flags) in this process."""
+  return _compile(family, tuple(bindings), tuple(flags))
+
+
+@functools.cache
+def _compile(family: str, bindings: tuple[str, ...], flags: tuple[str, ...]):
   from benchmarks.gpu_program import family_config
   from moejax.aot import compile_train_step
 
