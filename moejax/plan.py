@@ -63,6 +63,10 @@ def parser() -> ArgumentParser:
                  help="Also write every row and the pool to this JSON file.")
   p.add_argument("--all", action="store_true",
                  help="Print the table of every strategy ranked, after the summary.")
+  p.add_argument("--verify", type=int, default=0, metavar="K",
+                 help="Compile the top K candidates with XLA:GPU for the profile's GPU and "
+                      "--devices (no GPU needed; the gpu_aot extra) and print XLA's memory "
+                      "and the schedule's step estimate beside the predictions.")
   return p
 
 
@@ -140,6 +144,13 @@ def main(argv: list[str] | None = None) -> int:
   if args.json:
     with open(args.json, "w") as f:
       json.dump(to_json(rows, pool, profile), f, indent=2)
+  if args.verify:
+    from moejax.aot.verify import verify
+    try:
+      verify(cfg, rows, args.verify, regimes[0], args.max_drop, profile.name, args.devices)
+    except ConfigError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
   return 0
 
 

@@ -191,3 +191,25 @@ def test_fsep_remat_equals_no_remat():
   (loss, _), grads = f_remat(params, batch_BxQ1=tokens(), layout=layout)
   assert_close(loss, ref_loss, LOSS_LEN, err_msg="loss")
   assert_trees_close(jax.device_get(grads), jax.device_get(ref_grads), GRAD_LEN)
+
+
+@pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
+def test_backward_prefetch_equals_plain_autodiff(monkeypatch):
+  """The backward pass's weights come through the layer scan's cotangent channel, restored
+  one layer ahead (moejax.model.transformer: `_prefetching_moe`, `_seed_backward_restore`):
+  loss and gradients equal plain autodiff through the forward's restored weights (both
+  replaced by identities), on the whole-model test's program and params."""
+  from moejax.model import transformer
+
+  f, params, layout = fsep_loss_and_grad(SHAPE, SLOTS)
+  (ref_loss, _), ref_grads = f(params, batch_BxQ1=tokens(), layout=layout)
+  monkeypatch.setattr(transformer, "_prefetching_moe", lambda moe: (
+      lambda mdl, x, layout, weights, channel, *rest: (mdl(x, layout, weights), channel)))
+  monkeypatch.setattr(transformer, "_seed_backward_restore", lambda mesh, dtype: (
+      lambda x, *rest: x))
+  model = Transformer(SMALL_MODEL, FSEP_MOE, mesh_of_shape(SHAPE))
+  plain = jax.jit(jax.value_and_grad(
+      functools.partial(step_lib.loss_fn, model=model, moe_cfg=FSEP_MOE), has_aux=True))
+  (loss, _), grads = plain(params, batch_BxQ1=tokens(), layout=layout)
+  assert_close(loss, ref_loss, LOSS_LEN, err_msg="loss")
+  assert_trees_close(jax.device_get(grads), jax.device_get(ref_grads), GRAD_LEN)

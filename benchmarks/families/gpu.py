@@ -125,3 +125,29 @@ def _on_gpu(files):
                    f"{ratio(train['best_vs_dense_equivalent'])} the dense-equivalent's",
                    name))
   return Section(lines[:-1], head)
+
+
+@family("gpu_program", "The GPU program per strategy, compiled for compile-only H100s")
+def _gpu_program(files):
+  rows = []
+  for name, d in files.items():
+    for r in d["rows"]:
+      gpus = 1
+      for n in r["topology"].split("x"):
+        gpus *= int(n)
+      label = r["family"] + (" (remat off)" if "model.remat = False" in r.get("bindings", [])
+                             else "")
+      if not r.get("compiled"):
+        rows.append([label, f"`{r['spec']}`", gpus, "not compiled", "", "", "", f"`{name}`"])
+        continue
+      rows.append([label, f"`{r['spec']}`", gpus,
+                   f"{r['peak_bytes'] / 2**30:.2f} ({r['model_memory_bytes'] / 2**30:.2f})",
+                   f"{r['overlapped_bytes_fraction']:.3f}", f"{r['exposed_comm_s'] * 1e3:.1f}",
+                   f"{r['step_s'] * 1e3:.1f} ({r['model_step_s'] * 1e3:.1f})", f"`{name}`"])
+  return Section(["XLA:GPU's program of the GPU config's strategy families (and Mixtral-8x7B at "
+                  "its plan's strategy), compiled on a CPU host: XLA's peak memory per GPU "
+                  "beside the memory model's, the share of collective bytes overlapped with "
+                  "compute, and the schedule estimate of the exposed communication and the "
+                  "step beside the cost model's (docs/guide/gpu-program.md).", "",
+                  *table(["family", "spec", "GPUs", "XLA peak GiB (model)", "overlapped",
+                          "exposed comm ms", "step ms, schedule (cost model)", "file"], rows)])

@@ -6,7 +6,9 @@ After `moe.first_dense` dense first blocks, layers are scanned in groups of `moe
 so compile time does not grow with depth. The layout rows of the
 MoE layers are scanned alongside the parameters. In fsep mode the scan carries the
 restored expert weights of the layer it computes and restores the next layer's
-(double buffering), so that exchange does not wait for this layer's compute.
+(double buffering), so that exchange does not wait for this layer's compute; the backward
+pass does the same the other way: layer l's backward restores layer l-1's weights and hands
+them back through the scan (`_prefetching_moe`).
 """
 
 from __future__ import annotations
@@ -116,6 +118,11 @@ class DenseMLP(nn.Module):
     return h @ w_down.astype(dtype)
 
 
+# The name scope of the backward pass's weight restores (the compiled program's op names tell
+# them from the forward's restores and from the restores' transposes, the gradient return).
+BACKWARD_RESTORE = "backward_restore"
+
+
 def _rerestoring_moe(moe: MoELayer):
   """`moe(x, layout, weights)` whose backward pass restores `weights` again from the stored
   shards (one more exchange) and recomputes the layer, instead of keeping every layer's
@@ -130,13 +137,67 @@ def _rerestoring_moe(moe: MoELayer):
 
   def bwd(res, ct):
     params, x, layout, stored, slot_expert_LxS, layer = res
-    weights = restore_layer(stored, slot_expert_LxS, layer, moe.mesh, moe.dtype)
+    with jax.named_scope(BACKWARD_RESTORE):
+      weights = restore_layer(stored, slot_expert_LxS, layer, moe.mesh, moe.dtype)
     apply = lambda p, x, w: MoELayer(moe.cfg, moe.mesh, moe.dtype).apply({"params": p}, x,
                                                                           layout, w)
     ct_params, ct_x, ct_weights = jax.vjp(apply, params, x, weights)[1](ct)
     return {"params": ct_params}, ct_x, None, ct_weights, None, None, None
 
   return nn.custom_vjp(call, fwd, bwd)
+
+
+def _prefetching_moe(moe: MoELayer):
+  """`moe(x, layout, weights)`, plus a `channel` (the shape of one layer's restored weights)
+  passed through unchanged, whose cotangent carries restored weights backwards through the
+  layer scan: layer l's backward pass takes its own weights from the cotangent of its channel
+  output (restored during layer l+1's backward, or by `_seed_backward_restore` for the last
+  layer) and returns layer l-1's, restored now, as the cotangent of its channel input, so
+  that restore overlaps this layer's backward compute instead of preceding it. The forward
+  keeps no layer's restored weights for the backward."""
+  def call(mdl, x, layout, weights, channel, stored, slot_expert_LxS, layer):
+    del stored, slot_expert_LxS, layer          # the backward pass's inputs
+    return mdl(x, layout, weights), channel
+
+  def fwd(mdl, x, layout, weights, channel, stored, slot_expert_LxS, layer):
+    res = (mdl.variables["params"], x, layout, stored, slot_expert_LxS, layer)   # no `weights`
+    return (mdl(x, layout, weights), channel), res
+
+  def bwd(res, ct):
+    params, x, layout, stored, slot_expert_LxS, layer = res
+    ct_out, weights = ct                         # this layer's weights, restored ahead
+    previous = (layer - 1) % slot_expert_LxS.shape[0]    # layer 0 wraps: nobody reads it
+    with jax.named_scope(BACKWARD_RESTORE):
+      ahead = restore_layer(stored, slot_expert_LxS, previous, moe.mesh, moe.dtype)
+    apply = lambda p, x, w: MoELayer(moe.cfg, moe.mesh, moe.dtype).apply({"params": p}, x,
+                                                                          layout, w)
+    ct_params, ct_x, ct_weights = jax.vjp(apply, params, x, weights)[1](ct_out)
+    return {"params": ct_params}, ct_x, None, ct_weights, ahead, None, None, None
+
+  return nn.custom_vjp(call, fwd, bwd)
+
+
+def _seed_backward_restore(mesh: Mesh, dtype):
+  """seed(x, channel, stored, slot_expert_LxS) = x, whose backward restores the last MoE
+  layer's weights as the cotangent of the layer scan's final `channel` (`_prefetching_moe`):
+  the first backward restore, issued before the head's backward."""
+  @jax.custom_vjp
+  def seed(x, channel, stored, slot_expert_LxS):
+    del channel, stored, slot_expert_LxS
+    return x
+
+  def fwd(x, channel, stored, slot_expert_LxS):
+    del channel
+    return x, (stored, slot_expert_LxS)
+
+  def bwd(res, ct_x):
+    stored, slot_expert_LxS = res
+    with jax.named_scope(BACKWARD_RESTORE):
+      last = restore_layer(stored, slot_expert_LxS, slot_expert_LxS.shape[0] - 1, mesh, dtype)
+    return ct_x, last, None, None
+
+  seed.defvjp(fwd, bwd)
+  return seed
 
 
 class LayerGroup(nn.Module):
@@ -152,15 +213,22 @@ class LayerGroup(nn.Module):
   # fsep: the backward pass restores the weights again (False: keeps the forward's, where
   # pallas_kernels.compat.rerestores_fsep says the re-restoring vjp cannot run)
   rerestore: bool = True
+  # fsep with rerestore: the carry has a third member, the backward restore's channel
+  # (`_prefetching_moe`), so that layer l's backward restores layer l-1's weights
+  prefetch_backward: bool = False
 
   @nn.compact
   def __call__(self, carry, xs, fsep=None):
     layout, layer = xs               # this layer's layout row and its index in the scan
     cfg = self.cfg
+    channel = None
     if fsep is None:
       x_BxQxD, slot_weights = carry, None
+    elif self.prefetch_backward:
+      (x_BxQxD, slot_weights, channel), (stored, slot_expert_LxS) = carry, fsep
     else:
       (x_BxQxD, slot_weights), (stored, slot_expert_LxS) = carry, fsep
+    if fsep is not None:
       next_layer = (layer + 1) % slot_expert_LxS.shape[0]
       next_weights = restore_layer(stored, slot_expert_LxS, next_layer, self.mesh,
                                    jnp.dtype(cfg.dtype))
@@ -184,6 +252,10 @@ class LayerGroup(nn.Module):
     elif fsep is None or not self.rerestore:
       moe = MoELayer(self.moe_cfg, self.mesh, jnp.dtype(cfg.dtype), name="moe")
       y, stats = moe(h_BxQxD, layout, slot_weights)
+    elif self.prefetch_backward:
+      moe = MoELayer(self.moe_cfg, self.mesh, jnp.dtype(cfg.dtype), name="moe")
+      (y, stats), channel = _prefetching_moe(moe)(moe, h_BxQxD, layout, slot_weights, channel,
+                                                  stored, slot_expert_LxS, layer)
     else:
       moe = MoELayer(self.moe_cfg, self.mesh, jnp.dtype(cfg.dtype), name="moe")
       y, stats = _rerestoring_moe(moe)(moe, h_BxQxD, layout, slot_weights, stored,
@@ -192,7 +264,10 @@ class LayerGroup(nn.Module):
       width = self.moe_cfg.num_shared_experts * (self.moe_cfg.shared_d_ff or self.moe_cfg.d_ff)
       y = y + mlp(cfg, width, name="shared")(h_BxQxD)
     x_BxQxD = jax.lax.with_sharding_constraint(x_BxQxD + y, act)
-    return (x_BxQxD if fsep is None else (x_BxQxD, next_weights)), stats
+    if fsep is None:
+      return x_BxQxD, stats
+    return ((x_BxQxD, next_weights, channel) if self.prefetch_backward else
+            (x_BxQxD, next_weights)), stats
 
 
 class Transformer(nn.Module):
@@ -225,15 +300,19 @@ class Transformer(nn.Module):
       stored, first = FsepExperts(num_groups, self.moe_cfg.num_experts, cfg.d_model,
                                   self.moe_cfg.d_ff, self.mesh, jnp.dtype(cfg.dtype),
                                   name="fsep_experts")(layout.slot_expert_LxS)
-      carry, in_axes = (x_BxQxD, first), (0, nn.broadcast)
+      carry = (x_BxQxD, first, jax.tree.map(jnp.zeros_like, first))   # + the channel
+      in_axes = (0, nn.broadcast)
       fsep = ((stored, layout.slot_expert_LxS),)
     group = nn.remat(LayerGroup) if cfg.remat and not fsep else LayerGroup
     groups = nn.scan(group, variable_axes={"params": 0}, split_rngs={"params": True},
                      in_axes=in_axes, length=num_groups,
                      metadata_params={nn.PARTITION_NAME: "layers"})
-    carry, stats = groups(cfg, self.moe_cfg, self.mesh, name="layers")(
-        carry, (layout, jnp.arange(num_groups)), *fsep)
+    carry, stats = groups(cfg, self.moe_cfg, self.mesh, prefetch_backward=bool(fsep),
+                          name="layers")(carry, (layout, jnp.arange(num_groups)), *fsep)
     x_BxQxD = carry[0] if fsep else carry
+    if fsep:
+      x_BxQxD = _seed_backward_restore(self.mesh, jnp.dtype(cfg.dtype))(x_BxQxD, carry[2],
+                                                                         *fsep[0])
     x_BxQxD = RMSNorm(cfg.norm_eps, name="ln_final")(x_BxQxD)
     if hidden:
       return x_BxQxD, stats

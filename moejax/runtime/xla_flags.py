@@ -6,8 +6,8 @@ environment and the installed JAX plugins, without asking JAX which devices exis
   cpu  `--xla_force_host_platform_device_count=N` (N = mesh.host_device_count > 1): N fake
        devices for the mesh, as the tests and benchmarks use.
   gpu  XLA's latency-hiding scheduler, so that collectives (the MoE all-to-alls, the
-       gradient all-reduces) are scheduled to overlap independent compute; ragged_all_to_all
-       decomposed (see GPU_FLAGS).
+       gradient all-reduces) are scheduled to overlap independent compute, up to four at
+       once; ragged_all_to_all decomposed (see GPU_FLAGS).
 
 A user's XLA_FLAGS (even empty) is left as it is: they replace these defaults entirely.
 """
@@ -34,6 +34,11 @@ GPU_FLAGS = (
     # MoE layer and the layer's fwd+bwd fell from 641 ms to 37.5 ms with this flag
     # (docs/decisions/0054-ragged-all-to-all-decomposed-on-gpu.md).
     "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true",
+    # Up to 4 async collectives in flight at once (XLA's default: 1). An fsep layer restores
+    # its three expert weights with three all-to-alls beside the token dispatch; with one in
+    # flight the scheduler serialises them and two of the three restores have no compute
+    # between start and done (docs/decisions/0085-four-collectives-in-flight-on-gpu.md).
+    "--xla_gpu_experimental_parallel_collective_overlap_limit=4",
 )
 GPU_PLATFORMS = ("cuda", "rocm", "gpu")
 

@@ -322,7 +322,7 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
                                    profile.p2p_bytes_per_s or profile.a2a_bytes_per_s) * scale
 
   experts = expert_bytes(strategy.expert_mode, w.moe_layers // p, e, d, f, n, m, c,
-                         w.act_bytes, fs)
+                         w.act_bytes, fs, stages=p)
   memory_bytes = step_bytes(
       dense_dev / fs, experts,
       activation_bytes(tokens, d, layers, w.vocab_size, stage_rows, w.act_bytes, m,

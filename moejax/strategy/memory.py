@@ -2,11 +2,14 @@
 
 Experts, per device, for `ep` and `fsep`:
   persistent: expert parameters + the two Adam moments (all fp32), kept between steps.
-  transient:  what one step adds on top: expert gradients (fp32), and in fsep about two
-              layers of restored slot weights and two of their gradients, in the compute
-              dtype: the layer scan restores layer l+1 while it computes layer l, and the
-              backward pass restores each layer again instead of keeping the forward's
-              copies (tests/test_fsep_prefetch.py checks it on XLA's memory analysis).
+  transient:  what one step adds on top: expert gradients (fp32), and in fsep three layers
+              of restored slot weights and two of their gradients, in the compute dtype: the
+              layer scan carries layer l's weights, restores layer l+1's and carries the
+              backward restore's channel; the backward pass restores layer l-1's while it
+              computes layer l's, instead of keeping the forward's copies
+              (tests/test_fsep_prefetch.py checks it on XLA's memory analysis). Under pipeline
+              stages the backward keeps every layer's restored weights from the forward (the
+              stage vmap cannot re-restore): a stage's layers are all live.
 `step_bytes` adds the dense parameters (with gradients and Adam moments) and the activations:
 the peak the strategy cost model reports and the offline stage checks against the device.
 Under P pipeline stages a device holds 1/P of the layer groups (their parameters, moments and
@@ -22,7 +25,7 @@ from moejax.config import default_fsep_slots
 
 FP32 = 4
 MODES = ("ep", "fsep")
-LIVE_RESTORED_LAYERS = 2     # fsep: the layer computing and the next one's prefetch
+LIVE_RESTORED_LAYERS = 3     # fsep: the layer computing, the next one's, the backward channel
 
 
 def expert_slots(mode: str, experts: int, devices: int, slots_per_device: int | None = None) -> int:
@@ -46,14 +49,15 @@ def expert_params(mode: str, layers: int, experts: int, d_model: int, d_ff: int,
 
 def expert_bytes(mode: str, layers: int, experts: int, d_model: int, d_ff: int, devices: int,
                  model_shards: int = 1, slots_per_device: int | None = None,
-                 compute_bytes: int = FP32, param_shards: int = 1) -> dict:
+                 compute_bytes: int = FP32, param_shards: int = 1, stages: int = 1) -> dict:
   """Per-device expert bytes; `devices` = N (expert axis), `model_shards` = M, `layers` the
   MoE layers this device holds (all of them, or a pipeline stage's); `compute_bytes`: bytes
   per element of the compute dtype (`model.dtype`); `param_shards`: FSDP's data axis, which
-  splits the stored weights, their moments and gradients but not the restored slot weights."""
+  splits the stored weights, their moments and gradients but not the restored slot weights;
+  `stages` > 1: the backward keeps every layer's restored weights."""
   slots = expert_slots(mode, experts, devices, slots_per_device)
   params = expert_params(mode, layers, experts, d_model, d_ff, devices, model_shards) / param_shards
-  live = min(layers, LIVE_RESTORED_LAYERS)
+  live = layers if stages > 1 else min(layers, LIVE_RESTORED_LAYERS)
   restored = live * slots * 3 * d_model * d_ff / model_shards if mode == "fsep" else 0
   return {"mode": mode, "slots_per_device": slots,
           "persistent": 3 * params * FP32,               # params + Adam mu, nu

@@ -153,7 +153,9 @@ def build_program(cfg: Config, strategy: Strategy, tx: optax.GradientTransformat
   if cfg.mesh.stage > 1 or cfg.train.microbatches > 1 or cfg.train.virtual_stages > 1:
     model = Pipelined(model, cfg.train.microbatches, cfg.train.virtual_stages)
   layout_sh = replicated(mesh)
-  layout = jax.device_put(start_layout(cfg, mesh.shape["expert"]), layout_sh)
+  layout = start_layout(cfg, mesh.shape["expert"])
+  if mesh.devices.flat[0].client.runtime_type != "compile_only_runtime":
+    layout = jax.device_put(layout, layout_sh)   # compile-only devices hold no data
   b, length = cfg.data.global_batch_size, cfg.data.seq_len
   shardings = state_shardings(model, tx, mesh, layout, b, length,
                               param_rules(cfg.mesh.fsdp, cfg.mesh.stage > 1))

@@ -1,0 +1,143 @@
+"""What XLA:GPU made of a program, read from its scheduled HLO: the collectives (per kind:
+executions per step and bytes), which of them run asynchronously (a start/done pair) and
+which of those have compute scheduled between start and done (overlapped), and the
+custom-call kernels. Bytes are per GPU and per step: a collective inside the layer loop
+counts once per iteration. A collective's bytes are its larger buffer (an all-gather's
+output, a reduce-scatter's input)."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+
+from moejax.aot.hlo import Instr, Module, parse
+
+KINDS = ("all-to-all", "ragged-all-to-all", "all-reduce", "all-gather", "reduce-scatter",
+         "collective-permute", "collective-broadcast")
+# What a GPU computes: kernels (fusions, library and Pallas calls) and what runs them.
+COMPUTE = ("fusion", "custom-call", "dot", "convolution", "while", "conditional", "call")
+
+
+@dataclasses.dataclass
+class Collective:
+  kind: str
+  computation: str
+  name: str
+  bytes: int            # per execution
+  runs: int             # executions per step
+  is_async: bool
+  compute_between: list[str]   # compute instructions scheduled between start and done
+  op_name: str          # the JAX source path (metadata), e.g. .../fsep_restore/all_to_all
+  group_size: int
+
+  @property
+  def overlapped(self) -> bool:
+    return self.is_async and bool(self.compute_between)
+
+  @property
+  def backward(self) -> bool:
+    return "transpose(" in self.op_name
+
+
+def _kind(ins: Instr, module: Module) -> str | None:
+  op = ins.opcode.removesuffix("-start")
+  if op in KINDS:
+    return op
+  if ins.opcode == "async-start":             # a collective wrapped in an async computation
+    for callee in ins.callees:
+      for inner in module.computations.get(callee, []):
+        if inner.opcode in KINDS:
+          return inner.opcode
+  return None
+
+
+def _group_size(line: str) -> int:
+  if m := re.search(r"replica_groups=\{\{([\d,]*)\}", line):
+    return len(m.group(1).split(","))
+  if m := re.search(r"replica_groups=\[\d+,(\d+)\]<=", line):
+    return int(m.group(1))
+  if m := re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", line):
+    sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
+    size = 1
+    for axis in re.findall(r"'(\w+)'", m.group(2)):
+      size *= int(sizes[axis])
+    return size
+  if "source_target_pairs" in line:
+    return 2
+  return 1
+
+
+def collectives(module: Module | str) -> list[Collective]:
+  """Every collective of the program that runs, in schedule order per computation."""
+  module = parse(module) if isinstance(module, str) else module
+  runs, found = module.runs(), []
+  for comp, count in runs.items():
+    instrs = module.computations[comp]
+    position = {ins.name: i for i, ins in enumerate(instrs)}
+    for i, ins in enumerate(instrs):
+      kind = _kind(ins, module)
+      if kind is None:
+        continue
+      between, size = [], ins.bytes()
+      is_async = ins.opcode.endswith("-start")
+      if is_async:
+        done = next((d for d in instrs[i + 1:] if ins.name in d.operands and
+                     d.opcode.endswith("-done")), None)
+        if done is not None:
+          size = max(done.bytes(), size - done.bytes())   # start: (operands, outputs)
+          between = [x.name for x in instrs[i + 1:position[done.name]] if x.opcode in COMPUTE]
+      m = re.search(r'op_name="([^"]*)"', ins.line)
+      found.append(Collective(kind, comp, ins.name, size, count, is_async, between,
+                              m.group(1) if m else "", _group_size(ins.line)))
+  return found
+
+
+def collective_summary(found: list[Collective]) -> dict[str, dict[str, int]]:
+  """{kind: {"count": executions per step, "bytes": bytes per step}}."""
+  out = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
+  for c in found:
+    out[c.kind]["count"] += c.runs
+    out[c.kind]["bytes"] += c.runs * c.bytes
+  return dict(sorted(out.items()))
+
+
+def _fraction(found: list[Collective], keep) -> float:
+  total = sum(c.runs * c.bytes for c in found)
+  return sum(c.runs * c.bytes for c in found if keep(c)) / total if total else 1.0
+
+
+def async_bytes_fraction(found: list[Collective]) -> float:
+  """Share of the collective bytes that move asynchronously (1.0 if there are none)."""
+  return _fraction(found, lambda c: c.is_async)
+
+
+def overlapped_bytes_fraction(found: list[Collective]) -> float:
+  """Share of the collective bytes that move asynchronously with compute scheduled between
+  start and done (1.0 if there are none)."""
+  return _fraction(found, lambda c: c.overlapped)
+
+
+def kernels(module: Module | str) -> dict[str, int]:
+  """{custom-call target: calls per step}; a Triton call is named by its kernel
+  (`triton:NAME`), so that each Pallas kernel shows."""
+  module = parse(module) if isinstance(module, str) else module
+  counts = collections.Counter()
+  runs = module.runs()
+  for comp, instrs in module.computations.items():
+    for ins in instrs:
+      if ins.opcode != "custom-call":
+        continue
+      target = ins.attr("custom_call_target") or "?"
+      if "triton" in target and (m := re.search(r'(?:"name":|\bname = )"([^"]+)"', ins.line)):
+        target = f"triton:{m.group(1)}"
+      counts[target] += runs.get(comp, runs_of_caller(module, comp, runs))
+  return dict(sorted(counts.items()))
+
+
+def runs_of_caller(module: Module, comp: str, runs: dict[str, int]) -> int:
+  """Runs of a kernel computation (a fusion's body): its caller's."""
+  for caller, instrs in module.computations.items():
+    if caller in runs and any(comp in ins.callees for ins in instrs):
+      return runs[caller]
+  return 1
