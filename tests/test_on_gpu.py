@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from benchmarks.on_gpu import flops_per_token, load_config
+from benchmarks.gpu_train_step import flops_per_token, load_config
 
 
 def test_flops_per_token_counts_active_experts_only():
@@ -31,7 +31,7 @@ def test_dry_run_reports_every_step(tmp_path):
   result = json.loads((tmp_path / "on_gpu_cpu.json").read_text())
   assert {"command", "commit", "date", "machine", "load"} <= set(result["metadata"])
   steps = result["steps"]
-  for name in ("target_config", "kernel_tests", "mock_topology"):
+  for name in ("target_config", "kernel_tests", "mock_topology", "schedule_estimate"):
     assert steps[name]["skipped"].startswith("no GPU"), steps[name]
   rows = {r["path"]: r for r in steps["train_steps"]["rows"]}
   assert set(rows) == {"dense/xla", "ragged/pallas", "pooled/pallas", "fsep/xla",
@@ -42,4 +42,4 @@ def test_dry_run_reports_every_step(tmp_path):
       assert row["error"] is None and row["step_s_median"] > 0 and row["steps_timed"] >= 4, row
   ablations = {r["path"] for r in steps["train_steps"]["ablations"]}
   assert any(p.endswith("plain loss") for p in ablations)
-  assert (tmp_path / steps["schedule_estimate"]["hlo"]).exists()
+  assert (tmp_path / "best_step_hlo.txt.gz").exists()   # the fastest path's scheduled HLO
