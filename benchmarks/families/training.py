@@ -183,3 +183,13 @@ def _ragged_memory(files):
                           "file"], rows), "", "Arithmetic at a large shape (bf16 rows):", "",
                   *table(["N", "factor", "top_k", "tokens", "d_model", "GiB per layer"],
                          arith)])
+
+
+@family("convert_memory", "Hugging Face conversion: peak host memory against the arithmetic")
+def _convert_memory(files):
+  rows = [[num(d["params"]), num(d["float32_params_mib"], 1), num(d["largest_param_mib"], 1),
+           num(d["from_hf_peak_mib"], 0), num(d["to_hf_peak_mib"], 0),
+           num(d["arithmetic_digest_peak_mib"], 0), f"`{name}`"] for name, d in files.items()]
+  return Section(table(["parameters", "fp32 params MiB", "largest param MiB",
+                        "from_hf peak MiB", "to_hf peak MiB", "arithmetic peak MiB", "file"],
+                       rows))
