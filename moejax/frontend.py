@@ -59,7 +59,7 @@ def parse_config(gin_files: list[str], gin_bindings: list[str]) -> config_lib.Co
           f"{name} = '{value}'.") from None
     raise config_lib.ConfigError(
         f"bad gin binding or file: {first}. Known configurables: {', '.join(CONFIGURABLES)}; "
-        "see moejax/config.py for their fields.") from None
+        "see moejax/config/ for their fields.") from None
   cfg = config_lib.Config(**{name: _plain(name, obj) for name, obj in parts.items()}).validate()
   vocab = data_lib.declared_vocab(cfg.data)   # model.vocab_size = 0: the data's, known here
   return cfg if vocab is None else data_lib.resolve_vocab(cfg, vocab)

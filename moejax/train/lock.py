@@ -13,11 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import socket
 import time
 
+import jax
+
 from moejax.config import ConfigError
+from moejax.runtime import distributed
+
+log = logging.getLogger("moejax")
 
 __all__ = ["LOCK_NAME", "Holder", "RunDirBusy", "RunDirLock"]
 
@@ -200,3 +206,20 @@ class RunDirLock:
       return False
     os.unlink(aside)
     return self._link()
+
+
+def take_run_dir(cfg) -> RunDirLock:
+  """Process 0 takes the run dir's lock (`moejax.train.lock`); every process stops with
+  `RunDirBusy` when it could not. Call before any work."""
+  lock = RunDirLock(cfg.train.run_dir, cfg.train.force_unlock)
+  error = None
+  if jax.process_index() == 0:
+    try:
+      for w in lock.acquire():
+        log.warning("warning: %s", w)
+    except RunDirBusy as e:
+      error = e
+  if not distributed.all_true(error is None):
+    raise error or RunDirBusy(f"process 0 could not take train.run_dir={cfg.train.run_dir!r}; "
+                              "its error line says why.")
+  return lock

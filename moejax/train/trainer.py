@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 
@@ -12,48 +11,30 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from moejax.config import Config, ConfigError, num_moe_layers
+from moejax.config import Config, ConfigError
 from moejax.placement.trace import TraceRecorder
-from moejax.runtime import distributed
-from moejax.strategy import memory
 from moejax.train import (
   data as data_lib,
   faults,
   history as history_lib,
   metrics as metrics_lib,
   preempt,
+  run_files as run_files_lib,
   step as step_lib,
 )
 from moejax.train.balance import BalanceTally
 from moejax.train.checkpoint import Checkpointer, model_fields
 from moejax.train.controllers import Hook, LayoutReplanning, StrategySwitching
-from moejax.train.lock import RunDirBusy, RunDirLock
+from moejax.train.lock import RunDirBusy, RunDirLock, take_run_dir
 from moejax.train.optim import optimizer, schedule
 from moejax.train.pool import StrategyPool
-from moejax.train.programs import initial_layout, xla_memory
+from moejax.train.programs import initial_layout
 from moejax.train.state import init_state
 from moejax.train.tensorboard import tensorboard_hooks
 
 __all__ = ["Hook", "Trainer", "initial_layout", "take_run_dir", "train"]
 
 log = logging.getLogger("moejax")
-
-
-def take_run_dir(cfg: Config) -> RunDirLock:
-  """Process 0 takes the run dir's lock (`moejax.train.lock`); every process stops with
-  `RunDirBusy` when it could not. Call before any work."""
-  lock = RunDirLock(cfg.train.run_dir, cfg.train.force_unlock)
-  error = None
-  if jax.process_index() == 0:
-    try:
-      for w in lock.acquire():
-        log.warning("warning: %s", w)
-    except RunDirBusy as e:
-      error = e
-  if not distributed.all_true(error is None):
-    raise error or RunDirBusy(f"process 0 could not take train.run_dir={cfg.train.run_dir!r}; "
-                              "its error line says why.")
-  return lock
 
 
 class Trainer:
@@ -344,27 +325,15 @@ class Trainer:
     return {**self._finish(start, first, last, done, stop, bar), "balance": balance.summary()}
 
   def _write_run_files(self, run_files: dict[str, str], start: int) -> None:
-    """`run_files`, config.json, and memory.txt: XLA's memory analysis of every pool member's
-    compiled train step (what runs), then the arithmetic model of the expert bytes (what to
-    expect at other sizes). config.json and `run_files` are this start's; a copy of each named
-    after the start step (config.0.json, config.30.json, ...) keeps what every start ran with."""
-    cfg, prog = self.cfg, self.pool.program
-    os.makedirs(cfg.train.run_dir, exist_ok=True)
+    """`run_files`, config.json and memory.txt (moejax.train.run_files), with a copy of each
+    but memory.txt named after the start step: what every start ran with."""
+    os.makedirs(self.cfg.train.run_dir, exist_ok=True)
     if not self.is_main:
       return
-    lines = [f"XLA compiled train step {member.strategy.spec}, bytes per device: " +
-             ", ".join(f"{k} {v}" for k, v in xla_memory(member.train_step).items())
-             for member in self.pool.programs]
-    lines.append("arithmetic model, " + memory.report(
-        num_moe_layers(cfg.model, cfg.moe), cfg.moe.num_experts, cfg.model.d_model,
-        cfg.moe.d_ff, prog.mesh.shape["expert"], prog.mesh.shape["model"],
-        prog.cfg.moe.slots_per_device or None))
-    files = {**run_files, "config.json": json.dumps(cfg.to_dict(), indent=2)}
-    files.update({f"{stem}.{start}{ext}": text for stem, ext, text in
-                  ((*os.path.splitext(name), text) for name, text in files.items())})
-    files["memory.txt"] = "\n".join(lines) + "\n"
+    files = run_files_lib.texts(self.cfg, self.pool.programs, self.pool.program,
+                                run_files, start)
     for name, text in files.items():
-      path = os.path.join(cfg.train.run_dir, name)
+      path = os.path.join(self.cfg.train.run_dir, name)
       with self.checkpointer.writing(name, path):
         metrics_lib.replace_file(path, text)
 

@@ -1,0 +1,200 @@
+"""What the compiled program is: the mesh, the model and its MoE layers (and the rules the
+trainer, the strategy space and the layer share about them)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from moejax.config.checks import ConfigError
+
+PALLAS_BACKENDS = ("auto", "interpret", "triton", "mosaic_gpu")   # pallas_kernels.backend's
+# MoEConfig's string knobs and the values each accepts (tests/test_modes.py enumerates them).
+MOE_CHOICES = {
+    "expert_mode": ("ep", "fsep"), "dispatch": ("dense", "ragged"), "kernels": ("xla", "pallas"),
+    "pallas_backend": PALLAS_BACKENDS, "capacity": ("slot", "device"),
+    "gate": ("softmax", "sigmoid"), "fsep_shares": ("planned", "adaptive")}
+_MOE_CHOICE_HINTS = {
+    "dispatch": " ('ragged': dropless, GPU/TPU only)",
+    "pallas_backend": " ('auto' picks by platform and GPU)",
+    "capacity": " ('slot': per (source, slot) buffers; 'device': pooled per (source, device))"}
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Sizes of the named mesh axes; -1 means "all remaining devices"."""
+  data: int = -1
+  expert: int = 4
+  model: int = 1
+  host_device_count: int = 8      # CPU devices train.py fakes with no XLA_FLAGS (GPU hosts: 1)
+  stage: int = 1   # pipeline stages of whole layer groups; data*expert*model devices each
+  fsdp: bool = False   # ZeRO-3: params and Adam moments sharded over `data` (mesh.FSDP_RULES)
+
+  def resolve(self, num_devices: int) -> tuple[int, int, int]:
+    """(data, expert, model) with a single -1 replaced by the remaining factor; the product
+    times mesh.stage must be `num_devices`."""
+    if self.stage < 1 or num_devices % self.stage:
+      raise ConfigError(f"mesh.stage={self.stage} does not divide the {num_devices} devices; "
+                        f"use a divisor of {num_devices} (1: no pipeline).")
+    num_devices //= self.stage
+    names = ("data", "expert", "model")
+    sizes = [self.data, self.expert, self.model]
+    bad = [(n, s) for n, s in zip(names, sizes) if s == 0 or s < -1]
+    if bad:
+      raise ConfigError(f"mesh.{bad[0][0]}={bad[0][1]} is invalid; use a positive size or -1.")
+    if sizes.count(-1) > 1:
+      raise ConfigError(f"mesh sizes {dict(zip(names, sizes))} have more than one -1; "
+                        "set all but one axis explicitly.")
+    if -1 in sizes:
+      known = math.prod(s for s in sizes if s != -1)
+      if num_devices % known:
+        raise ConfigError(
+            f"mesh sizes {dict(zip(names, sizes))} cannot fill {num_devices} devices: "
+            f"{num_devices} is not divisible by {known}; fix the mesh or mesh.host_device_count.")
+      sizes[sizes.index(-1)] = num_devices // known
+    if math.prod(sizes) != num_devices:
+      per_stage = f" per stage (mesh.stage={self.stage})" if self.stage > 1 else ""
+      raise ConfigError(
+          f"mesh sizes {dict(zip(names, sizes))} multiply to {math.prod(sizes)} but there are "
+          f"{num_devices} devices{per_stage}; make the product {num_devices} or set one axis "
+          "to -1.")
+    return tuple(sizes)
+
+
+def default_fsep_slots(num_experts: int, num_devices: int) -> int:
+  """fsep C when moe.slots_per_device = 0: about one extra replica per expert, <= E per device."""
+  return min(num_experts, 2 * -(-num_experts // num_devices))
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  num_experts: int = 8
+  top_k: int = 2
+  capacity_factor: float = 1.25
+  d_ff: int = 256                 # hidden size of each expert's SwiGLU
+  balance_loss_weight: float = 0.01
+  z_loss_weight: float = 1e-3
+  normalize_top_k: bool = True    # renormalise the k gate weights to sum to one (k > 1)
+  moe_every: int = 2              # every moe_every-th MLP is an MoE layer
+  expert_mode: str = "ep"         # "ep" (slot owns weights) or "fsep" (sharded, restored)
+  slots_per_device: int = 0       # fsep: expert slots per device C (0: min(E, 2 * ceil(E/N)))
+  dispatch: str = "dense"         # "dense" (fixed capacity all_to_all) or "ragged" (dropless, GPU)
+  kernels: str = "xla"            # "xla" or "pallas" (permute/combine/grouped-matmul kernels)
+  # pallas: "auto" (CPU: interpret; GPU: Triton, the grouped matmul on Mosaic GPU on Hopper
+  # in bf16/f16), or "triton" | "mosaic_gpu" | "interpret" (see pallas_kernels.backend)
+  pallas_backend: str = "auto"
+  capacity: str = "slot"          # dense: "slot" (cap per (source, slot)) or "device" (pooled)
+  exchange_chunks: int = 1        # dense: split each layer's dispatch into K independent pieces
+  ragged_buffer_factor: float = 2.0   # ragged: receive rows = factor*T*K per device (0: N*T*K)
+  fsep_shares: str = "planned"    # or "adaptive": levelled on each step's counts (layout.adaptive)
+  # Router family (moejax.model.moe.route). "softmax": softmax scores, switch balance loss
+  # over the batch. "sigmoid": sigmoid scores, gates normalised over the chosen k, a
+  # sequence-wise balance loss (DeepSeek-V3's; balance_loss_weight scales it, 0 = off).
+  gate: str = "softmax"
+  route_scale: float = 1.0        # multiplies the k gate values (DeepSeek-V3: 2.5)
+  # Aux-loss-free balancing: each step bias_e += bias_rate * sign(mean load - load_e); the
+  # bias picks experts, never weights them (TrainState.router_bias_LxE; 0: a fixed bias).
+  bias_rate: float = 0.0
+  num_shared_experts: int = 0     # dense SwiGLU experts every token goes through
+  shared_d_ff: int = 0            # hidden width of each shared expert (0: moe.d_ff)
+  # Device-limited routing: a token picks its device_limit best devices under the current
+  # layout (by the best biased score each hosts), then its top-k among their experts (0: off).
+  device_limit: int = 0
+  first_dense: int = 0            # dense (non-MoE) first layers before the scanned groups
+  # Each MoE layer replaced by one dense SwiGLU of width top_k * d_ff (the active FLOPs of
+  # its k experts, no routing or exchange): the baseline that MoE overhead is measured against.
+  dense_equivalent: bool = False
+
+  def validate(self) -> None:
+    for name in ("num_experts", "d_ff", "moe_every", "exchange_chunks"):
+      if getattr(self, name) < 1:
+        raise ConfigError(f"moe.{name}={getattr(self, name)} must be >= 1.")
+    if not 1 <= self.top_k <= self.num_experts:
+      raise ConfigError(
+          f"moe.top_k={self.top_k} must be in [1, moe.num_experts={self.num_experts}]; "
+          "lower top_k or add experts.")
+    if not self.capacity_factor > 0:
+      raise ConfigError(
+          f"moe.capacity_factor={self.capacity_factor} must be > 0; use e.g. 1.25 "
+          "(1.0 = exactly the balanced share per expert).")
+    for name, allowed in MOE_CHOICES.items():
+      if getattr(self, name) not in allowed:
+        raise ConfigError(f"moe.{name}={getattr(self, name)!r} is not supported; use one of "
+                          f"{', '.join(map(repr, allowed))}{_MOE_CHOICE_HINTS.get(name, '')}.")
+    if self.slots_per_device < 0:
+      raise ConfigError(f"moe.slots_per_device={self.slots_per_device} must be >= 0.")
+    if self.ragged_buffer_factor < 0:
+      raise ConfigError(f"moe.ragged_buffer_factor={self.ragged_buffer_factor} must be >= 0; "
+                        "use e.g. 2.0 (0: size the buffer for the worst case, N x the send rows).")
+    self.validate_router()
+
+  def validate_router(self) -> None:
+    if not self.route_scale > 0:
+      raise ConfigError(f"moe.route_scale={self.route_scale} must be > 0; use e.g. 1.0.")
+    if self.bias_rate < 0:
+      raise ConfigError(f"moe.bias_rate={self.bias_rate} must be >= 0; use e.g. 0.001 (0: the "
+                        "router bias never changes).")
+    for name in ("num_shared_experts", "shared_d_ff", "device_limit", "first_dense"):
+      if getattr(self, name) < 0:
+        raise ConfigError(f"moe.{name}={getattr(self, name)} must be >= 0 (0: off).")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int = 256           # 0: the data's (moejax.train.data.resolve_vocab)
+  d_model: int = 128
+  num_layers: int = 4
+  num_heads: int = 4
+  num_kv_heads: int = 0           # k/v heads, each shared by num_heads / num_kv_heads (0: MHA)
+  head_dim: int = 0               # 0: d_model // num_heads
+  qk_norm: str = "none"           # q, k RMSNorm before RoPE: per "head" (Qwen3), whole "proj"
+  d_ff: int = 512                 # hidden size of the dense SwiGLU MLPs
+  max_seq_len: int = 128
+  rope_base: float = 10000.0
+  norm_eps: float = 1e-6
+  dtype: str = "float32"          # activation/compute dtype; params are float32
+  remat: bool = False
+  # "auto": the fused cuDNN kernel on GPU where it applies (bf16/fp16, head dim a multiple of
+  # 8 up to 128), XLA's attention elsewhere; "xla" | "cudnn" force one (chosen at build time).
+  attention: str = "auto"
+  # Positions per tile of the tiled cross-entropy (moejax.train.loss): the [tokens, vocab]
+  # logits are never held whole; 0: plain logits (fine for small vocabularies).
+  loss_chunk: int = 0
+
+  def validate(self, moe: MoEConfig) -> None:
+    if self.vocab_size < 0:
+      raise ConfigError(f"model.vocab_size={self.vocab_size} must be >= 1, or 0 for the data's.")
+    for name in ("d_model", "num_layers", "num_heads", "d_ff", "max_seq_len"):
+      if getattr(self, name) < 1:
+        raise ConfigError(f"model.{name}={getattr(self, name)} must be >= 1.")
+    if self.attention not in ("auto", "xla", "cudnn"):
+      raise ConfigError(f"model.attention={self.attention!r} is not supported; use 'auto', "
+                        "'xla' or 'cudnn'.")
+    if self.loss_chunk < 0:
+      raise ConfigError(f"model.loss_chunk={self.loss_chunk} must be >= 0; use e.g. 256 "
+                        "(0: plain logits).")
+    if moe.dense_equivalent and moe.expert_mode != "ep":
+      raise ConfigError(f"moe.dense_equivalent=True has no experts to shard with moe.expert_mode"
+                        f"={moe.expert_mode!r}; use moe.expert_mode = 'ep'.")
+    if self.dtype not in ("float32", "bfloat16", "float16"):
+      raise ConfigError(f"model.dtype={self.dtype!r} is not supported; use 'float32', "
+                        "'bfloat16' or 'float16'.")
+    head_dim, kv = self.head_dim or self.d_model // self.num_heads, self.num_kv_heads or 1
+    if (not self.head_dim and self.d_model % self.num_heads) or head_dim % 2 or min(
+        self.head_dim, self.num_kv_heads) < 0 or self.num_heads % kv:
+      raise ConfigError(
+          f"model.d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads="
+          f"{self.num_kv_heads}, head_dim={self.head_dim}: need num_kv_heads dividing num_heads "
+          "and an even head dim for RoPE (head_dim, or 0: d_model / num_heads, a whole number).")
+    if self.qk_norm not in ("none", "head", "proj"):
+      raise ConfigError(f"model.qk_norm={self.qk_norm!r} is not supported; use 'none', 'head' "
+                        "(per head, Qwen3) or 'proj' (whole projection, OLMoE).")
+    if moe.first_dense >= self.num_layers or (self.num_layers - moe.first_dense) % moe.moe_every:
+      raise ConfigError(
+          f"model.num_layers={self.num_layers} minus moe.first_dense={moe.first_dense} must be "
+          f"a positive multiple of moe.moe_every={moe.moe_every} (layers after the dense first "
+          "ones are scanned in groups ending in an MoE layer).")
+
+
+def num_moe_layers(model: ModelConfig, moe: MoEConfig) -> int:
+  """MoE layers of the model: the groups after the `moe.first_dense` dense first layers."""
+  return (model.num_layers - moe.first_dense) // moe.moe_every
