@@ -58,7 +58,7 @@ def test_plan_prints_its_answer_first_and_the_table_on_request(capsys):
 def test_launch_passes_output_on_without_gloos_all_connected_lines():
   import io
 
-  from moejax.runtime.launch import _pump
+  from moejax.runtime.processes import _pump
 
   gloo = b"[Gloo] Rank %d is connected to %d peer ranks. Expected number of connected peer " \
          b"ranks is : %d\n"

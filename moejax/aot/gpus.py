@@ -53,8 +53,9 @@ def target_config(name: str) -> str:
 
 def has_cuda_plugin() -> str | None:
   """None if JAX's CUDA plugin is installed, else why not (one line)."""
-  if importlib.util.find_spec("jax_plugins.xla_cuda12") or importlib.util.find_spec(
-      "jax_plugins.xla_cuda13"):
+  if importlib.util.find_spec("jax_plugins") is not None and (
+      importlib.util.find_spec("jax_plugins.xla_cuda12") or
+      importlib.util.find_spec("jax_plugins.xla_cuda13")):
     return None
   return "JAX's CUDA plugin is not installed: pip install -e '.[gpu_aot]'"
 
