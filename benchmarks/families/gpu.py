@@ -144,10 +144,28 @@ def _gpu_program(files):
                    f"{r['peak_bytes'] / 2**30:.2f} ({r['model_memory_bytes'] / 2**30:.2f})",
                    f"{r['overlapped_bytes_fraction']:.3f}", f"{r['exposed_comm_s'] * 1e3:.1f}",
                    f"{r['step_s'] * 1e3:.1f} ({r['model_step_s'] * 1e3:.1f})", f"`{name}`"])
+  head = []
+  for name, d in files.items():
+    fsep = [r for r in d["rows"] if r.get("compiled") and r["family"] == "fsep_planned" and
+            "model.remat = False" not in r.get("bindings", [])]
+    if fsep:
+      head.append(("fsep on compile-only H100s (XLA:GPU's schedule): overlapped collective "
+                   "bytes, exposed communication, estimated step, per GPU count",
+                   "; ".join(f"{_gpus(r)} GPUs: {r['overlapped_bytes_fraction']:.2f}, "
+                             f"{r['exposed_comm_s'] * 1e3:.1f} ms, {r['step_s'] * 1e3:.0f} ms"
+                             for r in fsep), name))
   return Section(["XLA:GPU's program of the GPU config's strategy families (and Mixtral-8x7B at "
                   "its plan's strategy), compiled on a CPU host: XLA's peak memory per GPU "
                   "beside the memory model's, the share of collective bytes overlapped with "
                   "compute, and the schedule estimate of the exposed communication and the "
                   "step beside the cost model's (docs/guide/gpu-program.md).", "",
                   *table(["family", "spec", "GPUs", "XLA peak GiB (model)", "overlapped",
-                          "exposed comm ms", "step ms, schedule (cost model)", "file"], rows)])
+                          "exposed comm ms", "step ms, schedule (cost model)", "file"], rows)],
+                 head)
+
+
+def _gpus(row) -> int:
+  gpus = 1
+  for n in row["topology"].split("x"):
+    gpus *= int(n)
+  return gpus
