@@ -42,9 +42,16 @@ STAGE_METRIC_CALLS = 8
 # also runs its dispatch and combine again in the backward.
 A2A_PER_RUN = {"ep": 4, "fsep": 6}
 # fsep restores three weights forward, again for the backward and returns their gradients
-# (3 x 3 all_to_alls a run), and once a step outside the scans, three each way.
+# (3 x 3 all_to_alls a run), and once a step outside the scans: the first layer's three
+# forward, the last layer's three for the backward (the seed of the backward's restore-ahead;
+# not under pipeline stages, which restore per chunk) and the first layer's three gradients
+# back.
 RESTORE_PER_RUN = 9
-RESTORE_PER_STEP = 6
+RESTORE_PER_STEP = 9
+
+
+def restore_per_step(stages: int) -> int:
+  return RESTORE_PER_STEP if stages == 1 else RESTORE_PER_STEP - 3
 
 
 def buckets(grad_bytes: float, combine_bytes: float = COMBINE_BYTES) -> int:
@@ -98,5 +105,5 @@ def collective_counts(strategy, w) -> dict[str, float]:
   if strategy.expert > 1:
     a2a = A2A_PER_RUN[strategy.expert_mode] * runs
     if strategy.expert_mode == "fsep":
-      a2a += RESTORE_PER_RUN * runs + RESTORE_PER_STEP
+      a2a += RESTORE_PER_RUN * runs + restore_per_step(p)
   return {"reduce": reduce, "all-to-all": a2a, "collective-permute": sends}

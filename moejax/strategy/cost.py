@@ -291,7 +291,7 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
     per_layer = c * 3 * d * f / m * 4             # fp32 slot weights restored per device
     moved = per_layer * (n - 1) / n / profile.a2a_bytes_per_s
     restore_s = (runs * (calls.RESTORE_PER_RUN * call(n) + 3 * moved) +
-                 calls.RESTORE_PER_STEP * call(n) + 2 * moved) * scale
+                 calls.restore_per_step(p) * call(n) + 2 * moved) * scale
   # Gradients: dense leaves over data*expert, expert leaves over data; under FSDP the data
   # part is a reduce-scatter (half an all-reduce's volume). Calls: combined buckets per
   # layer group run (moejax.strategy.calls). The embedding's and head's gradients need no
