@@ -24,6 +24,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 from benchmarks.gpu_train_step import (
@@ -82,9 +83,13 @@ def mock_compile(topology: str, name: str) -> dict:
   from moejax.aot import compile_train_step
   from moejax.aot.summary import summarize
   devices = jax.devices()
+  print(f"[mock {topology}] {len(devices)} devices; building {name}", file=sys.stderr,
+        flush=True)
   cfg = with_bindings(load_config(False, len(devices)), dict(MOCK_STRATEGIES)[name])
   cfg = with_bindings(cfg, {"mesh.expert": 8, "mesh.data": -1}).validate()
-  row = summarize(compile_train_step(cfg, topology=topology, devices=devices))
+  gp = compile_train_step(cfg, topology=topology, devices=devices)
+  print(f"[mock {topology}] compiled in {gp.compile_s:.0f} s", file=sys.stderr, flush=True)
+  row = summarize(gp)
   return {**row, "topology": topology, "strategy": name, "devices": len(devices)}
 
 
@@ -98,16 +103,20 @@ def step_mock(budget: Budget, per_compile_s: float) -> list:
                                 f"~{per_compile_s:.0f} s"})
         continue
       cmd = [sys.executable, "-m", "benchmarks.on_gpu", "--_mock", topology, name]
-      try:
-        proc = subprocess.run(cmd, capture_output=True, text=True,
-                              timeout=min(budget.left() - 10, 2 * per_compile_s))
-        last = proc.stdout.strip().splitlines()[-1:] or [""]
-        rows.append(json.loads(last[0]) if last[0].startswith("{") else
-                    {"topology": topology, "strategy": name, "error": proc.stderr[-1500:]})
-      except subprocess.TimeoutExpired as e:
-        err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-        rows.append({"topology": topology, "strategy": name,
-                     "error": f"timed out after {e.timeout:.0f} s", "stderr_tail": err[-1500:]})
+      # The child's stderr goes to a file, so that a compile cut off by the timeout still
+      # says where it was (its stage lines and XLA's log).
+      with tempfile.TemporaryFile("w+") as err:
+        try:
+          proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
+                                timeout=min(budget.left() - 10, 2 * per_compile_s))
+          last = proc.stdout.strip().splitlines()[-1:] or [""]
+          row = json.loads(last[0]) if last[0].startswith("{") else {"error": "no result"}
+        except subprocess.TimeoutExpired as e:
+          row = {"error": f"timed out after {e.timeout:.0f} s"}
+        if "error" in row:
+          err.seek(0)
+          row["stderr_tail"] = err.read()[-1500:]
+      rows.append({"topology": topology, "strategy": name, **row})
   return rows
 
 
