@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-import numpy as np
+from moejax.aot.read import group_size
 
 # Computations an instruction runs: fusions, reductions, loop bodies and conditions.
 CALLS = r"(?:calls|to_apply|body|condition)=%([\w.\-]+)"
@@ -81,24 +81,6 @@ def depends_on(comp: dict[str, str], name: str, pred) -> str | None:
       return comp[op]
     stack.extend(operands(comp[op]))
   return None
-
-
-def group_size(line: str) -> int:
-  """Devices in one group of a collective: its replica groups in any of XLA's three spellings
-  ({{0,4},{1,5}}, [4,2]<=[8], mesh['axis_0'=2,...] {'axis_0'}, the last also with
-  device_ids=(...) before its reduced axes); a collective permute's is 2 when it moves data
-  between devices, 1 when every pair is a device to itself."""
-  if m := re.search(r"source_target_pairs=\{(.*?)\}\}", line):
-    pairs = re.findall(r"\{(\d+),(\d+)", m.group(1) + "}")
-    return 2 if any(a != b for a, b in pairs) else 1
-  if m := re.search(r"replica_groups=\{\{([\d,]*)\}", line):
-    return len(m.group(1).split(","))
-  if m := re.search(r"replica_groups=\[\d+,(\d+)\]<=", line):
-    return int(m.group(1))
-  if m := re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", line):
-    sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
-    return int(np.prod([int(sizes[a]) for a in re.findall(r"'(\w+)'", m.group(2))]))
-  raise ValueError(f"no replica groups read in: {line[:200]}")
 
 
 def array_dims(line: str) -> list[tuple[int, ...]]:

@@ -72,9 +72,6 @@ def compile_train_step(cfg: Config, strategy: Strategy | None = None, *, gpu: st
   `topology` of `gpu` ('h100', 'h200'; moejax/aot/targets) with `flags`. `devices` replaces
   the compile-only topology (e.g. a real GPU's mock topology)."""
   devices = list(compile_only_devices(gpu, topology) if devices is None else devices)
-  if (cfg.model.attention == "auto" and
-      devices[0].client.runtime_type == "compile_only_runtime"):
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="xla"))
   strategy = strategy or from_config(cfg, len(devices))
   steps = cfg.train.num_steps
   tx, lr = optimizer(cfg.optim, steps), schedule(cfg.optim, steps)

@@ -52,7 +52,14 @@ def _kind(ins: Instr, module: Module) -> str | None:
   return None
 
 
-def _group_size(line: str) -> int:
+def group_size(line: str) -> int:
+  """Devices in one group of a collective: its replica groups in any of XLA's three spellings
+  ({{0,4},{1,5}}, [4,2]<=[8], mesh['axis_0'=2,...] {'axis_0'}, the last also with
+  device_ids=(...) before its reduced axes); a collective permute's is 2 when it moves data
+  between devices, 1 when every pair is a device to itself."""
+  if m := re.search(r"source_target_pairs=\{(.*?)\}\}", line):
+    pairs = re.findall(r"\{(\d+),(\d+)", m.group(1) + "}")
+    return 2 if any(a != b for a, b in pairs) else 1
   if m := re.search(r"replica_groups=\{\{([\d,]*)\}", line):
     return len(m.group(1).split(","))
   if m := re.search(r"replica_groups=\[\d+,(\d+)\]<=", line):
@@ -63,9 +70,16 @@ def _group_size(line: str) -> int:
     for axis in re.findall(r"'(\w+)'", m.group(2)):
       size *= int(sizes[axis])
     return size
-  if "source_target_pairs" in line:
-    return 2
-  return 1
+  raise ValueError(f"no replica groups read in: {line[:200]}")
+
+
+def _group_or_one(line: str) -> int:
+  """`group_size`, or 1 for a collective whose groups are not spelled out (all devices in
+  one group of the program's own; the estimate then charges no transfer)."""
+  try:
+    return group_size(line)
+  except ValueError:
+    return 1
 
 
 def collectives(module: Module | str) -> list[Collective]:
@@ -89,7 +103,7 @@ def collectives(module: Module | str) -> list[Collective]:
           between = [x.name for x in instrs[i + 1:position[done.name]] if x.opcode in COMPUTE]
       m = re.search(r'op_name="([^"]*)"', ins.line)
       found.append(Collective(kind, comp, ins.name, size, count, is_async, between,
-                              m.group(1) if m else "", _group_size(ins.line)))
+                              m.group(1) if m else "", _group_or_one(ins.line)))
   return found
 
 

@@ -256,6 +256,10 @@ class Pipelined:
     return self.model.mesh
 
   @property
+  def cfg(self):
+    return self.model.cfg
+
+  @property
   def layer_order(self) -> np.ndarray:
     """Canonical layer group of each storage row (moejax.model.layer_order)."""
     groups = num_moe_layers(self.model.cfg, self.model.moe_cfg)

@@ -29,11 +29,14 @@ from moejax.model.moe.layer import MoELayer, MoEStats, no_moe_stats
 
 def resolve_attention(cfg: ModelConfig, mesh: Mesh) -> ModelConfig:
   """`cfg` with `attention = 'auto'` replaced by the implementation for `mesh`'s devices:
-  cuDNN's fused kernel on GPU where its constraints hold, XLA's attention elsewhere."""
+  cuDNN's fused kernel on GPU where its constraints hold, XLA's attention elsewhere (also on
+  compile-only GPU devices, where XLA finds no cuDNN to build the fused kernel with)."""
   if cfg.attention != "auto":
     return cfg
-  head_dim = cfg.d_model // cfg.num_heads
-  fused = (mesh.devices.flat[0].platform in ("gpu", "cuda") and
+  device = mesh.devices.flat[0]
+  head_dim = cfg.head_dim or cfg.d_model // cfg.num_heads
+  fused = (device.platform in ("gpu", "cuda") and
+           device.client.runtime_type != "compile_only_runtime" and
            cfg.dtype in ("bfloat16", "float16") and head_dim % 8 == 0 and head_dim <= 128)
   return dataclasses.replace(cfg, attention="cudnn" if fused else "xla")
 

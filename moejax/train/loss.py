@@ -63,10 +63,6 @@ def _forward(h_BxQxD, w_Dxvocab, targets_BxQ, chunk, compute_dtype):
   return loss, (h_BxQxD, w_Dxvocab, targets_BxQ, lse_n)
 
 
-def _fwd(h_BxQxD, w_Dxvocab, targets_BxQ, chunk, compute_dtype):
-  return _forward(h_BxQxD, w_Dxvocab, targets_BxQ, chunk, compute_dtype)
-
-
 def _bwd(chunk, compute_dtype, res, g):
   h_BxQxD, w_Dxvocab, targets_BxQ, lse_n = res
   h_n, t_n = _tiles(h_BxQxD, targets_BxQ, chunk)
@@ -93,4 +89,4 @@ def _bwd(chunk, compute_dtype, res, g):
   return dh.astype(h_BxQxD.dtype), dw.astype(w_Dxvocab.dtype), None
 
 
-tiled_cross_entropy.defvjp(_fwd, _bwd)
+tiled_cross_entropy.defvjp(_forward, _bwd)

@@ -9,7 +9,6 @@ import optax
 
 from moejax.config import MoEConfig
 from moejax.layout.tables import Layout
-from moejax.model.pipeline import Pipelined
 from moejax.train.loss import cross_entropy, tiled_cross_entropy
 from moejax.train.state import TrainState
 
@@ -17,7 +16,7 @@ from moejax.train.state import TrainState
 def loss_fn(params, model: nn.Module, moe_cfg: MoEConfig, batch_BxQ1: jax.Array,
             layout: Layout):
   inputs, targets = batch_BxQ1[:, :-1], batch_BxQ1[:, 1:]
-  model_cfg = model.model.cfg if isinstance(model, Pipelined) else model.cfg
+  model_cfg = model.cfg          # a Transformer's, or the one a Pipelined runs
   if model_cfg.loss_chunk:     # the logits one tile of positions at a time
     h, stats = model.apply({"params": params}, inputs, layout, hidden=True)
     ce = tiled_cross_entropy(h, params["unembed"], targets, model_cfg.loss_chunk,
