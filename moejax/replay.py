@@ -33,6 +33,10 @@ def parser() -> ArgumentParser:
   ap.add_argument("--policy", default="all",
                   help=f"One of {sorted(POLICIES)}, or 'all' (the default).")
   ap.add_argument("--every", type=int, default=10, help="Re-plan every K steps (default 10).")
+  ap.add_argument("--adaptive", action="store_true",
+                  help="Consider a re-plan after every step and switch a layer only when its "
+                       "predicted compute gain over --every steps beats its priced migration "
+                       "(planner.adaptive).")
   ap.add_argument("--window", type=int, default=10,
                   help="Predict from the last W steps (default 10).")
   ap.add_argument("--json", default=None, help="Also write the results to this JSON file.")
@@ -74,7 +78,8 @@ def main(argv=None) -> int:
       raise ConfigError(f"trace {a.trace} holds 0 steps; give the trace of a run that trained "
                         "at least one step with trace.path set.")
     results = {name: replay(counts, a.devices, a.slots, name, a.every, a.window, cost=cost,
-                            options=fsep_options if name == "fsep" else None, shares=a.shares)
+                            options=fsep_options if name == "fsep" else None, shares=a.shares,
+                            adaptive=a.adaptive)
                for name in policy_names(a.policy)}
     bound = None if a.no_oracle else oracle(counts, a.devices, a.slots, cost=cost,
                                             options=fsep_options,
@@ -88,7 +93,8 @@ def main(argv=None) -> int:
     with_regret({**results, **({"window_oracle": ahead} if ahead else {})}, bound)
   steps, layers, sources, experts = counts.shape
   print(f"{a.trace}: steps={steps} layers={layers} sources={sources} experts={experts} | "
-        f"devices={a.devices} slots={a.slots} every={a.every} window={a.window} "
+        f"devices={a.devices} slots={a.slots} every={a.every} adaptive={a.adaptive} "
+        f"window={a.window} "
         f"shares={a.shares}")
   print("max/mean device load over steps x layers (realized on each step's actual counts); "
         "pred med = median max/mean of each decision on the load it was planned from; "
@@ -99,6 +105,7 @@ def main(argv=None) -> int:
     print(report(a.layers, experts, a.d_model, a.d_ff, a.devices, fsep_slots=a.slots))
   if a.json:
     out = {"trace": a.trace, "devices": a.devices, "slots": a.slots, "every": a.every,
+           "adaptive": a.adaptive,
            "window": a.window, "shares": a.shares, "cost": dataclasses.asdict(cost),
            "sources": sources, "experts": experts,
            "steps": steps, "layers": layers, "fsep_options": dict(_option(text) for text in a.fsep),

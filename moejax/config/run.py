@@ -74,6 +74,9 @@ class PlannerConfig:
   fresh: bool = False
   fsep_plan_for: str = "spread"   # fsep: plan for the window's spread, or "mean" (its mean load)
   fsep_locality: bool = True      # fsep: each device's own tokens to its own replica first
+  # Consider a re-plan after every finished step and switch a layer when its predicted compute
+  # gain over `every` steps (fsep_every under fsep) beats the migration of what moves.
+  adaptive: bool = False
 
   def validate(self, expert_mode: str = "ep") -> None:
     allowed = {"ep": ("static", "smartmoe"), "fsep": ("static", "fsep")}[expert_mode]
@@ -87,6 +90,9 @@ class PlannerConfig:
                         "every >= 0, fsep_every >= 0, window >= 1, min_gain >= 0.")
     if not isinstance(self.fresh, bool):
       raise ConfigError(f"planner.fresh={self.fresh!r} must be True or False.")
+    if not isinstance(self.adaptive, bool):
+      raise ConfigError(f"planner.adaptive={self.adaptive!r} must be True or False; True "
+                        "prices every step's re-plan against its migration.")
     if self.fsep_plan_for not in ("spread", "mean") or not isinstance(self.fsep_locality, bool):
       raise ConfigError(f"planner.fsep_plan_for={self.fsep_plan_for!r}, planner.fsep_locality="
                         f"{self.fsep_locality!r}: use 'spread' or 'mean', and True or False.")

@@ -1,4 +1,6 @@
-"""Online placement (dyn.X): observe finished steps' counts, re-plan every X steps.
+"""Online placement (dyn.X): observe finished steps' counts, re-plan every X steps, or, with
+`planner.adaptive`, consider a re-plan after every finished step and switch a layer only when
+its priced gain over X steps beats its migration (`moejax.placement.pricing`).
 
 Host-side and JAX-free. The trainer feeds it each finished step's count matrix
 and asks, before dispatching step t, whether to switch layouts; the plan uses
@@ -19,16 +21,8 @@ from moejax.config import PlannerConfig
 from moejax.layout import placement as placement_lib
 from moejax.layout.flow import max_over_mean
 from moejax.layout.placement import Placement
-from moejax.placement import policies
-
-
-def _planned_load(p: Placement, pred_NxE: np.ndarray) -> np.ndarray:
-  """[N]: each device's share of the predicted load under `p` (its slots' shares of their
-  experts' totals): what the plan promises, without routing every source's rows."""
-  load_E = np.asarray(pred_NxE, np.float64).sum(0)
-  se = p.slot_expert
-  rows = np.where(se >= 0, p.share * load_E[np.maximum(se, 0)], 0.0)
-  return rows.reshape(p.num_devices, -1).sum(1)
+from moejax.placement import policies, pricing
+from moejax.placement.pricing import planned_load as _planned_load
 
 
 class Switch(NamedTuple):
@@ -36,6 +30,9 @@ class Switch(NamedTuple):
   predicted_before: float      # predicted max/mean device load under the current layout
   predicted_after: float
   experts_moved: int           # (device, expert) copies the new layout adds
+  gain_s: float = 0.0          # predicted seconds a step saves (the busiest device's compute)
+  move_s: float = 0.0          # the migration's priced seconds
+  moved_bytes: int = 0         # weight and Adam-moment bytes the migration carries
 
 
 def _config_options(cfg: PlannerConfig, capacity_factor: float | None, capacity: str) -> dict:
@@ -92,13 +89,16 @@ class OnlinePlanner:
 
   def due(self, step: int) -> bool:
     """Re-plan before `step`: at the first step with a finished one to plan from, then every
-    `every` steps."""
-    return (self.active and self.every > 0 and len(self.history) > 0 and
-            (not self.planned or (step > 0 and step % self.every == 0)))
+    `every` steps; adaptive: before every step with a finished one (`propose` then keeps the
+    layers whose switch does not pay)."""
+    if not (self.active and self.every > 0 and len(self.history) > 0):
+      return False
+    return self.cfg.adaptive or not self.planned or (step > 0 and step % self.every == 0)
 
   def propose(self, current: list[Placement]) -> tuple[list[Placement], list[Switch]]:
-    """New placements per layer (the current one where no switch pays off)."""
-    self.planned = True
+    """New placements per layer (the current one where no switch pays off; adaptive: also
+    where the priced gain over `every` steps does not beat the migration)."""
+    cold_start_done, self.planned = self.planned, True
     history_stepsxLxNxE = np.stack(self.history)[-self.cfg.window:]
     pred_LxNxE = policies.predict(history_stepsxLxNxE, self.cfg.window)
     src = np.arange(self.num_devices)
@@ -112,13 +112,15 @@ class OnlinePlanner:
           np.allclose(new.share, cur.share, atol=0.5 / placement_lib.SHARE_PARTS) and
           np.array_equal(placement_lib.local_parts(new), placement_lib.local_parts(cur))):
         continue
-      experts = pred_NxE.shape[1]
-      before = max_over_mean(_planned_load(cur, pred_NxE))
-      after = max_over_mean(_planned_load(new, pred_NxE))
-      added_NxE = placement_lib.presence(new, experts) & ~placement_lib.presence(cur, experts)
-      moved = int(added_NxE.sum())
+      load_before_N, load_after_N = _planned_load(cur, pred_NxE), _planned_load(new, pred_NxE)
+      priced = pricing.price(cur, new, load_before_N, load_after_N, self.cost, pred_NxE.shape[1],
+                             moves_weights=self.cfg.policy not in pricing.FREE_MOVE_POLICIES)
+      # The cold-start plan is always taken (the initial layout knows nothing of the load).
+      if self.cfg.adaptive and cold_start_done and not priced.pays(self.every):
+        continue
       out[layer] = new
-      switches.append(Switch(layer, before, after, moved))
+      switches.append(Switch(layer, max_over_mean(load_before_N), max_over_mean(load_after_N),
+                             priced.moved, priced.gain_s, priced.move_s, priced.moved_bytes))
     return out, switches
 
   def state_dict(self) -> dict:

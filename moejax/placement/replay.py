@@ -34,8 +34,10 @@ import numpy as np
 from moejax.config import ConfigError
 from moejax.layout import placement as placement_lib
 from moejax.layout.flow import flow, max_over_mean
+from moejax.placement import pricing
 from moejax.placement.buffers import BufferTally
 from moejax.placement.policies import ONE_COPY_POLICIES, POLICIES, CostModel, get_policy, predict
+from moejax.placement.pricing import FREE_MOVE_POLICIES
 
 
 def effective_slots(policy: str, num_experts: int, devices: int, slots: int) -> int:
@@ -53,7 +55,7 @@ def effective_slots(policy: str, num_experts: int, devices: int, slots: int) -> 
 
 def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int = 10,
            window: int = 10, *, cost: CostModel, options=None,
-           lookahead: bool = False, shares: str = "planned") -> dict:
+           lookahead: bool = False, shares: str = "planned", adaptive: bool = False) -> dict:
   """Replays counts[steps, L, W, E] through one policy (with its `options` dataclass, or its
   defaults); returns the per-policy result dict. `shares="adaptive"`: fsep layouts split
   each step's tokens by shares re-levelled from that step's counts (`moejax.layout.adaptive`)
@@ -78,8 +80,14 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
   series = np.zeros((steps, layers))
   predicted = []          # max/mean of each decision's layout on the load it was planned for
   crossing, moved, times = 0, 0, []
+  moves = policy not in FREE_MOVE_POLICIES
+  # What the program pays, priced by the cost model: the busiest device's expert compute over
+  # steps x layers and the migrations' seconds.
+  priced = {"migrated_bytes": 0, "migration_s": 0.0, "switches": 0, "busiest_compute_s": 0.0}
   for t in range(steps):
-    if t % every == 0 and (t > 0 or lookahead):
+    # Adaptive: a candidate after every finished step (the first one always taken, as the
+    # trainer's cold start), kept only where its gain over `every` steps beats its migration.
+    if (t % every == 0 or adaptive) and (t > 0 or lookahead):
       seen = counts[t:t + every] if lookahead else counts[max(0, t - window):t]
       pred = seen.mean(0) if lookahead else predict(counts[:t], window)   # [L, W, E]
       for layer in range(layers):
@@ -89,16 +97,31 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
         times.append(time.perf_counter() - t0)
         new.validate(experts)
         planned = flow(held(new, shares), pred[layer], src_dev)
+        if adaptive or _changed(new, current[layer]):
+          before = flow(held(current[layer], shares), pred[layer], src_dev).device_load_N
+          price = pricing.price(current[layer], new, before, planned.device_load_N, cost,
+                                experts, moves_weights=moves)
+          if adaptive and t > 1 and not price.pays(every):
+            continue
+          moved += price.moved
+          priced["migrated_bytes"] += price.moved_bytes
+          priced["migration_s"] += price.move_s
+          priced["switches"] += 1
         predicted.append(max_over_mean(planned.device_load_N))
-        old_NxE = placement_lib.presence(current[layer], experts)
-        moved += int((placement_lib.presence(new, experts) & ~old_NxE).sum())
         current[layer] = new
     for layer in range(layers):
       f = flow(held(current[layer], shares), counts[t, layer], src_dev)
       series[t, layer] = max_over_mean(f.device_load_N)
+      priced["busiest_compute_s"] += cost.compute_s(float(np.max(f.device_load_N)))
       crossing += f.crossing
       tally.add(held(current[layer], shares), counts[t, layer], src_dev, f.crossing)
-  return _result(series, predicted, crossing, int(counts.sum()), moved, times, tally)
+  return {**_result(series, predicted, crossing, int(counts.sum()), moved, times, tally),
+          **priced}
+
+
+def _changed(new: placement_lib.Placement, cur: placement_lib.Placement) -> bool:
+  return not (np.array_equal(new.slot_expert, cur.slot_expert) and
+              np.array_equal(new.share, cur.share))
 
 
 SHARES = ("planned", "adaptive")

@@ -1,0 +1,65 @@
+"""What a layout switch buys and what it costs, in the run's seconds: the adaptive dyn.X rule.
+
+The gain is the expert compute the busiest device saves per step under the predicted load
+(the step waits for it: `CostModel.compute_s` of the max device rows before less after). The
+cost is the migration of what actually moves: every (device, expert) copy the new layout adds
+that the old one lacked carries the expert's weights and its two Adam moments
+(`CostModel.expert_move_s`), and devices receive in parallel, so the busiest receiver sets the
+time. fsep restores every slot from the expert-sharded weights each step anyway, so its
+switch moves no weights (only the small layout tables, priced at zero). A switch pays when
+the gain over `horizon` steps beats the cost.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from moejax.layout import placement as placement_lib
+from moejax.layout.placement import Placement
+from moejax.placement.cost import CostModel
+
+# Policies whose switch moves no weights: their slots are restored from the expert shards every
+# step, whatever the layout.
+FREE_MOVE_POLICIES = ("fsep",)
+
+
+class SwitchPrice(NamedTuple):
+  gain_s: float        # predicted seconds per step the switch saves (busiest device's compute)
+  move_s: float        # seconds the migration costs once
+  moved: int           # (device, expert) copies the new layout adds
+  moved_bytes: int     # weight and Adam-moment bytes those copies carry (0 where free)
+
+  def pays(self, horizon: int) -> bool:
+    """Whether `horizon` steps of the gain beat the migration."""
+    return self.gain_s > 0 and self.gain_s * horizon > self.move_s
+
+
+def planned_load(p: Placement, pred_NxE: np.ndarray) -> np.ndarray:
+  """[N]: each device's share of the predicted load under `p` (its slots' shares of their
+  experts' totals): what the plan promises, without routing every source's rows."""
+  load_E = np.asarray(pred_NxE, np.float64).sum(0)
+  se = p.slot_expert
+  rows = np.where(se >= 0, p.share * load_E[np.maximum(se, 0)], 0.0)
+  return rows.reshape(p.num_devices, -1).sum(1)
+
+
+def moved_bytes(cost: CostModel, moved: int) -> int:
+  """Bytes of `moved` expert copies: weights and both Adam moments."""
+  return 3 * moved * cost.expert_params * cost.bytes_per_param
+
+
+def price(cur: Placement, new: Placement, load_before_N: np.ndarray, load_after_N: np.ndarray,
+          cost: CostModel, experts: int, moves_weights: bool = True) -> SwitchPrice:
+  """The switch `cur` -> `new` of a layer of `experts` priced on the predicted device loads
+  before and after."""
+  added_NxE = placement_lib.presence(new, experts) & ~placement_lib.presence(cur, experts)
+  moved = int(added_NxE.sum())
+  gain = (cost.compute_s(float(np.max(load_before_N))) -
+          cost.compute_s(float(np.max(load_after_N))))
+  if not moves_weights:
+    return SwitchPrice(gain, 0.0, moved, 0)
+  busiest_receiver = int(added_NxE.sum(1).max()) if moved else 0
+  return SwitchPrice(gain, cost.expert_move_s(busiest_receiver), moved,
+                     moved_bytes(cost, moved))
