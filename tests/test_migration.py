@@ -86,13 +86,16 @@ def test_migration_compiles_once_for_many_layouts():
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   # Other tests in the same process leave their own permuters behind, so count
   # what this loop adds: at most one new executable over all cached permuters.
-  before = {key: fn._cache_size() for key, fn in migrate._PERMUTERS.items()}
-  rng = np.random.default_rng(7)
-  for _ in range(4):
-    new = jax.device_put(_random_layout(rng), rep)
-    state = migrate.migrate(state, layout, new)
-    layout = new
-  jax.block_until_ready(state)
-  grown = sum(fn._cache_size() - before.get(key, 0) for key, fn in migrate._PERMUTERS.items())
-  assert len(migrate._PERMUTERS) - len(before) <= 1
-  assert grown <= 1, f"4 layout changes compiled {grown} permute programs, expected at most 1"
+  # Both kinds: the whole permutation and the moved-only program within the budget.
+  for programs in (migrate._PERMUTERS, migrate._MOVERS):
+    before = {key: fn._cache_size() for key, fn in programs.items()}
+    rng = np.random.default_rng(7)
+    for _ in range(4):
+      new = jax.device_put(_random_layout(rng), rep)
+      state = migrate.migrate(state, layout, new, whole=programs is migrate._PERMUTERS,
+                              budget=None if programs is migrate._PERMUTERS else 2)
+      layout = new
+    jax.block_until_ready(state)
+    grown = sum(fn._cache_size() - before.get(key, 0) for key, fn in programs.items())
+    assert len(programs) - len(before) <= 1
+    assert grown <= 1, f"4 layout changes compiled {grown} programs, expected at most 1"

@@ -1,9 +1,17 @@
 """Move experts between slots in `ep` mode: weights and every optimizer-state leaf.
 
-One jitted program per state structure (cached): the slot permutation is a
-traced int32 argument, so any new layout reuses the same executable. XLA
-partitions the gather along the expert-sharded slot axis into a collective over
-the expert axis; nothing goes through the host.
+Two compiled programs per state structure (cached), neither specialised to a layout: the
+tables are traced int32 arguments, so any new layout reuses them.
+
+- The moved-only program (`moved_slots`): each device packs the slots it must send into a
+  fixed budget of B rows per destination device, one all-to-all over the expert axis carries
+  them, and each device gathers its new slots from its own old ones and what it received. It
+  sends N x B rows per device whatever moves, so it is used while no (source, destination)
+  pair moves more than B slots.
+- The whole permutation (`permute_slots`): a gather along the expert-sharded slot axis, which
+  XLA partitions into collectives over every slot; for a layout change past the budget.
+
+Nothing goes through the host but the small tables.
 """
 
 from __future__ import annotations
@@ -12,11 +20,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from moejax.layout.leaves import gather_slots
+from moejax.layout.leaves import gather_slots, is_expert_leaf
 from moejax.layout.tables import Layout
 
 _PERMUTERS: dict = {}
+_MOVERS: dict = {}
 
 
 def permute_slots(tree: Any, src_LxS: jax.Array, donate: bool = False) -> Any:
@@ -36,7 +47,107 @@ def migration_source(old: Layout, new: Layout) -> jax.Array:
   return jnp.take_along_axis(old.expert_slot_LxE, new.slot_expert_LxS, axis=1)
 
 
-def migrate(state: Any, old: Layout, new: Layout) -> Any:
-  """Returns `state` with expert weights and optimizer moments in `new`'s slot order.
-  The input state is donated."""
-  return permute_slots(state, migration_source(old, new), donate=True)
+def slot_axis(tree: Any, layers_slots: tuple[int, int]) -> tuple[Any, str, Any] | None:
+  """(mesh, the mesh axis the expert leaves' slot axis is split over, their layer axis's
+  spec), or None where there is no expert leaf, one is not [layers, slots, ...] or its slot
+  axis is not split over exactly one mesh axis (the moved-only program then does not apply)."""
+  found = None
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    if not is_expert_leaf(path):
+      continue
+    sh = getattr(leaf, "sharding", None)
+    if (tuple(leaf.shape[:2]) != layers_slots or not isinstance(sh, NamedSharding) or
+        len(sh.spec) < 2 or not isinstance(sh.spec[1], str)):
+      return None
+    this = (sh.mesh, sh.spec[1], sh.spec[0])
+    if found is not None and this != found:
+      return None
+    found = this
+  return found
+
+
+def default_budget(slots: int, devices: int) -> int:
+  """B: rows per (source, destination) pair. N x B rows per device is at most one device's
+  own slots, so the moved-only program never sends more than a device holds."""
+  return max(1, slots // devices // devices)
+
+
+def plan_moves(src_LxS: np.ndarray, devices: int, budget: int):
+  """The moved-only tables for `src_LxS` on `devices` (slot s on device s // (S/N)):
+  `send_NxLxR` (R = N x B: which local slot each device packs for each destination, in
+  destination-major blocks of B) and `pick_NxLxC` (C = S/N: each device's new local slot,
+  indexed into its old local slots followed by the R rows it received, in source-major
+  blocks of B), plus the slots that cross devices; None where a pair moves more than B."""
+  layers, slots = src_LxS.shape
+  c = slots // devices
+  send = np.zeros((devices, layers, devices * budget), np.int32)
+  pick = np.zeros((devices, layers, c), np.int32)
+  used = np.zeros((layers, devices, devices), np.int64)     # [l, source, destination]
+  crossing = 0
+  for layer in range(layers):
+    for s in range(slots):
+      g = int(src_LxS[layer, s])
+      dst, src = s // c, g // c
+      if src == dst:
+        pick[dst, layer, s % c] = g % c
+        continue
+      k = used[layer, src, dst]
+      if k >= budget:
+        return None
+      used[layer, src, dst] += 1
+      crossing += 1
+      send[src, layer, dst * budget + k] = g % c
+      pick[dst, layer, s % c] = c + src * budget + k
+  return send, pick, crossing
+
+
+def _moved_program(tree: Any, mesh, axis: str, layer_spec, budget: int):
+  leaves, treedef = jax.tree.flatten(tree)
+  shardings = tuple(x.sharding for x in leaves)
+  key = (treedef, shardings, budget)
+  if key in _MOVERS:
+    return _MOVERS[key]
+  table_spec = P(axis, layer_spec)
+
+  def block(leaf_spec):
+    def move(x, send_1xLxR, pick_1xLxC):   # x: this device's [L, C, ...] block
+      tail = (1,) * (x.ndim - 2)
+      packed = jnp.take_along_axis(x, send_1xLxR[0].reshape(send_1xLxR.shape[1:] + tail), 1)
+      got = jax.lax.all_to_all(packed, axis, 1, 1, tiled=True)
+      pool = jnp.concatenate([x, got], axis=1)
+      return jnp.take_along_axis(pool, pick_1xLxC[0].reshape(pick_1xLxC.shape[1:] + tail), 1)
+    return jax.shard_map(move, mesh=mesh, in_specs=(leaf_spec, table_spec, table_spec),
+                         out_specs=leaf_spec, check_vma=False)
+
+  out_sh = jax.tree.unflatten(treedef, shardings)
+
+  def body(tree, send, pick):
+    flat = jax.tree_util.tree_leaves_with_path(tree)
+    out = [block(sh.spec)(x, send, pick) if is_expert_leaf(path) else x
+           for (path, x), sh in zip(flat, shardings)]
+    return jax.tree.unflatten(treedef, out)
+
+  _MOVERS[key] = jax.jit(body, out_shardings=out_sh, donate_argnums=(0,))
+  return _MOVERS[key]
+
+
+def migrate(state: Any, old: Layout, new: Layout, budget: int | None = None,
+            whole: bool = False) -> Any:
+  """Returns `state` with expert weights and optimizer moments in `new`'s slot order, moving
+  only the slots whose expert comes from another device while every (source, destination)
+  pair moves at most `budget` (default `default_budget`), else (or with `whole`) by the whole
+  permutation. The input state is donated."""
+  src_LxS = migration_source(old, new)
+  where = None if whole else slot_axis(state, tuple(src_LxS.shape))
+  if where is not None:
+    mesh, axis, layer_spec = where
+    devices = mesh.shape[axis]
+    slots = src_LxS.shape[1]
+    b = budget or default_budget(slots, devices)
+    plan = plan_moves(np.asarray(jax.device_get(src_LxS)), devices, b)
+    if plan is not None:
+      send, pick, _ = plan
+      table = NamedSharding(mesh, P(axis, layer_spec))
+      return _moved_program(state, mesh, axis, layer_spec, b)(
+          state, jax.device_put(send, table), jax.device_put(pick, table))
+  return permute_slots(state, src_LxS, donate=True)

@@ -250,9 +250,9 @@ def warm_up_pool(programs: list[Program], state: TrainState, tx: optax.GradientT
 
   Compiles the state move of every ordered pair and times each once; runs every other
   member's train step once on a throwaway copy (a first execution costs XLA one-off set-up
-  that would otherwise land on the first step after a switch); and compiles
-  the `migrate` permuter of each ep member that re-plans (`replans[i]`), on a copy too (both
-  donate their input). Afterwards a switch or a re-plan compiles and sets up nothing."""
+  that would otherwise land on the first step after a switch); and compiles the `migrate`
+  programs (moved-only and whole) of each ep member that re-plans (`replans[i]`), on a copy
+  too (both donate their input). Afterwards a switch or a re-plan compiles and sets up nothing."""
   k = len(programs)
   transfers = {(a, b): Transfer(programs[a], programs[b], tx)
                for a in range(k) for b in range(k) if a != b}
@@ -269,8 +269,10 @@ def warm_up_pool(programs: list[Program], state: TrainState, tx: optax.GradientT
     copy = None
     if a:
       copy, _ = prog.train_step(states.pop(a), _zero_batch(prog), prog.layout)
-    if prog.expert_mode == "ep" and replans[a]:
+    if prog.expert_mode == "ep" and replans[a]:   # both programs: moved-only and whole
       copy = migrate(copy if a else transfers[(1, 0)](states[1]),
                      prog.state_layout(prog.layout), prog.state_layout(prog.layout))
+      copy = migrate(copy, prog.state_layout(prog.layout), prog.state_layout(prog.layout),
+                     whole=True)
     jax.block_until_ready(copy)
   return transfers, switch_cost_s
