@@ -55,13 +55,17 @@ def effective_slots(policy: str, num_experts: int, devices: int, slots: int) -> 
 
 def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int = 10,
            window: int = 10, *, cost: CostModel, options=None,
-           lookahead: bool = False, shares: str = "planned", adaptive: bool = False) -> dict:
+           lookahead: bool = False, shares: str = "planned", adaptive: bool = False,
+           cold_start: bool = False) -> dict:
   """Replays counts[steps, L, W, E] through one policy (with its `options` dataclass, or its
   defaults); returns the per-policy result dict. `shares="adaptive"`: fsep layouts split
   each step's tokens by shares re-levelled from that step's counts (`moejax.layout.adaptive`)
-  instead of the planned ones. `lookahead` (the `window_oracle` row): each decision, from
-  step 0 on, is given the `every` steps it will serve (their mean and the
-  steps, not which comes when) instead of the finished ones: what a layout held for `every`
+  instead of the planned ones. `adaptive` (planner.adaptive): a candidate after every finished
+  step, kept where its priced gain over `every` steps beats its migration
+  (`moejax.placement.pricing`); `cold_start`: also a decision at step 1, as the trainer plans
+  as soon as one step has finished (adaptive always has it). `lookahead` (the `window_oracle`
+  row): each decision, from step 0 on, is given the `every` steps it will serve (their mean
+  and the steps, not which comes when) instead of the finished ones: what a layout held for `every`
   steps can reach when only the per-step noise inside them is unknown."""
   counts = np.asarray(counts)
   if counts.ndim != 4:
@@ -87,7 +91,7 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
   for t in range(steps):
     # Adaptive: a candidate after every finished step (the first one always taken, as the
     # trainer's cold start), kept only where its gain over `every` steps beats its migration.
-    if (t % every == 0 or adaptive) and (t > 0 or lookahead):
+    if (t % every == 0 or adaptive or (cold_start and t == 1)) and (t > 0 or lookahead):
       seen = counts[t:t + every] if lookahead else counts[max(0, t - window):t]
       pred = seen.mean(0) if lookahead else predict(counts[:t], window)   # [L, W, E]
       for layer in range(layers):
