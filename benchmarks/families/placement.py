@@ -104,3 +104,52 @@ def _planner_replay_ab(files):
                    else "defaults", r["calls"], r["different_plans"], f"`{name}`"])
   return Section(table(["base", "trace", "N", "options", "calls", "different plans", "file"],
                        rows))
+
+
+@family("replan_sweep", "Fixed dyn.X against adaptive dyn.X on a trace")
+def _replan_sweep(files):
+  rows, head = [], []
+  for name, d in files.items():
+    for r in d["rows"]:
+      rows.append([r["profile"], r["policy"], r["rule"], r["every"],
+                   f"{r['median']:.3f} / {r['p90']:.3f} / {r['p99']:.3f}", r["switches"],
+                   r["experts_moved"], f"{r['migrated_bytes'] / 2**20:.1f}",
+                   f"{r['migration_s']:.4g}", f"{r['paid_s']:.5g}", f"`{name}`"])
+    for profile in dict.fromkeys(r["profile"] for r in d["rows"]):
+      ep = [r for r in d["rows"] if r["profile"] == profile and r["policy"] == "smartmoe"]
+      if not ep:
+        continue
+      best = min(ep, key=lambda r: r["paid_s"])
+      head.append((f"dyn.X on {os.path.basename(d['trace'])}, SmartMoE, `{profile}` prices: "
+                   "the rule the run pays least under (expert compute + migration)",
+                   f"{best['rule']} X = {best['every']}, {best['paid_s']:.5g} s, "
+                   f"{best['migrated_bytes'] / 2**20:.1f} MiB moved", name))
+  return Section(["Replay of the trace with the default run's expert size, each rule planning "
+                  "once after the first step, then every X steps (fixed) or after every step "
+                  "where the priced gain over X steps beats the migration (adaptive). max/mean "
+                  "is median / p90 / p99 over steps x layers; bytes are weights and both Adam "
+                  "moments of every copy moved (fsep moves none); paid = the busiest device's "
+                  "expert compute over the trace plus the migrations, by the profile's cost "
+                  "model.", "",
+                  *table(["profile", "policy", "rule", "X", "max/mean", "switches",
+                          "experts moved", "MiB moved", "migration s", "paid s", "file"],
+                         rows)], head)
+
+
+@family("migration_bytes", "What an ep migration sends, in the compiled program")
+def _migration_bytes(files):
+  rows = []
+  for name, d in files.items():
+    for r in d["rows"]:
+      rows.append([r["mesh"], r["experts"], r["layers"], r["budget"], r["moved_experts_max"],
+                   f"{r['moved_only']['bytes'] / 2**20:.2f} "
+                   f"({', '.join(sorted(r['moved_only']['collectives']))})",
+                   f"{r['whole']['bytes'] / 2**20:.2f} "
+                   f"({', '.join(sorted(r['whole']['collectives']))})",
+                   ratio(r["whole"]["bytes"] / r["moved_only"]["bytes"]), f"`{name}`"])
+  return Section(["Collective bytes per device of one migration of the expert weights and both "
+                  "Adam moments (d_model x d_ff of the default run), read from the compiled "
+                  "programs: the moved-only program (B rows per device pair, any layout that "
+                  "fits) against the whole permutation.", "",
+                  *table(["mesh (data x expert x model)", "E", "L", "B", "experts it can move",
+                          "moved-only MiB", "whole MiB", "whole / moved-only", "file"], rows)])
