@@ -4,7 +4,10 @@ priced gain over `planner.every` steps beats the migration of what moves."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -13,7 +16,10 @@ from moejax.layout import placement as placement_lib
 from moejax.placement import pricing
 from moejax.placement.replanner import OnlinePlanner
 from moejax.placement.replay import replay
+from moejax.train.controllers import Hook
+from moejax.train.trainer import Trainer
 from tests.plan_helpers import PLAN_COST
+from tests.run_config import tiny_config
 
 EXPERTS, DEVICES = 8, 4
 
@@ -109,3 +115,27 @@ def test_adaptive_replay_prices_what_moves():
 def test_adaptive_must_be_a_bool():
   with pytest.raises(ConfigError, match="planner.adaptive='yes'"):
     PlannerConfig(adaptive="yes").validate()
+
+
+@pytest.mark.slow   # trains a tiny model: .ci/run's slow pass
+def test_training_with_adaptive_replanning_switches_where_it_pays(tmp_path):
+  """The trainer's own `due` / `propose` calls: a candidate before every step, the cold
+  start's plan at step 1 or 2, later switches only where priced to pay (a 10^6-step horizon
+  makes every gain pay here), each migrated by the moved-only program or the whole one."""
+  base = tiny_config(tmp_path, num_steps=6, every=6, warmup_steps=2)
+  cfg = dataclasses.replace(base, planner=PlannerConfig(
+      policy="smartmoe", every=10**6, window=2, min_gain=0.0, adaptive=True))
+  calls = []
+
+  class Proposals(Hook):
+    def before_step(self, trainer, step):
+      calls.append(trainer.pool.planner.due(step))
+
+  with Trainer(cfg) as trainer:
+    trainer.run(hooks=[Proposals()])
+    assert int(jax.device_get(trainer.state.step)) == 6
+  with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
+    records = [json.loads(line) for line in f]
+  switches = [r for r in records if r.get("event") == "layout_switch"]
+  assert switches and all(r["predicted_after"] <= r["predicted_before"] for r in switches)
+  assert calls[2:] == [True] * (len(calls) - 2), "adaptive: due before every later step"
