@@ -115,3 +115,39 @@ def test_the_compiled_program_sends_the_budget_not_every_slot():
   whole_bytes = sum(v["bytes"] for v in ref.values())
   assert whole_bytes >= leaves * LAYERS * SLOTS * D * F * 4, ref   # every slot, every leaf
   assert got["all-to-all"]["bytes"] * 4 <= whole_bytes
+
+
+def test_the_tables_move_every_slot_to_its_place():
+  """The moved-only program simulated in numpy (pack, all-to-all, pick) on random layouts:
+  the tables put every expert where the new layout wants it, and a plan is refused exactly
+  where a device pair moves more than the budget."""
+  rng = np.random.default_rng(4)
+  outcomes = set()
+  for devices, slots, budget in ((4, 32, 2), (8, 32, 1), (2, 8, 3)):
+    c = slots // devices
+    for _ in range(20):
+      src = np.stack([np.arange(slots)] * LAYERS)
+      for layer in range(LAYERS):
+        if rng.random() < 0.3:
+          src[layer] = rng.permutation(slots)
+        for _ in range(2):   # else a few swaps
+          a, b = rng.choice(slots, 2, replace=False)
+          src[layer, [a, b]] = src[layer, [b, a]]
+      cross = [(layer, g // c, s // c) for layer in range(LAYERS) for s, g in enumerate(src[layer])
+               if g // c != s // c]
+      fits = all(cross.count(k) <= budget for k in set(cross))
+      plan = migrate.plan_moves(src, devices, budget)
+      assert (plan is not None) == fits
+      outcomes.add(fits)
+      if plan is None:
+        continue
+      send, pick, crossing = plan
+      assert crossing == len(cross)
+      old = np.arange(LAYERS * slots).reshape(LAYERS, slots)     # each slot's own id
+      blocks = old.reshape(LAYERS, devices, c).transpose(1, 0, 2)   # [N, L, C]
+      packed = np.take_along_axis(blocks, send, 2).reshape(devices, LAYERS, devices, budget)
+      got = packed.transpose(2, 1, 0, 3).reshape(devices, LAYERS, devices * budget)
+      pool = np.concatenate([blocks, got], 2)
+      new = np.take_along_axis(pool, pick, 2).transpose(1, 0, 2).reshape(LAYERS, slots)
+      np.testing.assert_array_equal(new, np.take_along_axis(old, src, 1))
+  assert outcomes == {True, False}

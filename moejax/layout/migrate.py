@@ -80,25 +80,27 @@ def plan_moves(src_LxS: np.ndarray, devices: int, budget: int):
   blocks of B), plus the slots that cross devices; None where a pair moves more than B."""
   layers, slots = src_LxS.shape
   c = slots // devices
-  send = np.zeros((devices, layers, devices * budget), np.int32)
+  src_LxS = np.asarray(src_LxS, np.int64)
+  layer_LxS = np.broadcast_to(np.arange(layers)[:, None], (layers, slots))
+  dst_LxS = np.broadcast_to(np.arange(slots) // c, (layers, slots))
+  from_LxS = src_LxS // c                                   # the device holding it now
   pick = np.zeros((devices, layers, c), np.int32)
-  used = np.zeros((layers, devices, devices), np.int64)     # [l, source, destination]
-  crossing = 0
-  for layer in range(layers):
-    for s in range(slots):
-      g = int(src_LxS[layer, s])
-      dst, src = s // c, g // c
-      if src == dst:
-        pick[dst, layer, s % c] = g % c
-        continue
-      k = used[layer, src, dst]
-      if k >= budget:
-        return None
-      used[layer, src, dst] += 1
-      crossing += 1
-      send[src, layer, dst * budget + k] = g % c
-      pick[dst, layer, s % c] = c + src * budget + k
-  return send, pick, crossing
+  home = from_LxS == dst_LxS
+  pick[dst_LxS[home], layer_LxS[home], np.nonzero(home)[1] % c] = src_LxS[home] % c
+  # Each crossing slot's rank among its (layer, source, destination) pair's, in slot order.
+  lay, s = np.nonzero(~home)
+  pair = (lay * devices + from_LxS[lay, s]) * devices + dst_LxS[lay, s]
+  order = np.argsort(pair, kind="stable")
+  starts = np.searchsorted(pair[order], pair[order], side="left")
+  rank = np.empty_like(pair)
+  rank[order] = np.arange(len(pair)) - starts
+  if len(rank) and rank.max() >= budget:
+    return None
+  send = np.zeros((devices, layers, devices * budget), np.int32)
+  src_dev, dst_dev = from_LxS[lay, s], dst_LxS[lay, s]
+  send[src_dev, lay, dst_dev * budget + rank] = src_LxS[lay, s] % c
+  pick[dst_dev, lay, s % c] = c + src_dev * budget + rank
+  return send, pick, len(pair)
 
 
 def _moved_program(tree: Any, mesh, axis: str, layer_spec, budget: int):
