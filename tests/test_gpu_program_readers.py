@@ -99,6 +99,19 @@ def test_estimate_hides_the_async_exchange_behind_the_matmul():
   assert e.step_s == pytest.approx(e.compute_s + e.exposed_comm_s)
 
 
+def test_estimate_splits_compute_by_model_part():
+  e = est_lib.estimate(parse(HLO))
+  assert sum(e.compute_by.values()) == pytest.approx(e.compute_s)
+  name = 'op_name="jit(train_step)/transpose(jvp(Transformer))/while/body/layers/{}"'
+  assert est_lib.scope(name.format("attn_moe/vmap(BTNH,BSNH->BNTS)/dot_general")) == (
+      "attention core")
+  assert est_lib.scope(name.format("attn_0/bqd,dhj->bqhj/dot_general")) == (
+      "attention projections")
+  assert est_lib.scope(name.format("moe/shard_map/mul")) == "moe"
+  assert est_lib.scope(name.format("mlp_0/dot_general")) == "dense mlp"
+  assert est_lib.scope("no metadata") == "other"
+
+
 def test_collectives_across_hosts_use_the_fabric():
   rates = est_lib.Rates.for_gpu("h100", "8x1x8")
   inside = est_lib.collective_s("all-reduce", 2**26, "replica_groups=[8,8]<=[64]", rates)
