@@ -15,6 +15,9 @@ the peak the strategy cost model reports and the offline stage checks against th
 Under P pipeline stages a device holds 1/P of the layer groups (their parameters, moments and
 activations; embedding, head and dense first layers are on every stage); under FSDP every
 parameter, gradient and moment is further split over the data axis (`param_shards`).
+The activations at the peak (`activation_terms`) are what XLA:GPU's buffer assignment holds
+there: inside one layer group's backward pass, or the loss's backward when that is larger
+(decision 0099; `moejax.aot.buffers` reads them from a compiled program).
 The trainer writes `report` into the run dir; `python -m moejax.replay ... --d_model D --d_ff F
 --layers L` prints it beside the planner results.
 """
@@ -110,9 +113,10 @@ def activation_terms(tokens: float, d_model: int, num_layers: int, vocab_size: i
   The last two are live at different times; the peak holds the larger one (`activation_bytes`).
 
   Per token and layer the residuals are ~20 values of width D, plus 6 per expert row (summed
-  over MoE layers). `num_layers`, `groups` (scanned layer groups) and `expert_rows` are this
-  device's (a pipeline stage's). A pipelined step is one scan over ticks whose autodiff keeps
-  every tick's residuals, idle ticks' too: `stretch` = ticks / (V*M) times the busy ticks'.
+  over MoE layers; ragged dispatch: its fixed receive buffer's rows, `ragged_buffer_rows`).
+  `num_layers`, `groups` (scanned layer groups) and `expert_rows` are this device's (a
+  pipeline stage's). A pipelined step is one scan over ticks whose autodiff keeps every
+  tick's residuals, idle ticks' too: `stretch` = ticks / (V*M) times the busy ticks'.
   Under `model.remat` a group keeps only its input, and one group of one microbatch is
   recomputed at a time; `remat_blocks` (fsep) checkpoints the attention and MLP blocks one by
   one instead of the group (moejax.model.transformer.LayerGroup), so every layer keeps its two
