@@ -166,8 +166,8 @@ def main(argv: list[str] | None = None) -> None:
       cfg = family_config(family, topology, extra)
       result["rows"].append(row(cfg, None, topology, args.gpu, family, args.hlo_dir, flags))
       result["rows"][-1]["bindings"] = args.bindings
-      print({k: v for k, v in result["rows"][-1].items() if k not in ("collectives", "kernels",
-                                                                       "comm_s_by")})
+      print({k: v for k, v in result["rows"][-1].items()
+             if k not in ("collectives", "kernels", "comm_s_by", "compute_s_by")})
       write(result, path, args.gpu)
     if args.mixtral:
       cfg = parse_config([MIXTRAL_GIN], args.bindings)
