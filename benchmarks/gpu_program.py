@@ -17,12 +17,13 @@ Run (from the repository root; minutes per row on a 2-core host):
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import time
 import traceback
 
-from benchmarks.common import RESULTS, command, write_result
+from benchmarks.common import RESULTS, command, stamp, write_result
 from moejax.aot import compile_train_step
 from moejax.aot.gpus import parse_topology
 from moejax.aot.summary import summarize
@@ -70,6 +71,26 @@ def model_predictions(cfg: Config, strategy, profile_name: str) -> dict:
           "model_profile": profile_name}
 
 
+def memory_model_error(r: dict) -> float:
+  """The memory model's peak over XLA's, less one (positive: the model counts more)."""
+  return r["model_memory_bytes"] / r["peak_bytes"] - 1
+
+
+def write(result: dict, path: str, gpu: str) -> None:
+  """`write_result`, the machine named as what compiled the programs (no GPU ran them)."""
+  stamp(result)
+  result["metadata"]["machine"]["device"] = (
+      f"compile-only {gpu.upper()}s (XLA:GPU, jax-cuda12-plugin {_plugin()}) on this CPU host")
+  write_result(result, path, restamp=False)
+
+
+def _plugin() -> str:
+  try:
+    return importlib.metadata.version("jax-cuda12-plugin")
+  except importlib.metadata.PackageNotFoundError:
+    return "absent"
+
+
 def row(cfg: Config, strategy, topology: str, gpu: str, label: str,
         hlo_dir: str | None = None, flags: tuple[str, ...] = GPU_FLAGS) -> dict:
   tick = time.perf_counter()
@@ -88,6 +109,8 @@ def row(cfg: Config, strategy, topology: str, gpu: str, label: str,
            "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
   strategy = strategy or from_config(cfg, _gpus(topology))
   out.update(model_predictions(strategy.apply(cfg), strategy, profile))
+  if out["compiled"]:
+    out["memory_model_error"] = memory_model_error(out)
   out["wall_s"] = round(time.perf_counter() - tick, 1)
   return out
 
@@ -95,6 +118,13 @@ def row(cfg: Config, strategy, topology: str, gpu: str, label: str,
 def _gpus(topology: str) -> int:
   slices, hosts, per_host = parse_topology(topology)
   return slices * hosts * per_host
+
+
+def megatron_mixtral() -> dict:
+  """Megatron-Core's published Mixtral-8x7B step on 64 H100s (benchmarks.published_mixtral)."""
+  with open(os.path.join(RESULTS, "published_mixtral.json")) as f:
+    published = json.load(f)["published"]
+  return {k: published[k] for k in ("step_s", "tflops_per_gpu", "gpus", "layout", "source")}
 
 
 def mixtral_strategy(cfg: Config, gpus: int):
@@ -136,19 +166,21 @@ def main(argv: list[str] | None = None) -> None:
       cfg = family_config(family, topology, extra)
       result["rows"].append(row(cfg, None, topology, args.gpu, family, args.hlo_dir, flags))
       result["rows"][-1]["bindings"] = args.bindings
-      print({k: v for k, v in result["rows"][-1].items() if k not in ("collectives", "kernels",
-                                                                       "comm_s_by")})
-      write_result(result, path)
+      print({k: v for k, v in result["rows"][-1].items()
+             if k not in ("collectives", "kernels", "comm_s_by", "compute_s_by")})
+      write(result, path, args.gpu)
     if args.mixtral:
       cfg = parse_config([MIXTRAL_GIN], args.bindings)
       strategy = mixtral_strategy(cfg, _gpus(topology))
       result["rows"].append(row(cfg, strategy, topology, args.gpu, "mixtral_8x7b_plan",
                                 args.hlo_dir, flags))
+      if _gpus(topology) == 64:       # Megatron-Core's published step on as many H100s
+        result["rows"][-1]["published"] = megatron_mixtral()
       print(result["rows"][-1])
-      write_result(result, path)
+      write(result, path, args.gpu)
   result["complete"] = True
   result["load_after"] = os.getloadavg()[0]
-  write_result(result, path)
+  write(result, path, args.gpu)
 
 
 if __name__ == "__main__":

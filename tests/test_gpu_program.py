@@ -11,8 +11,9 @@ terms matter.
   estimate exposes at most 10% of their transfer).
 - exchange chunks 2: piece 0's return exchange overlaps piece 1's expert matmuls.
 - ragged + pallas: the program's custom calls are the Pallas kernels the layer asks for.
-- the arithmetic memory model (moejax.strategy.memory) is within 10% of XLA's peak: one
-  family; three are strict xfails (the tiled loss the model does not know).
+- the arithmetic memory model (moejax.strategy.memory) is within 10% of XLA's peak for five
+  families (ep pooled, fsep, fsdp, exchange chunks, pipeline stages); ragged + pallas is a
+  strict xfail (XLA's heap is larger than the buffers live at its peak).
 All are `slow`; the compiled programs are shared between tests.
 """
 
@@ -123,17 +124,16 @@ def test_ragged_pallas_custom_calls_are_the_layers_kernels():
   assert read.kernels(_compiled("ep_pooled").hlo) == {}
 
 
-# The model's peak / XLA's (benchmarks/results/gpu_program_h100.json, 8 GPUs): ep_ragged_pallas
-# 1.04; ep_pooled 1.18, fsep 1.13, fsdp 1.26, ep_slot 1.25, ep_chunks2 1.28, p2_m4 2.07. The
-# model counts the [tokens, vocab] fp32 logits and their gradient whole, where the GPU config
-# tiles the loss (model.loss_chunk).
-_OVER = pytest.mark.xfail(reason="the memory model counts whole fp32 logits twice; the GPU "
-                          "config tiles the loss (model.loss_chunk)", strict=True)
+# The model's peak / XLA's (benchmarks/results/gpu_program_h100.json, 8 GPUs): ep_slot 1.01,
+# ep_pooled 0.96, fsep 1.04, fsdp 0.98, ep_chunks2 1.04, p2_m4 0.92, ep_ragged_pallas 0.86
+# (decision 0099). For ragged, XLA's temp heap is 1.05 GB larger than the buffers its
+# live-range analysis finds live at the peak (6.40 GB in all; the model: 6.42 GB).
+_PACKING = pytest.mark.xfail(reason="XLA's heap is 1.05 GB over the 6.40 GB live at the ragged "
+                             "program's peak; the model counts live buffers", strict=True)
 
 
-@pytest.mark.parametrize("family", ["ep_ragged_pallas", pytest.param("ep_pooled", marks=_OVER),
-                                    pytest.param("fsep_planned", marks=_OVER),
-                                    pytest.param("fsdp", marks=_OVER)])
+@pytest.mark.parametrize("family", [pytest.param("ep_ragged_pallas", marks=_PACKING),
+                                    "ep_pooled", "fsep_planned", "fsdp", "ep_chunks2", "p2_m4"])
 def test_memory_model_within_ten_percent_of_xla(family):
   from benchmarks.gpu_program import model_predictions
   from moejax.aot.summary import peak_bytes

@@ -99,6 +99,42 @@ def test_estimate_hides_the_async_exchange_behind_the_matmul():
   assert e.step_s == pytest.approx(e.compute_s + e.exposed_comm_s)
 
 
+def test_estimate_splits_compute_by_model_part():
+  e = est_lib.estimate(parse(HLO))
+  assert sum(e.compute_by.values()) == pytest.approx(e.compute_s)
+  name = 'op_name="jit(train_step)/transpose(jvp(Transformer))/while/body/layers/{}"'
+  assert est_lib.scope(name.format("attn_moe/vmap(BTNH,BSNH->BNTS)/dot_general")) == (
+      "attention core")
+  assert est_lib.scope(name.format("attn_0/bqd,dhj->bqhj/dot_general")) == (
+      "attention projections")
+  assert est_lib.scope(name.format("moe/shard_map/mul")) == "moe"
+  assert est_lib.scope(name.format("mlp_0/dot_general")) == "dense mlp"
+  assert est_lib.scope("no metadata") == "other"
+
+
+def test_peak_buffers_read_from_an_xla_dump(tmp_path):
+  from moejax.aot import buffers
+
+  stem = tmp_path / "module_0001.jit_train_step.sm_9.0a_gpu_after_optimizations"
+  (tmp_path / f"{stem.name}.txt").write_text(
+      '  %fusion.1 = f32[8,12,1024,1024]{3,2,1,0} fusion(%a), metadata={op_name="x/attn_0/'
+      'vmap(jit(_where))/select_n"}\n'
+      '  %while.2 = (s32[], /*index=1*/f32[6,8]{1,0}, bf16[4]{0}) while(%t), '
+      'metadata={op_name="x/while"}\n')
+  (tmp_path / f"{stem.name}-live-range.txt").write_text(
+      "HloLiveRange (max 9):\n  Live ranges at 7 (peak):\n"
+      "    fusion.1{}: 402653184 bytes (cumulative: 402653184 bytes)\n"
+      "    while.2{2}: 8 bytes (cumulative: 402653192 bytes)\n"
+      "    while.2{1}: 192 bytes (cumulative: 402653384 bytes)\n"
+      "  Stack trace breakdown for peak usage: 402 653 384 bytes\n    while.2{9}: 1 bytes\n")
+  found = buffers.peak_buffers(str(tmp_path))
+  assert [(b.name, b.bytes, b.shape) for b in found] == [
+      ("fusion.1{}", 402653184, "f32[8,12,1024,1024]{3,2,1,0}"),
+      ("while.2{1}", 192, "f32[6,8]{1,0}"), ("while.2{2}", 8, "bf16[4]{0}")]
+  assert found[0].op_name.endswith("select_n")
+  assert buffers.dump_flags("D")[0] == "--xla_dump_to=D"
+
+
 def test_collectives_across_hosts_use_the_fabric():
   rates = est_lib.Rates.for_gpu("h100", "8x1x8")
   inside = est_lib.collective_s("all-reduce", 2**26, "replica_groups=[8,8]<=[64]", rates)

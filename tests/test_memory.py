@@ -15,3 +15,34 @@ def test_ep_and_fsep_bytes():
   assert ep["persistent"] == fs["persistent"]                     # same total, spread out
   assert fs["transient"] == (2 * 8 * per_expert // 4 + 2 * 2 * 4 * per_expert) * FP32
   assert "fsep C=4" in report(2, 8, 4, 8, 4, fsep_slots=4)
+
+
+def test_ragged_buffer_rows_is_the_layers():
+  from moejax.model.moe.ragged import buffer_rows
+  from moejax.strategy.memory import ragged_buffer_rows
+
+  for tokens, k, n, factor in [(8192, 2, 8, 2.0), (100, 3, 4, 0.0), (10, 1, 2, 5.0)]:
+    assert ragged_buffer_rows(tokens, k, n, factor) == buffer_rows(tokens, k, n, factor)
+
+
+def test_activation_terms_name_the_peak():
+  """The peak holds the larger of one group's backward and the loss's; a loss tile holds
+  chunk/Q of the whole logits' bytes at (4 + 2) / 8 of them; XLA's attention adds (layers per
+  group + 1) layers' scores under group remat, 2 under fsep's block remat."""
+  from moejax.strategy.memory import activation_bytes, activation_terms, attention_score_bytes
+
+  base = dict(tokens=8192, d_model=768, num_layers=12, vocab_size=50304, expert_rows=6 * 20480,
+              act_bytes=2, groups=6, remat=True, heads=12, seq_len=1024)
+  whole = activation_terms(**base)
+  tiled = activation_terms(**base, loss_chunk=256)
+  assert tiled["loss"] == whole["loss"] / 4 * 6 / 8
+  scored = activation_terms(**base, attention_scores=True)
+  score = attention_score_bytes(8192, 12, 1024, 2)
+  assert score == 8192 * 12 * 1024 * 6
+  assert scored["work"] - whole["work"] == 3 * score
+  blocks = activation_terms(**base, attention_scores=True, remat_blocks=True)
+  assert blocks["work"] - whole["work"] == 2 * score
+  assert blocks["kept"] == 6 * 4 * 8192 * 768 * (2 * FP32 + 2)     # 4 RMSNorms a group
+  t = activation_terms(**base, attention_scores=True, loss_chunk=256)
+  assert activation_bytes(**base, attention_scores=True, loss_chunk=256) == (
+      t["kept"] + max(t["work"], t["loss"]))

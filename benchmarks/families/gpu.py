@@ -138,10 +138,12 @@ def _gpu_program(files):
       label = r["family"] + (" (remat off)" if "model.remat = False" in r.get("bindings", [])
                              else "")
       if not r.get("compiled"):
-        rows.append([label, f"`{r['spec']}`", gpus, "not compiled", "", "", "", f"`{name}`"])
+        rows.append([label, f"`{r['spec']}`", gpus, "not compiled", "", "", "", "", f"`{name}`"])
         continue
+      err = r.get("memory_model_error")
       rows.append([label, f"`{r['spec']}`", gpus,
                    f"{r['peak_bytes'] / 2**30:.2f} ({r['model_memory_bytes'] / 2**30:.2f})",
+                   "" if err is None else f"{err:+.1%}",
                    f"{r['overlapped_bytes_fraction']:.3f}", f"{r['exposed_comm_s'] * 1e3:.1f}",
                    f"{r['step_s'] * 1e3:.1f} ({r['model_step_s'] * 1e3:.1f})", f"`{name}`"])
   head = []
@@ -154,14 +156,43 @@ def _gpu_program(files):
                    "; ".join(f"{_gpus(r)} GPUs: {r['overlapped_bytes_fraction']:.2f}, "
                              f"{r['exposed_comm_s'] * 1e3:.1f} ms, {r['step_s'] * 1e3:.0f} ms"
                              for r in fsep), name))
+    errors = [r["memory_model_error"] for r in d["rows"] if "memory_model_error" in r]
+    if errors:
+      head.append(("memory model vs XLA:GPU's peak per GPU, compiled strategies: within 10%, "
+                   "largest error",
+                   f"{sum(abs(e) <= 0.10 for e in errors)} of {len(errors)}, "
+                   f"{max(errors, key=abs):+.1%}", name))
+    head += _mixtral_head(name, d)
   return Section(["XLA:GPU's program of the GPU config's strategy families (and Mixtral-8x7B at "
                   "its plan's strategy), compiled on a CPU host: XLA's peak memory per GPU "
                   "beside the memory model's, the share of collective bytes overlapped with "
                   "compute, and the schedule estimate of the exposed communication and the "
                   "step beside the cost model's (docs/guide/gpu-program.md).", "",
-                  *table(["family", "spec", "GPUs", "XLA peak GiB (model)", "overlapped",
+                  *table(["family", "spec", "GPUs", "XLA peak GiB (model)", "model err",
+                          "overlapped",
                           "exposed comm ms", "step ms, schedule (cost model)", "file"], rows)],
                  head)
+
+
+def _mixtral_head(name: str, d: dict) -> list:
+  """Mixtral-8x7B's schedule estimate beside Megatron-Core's published step, with the parts
+  of the model that take the most of the estimate's compute."""
+  found = [r for r in d["rows"] if r["family"] == "mixtral_8x7b_plan" and r.get("compiled")
+           and r.get("published")]
+  if not found:
+    return []
+  r = found[0]
+  parts = sorted(r.get("compute_s_by", {}).items(), key=lambda kv: -kv[1])[:2]
+  what = ", ".join(f"{k} {v:.2f} s" + (" (XLA's unfused attention; compile-only devices "
+                                        "build no cuDNN kernel)" if k == "attention core" and
+                                        r.get("attention") == "xla" else "")
+                   for k, v in parts)
+  published = r["published"]["step_s"]
+  return [(f"Mixtral-8x7B on {_gpus(r)} compile-only H100s at its plan's strategy "
+           f"(`{r['spec']}`): estimated step vs Megatron-Core's published {published:.2f} s",
+           f"{r['step_s']:.2f} s, {r['step_s'] / published:.2f}x; compute "
+           f"{r['compute_s']:.2f} s: {what}; exposed communication "
+           f"{r['exposed_comm_s']:.2f} s", name)]
 
 
 def _gpus(row) -> int:

@@ -65,6 +65,25 @@ class Estimate:
   # per collective label (`label`): its time, and the part the compute stream waited for
   comm_by: dict[str, float] = dataclasses.field(default_factory=dict)
   exposed_by: dict[str, float] = dataclasses.field(default_factory=dict)
+  compute_by: dict[str, float] = dataclasses.field(default_factory=dict)   # per `scope`
+
+
+def scope(line: str) -> str:
+  """Which part of the model a kernel computes, by its op name: 'attention core' (scores,
+  softmax and weighted values: jax.nn.dot_product_attention's vmapped ops, or the fused
+  kernel), 'attention projections', 'moe' (the MoE layer, fsep's restores included), 'dense
+  mlp', else 'other' (embedding, loss, optimizer, glue)."""
+  found = re.search(r'op_name="([^"]*)"', line)
+  op = found.group(1) if found else ""
+  if re.search(r"/attn[^/]*/(vmap\(|dot_product_attention|cudnn)", op):
+    return "attention core"
+  if "/attn" in op:
+    return "attention projections"
+  if "/moe" in op or "MoELayer" in op or "fsep" in op:
+    return "moe"
+  if "/mlp" in op or "/shared" in op:
+    return "dense mlp"
+  return "other"
 
 
 def label(kind: str, line: str) -> str:
@@ -206,10 +225,10 @@ class _Walk:
 
   def run(self, comp: str) -> tuple:
     """(time, exposed communication, compute, communication, {label: communication},
-    {label: exposed}) of one run of `comp`."""
+    {label: exposed}, {scope: compute}) of one run of `comp`."""
     if comp in self._memo:
       return self._memo[comp]
-    comm_by, exposed_by = {}, {}
+    comm_by, exposed_by, compute_by = {}, {}, {}
     shapes = self.module.by_name(comp)
     t = exposed = compute = comm = 0.0
     comm_free, pending = 0.0, {}
@@ -244,16 +263,18 @@ class _Walk:
         trip = re.search(r'known_trip_count":\{"n":"(\d+)"', ins.line)
         body = ins.attr("body")
         n = int(trip.group(1)) if trip else 1
-        bt, be, bc, bm, b_comm, b_exposed = self.run(body)
-        for table, child in ((comm_by, b_comm), (exposed_by, b_exposed)):
+        bt, be, bc, bm, b_comm, b_exposed, b_compute = self.run(body)
+        for table, child in ((comm_by, b_comm), (exposed_by, b_exposed),
+                             (compute_by, b_compute)):
           for key, value in child.items():
             self._add(table, key, value, n)
         t, exposed, compute, comm = t + n * bt, exposed + n * be, compute + n * bc, comm + n * bm
       elif ins.opcode in ("call", "conditional"):
         parts = [self.run(c) for c in ins.callees if c in self.module.computations]
         if parts:
-          ct, ce, cc, cm, c_comm, c_exposed = max(parts, key=lambda part: part[0])
-          for table, child in ((comm_by, c_comm), (exposed_by, c_exposed)):
+          ct, ce, cc, cm, c_comm, c_exposed, c_compute = max(parts, key=lambda part: part[0])
+          for table, child in ((comm_by, c_comm), (exposed_by, c_exposed),
+                               (compute_by, c_compute)):
             for key, value in child.items():
               self._add(table, key, value)
           t, exposed, compute, comm = t + ct, exposed + ce, compute + cc, comm + cm
@@ -261,7 +282,8 @@ class _Walk:
         cost = self.kernel_s(ins, shapes)
         t += cost
         compute += cost
-    self._memo[comp] = (t, exposed, compute, comm, comm_by, exposed_by)
+        self._add(compute_by, scope(ins.line), cost)
+    self._memo[comp] = (t, exposed, compute, comm, comm_by, exposed_by, compute_by)
     return self._memo[comp]
 
 
@@ -271,5 +293,6 @@ def estimate(hlo: str | Module, gpu: str | Gpu = "h100", topology: str = "1x1x8"
   module = parse(hlo) if isinstance(hlo, str) else hlo
   name = gpu.name if isinstance(gpu, Gpu) else gpu
   rates = rates or Rates.for_gpu(name, topology)
-  t, exposed, compute, comm, comm_by, exposed_by = _Walk(module, rates).run(module.entry)
-  return Estimate(t, exposed, compute, comm, comm_by, exposed_by)
+  t, exposed, compute, comm, comm_by, exposed_by, compute_by = _Walk(module, rates).run(
+      module.entry)
+  return Estimate(t, exposed, compute, comm, comm_by, exposed_by, compute_by)

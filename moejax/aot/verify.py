@@ -34,7 +34,7 @@ def verify(cfg: Config, rows: list, k: int, regime: str, max_drop: float, profil
   ok = sorted((r for r in rows if r.rejected is None), key=lambda r: r.score(regime, max_drop))
   out(f"verify: top {min(k, len(ok))} compiled by XLA:GPU for {topology} {gpu} "
       f"(the {regime} regime's prediction)")
-  out(f"{'strategy':<28}{'model GiB':>10}{'XLA GiB':>9}{'err':>7}{'model ms':>10}"
+  out(f"{'strategy':<28}{'model GiB':>10}{'XLA GiB':>9}{'mem err':>8}{'model ms':>10}"
       f"{'sched ms':>10}{'err':>7}{'compile s':>11}  fits")
   found = []
   for r in ok[:k]:
@@ -47,13 +47,13 @@ def verify(cfg: Config, rows: list, k: int, regime: str, max_drop: float, profil
     mem_err = cost.memory_bytes / s["peak_bytes"] - 1
     step_err = cost.total_s / s["step_s"] - 1
     out(f"{r.strategy.spec:<28}{cost.memory_bytes / 2**30:10.2f}{s['peak_bytes'] / 2**30:9.2f}"
-        f"{mem_err:7.0%}{cost.total_s * 1e3:10.1f}{s['step_s'] * 1e3:10.1f}{step_err:7.0%}"
+        f"{mem_err:+8.1%}{cost.total_s * 1e3:10.1f}{s['step_s'] * 1e3:10.1f}{step_err:7.0%}"
         f"{s['compile_s']:11.0f}  {'yes' if s['fits'] else 'NO: does not fit'}")
     found.append({"strategy": r.strategy.spec, "model_memory_bytes": cost.memory_bytes,
-                  "model_step_s": cost.total_s, "memory_error": mem_err,
+                  "model_step_s": cost.total_s, "memory_model_error": mem_err,
                   "step_error": step_err, **s})
   if found:
     mean = lambda key: sum(abs(f[key]) for f in found) / len(found)
-    out(f"mean |error|: memory model {mean('memory_error'):.0%}, cost model vs schedule "
+    out(f"mean |error|: memory model {mean('memory_model_error'):.1%}, cost model vs schedule "
         f"{mean('step_error'):.0%}")
   return found

@@ -23,6 +23,7 @@ from moejax.strategy.memory import (
   activation_bytes,
   expert_bytes,
   expert_params,
+  ragged_buffer_rows,
   step_bytes,
 )
 
@@ -134,6 +135,9 @@ class Workload:
   first_dense: int = 0           # dense first layers (moe.first_dense)
   shared_d_ff: int = 0           # all shared experts' width together, per MoE layer
   remat: bool = False            # model.remat: each layer group's forward runs again
+  loss_chunk: int = 0            # model.loss_chunk: positions of logits per loss tile (0: all)
+  attention_scores: bool = True  # XLA's attention materialises [B, H, Q, Q] (cuDNN's: none)
+  ragged_buffer_factor: float = 2.0   # moe.ragged_buffer_factor: the ragged receive buffer
 
   @property
   def moe_layers(self) -> int:
@@ -321,13 +325,19 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
   pipe_s = stages.transfer_seconds(p, mb, v, tokens, d, w.act_bytes, call(2),
                                    profile.p2p_bytes_per_s or profile.a2a_bytes_per_s) * scale
 
+  buffer_rows = stage_rows      # what the expert matmuls hold: ragged's fixed buffer
+  if strategy.dispatch == "ragged":
+    buffer_rows = ragged_buffer_rows(tokens / mb, w.top_k, n, w.ragged_buffer_factor) * (
+        mb * moe_layers)
   experts = expert_bytes(strategy.expert_mode, w.moe_layers // p, e, d, f, n, m, c,
                          w.act_bytes, fs, stages=p)
   memory_bytes = step_bytes(
       dense_dev / fs, experts,
-      activation_bytes(tokens, d, layers, w.vocab_size, stage_rows, w.act_bytes, m,
+      activation_bytes(tokens, d, layers, w.vocab_size, buffer_rows, w.act_bytes, m,
                        groups=round(moe_layers), remat=w.remat, microbatches=mb,
-                       stretch=stretch))
+                       stretch=stretch, heads=w.num_heads, seq_len=w.seq_len,
+                       attention_scores=w.attention_scores, loss_chunk=w.loss_chunk,
+                       remat_blocks=strategy.expert_mode == "fsep"))
   cs, ms = profile.compute_scale, profile.comm_scale
   return StepCost(compute_s * cs, expert_s * cs, memory_s * cs, a2a_s * ms, restore_s * ms,
                   reduce_s * ms, tp_s * profile.tp_scale, profile.overhead_s,

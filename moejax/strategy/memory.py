@@ -15,11 +15,16 @@ the peak the strategy cost model reports and the offline stage checks against th
 Under P pipeline stages a device holds 1/P of the layer groups (their parameters, moments and
 activations; embedding, head and dense first layers are on every stage); under FSDP every
 parameter, gradient and moment is further split over the data axis (`param_shards`).
+The activations at the peak (`activation_terms`) are what XLA:GPU's buffer assignment holds
+there: inside one layer group's backward pass, or the loss's backward when that is larger
+(decision 0099; `moejax.aot.buffers` reads them from a compiled program).
 The trainer writes `report` into the run dir; `python -m moejax.replay ... --d_model D --d_ff F
 --layers L` prints it beside the planner results.
 """
 
 from __future__ import annotations
+
+import math
 
 from moejax.config import default_fsep_slots
 
@@ -65,29 +70,89 @@ def expert_bytes(mode: str, layers: int, experts: int, d_model: int, d_ff: int, 
           "transient": params * FP32 + 2 * restored * compute_bytes}
 
 
-def activation_bytes(tokens: float, d_model: int, num_layers: int, vocab_size: int,
+def ragged_buffer_rows(tokens: float, top_k: int, devices: int, factor: float) -> float:
+  """Ragged dispatch's receive buffer per device and MoE layer, in rows: its size is fixed at
+  `factor` x T*K (0: N*T*K), whatever the load (moejax.model.moe.ragged.buffer_rows)."""
+  choices = tokens * top_k
+  if factor <= 0:
+    return devices * choices
+  return max(1, min(devices * choices, math.ceil(factor * choices)))
+
+
+def attention_score_bytes(tokens: float, heads: int, seq_len: int, act_bytes: int,
+                          model_shards: int = 1) -> float:
+  """One attention layer's [B, H, Q, Q] scores on a device, when they are materialised (XLA's
+  attention; cuDNN's fused kernel keeps none): the fp32 scores and the softmax in the compute
+  dtype, the two residuals its backward reads (`jax.nn.dot_product_attention`'s XLA path).
+  The backward of a layer holds as many again, their gradients. B*Q = `tokens`; the heads are
+  split over `model`."""
+  return tokens * heads * seq_len / model_shards * (FP32 + act_bytes)
+
+
+def loss_bytes(tokens: float, seq_len: int, vocab_size: int, act_bytes: int,
+               model_shards: int = 1, loss_chunk: int = 0) -> float:
+  """The loss's working set: the whole fp32 logits and their gradient (`loss_chunk` 0), or one
+  tile of `loss_chunk` positions of every sequence (moejax.train.loss.tiled_cross_entropy's
+  backward: the tile's recomputed fp32 logits and their gradient in the compute dtype, the
+  softmax minus the one-hot fused into that cast)."""
+  if not loss_chunk or not seq_len:
+    return 2 * tokens * vocab_size / model_shards * FP32
+  tile = tokens / seq_len * min(loss_chunk, seq_len)
+  return tile * vocab_size / model_shards * (FP32 + act_bytes)
+
+
+def activation_terms(tokens: float, d_model: int, num_layers: int, vocab_size: int,
                      expert_rows: float, act_bytes: int, model_shards: int = 1, *,
                      groups: int = 0, remat: bool = False, microbatches: int = 1,
-                     stretch: float = 1.0) -> float:
-  """Activations kept for the backward pass: per token and layer, plus the expert rows (summed
-  over MoE layers) and the fp32 logits with their gradient. `num_layers`, `groups` (scanned
-  layer groups) and `expert_rows` are this device's (a pipeline stage's). A pipelined step is
-  one scan over ticks whose autodiff keeps every tick's residuals, idle ticks' too: `stretch`
-  = ticks / (V*M) times the busy ticks'. Under `model.remat` a group keeps only its input,
-  and one group of one microbatch is recomputed at a time. With M > 1 the step also holds
-  the embedded batch and the finished outputs (two [T, D] buffers)."""
+                     stretch: float = 1.0, heads: int = 0, seq_len: int = 0,
+                     attention_scores: bool = False, loss_chunk: int = 0,
+                     remat_blocks: bool = False) -> dict:
+  """The activation memory of a step, in named parts: `kept` (saved by the forward pass for
+  the backward, live through the whole backward pass), `work` (one layer group's backward:
+  what its recomputed forward saves, and its gradients) and `loss` (the loss's backward).
+  The last two are live at different times; the peak holds the larger one (`activation_bytes`).
+
+  Per token and layer the residuals are ~20 values of width D, plus 6 per expert row (summed
+  over MoE layers; ragged dispatch: its fixed receive buffer's rows, `ragged_buffer_rows`).
+  `num_layers`, `groups` (scanned layer groups) and `expert_rows` are this device's (a
+  pipeline stage's). A pipelined step is one scan over ticks whose autodiff keeps every
+  tick's residuals, idle ticks' too: `stretch` = ticks / (V*M) times the busy ticks'.
+  Under `model.remat` a group keeps only its input, and one group of one microbatch is
+  recomputed at a time; `remat_blocks` (fsep) checkpoints the attention and MLP blocks one by
+  one instead of the group (moejax.model.transformer.LayerGroup), so every layer keeps its two
+  RMSNorms' residuals (the fp32 input and normalised value and the compute-dtype output) and
+  only the block being differentiated holds its recomputed attention scores. With
+  `attention_scores` (XLA's attention) every attention layer whose forward is live holds
+  `attention_score_bytes`. With M > 1 the step also holds the embedded batch and the finished
+  outputs (two [T, D] buffers)."""
+  scores = attention_score_bytes(tokens, heads, seq_len, act_bytes, model_shards) if (
+      attention_scores and heads and seq_len) else 0.0
   rows_per_layer = expert_rows / max(groups, 1)
   if remat and groups:
-    kept = tokens * d_model * groups * stretch     # group inputs: not split over `model`
     layers_per_group = num_layers / groups
-    work = (20 * tokens * d_model * layers_per_group + 6 * rows_per_layer * d_model) / (
-        microbatches * model_shards)
-    layers_b = (kept + work) * act_bytes
+    if remat_blocks:
+      kept = groups * 2 * layers_per_group * tokens * d_model * (2 * FP32 + act_bytes) * stretch
+      live_scores = 1
+    else:
+      kept = tokens * d_model * groups * stretch * act_bytes  # group inputs: not split over `model`
+      live_scores = layers_per_group
+    work = ((20 * tokens * d_model * layers_per_group + 6 * rows_per_layer * d_model) *
+            act_bytes / model_shards + (live_scores + 1) * scores) / microbatches
   else:
-    layers_b = ((20 * tokens * d_model * num_layers + 6 * expert_rows * d_model) * stretch *
-                act_bytes / model_shards)
-  buffers = 2 * tokens * d_model * act_bytes if microbatches > 1 else 0.0
-  return layers_b + buffers + 2 * tokens * vocab_size / model_shards * FP32
+    kept = ((20 * tokens * d_model * num_layers + 6 * expert_rows * d_model) * act_bytes /
+            model_shards + num_layers * scores) * stretch
+    work = scores / microbatches
+  if microbatches > 1:
+    kept += 2 * tokens * d_model * act_bytes
+  return {"kept": kept, "work": work,
+          "loss": loss_bytes(tokens, seq_len, vocab_size, act_bytes, model_shards, loss_chunk)}
+
+
+def activation_bytes(*args, **kwargs) -> float:
+  """The activations at the step's peak: what the forward keeps, and the larger of one
+  group's backward and the loss's backward (`activation_terms`, same arguments)."""
+  t = activation_terms(*args, **kwargs)
+  return t["kept"] + max(t["work"], t["loss"])
 
 
 def step_bytes(dense_params: float, experts: dict, activations: float) -> float:
