@@ -9,24 +9,25 @@ import re
 from moejax.aot.read import group_size
 
 # Computations an instruction runs: fusions, reductions, loop bodies and conditions.
-CALLS = r"(?:calls|to_apply|body|condition)=%([\w.\-]+)"
+CALLS = r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)"
 
 
 def callees(line: str) -> list[str]:
   """The computations an instruction runs, conditional branches included."""
   names = re.findall(CALLS, line)
   for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
-    names += re.findall(r"%([\w.\-]+)", group)
+    names += re.findall(r"%?([\w.\-]+)", group)
   return names
 
 
 def computations(hlo: str) -> dict[str, dict[str, str]]:
-  """{computation name: {instruction name: its line}} of an HLO module's text."""
+  """{computation name: {instruction name: its line}} of an HLO module's text: optimised, or
+  as lowered (`as_text(dialect="hlo", debug_info=True)`: names without %, no signatures)."""
   comps, current = {}, None
   for line in hlo.splitlines():
     if line.endswith("{") and not line.startswith(" "):
-      current = comps.setdefault(re.search(r"%?([\w.\-]+) \(", line).group(1), {})
-    elif current is not None and (m := re.match(r"\s+(?:ROOT )?%([\w.\-]+) = ", line)):
+      current = comps.setdefault(re.search(r"%?([\w.\-]+) [({]", line).group(1), {})
+    elif current is not None and (m := re.match(r"\s+(?:ROOT )?%?([\w.\-]+) = ", line)):
       current[m.group(1)] = line
   return comps
 
@@ -50,7 +51,9 @@ def operands(line: str) -> list[str]:
   for end, c in enumerate(args):
     depth += {"(": 1, ")": -1}.get(c, 0)
     if depth == 0:
-      return re.findall(r"%([\w.\-]+)", args[:end])
+      if "%" in args[:end]:
+        return re.findall(r"%([\w.\-]+)", args[:end])
+      return [a.strip() for a in args[:end].split(",") if a.strip()]    # as lowered
   raise ValueError(f"unbalanced operands: {line}")
 
 

@@ -81,9 +81,10 @@ def _adaptive_slots(cap):
 
 def _dense_einsum(x_TxD, slot_TK, gate_TxK, weights, ops, num_dev, slots, cap, dtype):
   index = dispatch_lib.buffer_index(slot_TK, gate_TxK.shape[1], num_dev * slots, cap)
-  recv = dispatch_lib.exchange(dispatch_lib.pack(x_TxD, index), num_dev, "expert")
+  recv = yield dispatch_lib.exchange(dispatch_lib.pack(x_TxD, index), num_dev, "expert")
   h = swiglu(dispatch_lib.to_slot_major(recv, num_dev, slots), *weights, dtype)
-  back = dispatch_lib.exchange(dispatch_lib.from_slot_major(h, num_dev), num_dev, "expert")
+  out = yield dispatch_lib.from_slot_major(h, num_dev)
+  back = yield dispatch_lib.exchange(out, num_dev, "expert")
   return (combine_lib.combine(back, index, gate_TxK), index.dropped, index.slot_counts_S,
           jnp.minimum(index.slot_counts_S, cap))
 
@@ -93,17 +94,19 @@ def _dense_grouped(x_TxD, slot_TK, gate_TxK, weights, ops, num_dev, slots, cap, 
   row_TxK = index.buf_index_TK.reshape(gate_TxK.shape)
   recv = dispatch_lib.exchange(ops.permute(x_TxD, index.buf_token_rows, row_TxK), num_dev,
                                "expert")
+  recv = yield recv
   # Rows each source kept for each of my slots: [sources, C].
   kept_S = jnp.minimum(index.slot_counts_S, cap)
   kept_NxC = jax.lax.all_to_all(kept_S.reshape(num_dev, slots), "expert", 0, 0)
   g = grouping.group_received(grouping.dense_starts(num_dev, slots, cap), kept_NxC,
                               recv.shape[0])
-  back = dispatch_lib.exchange(grouped_ffn(recv, g, weights, ops, dtype), num_dev, "expert")
+  out = yield grouped_ffn(recv, g, weights, ops, dtype)
+  back = yield dispatch_lib.exchange(out, num_dev, "expert")
   return ops.combine(back, row_TxK, gate_TxK), index.dropped, index.slot_counts_S, kept_S
 
 
 def _ragged(x_TxD, slot_TK, gate_TxK, weights, ops, num_dev, slots, rows, dtype):
-  y_TxD, slot_counts_S, dropped, kept_S = ragged.ragged_moe(
+  y_TxD, slot_counts_S, dropped, kept_S = yield from ragged.ragged_stages(
       x_TxD, slot_TK, gate_TxK, weights, ops, num_dev, slots, dtype, rows)
   return y_TxD, dropped, slot_counts_S, kept_S
 
@@ -133,10 +136,10 @@ def dispatch_combine_fn(cfg: MoEConfig):
   exchange overlapping another's compute (moejax.model.moe.chunks). F shards' partial sums are
   added over 'model' once, on the combined output.
   """
-  pipeline = _one_pipeline(cfg)
+  stages = _one_pipeline(cfg)
   if cfg.exchange_chunks == 1:
-    return pipeline
-  return chunks.chunked(pipeline, cfg.exchange_chunks)
+    return lambda *args: chunks.whole(stages(*args))
+  return chunks.chunked(stages, cfg.exchange_chunks)
 
 
 def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,

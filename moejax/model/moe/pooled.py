@@ -73,12 +73,13 @@ def _tiled_ffn(recv_rowsxD, starts_NxC, kept_NxC, weights, ops, dtype):
 
 def pooled_dispatch_combine(x_TxD, slot_TK, gate_TxK, weights, ops, num_dev, slots, cap_dev,
                             dtype):
-  """Pooled dispatch -> grouped experts -> combine on one device; returns
-  (y_TxD, dropped, slot_counts_S, kept_S)."""
+  """Pooled dispatch -> grouped experts -> combine on one device, as stages
+  (moejax.model.moe.chunks.whole) of (y_TxD, dropped, slot_counts_S, kept_S)."""
   p = pooled_index(slot_TK, gate_TxK.shape[1], num_dev, slots, cap_dev)
   row_TxK = p.index.buf_index_TK.reshape(gate_TxK.shape)
   recv = dispatch_lib.exchange(ops.permute(x_TxD, p.index.buf_token_rows, row_TxK), num_dev,
                                "expert")
+  recv = yield recv
   # Rows each source kept for each of my slots: [sources, C].
   kept_NxC = jax.lax.all_to_all(p.kept_S.reshape(num_dev, slots), "expert", 0, 0)
   starts_NxC = pooled_starts(kept_NxC, cap_dev)
@@ -87,5 +88,6 @@ def pooled_dispatch_combine(x_TxD, slot_TK, gate_TxK, weights, ops, num_dev, slo
   else:
     out = grouped_ffn(recv, grouping.group_received(starts_NxC, kept_NxC, recv.shape[0]),
                       weights, ops, dtype)
-  back = dispatch_lib.exchange(out, num_dev, "expert")
+  out = yield out
+  back = yield dispatch_lib.exchange(out, num_dev, "expert")
   return ops.combine(back, row_TxK, gate_TxK), p.index.dropped, p.index.slot_counts_S, p.kept_S

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import ConfigError
-from moejax.model.moe import grouping
+from moejax.model.moe import chunks, grouping
 from moejax.model.moe.experts import grouped_ffn
 from pallas_kernels.backend import match_varying
 
@@ -80,7 +80,15 @@ def kept_rows(counts_NxNxC: jax.Array, rows: int) -> jax.Array:
 
 def ragged_moe(x_TxD, slot_TK, gate_TxK, weights, ops, num_dev: int, slots: int, dtype,
                rows: int):
-  """(y_TxD float32, slot_counts_S, dropped, kept_S) for one device; `weights` = slot-ordered
+  """`ragged_stages` run as one piece."""
+  return chunks.whole(ragged_stages(x_TxD, slot_TK, gate_TxK, weights, ops, num_dev, slots,
+                                    dtype, rows))
+
+
+def ragged_stages(x_TxD, slot_TK, gate_TxK, weights, ops, num_dev: int, slots: int, dtype,
+                  rows: int):
+  """Stages (moejax.model.moe.chunks.whole) of (y_TxD float32, slot_counts_S, dropped, kept_S)
+  for one device; `weights` = slot-ordered
   (w_gate, w_up, w_down) of this device's C slots (F possibly sharded over 'model', so `y`
   holds partial sums); `rows` the receive buffer (`buffer_rows`).
 
@@ -118,15 +126,15 @@ def ragged_moe(x_TxD, slot_TK, gate_TxK, weights, ops, num_dev: int, slots: int,
   recv_sizes = kept_NxN[:, me]                              # what each source sends me
   recv_offsets = exclusive_cumsum(recv_sizes)               # where it lands here
 
-  recv_rowsxD = ragged_all_to_all(
+  recv_rowsxD = yield ragged_all_to_all(
       send_TKxD, _zeros_like_rows(send_TKxD, rows),
       input_offsets, send_sizes, output_offsets, recv_sizes, axis_name="expert")
   kept_NxC = kept_NxNxC[:, me, :]
   g = grouping.group_received(grouping.packed_starts(kept_NxC), kept_NxC, rows)
-  out_rowsxD = grouped_ffn(recv_rowsxD, g, weights, ops, dtype)
+  out_rowsxD = yield grouped_ffn(recv_rowsxD, g, weights, ops, dtype)
   # Reverse: my received chunk from s (at recv_offsets[s]) goes back to where s sent it from;
   # the rows of dropped choices stay zero in the returned buffer, so they add nothing.
-  back_TKxD = ragged_all_to_all(
+  back_TKxD = yield ragged_all_to_all(
       out_rowsxD, _zeros_like_rows(out_rowsxD, num_choices),
       recv_offsets, recv_sizes, exclusive_cumsum(sent_NxN, axis=1)[:, me], send_sizes,
       axis_name="expert")
