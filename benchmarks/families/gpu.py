@@ -93,6 +93,16 @@ def _gpu_compile(files):
                         "most registers", "file"], rows))
 
 
+def _estimate_vs_measured(est: dict) -> str:
+  """The measured step beside the schedule estimate of its own HLO: where they disagree the
+  reader sees the measurement first."""
+  if not (est.get("measured_step_s") and est.get("estimated_step_s")):
+    return ""
+  return (f"; measured step {est['measured_step_s'] * 1e3:.1f} ms, the schedule estimate of "
+          f"its HLO {est['estimated_step_s'] * 1e3:.1f} ms "
+          f"({est['estimated_step_s'] / est['measured_step_s'] - 1:+.0%})")
+
+
 @family("on_gpu", "The prepared GPU run: the GPU config's train step on one GPU")
 def _on_gpu(files):
   lines, head = [], []
@@ -122,7 +132,8 @@ def _on_gpu(files):
       head.append((f"GPU config's train step on one H100 (8 x 1024 tokens), fastest MoE path "
                    f"({best['path']}) vs the dense-equivalent model",
                    f"{num(best['tokens_per_s'], 0)} tokens/s, MFU {pct(best.get('mfu'), 1)}; "
-                   f"{ratio(train['best_vs_dense_equivalent'])} the dense-equivalent's",
+                   f"{ratio(train['best_vs_dense_equivalent'])} the dense-equivalent's"
+                   + _estimate_vs_measured(d["steps"].get("schedule_estimate", {})),
                    name))
   return Section(lines[:-1], head)
 
