@@ -145,6 +145,22 @@ def test_planner_lag_must_be_a_count_of_steps():
       PlannerConfig(policy="smartmoe", lag=bad).validate()
 
 
+def test_a_saved_plan_for_another_layout_shape_is_dropped_with_a_warning():
+  """A checkpoint's pending re-plan resumed under another slot count (e.g. fsep's slots)."""
+  trainer = fake_trainer()
+  written = []
+  trainer.writer = types.SimpleNamespace(write=written.append)
+  other = placement_lib.Placement(np.arange(2 * EXPERTS, dtype=np.int32) % EXPERTS,
+                                  np.full(2 * EXPERTS, 0.5), DEVICES, "split")
+  hook = LayoutReplanning(lag=1)
+  hook.load_state_dict([{"planned_step": 4, "apply_step": 5, "member": 0, "planning_s": 0.0,
+                         "placements": [plan_ahead.placement_to_json(other)] * LAYERS,
+                         "switches": [[0, 2.0, 1.0, 3]]}])
+  assert not hook.before_step(trainer, 5)
+  assert [w["event"] for w in written] == ["checkpoint_warning"]
+  assert "planned before step 4" in written[0]["message"] and not hook.ahead.pending
+
+
 @pytest.mark.slow   # three tiny runs: a minute or more on the 2-core VM
 def test_training_with_a_lag_resumes_to_the_same_layouts_and_losses(tmp_path):
   import dataclasses

@@ -116,6 +116,13 @@ class LayoutReplanning(Hook):
     self.waited_s += time.perf_counter() - tick
     self.plans += 1
     self.planning_s += seconds
+    slots_LxS = trainer.pool.layout.slot_expert_LxS
+    if [len(p.slot_expert) for p in new] != [slots_LxS.shape[1]] * slots_LxS.shape[0]:
+      # A checkpoint's re-plan, resumed under another expert mode or slot count.
+      trainer.writer.write({"step": step, "event": "checkpoint_warning",
+                            "message": f"the re-plan planned before step {plan.planned_step} "
+                                       "was for another layout shape; dropped"})
+      return False
     return self._apply(trainer, step, new, switches, plan.planned_step, seconds)
 
   def _apply(self, trainer, step: int, new, switches, planned_step: int,
