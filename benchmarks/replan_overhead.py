@@ -16,7 +16,10 @@ controllers): it holds that step's re-plan wait and weight migration, its dispat
 of the previous step's metrics. The first `--warmup` steps are left out (the first migration
 compiles the slot permutation). Per run: the median and mean step time, the re-plans and their
 planning time (on whichever thread planned), the loop's wait for the planning thread, the
-migrations (ep moves the moved experts' weights and Adam moments) and their time, and the
+migrations (ep moves the moved experts' weights and Adam moments) and their time, the timed
+steps' share spent migrating and planning on the loop's thread (or waiting for the planning
+thread): the host-side price read from counters, steadier than a ratio of step times on a
+shared machine; and the
 balance line train.py ends with (dropped share of choices over the run's second half against
 the static layout's). Ratios against every1000 are taken within each repeat, then the median
 over repeats is reported. The 8 devices share the host's cores, so the host load (recorded
@@ -61,11 +64,16 @@ def one_run(variant: str, args, work: str) -> dict:
   from moejax.train.trainer import Trainer
 
   class StepClock(Hook):
+    """Before the controllers: the time, and the re-planner's totals so far, at each step."""
     def __init__(self):
       self.ticks: list[float] = []
+      self.totals: list[tuple[float, float, float]] = []
 
     def before_step(self, trainer, step):
       self.ticks.append(time.perf_counter())
+      r = trainer.layouts
+      self.totals.append((r.migration_s, r.planning_s if r.ahead.lag == 0 else r.waited_s,
+                          r.migrations))
       return False
 
   run_dir = tempfile.mkdtemp(prefix=f"{variant}_", dir=work)
@@ -78,6 +86,10 @@ def one_run(variant: str, args, work: str) -> dict:
     out = trainer.run(hooks=[clock])
     layouts = trainer.layouts
   steps_s = [b - a for a, b in zip(clock.ticks, clock.ticks[1:])][args.warmup:]
+  # The timed steps' share spent migrating, and planning on the loop's thread (lag 0) or
+  # waiting for the planning thread (lag >= 1): the host's part of the price, from counters.
+  (m0, p0, n0), (m1, p1, n1) = clock.totals[args.warmup], clock.totals[-1]
+  window_s = clock.ticks[-1] - clock.ticks[args.warmup]
   with open(os.path.join(run_dir, "metrics.jsonl")) as f:
     records = [json.loads(line) for line in f]
   switches = [r for r in records if r.get("event") == "layout_switch"]
@@ -89,6 +101,8 @@ def one_run(variant: str, args, work: str) -> dict:
           "waited_s": layouts.waited_s, "migrations": layouts.migrations,
           "migration_s": layouts.migration_s,
           "migration_ms_each": 1e3 * layouts.migration_s / max(layouts.migrations, 1),
+          "timed_migrations": n1 - n0, "timed_migration_share": (m1 - m0) / window_s,
+          "timed_loop_planning_share": (p1 - p0) / window_s,
           "layer_switches": len(switches), "final_loss": out["last"]["loss"],
           "dropped_fraction": balance.get("dropped_fraction"),
           "static_dropped_fraction": balance.get("static_dropped_fraction"),
@@ -128,7 +142,8 @@ def main(argv=None) -> int:
         print(f"repeat {i} {v:<12} median {row['median_step_s']:.3f} s  mean "
               f"{row['mean_step_s']:.3f} s  plans {row['plans']} "
               f"({row['planning_ms_per_plan']:.2f} ms each, waited {row['waited_s']:.3f} s)  "
-              f"migrations {row['migrations']} ({row['migration_ms_each']:.0f} ms each)  "
+              f"migrations {row['migrations']} ({row['migration_ms_each']:.0f} ms each; "
+              f"{row['timed_migration_share']:.1%} of the timed steps)  "
               f"dropped {row['dropped_fraction']:.2%}  load {row['load_before']['1min']}",
               flush=True)
   result = {"args": vars(args), "variants": {v: VARIANTS[v] for v in args.variants},
