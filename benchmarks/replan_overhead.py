@@ -10,6 +10,8 @@ order:
   every1000        planner.every = 1000: only the cold-start re-plan (step 2)
   every1_lag1      planner.every = 1, planner.lag = 1: planned on a thread while a step trains
   every1_lag0      planner.every = 1, planner.lag = 0: planned on the loop's thread (contrast)
+  every1_lag1_nothread  as every1_lag1, planned on the loop's thread (the same layouts; only
+                   with --variants, against --base every1_lag1: the thread's own price)
 
 A step's time is the wall time from one `before_step` to the next (a hook that runs before the
 controllers): it holds that step's re-plan wait and weight migration, its dispatch and the read
@@ -26,6 +28,8 @@ over repeats is reported. The 8 devices share the host's cores, so the host load
 before and after each run) moves the numbers: read the ratios, not the seconds.
 
   python -m benchmarks.replan_overhead [--steps 40] [--repeats 3]
+  python -m benchmarks.replan_overhead --variants every1_lag1 every1_lag1_nothread \
+      --base every1_lag1_nothread --json benchmarks/results/replan_overhead_cpu_thread.json
 """
 
 from __future__ import annotations
@@ -42,8 +46,11 @@ from benchmarks.common import RESULTS, command, load, write_result
 
 VARIANTS = {"every1000": {"planner.every": 1000},
             "every1_lag1": {"planner.every": 1, "planner.lag": 1},
-            "every1_lag0": {"planner.every": 1, "planner.lag": 0}}
-BASE = "every1000"
+            "every1_lag0": {"planner.every": 1, "planner.lag": 0},
+            # The same layouts as every1_lag1, planned on the loop's thread: the thread's own
+            # price, apart from the lag's other layouts (not a config: the tests' reference).
+            "every1_lag1_nothread": {"planner.every": 1, "planner.lag": 1}}
+NO_THREAD = ("every1_lag1_nothread",)
 DEFAULT_JSON = os.path.join(RESULTS, "replan_overhead_cpu.json")
 
 
@@ -53,7 +60,10 @@ def parse_args(argv):
   ap.add_argument("--steps", type=int, default=40, help="steps per run")
   ap.add_argument("--warmup", type=int, default=6, help="first steps left out of the timing")
   ap.add_argument("--repeats", type=int, default=3, help="runs of every variant")
-  ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+  ap.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v not in NO_THREAD],
+                  choices=list(VARIANTS))
+  ap.add_argument("--base", default="every1000", choices=list(VARIANTS),
+                  help="the variant the ratios are taken against")
   ap.add_argument("--json", default=DEFAULT_JSON)
   return ap.parse_args(argv)
 
@@ -83,6 +93,7 @@ def one_run(variant: str, args, work: str) -> dict:
   cfg = parse_config([DEFAULT_GIN], bindings)
   clock, before = StepClock(), load()
   with Trainer(cfg) as trainer:
+    trainer.layouts.ahead.threaded = variant not in NO_THREAD
     out = trainer.run(hooks=[clock])
     layouts = trainer.layouts
   steps_s = [b - a for a, b in zip(clock.ticks, clock.ticks[1:])][args.warmup:]
@@ -109,16 +120,16 @@ def one_run(variant: str, args, work: str) -> dict:
           "load_before": before, "load_after": load()}
 
 
-def ratios(rows: list[dict], variants: list[str], repeats: int) -> dict:
+def ratios(rows: list[dict], variants: list[str], repeats: int, base: str) -> dict:
   """{variant: {median_step, mean_step: {median, per_repeat}}} over the base variant."""
   out = {}
   for v in variants:
-    if v == BASE:
+    if v == base:
       continue
     out[v] = {}
     for key in ("median_step_s", "mean_step_s"):
       per = [next(r for r in rows if r["variant"] == v and r["repeat"] == i)[key] /
-             next(r for r in rows if r["variant"] == BASE and r["repeat"] == i)[key]
+             next(r for r in rows if r["variant"] == base and r["repeat"] == i)[key]
              for i in range(repeats)]
       out[v][key.removesuffix("_s")] = {"median": statistics.median(per), "per_repeat": per}
   return out
@@ -126,8 +137,9 @@ def ratios(rows: list[dict], variants: list[str], repeats: int) -> dict:
 
 def main(argv=None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
-  if BASE not in args.variants:
-    raise SystemExit(f"--variants must include {BASE}: the ratios are taken against it")
+  if args.base not in args.variants:
+    raise SystemExit(f"--variants must include --base {args.base}: the ratios are taken "
+                     "against it")
   import jax   # the package's __init__ has set 8 fake devices
   rows = []
   with tempfile.TemporaryDirectory(prefix="replan_overhead_") as work:
@@ -147,10 +159,10 @@ def main(argv=None) -> int:
               f"dropped {row['dropped_fraction']:.2%}  load {row['load_before']['1min']}",
               flush=True)
   result = {"args": vars(args), "variants": {v: VARIANTS[v] for v in args.variants},
-            "rows": rows, "ratios": ratios(rows, args.variants, args.repeats),
+            "rows": rows, "ratios": ratios(rows, args.variants, args.repeats, args.base),
             "command": command("replan_overhead")}
   for v, r in result["ratios"].items():
-    print(f"{v} over {BASE}: median step {r['median_step']['median']:.3f}x, mean step "
+    print(f"{v} over {args.base}: median step {r['median_step']['median']:.3f}x, mean step "
           f"{r['mean_step']['median']:.3f}x (per repeat: "
           f"{', '.join(f'{x:.3f}' for x in r['mean_step']['per_repeat'])})")
   write_result(result, args.json)
