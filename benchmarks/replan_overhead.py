@@ -82,7 +82,8 @@ def one_run(variant: str, args, work: str) -> dict:
     def before_step(self, trainer, step):
       self.ticks.append(time.perf_counter())
       r = trainer.layouts
-      self.totals.append((r.migration_s, r.planning_s if r.ahead.lag == 0 else r.waited_s,
+      on_loop = r.ahead.lag == 0 or not r.ahead.threaded
+      self.totals.append((r.migration_s, r.planning_s if on_loop else r.waited_s,
                           r.migrations))
       return False
 
