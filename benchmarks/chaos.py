@@ -29,7 +29,7 @@ import numpy as np
 
 from benchmarks.common import RESULTS, command, write_result
 
-TIMINGS = ("tokens_per_s", "migration_s", "seconds")   # differ between any two runs
+TIMINGS = ("tokens_per_s", "planning_s", "migration_s", "seconds")   # differ between any two runs
 CHAOS_EVENTS = ("run_dir_warning", "checkpoint_warning", "preempted")   # only a killed run has
 
 

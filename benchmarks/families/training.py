@@ -1,7 +1,9 @@
 """Result families of the trainer on CPU devices: the layer, capacity, the cost model,
-routers, the strategy pool, faults."""
+routers, the strategy pool, faults, re-planning's price."""
 
 from __future__ import annotations
+
+import statistics
 
 from benchmarks.families import Section, family, num, pct, ratio, table
 
@@ -193,3 +195,44 @@ def _convert_memory(files):
   return Section(table(["parameters", "fp32 params MiB", "largest param MiB",
                         "from_hf peak MiB", "to_hf peak MiB", "arithmetic peak MiB", "file"],
                        rows))
+
+
+@family("replan_overhead", "Re-planning every step: the default job's step time")
+def _replan_overhead(files):
+  lines, head = [], []
+  for name, d in files.items():
+    rows, a = [], d["args"]
+    base = a.get("base", "every1000")
+    for v, knobs in d["variants"].items():
+      runs = [r for r in d["rows"] if r["variant"] == v]
+      med = lambda key: statistics.median(r[key] for r in runs)
+      q = d["ratios"].get(v)
+      fmt = lambda k: (f"{q[k]['median']:.3f}x ({', '.join(f'{x:.3f}' for x in q[k]['per_repeat'])})"
+                       if q else "1")
+      where = ", planned on the loop's thread" if v.endswith("_nothread") else ""
+      rows.append([v, ", ".join(f"`{k} = {x}`" for k, x in knobs.items()) + where,
+                   num(med("median_step_s")), num(med("mean_step_s")), fmt("mean_step"),
+                   fmt("median_step"), num(med("plans"), 0), num(med("planning_ms_per_plan"), 2),
+                   num(med("waited_s")), num(med("migrations"), 0),
+                   num(med("migration_ms_each"), 0), pct(med("timed_migration_share"), 1),
+                   pct(med("timed_loop_planning_share"), 1), pct(med("dropped_fraction")),
+                   pct(med("static_dropped_fraction"))])
+    loads = [r["load_before"]["1min"] for r in d["rows"]]
+    lines += [f"`{name}`: the default job, {a['steps']} steps a run, the first {a['warmup']} "
+              f"not timed, {a['repeats']} repeats interleaved; host load (1 min) "
+              f"{min(loads)}-{max(loads)}. Medians over repeats; ratios over {base} within "
+              "each repeat (per repeat in brackets). Migrating, planning on the loop: the timed "
+              "steps' share spent migrating, and planning on the loop's thread or waiting for "
+              "the planning thread. Dropped: the run's second half, against the static "
+              "layout's on the same batches.", "",
+              *table(["variant", "knobs", "median step s", "mean step s", f"mean over {base}",
+                      f"median over {base}", "re-plans", "planning ms each", "waited s",
+                      "migrations", "migration ms each", "migrating", "planning on the loop",
+                      "dropped", "static dropped"], rows),
+              ""]
+    if base == "every1000" and "every1_lag1" in d["ratios"]:
+      r = d["ratios"]["every1_lag1"]
+      head.append(("Default job, step time with `planner.every = 1` (planned on a thread, "
+                   "`planner.lag = 1`) over `every = 1000`: mean; median",
+                   f"{r['mean_step']['median']:.2f}x; {r['median_step']['median']:.2f}x", name))
+  return Section(lines[:-1], head)

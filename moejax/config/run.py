@@ -72,6 +72,9 @@ class PlannerConfig:
   # then decide on the step just finished (1 step late, not 2), but the host's work between
   # steps (reading, planning, the next batch) no longer overlaps the device's.
   fresh: bool = False
+  # Apply a re-plan `lag` steps after it was due: it is planned on a thread while those steps
+  # train (0: at once, on the loop's thread). The layouts depend on `lag`, not on timing.
+  lag: int = 0
   fsep_plan_for: str = "spread"   # fsep: plan for the window's spread, or "mean" (its mean load)
   fsep_locality: bool = True      # fsep: each device's own tokens to its own replica first
   # Consider a re-plan after every finished step and switch a layer when its predicted compute
@@ -93,6 +96,9 @@ class PlannerConfig:
     if not isinstance(self.adaptive, bool):
       raise ConfigError(f"planner.adaptive={self.adaptive!r} must be True or False; True "
                         "prices every step's re-plan against its migration.")
+    if isinstance(self.lag, bool) or not isinstance(self.lag, int) or self.lag < 0:
+      raise ConfigError(f"planner.lag={self.lag!r} must be an integer >= 0 (0 applies a re-plan "
+                        "at once; 1 plans it while the next step trains).")
     if self.fsep_plan_for not in ("spread", "mean") or not isinstance(self.fsep_locality, bool):
       raise ConfigError(f"planner.fsep_plan_for={self.fsep_plan_for!r}, planner.fsep_locality="
                         f"{self.fsep_locality!r}: use 'spread' or 'mean', and True or False.")

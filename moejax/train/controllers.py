@@ -30,6 +30,7 @@ from moejax.layout.tables import from_placements, from_slot_expert, to_placement
 from moejax.strategy.cost import load_dispersion, load_profile
 from moejax.strategy.offline import workload_of
 from moejax.strategy.switcher import StrategySwitcher, expert_shares
+from moejax.train.plan_ahead import PlanAhead
 
 __all__ = ["Hook", "LayoutReplanning", "StrategySwitching"]
 
@@ -54,25 +55,85 @@ class Hook:
 
 class LayoutReplanning(Hook):
   """dyn.X: each member's re-planner observes the steps that member ran; before a step is
-  dispatched, the active member's layout is re-planned when its planner is due."""
+  dispatched, the active member's layout is re-planned when its planner is due. With
+  `lag` > 0 the re-plan runs on a planning thread while the next `lag` steps train and its
+  layout is applied before step + lag (`moejax.train.plan_ahead`); `threaded=False` plans on
+  the loop's thread instead (the same layouts: the reference the tests compare with).
+
+  Totals for benchmarks: `plans` re-plans made, `planning_s` their planning time (on the
+  thread where it ran), `waited_s` the loop's time waiting for a planning thread, `migrations`
+  layout changes applied and `migration_s` their time."""
+
+  def __init__(self, lag: int = 0, threaded: bool = True):
+    self.ahead = PlanAhead(lag, threaded)
+    self.plans = self.migrations = 0
+    self.planning_s = self.waited_s = self.migration_s = 0.0
 
   def before_step(self, trainer, step: int) -> bool:
-    return self.replan(trainer, step)
+    pool = trainer.pool
+    if pool.planner.due(step):   # lag 0: planned here and taken below
+      n = pool.program.mesh.shape["expert"]
+      self.ahead.submit(step, pool.active, pool.planner, to_placements(pool.layout, n))
+    changed = False
+    for plan in self.ahead.take(step):
+      changed |= self._apply_plan(trainer, step, plan)
+    return changed
 
   def after_metrics(self, trainer, step, record, counts_LxWxE, member) -> None:
     trainer.pool.planners[member].observe(counts_LxWxE)
 
-  def replan(self, trainer, step: int, now: bool = False) -> bool:
-    """Re-plans from the finished steps' loads (`now`: even off the period, right after a
+  def close(self) -> None:
+    self.ahead.close()
+
+  def state_dict(self) -> list[dict]:
+    """The re-plans not yet applied (their results): a checkpoint's part."""
+    return self.ahead.state_dict()
+
+  def load_state_dict(self, saved: list[dict]) -> None:
+    self.ahead.load_state_dict(saved)
+
+  def discard_pending(self) -> None:
+    """The active member changed: re-plans made for the previous one's layout are void."""
+    self.ahead.discard()
+
+  def replan_now(self, trainer, step: int) -> bool:
+    """Re-plans from the finished steps' loads at once, off the period (right after a
     strategy switch); True if the layout changed."""
     pool = trainer.pool
-    if not (now or pool.planner.due(step)):
+    tick = time.perf_counter()
+    new, switches = pool.planner.propose(to_placements(pool.layout,
+                                                       pool.program.mesh.shape["expert"]))
+    seconds = time.perf_counter() - tick
+    self.plans += 1
+    self.planning_s += seconds
+    return self._apply(trainer, step, new, switches, step, seconds)
+
+  def _apply_plan(self, trainer, step: int, plan) -> bool:
+    if plan.member != trainer.pool.active:   # planned for another member's layout
       return False
-    prog, layout = pool.program, pool.layout
-    n, num_experts = prog.mesh.shape["expert"], prog.cfg.moe.num_experts
-    new, switches = pool.planner.propose(to_placements(layout, n))
+    tick = time.perf_counter()
+    new, switches, seconds = plan.result()   # waits for the planning thread
+    self.waited_s += time.perf_counter() - tick
+    self.plans += 1
+    self.planning_s += seconds
+    slots_LxS = trainer.pool.layout.slot_expert_LxS
+    if [len(p.slot_expert) for p in new] != [slots_LxS.shape[1]] * slots_LxS.shape[0]:
+      # A checkpoint's re-plan, resumed under another expert mode or slot count.
+      trainer.writer.write({"step": step, "event": "checkpoint_warning",
+                            "message": f"the re-plan planned before step {plan.planned_step} "
+                                       "was for another layout shape; dropped"})
+      return False
+    return self._apply(trainer, step, new, switches, plan.planned_step, seconds)
+
+  def _apply(self, trainer, step: int, new, switches, planned_step: int,
+             planning_s: float) -> bool:
+    """Adopts placements `new` for the active member (migrating the weights in ep mode) and
+    writes one event per layer switched; True if the layout changed."""
     if not switches:
       return False
+    pool = trainer.pool
+    prog, layout = pool.program, pool.layout
+    n, num_experts = prog.mesh.shape["expert"], prog.cfg.moe.num_experts
     jax.block_until_ready(trainer.state)   # time the switch alone, not the step in flight
     tick = time.perf_counter()
     bias = layout.router_bias_LxE
@@ -87,14 +148,18 @@ class LayoutReplanning(Hook):
           router_bias_LxE=bias), prog.layout_sharding)
     jax.block_until_ready((trainer.state, new_layout))
     seconds = time.perf_counter() - tick
+    self.migrations += 1
+    self.migration_s += seconds
     pool.set_layout(pool.active, new_layout)
     for sw in switches:
       trainer.writer.write({"step": step, "event": "layout_switch", "layer": sw.layer,
-                            "policy": prog.cfg.planner.policy,
+                            "policy": prog.cfg.planner.policy, "planned_step": planned_step,
                             "predicted_gain": sw.predicted_before - sw.predicted_after,
                             "predicted_before": sw.predicted_before,
-                            "predicted_after": sw.predicted_after,
-                            "migration_s": seconds, "experts_moved": sw.experts_moved})
+                            "predicted_after": sw.predicted_after, "planning_s": planning_s,
+                            "migration_s": seconds, "experts_moved": sw.experts_moved,
+                            "predicted_gain_s": sw.gain_s, "priced_move_s": sw.move_s,
+                            "moved_bytes": sw.moved_bytes})
     return True
 
 
@@ -138,9 +203,10 @@ class StrategySwitching(Hook):
                           "switch_cost_s": decision.switch_cost_s,
                           "seconds": time.perf_counter() - tick})
     self.recent.clear()
+    self.layouts.discard_pending()   # planned for the previous member's layout
     if pool.planner.active:   # the member was idle: its re-planner gets this load and re-plans
       pool.planner.history.clear()   # now, so fsep replicas follow the load from the first step
       for step_counts in counts:
         pool.planner.observe(step_counts)
-      self.layouts.replan(trainer, step, now=True)
+      self.layouts.replan_now(trainer, step)
     return True

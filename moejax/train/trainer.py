@@ -108,7 +108,7 @@ class Trainer:
                             cfg.data.global_batch_size, cfg.data.seq_len, cfg.train.seed)
     self.checkpointer.needed_bytes = sum(x.nbytes for x in jax.tree.leaves(self.state))
     self.writer: metrics_lib.JsonlWriter | None = None   # open while `run` runs
-    layouts = LayoutReplanning()
+    self.layouts = layouts = LayoutReplanning(cfg.planner.lag)
     self.controllers: list[Hook] = [layouts]
     if self.pool.switching:   # afterwards a switch or a re-plan compiles nothing
       self.pool.warm_up(self.state)
@@ -151,6 +151,7 @@ class Trainer:
       self.restore_warnings.append("planner statistics were saved on another expert-axis size; "
                                    "they start afresh")
     self.pool.planner.load_state_dict(planner_state)
+    self.layouts.load_state_dict(planner_state.get("pending", []))   # re-plans not yet applied
     self.restore_warnings += history_lib.training_changes(
         meta, self.cfg, f"checkpoint {self.checkpointer.directory}/{restored.step}",
         restored.step)
@@ -185,7 +186,8 @@ class Trainer:
   def save(self, step: int) -> None:
     """With a pool, the checkpoint holds member 0's form of the state (an exact move), the
     active member and every member's layout, so a resume lands on the same member."""
-    meta = {"data_position": self.loader.position, "planner": self.pool.planner.state_dict(),
+    planner = {**self.pool.planner.state_dict(), "pending": self.layouts.state_dict()}
+    meta = {"data_position": self.loader.position, "planner": planner,
             "nonfinite": self.guard.state_dict(), "model": model_fields(self.cfg),
             "training": history_lib.training_fields(self.cfg)}
     if self.pool.switching:
