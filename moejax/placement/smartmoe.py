@@ -72,17 +72,15 @@ def _improve_by_swaps(load_E: np.ndarray, dev_E: np.ndarray, n: int,
 
 
 def _to_slots(dev_E: np.ndarray, current: placement_lib.Placement, c: int) -> np.ndarray:
-  """Experts keep their slot if they stay on their device; movers fill freed slots."""
-  n = current.num_devices
-  slot_expert = np.full(n * c, -1, np.int32)
+  """Experts keep their slot if they stay on their device; movers fill freed slots (on each
+  device in expert order, lowest slot first)."""
   cur_se = current.slot_expert
-  for s, e in enumerate(cur_se):
-    if e >= 0 and dev_E[e] == s // c:
-      slot_expert[s] = e
-  for e in np.flatnonzero(~np.isin(np.arange(len(dev_E)), slot_expert)):
-    d = dev_E[e]
-    free = np.flatnonzero(slot_expert[d * c:(d + 1) * c] < 0)
-    slot_expert[d * c + free[0]] = e
+  stay = (cur_se >= 0) & (dev_E[np.maximum(cur_se, 0)] == np.arange(len(cur_se)) // c)
+  slot_expert = np.where(stay, cur_se, -1).astype(np.int32)
+  placed = np.zeros(len(dev_E), bool)
+  placed[cur_se[stay]] = True
+  movers = np.flatnonzero(~placed)
+  slot_expert[slot_expert < 0] = movers[np.argsort(dev_E[movers], kind="stable")]
   return slot_expert
 
 
@@ -116,7 +114,8 @@ def _swaps_for_drops(samples_stepsxWxE, dev_E, n, cap_stepsxW, max_iters):
   only if A or B drops now. So the search goes from the dropping device that drops most and
   has a gaining swap: the exact gain (both devices, every sampled row) of swapping each of its
   experts with each expert of its partner devices, the devices with the most room in the rows
-  where it overflows; it takes that device's best swap. A device's gains are kept and, after
+  where it overflows; it takes that device's best swap (where every pair fits, the best swap
+  of every dropping device: the full scan's pick up to ties). A device's gains are kept and, after
   a swap elsewhere, only the columns of the two changed devices' experts are summed again
   (2C columns, not E). Where one device's search fits `_PAIR_ROWS` every other device is a
   partner, so the result is a local optimum of the full E x E pair scan; above it a search
@@ -161,8 +160,9 @@ class _Drops:
     self.devices = n - 1 if exact else max(1, min(n - 1, _PAIR_ROWS // (rows * self.side * c)))
     self.gains = {}        # device -> (its experts searched, [side, E] gains, -inf: not tried)
     self.budget = _SEARCH_ROWS
-    for _ in range(max_iters):
-      found = None
+    # One expert per device: a swap only relabels two devices' buffers, the drops stay.
+    for _ in range(max_iters if c > 1 else 0):
+      found, best = None, 1e-9
       for hot in np.argsort(-self.drop_N, kind="stable"):
         if self.drop_N[hot] <= 0 or self.budget <= 0:
           break
@@ -170,9 +170,10 @@ class _Drops:
           self._search(hot)
         mine, gain = self.gains[hot]
         i, j = np.unravel_index(np.argmax(gain), gain.shape)
-        if gain[i, j] > 1e-9:
-          found = mine[i], j
-          break
+        if gain[i, j] > best:
+          found, best = (mine[i], j), gain[i, j]
+          if not exact:    # the first dropping device with a gain; exact: the best of all
+            break
       if found is None:
         break
       self._swap(*found)
