@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import numpy as np
 import pytest
@@ -218,29 +217,3 @@ def test_pooled_drop_swaps_end_where_no_pair_swap_gains(experts, devices, seed):
       smartmoe.pooled_drops(samples, start, devices, cap_stepsxW)
   assert smartmoe.pooled_drops(samples, got, devices, cap_stepsxW) == \
       np.maximum(samples @ np.eye(devices)[got] - cap_stepsxW[..., None], 0).sum()
-
-
-def test_pooled_smartmoe_at_small_e_takes_the_windows_best_split():
-  """E = 8 on N = 4 (the default job) has 105 splits into pairs: the plan is the one with the
-  fewest drops over the window (a swap search can stop at a worse local optimum), and the
-  groups stay on the devices that hold most of their experts."""
-  splits = smartmoe._splits(8, 4)
-  assert splits.shape == (105, 8)
-  assert all(np.all(np.bincount(s, minlength=4) == 2) for s in splits)
-  assert len({tuple(s) for s in splits}) == 105
-  samples = synthetic_trace(10, 1, 4, 8, kind="lognormal", seed=5,
-                            tokens_per_source=128)["counts"][:, 0].astype(np.float64)
-  cap_stepsxW = np.ceil(1.25 * samples.sum(-1) / 4)
-  drops = [smartmoe.pooled_drops(samples, s, 4, cap_stepsxW) for s in splits]
-  static = placement_lib.static(8, 4)
-  options = smartmoe.SmartMoEOptions(min_gain=0.0, pooled_capacity_factor=1.25)
-  got = smartmoe.place_permutation(samples.mean(0), static, options=options,
-                                   samples_stepsxWxE=samples)
-  dev_E = got.device_of_slot[np.argsort(got.slot_expert)]
-  assert min(drops) < smartmoe.pooled_drops(samples, np.arange(8) // 2, 4, cap_stepsxW)
-  assert smartmoe.pooled_drops(samples, dev_E, 4, cap_stepsxW) == min(drops)
-  # Relabelling the groups cannot keep more experts in place than the plan does.
-  kept = (dev_E == np.arange(8) // 2).sum()
-  group_E = splits[int(np.argmin(drops))]
-  assert kept == max((np.asarray(p)[group_E] == np.arange(8) // 2).sum()
-                     for p in itertools.permutations(range(4)))

@@ -15,17 +15,13 @@ by step: two pairings with the same mean peak can drop very differently once per
 fluctuations are counted. Then every candidate is scored by the drops it would have had on
 each recent step (`samples_stepsxWxE`), the best is improved by pair swaps on that score
 (`_swaps_for_drops`: searched from the dropping devices, bounded in work, so E = 256 on N = 64
-plans in tens of milliseconds), and `min_gain` applies to the predicted drops. Where the
-splits of the experts into N groups are few (`_ENUMERATE`; the default job's E = 8 on N = 4
-has 105) every split is scored and the window's best taken instead.
+plans in tens of milliseconds), and `min_gain` applies to the predicted drops.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
-import itertools
-import math
 
 import numpy as np
 
@@ -237,44 +233,6 @@ class _Drops:
         self._columns(hot, moved)
 
 
-# Splits of the experts into N groups of E/N scored one by one at most: the default job's
-# E = 8 on N = 4 has 105; at small E the swaps' local optimum is often not the window's best.
-_ENUMERATE = 5000
-
-
-def _splits(num_experts: int, n: int) -> np.ndarray | None:
-  """[splits, E]: every split of the experts into n groups of E/n (a group's id: the order
-  of its first expert), or None where there are more than `_ENUMERATE`."""
-  c = num_experts // n
-  if math.factorial(num_experts) // (math.factorial(c) ** n * math.factorial(n)) > _ENUMERATE:
-    return None
-  out, group_E = [], np.empty(num_experts, np.int64)
-
-  def fill(free: tuple, g: int):
-    if not free:
-      out.append(group_E.copy())
-      return
-    for rest in itertools.combinations(free[1:], c - 1):
-      group_E[[free[0], *rest]] = g
-      fill(tuple(e for e in free[1:] if e not in rest), g + 1)
-
-  fill(tuple(range(num_experts)), 0)
-  return np.array(out)
-
-
-def _best_split(drops: "_Drops", splits_xE: np.ndarray, cur_dev_E: np.ndarray) -> np.ndarray:
-  """The split with the fewest drops (the first of equals), its groups on the devices that
-  hold most of their experts now (fewest moves)."""
-  n = drops.n
-  onehot = np.eye(n)[splits_xE]                                  # [splits, E, N]
-  over = np.einsum("xen,ek->xnk", onehot, drops.s_ExK) - drops.cap_K
-  group_E = splits_xE[np.argmin(np.maximum(over, 0).sum((1, 2)))]
-  kept_NxN = np.zeros((n, n))
-  np.add.at(kept_NxN, (group_E, cur_dev_E), 1)                   # [group, device]
-  perm = max(itertools.permutations(range(n)), key=lambda p: kept_NxN[range(n), p].sum())
-  return np.asarray(perm)[group_E]
-
-
 def place_permutation(pred_WxE: np.ndarray, current: placement_lib.Placement, *,
                       slots: int | None = None, src_dev_W: np.ndarray | None = None,
                       cost: CostModel | None = None, num_devices: int | None = None,
@@ -305,11 +263,8 @@ def place_permutation(pred_WxE: np.ndarray, current: placement_lib.Placement, *,
     cap_stepsxW = np.ceil(options.pooled_capacity_factor * samples.sum(-1) / n)
     drops = _Drops(samples, n, cap_stepsxW)
     score = drops.of
-    splits_xE = _splits(num_experts, n) if c > 1 else None
-    if splits_xE is not None:
-      dev_E = _best_split(drops, splits_xE, cur_dev_E)
-    else:
-      dev_E = drops.swaps(min((local, reshuffle, static_dev_E, cur_dev_E), key=score), iters)
+    best = min((local, reshuffle, static_dev_E, cur_dev_E), key=score)
+    dev_E = drops.swaps(best, iters)
   else:
     score = peak
     dev_E = reshuffle if peak(reshuffle) < peak(local) * (1 - min_gain) else local
