@@ -106,6 +106,7 @@ _PAIR_ROWS = 2**17
 _SIDE = 8               # the most experts of a dropping device a search swaps out
 _SEARCH_ROWS = 2**22
 _SEARCH_FLOOR = 2**14
+_FULL_ROWS = 2**22      # (pair, row) elements of a whole E x E scan that is kept and updated
 
 
 def _swaps_for_drops(samples_stepsxWxE, dev_E, n, cap_stepsxW, max_iters):
@@ -118,7 +119,9 @@ def _swaps_for_drops(samples_stepsxWxE, dev_E, n, cap_stepsxW, max_iters):
   where it overflows; it takes that device's best swap (where every pair fits, the best swap
   of every dropping device: the full scan's pick up to ties). A device's gains are kept and, after
   a swap elsewhere, only the columns of the two changed devices' experts are summed again
-  (2C columns, not E). Where one device's search fits `_PAIR_ROWS` every other device is a
+  (2C columns, not E). Where a whole E x E scan fits `_FULL_ROWS` (E = 64 on N = 8 with a
+  10-step window) it is kept instead, every swap the full scan's best pair, as before this
+  search was bounded. Where one device's search fits `_PAIR_ROWS` every other device is a
   partner, so the result is a local optimum of the full E x E pair scan; above it a search
   keeps to the device's `_SIDE` busiest experts and its roomiest partners, and all searches
   stop after `_SEARCH_ROWS`, so a decision costs O(`_SEARCH_ROWS`), not O(E^2 x rows) per
@@ -153,6 +156,10 @@ class _Drops:
     s_ExK, n = self.s_ExK, self.n
     num_experts, rows = s_ExK.shape
     c = num_experts // n
+    if c == 1:   # one expert per device: a swap only relabels two devices' buffers
+      return np.asarray(dev_E).copy()
+    if num_experts * num_experts * rows <= _FULL_ROWS:
+      return self._full_scan(np.asarray(dev_E).copy(), max_iters)
     self.dev_E = dev_E = np.asarray(dev_E).copy()
     self.over_NxK = self.over(dev_E)
     self.drop_N = np.maximum(self.over_NxK, 0).sum(1)
@@ -161,8 +168,7 @@ class _Drops:
     self.devices = n - 1 if exact else max(1, min(n - 1, _PAIR_ROWS // (rows * self.side * c)))
     self.gains = {}        # device -> (its experts searched, [side, E] gains, -inf: not tried)
     self.budget = _SEARCH_ROWS
-    # One expert per device: a swap only relabels two devices' buffers, the drops stay.
-    for _ in range(max_iters if c > 1 else 0):
+    for _ in range(max_iters):
       found, best = None, 1e-9
       for hot in np.argsort(-self.drop_N, kind="stable"):
         if self.drop_N[hot] <= 0 or self.budget <= 0:
@@ -178,6 +184,32 @@ class _Drops:
       if found is None:
         break
       self._swap(*found)
+    return dev_E
+
+  def _full_scan(self, dev_E, max_iters):
+    """Small E: h(x, y) = the drops x's device saves with y in place of x, for every pair,
+    a row summed again only when x's device changes; each swap is the pair with the largest
+    h(a, b) + h(b, a), the first in row-major order."""
+    s_ExK, over_NxK = self.s_ExK, self.over(dev_E)
+
+    def h_rows(xs):
+      over_xsxK = over_NxK[dev_E[xs]]
+      after = np.maximum((over_xsxK - s_ExK[xs])[:, None] + s_ExK[None], 0).sum(-1)
+      return np.maximum(over_xsxK, 0).sum(1)[:, None] - after
+
+    h_ExE = h_rows(np.arange(len(dev_E)))
+    for _ in range(max_iters):
+      gain_ExE = np.where(dev_E[:, None] != dev_E[None, :], h_ExE + h_ExE.T, -np.inf)
+      a, b = np.unravel_index(np.argmax(gain_ExE), gain_ExE.shape)
+      if gain_ExE[a, b] <= 1e-9:
+        break
+      da, db = dev_E[a], dev_E[b]
+      delta = s_ExK[b] - s_ExK[a]
+      over_NxK[da] += delta
+      over_NxK[db] -= delta
+      dev_E[a], dev_E[b] = db, da
+      changed = np.flatnonzero((dev_E == da) | (dev_E == db))
+      h_ExE[changed] = h_rows(changed)
     return dev_E
 
   def _pay(self, elements):
