@@ -38,7 +38,7 @@ Run (from the repository root):
   python -m benchmarks.planner_time --repeats 7 --json benchmarks/results/planner_time.json
   python -m benchmarks.planner_time --fsep_only --repeats 21
   python -m benchmarks.planner_time --smartmoe_only --repeats 21 \
-      --json benchmarks/results/planner_time_smartmoe.json
+      --json benchmarks/results/smartmoe_planner_time.json
 """
 
 from __future__ import annotations
