@@ -117,8 +117,8 @@ def _swaps_for_drops(samples_stepsxWxE, dev_E, n, cap_stepsxW, max_iters):
   has a gaining swap: the exact gain (both devices, every sampled row) of swapping each of its
   experts with each expert of its partner devices, the devices with the most room in the rows
   where it overflows; it takes that device's best swap (where every pair fits, the best swap
-  of every dropping device: the full scan's pick up to ties). A device's gains are kept and, after
-  a swap elsewhere, only the columns of the two changed devices' experts are summed again
+  of every dropping device: the full scan's pick up to ties). A device's gains are kept and,
+  after a swap elsewhere, only the columns of the two changed devices' experts are summed again
   (2C columns, not E). Where a whole E x E scan fits `_FULL_ROWS` (E = 64 on N = 8 with a
   10-step window) it is kept instead, every swap the full scan's best pair, as before this
   search was bounded. Where one device's search fits `_PAIR_ROWS` every other device is a
@@ -257,7 +257,7 @@ class _Drops:
     self.gains.pop(da, None)
     self.gains.pop(db, None)
     moved = np.flatnonzero((dev_E == da) | (dev_E == db))
-    for hot, (mine, gain) in list(self.gains.items()):
+    for hot, (_, gain) in list(self.gains.items()):
       if self.drop_N[hot] <= 0:
         del self.gains[hot]
         continue
