@@ -27,6 +27,29 @@ def test_observe_folds_data_rows_onto_expert_devices():
   np.testing.assert_array_equal(op.history[-1], counts[:, :4] + counts[:, 4:])
 
 
+def test_smartmoe_samples_keep_a_devices_data_rows_apart():
+  # The program sizes one buffer per (data row, device): pooled drops are scored per row.
+  op = OnlinePlanner(PlannerConfig(policy="smartmoe", every=1, window=2), num_devices=4,
+                     cost=PLAN_COST, capacity_factor=1.25, capacity="device")
+  seen = []
+  op.policy = lambda pred, cur, **kw: seen.append(kw["samples_stepsxWxE"]) or cur
+  rng = np.random.default_rng(0)
+  steps = [rng.integers(0, 50, (1, 8, 8)).astype(np.float64) for _ in range(3)]
+  for counts in steps:
+    op.observe(counts)
+  op.propose([placement_lib.static(8, 4)])
+  np.testing.assert_array_equal(seen[-1], np.stack(steps[-2:])[:, 0])     # rows, not sums
+  clone = OnlinePlanner(op.cfg, 4, cost=PLAN_COST, capacity_factor=1.25, capacity="device")
+  clone.load_state_dict(json.loads(json.dumps(op.state_dict())))
+  clone.policy = op.policy
+  clone.propose([placement_lib.static(8, 4)])
+  np.testing.assert_array_equal(seen[-1], seen[-2])
+  op.observe(np.ones((1, 2, 8)))       # another member's mesh: the folded history, until refilled
+  op.propose([placement_lib.static(8, 4)])
+  assert seen[-1].shape == (2, 4, 8)
+  np.testing.assert_array_equal(seen[-1][-1], op.history[-1][0])
+
+
 def test_observe_counts_from_another_members_mesh_keep_the_expert_totals():
   op = OnlinePlanner(PlannerConfig(policy="fsep", every=2, window=3), num_devices=8, cost=PLAN_COST)
   counts = np.arange(2 * 4 * 8, dtype=np.float64).reshape(2, 4, 8)   # 4 sources, not 8

@@ -63,6 +63,11 @@ class OnlinePlanner:
     given = _config_options(cfg, capacity_factor, capacity)
     self.options = policies.make_options(cfg.policy, **given)
     self.history: collections.deque = collections.deque(maxlen=cfg.window)
+    # smartmoe scores drops per (source, device) buffer, and the program sizes one buffer per
+    # data row: a row's overflow cannot use another row's room, so its samples keep the rows
+    # of a device apart (summed, they would plan for buffers the program does not have).
+    self.rows: collections.deque | None = (
+        collections.deque(maxlen=cfg.window) if cfg.policy == "smartmoe" else None)
     self.planned = False             # a plan has been made (the cold start is over)
 
   def observe(self, counts_LxWxE: np.ndarray) -> None:
@@ -75,6 +80,17 @@ class OnlinePlanner:
       folded_LxNxE = c.reshape(layers, sources // self.num_devices, self.num_devices,
                                experts).sum(1)
     self.history.append(folded_LxNxE)
+    if self.rows is not None:
+      if sources % self.num_devices or (self.rows and self.rows[-1].shape != c.shape):
+        self.rows.clear()   # another mesh's rows: sample from the folded history until refilled
+      if not sources % self.num_devices:
+        self.rows.append(c)
+
+  def clear(self) -> None:
+    """Forgets every observed step."""
+    self.history.clear()
+    if self.rows is not None:
+      self.rows.clear()
 
   @property
   def active(self) -> bool:
@@ -102,12 +118,14 @@ class OnlinePlanner:
     history_stepsxLxNxE = np.stack(self.history)[-self.cfg.window:]
     pred_LxNxE = policies.predict(history_stepsxLxNxE, self.cfg.window)
     src = np.arange(self.num_devices)
+    samples_stepsxLxWxE = (np.stack(self.rows)[-self.cfg.window:] if self.rows
+                           else history_stepsxLxNxE)
     out, switches = list(current), []
     for layer, pred_NxE in enumerate(pred_LxNxE):
       cur = current[layer]
       new = self.policy(pred_NxE, cur, slots=cur.slots_per_device, src_dev_W=src,
                         cost=self.cost, num_devices=self.num_devices, options=self.options,
-                        samples_stepsxWxE=history_stepsxLxNxE[:, layer])
+                        samples_stepsxWxE=samples_stepsxLxWxE[:, layer])
       if (np.array_equal(new.slot_expert, cur.slot_expert) and
           np.allclose(new.share, cur.share, atol=0.5 / placement_lib.SHARE_PARTS) and
           np.array_equal(placement_lib.local_parts(new), placement_lib.local_parts(cur))):
@@ -124,11 +142,18 @@ class OnlinePlanner:
     return out, switches
 
   def state_dict(self) -> dict:
-    return {"history": [h.tolist() for h in self.history], "planned": self.planned}
+    d = {"history": [h.tolist() for h in self.history], "planned": self.planned}
+    if self.rows is not None:
+      d["rows"] = [r.tolist() for r in self.rows]
+    return d
 
   def load_state_dict(self, d: dict) -> None:
     self.history.clear()
     for h in d.get("history", []):
       self.history.append(np.asarray(h, np.float64))
+    if self.rows is not None:   # a checkpoint without them samples the folded history
+      self.rows.clear()
+      for r in d.get("rows", []):
+        self.rows.append(np.asarray(r, np.float64))
     # A checkpoint without the flag was written by a run that planned every X steps only.
     self.planned = bool(d.get("planned", len(self.history) > 0))

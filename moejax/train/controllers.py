@@ -205,7 +205,7 @@ class StrategySwitching(Hook):
     self.recent.clear()
     self.layouts.discard_pending()   # planned for the previous member's layout
     if pool.planner.active:   # the member was idle: its re-planner gets this load and re-plans
-      pool.planner.history.clear()   # now, so fsep replicas follow the load from the first step
+      pool.planner.clear()   # now, so fsep replicas follow the load from the first step
       for step_counts in counts:
         pool.planner.observe(step_counts)
       self.layouts.replan_now(trainer, step)

@@ -67,6 +67,8 @@ def snapshot(planner: OnlinePlanner) -> OnlinePlanner:
   never modified in place, so copying the deque is enough)."""
   copied = copy.copy(planner)
   copied.history = collections.deque(planner.history, maxlen=planner.history.maxlen)
+  if planner.rows is not None:
+    copied.rows = collections.deque(planner.rows, maxlen=planner.rows.maxlen)
   return copied
 
 
