@@ -4,10 +4,13 @@
       [--window WINDOW] [--json OUT.json]
 
 Sources map to devices evenly: source s of W runs on device s*N // W, which needs W % N == 0 or
-N % W == 0. Every layer is replayed independently. At step 0 the layout is the static one
-(expert e on device e // (E/N)); at every step t > 0 with t % every == 0 the policy is called
-with the prediction from finished steps only, `predict(counts[:t], window)[layer]` (mean of the
-last `window` steps), and the layout in use; its answer is used from step t on. The layout in
+N % W == 0. Every layer is replayed independently. As in the trainer, at step 0 the layout is the static
+one (expert e on device e // (E/N)) for one-copy policies and the round-robin one (slot s
+hosts expert s mod E, even shares) for the others, and the first plan comes from the first
+finished step (the re-planner's cold start): at step 1 and at every step t > 0 with
+t % every == 0 the policy is called with the prediction from finished steps only,
+`predict(counts[:t], window)[layer]` (mean of the last `window` steps), and the layout in use;
+its answer is used from step t on. The layout in
 use at step t is evaluated with `flow` on the actual counts of step t: max/mean device load
 (median, p90 and mean over steps x layers), tokens whose expert runs off their source device,
 what the program pays (per capacity mode the smallest factor with <= 1% of the choices dropped,
@@ -34,6 +37,7 @@ import numpy as np
 from moejax.config import ConfigError
 from moejax.layout import placement as placement_lib
 from moejax.layout.flow import flow, max_over_mean
+from moejax.layout.tables import round_robin_placement
 from moejax.placement.buffers import BufferTally
 from moejax.placement.policies import ONE_COPY_POLICIES, POLICIES, CostModel, get_policy, predict
 
@@ -73,13 +77,15 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
     place = functools.partial(place, options=options)
   src_dev = placement_lib.source_devices(sources, devices)
   c_eff = effective_slots(policy, experts, devices, slots)
-  current = [placement_lib.static(experts, devices) for _ in range(layers)]
+  start = (placement_lib.static(experts, devices) if policy in ONE_COPY_POLICIES
+           else round_robin_placement(experts, devices, c_eff))
+  current = [start for _ in range(layers)]
   tally = BufferTally(cost)
   series = np.zeros((steps, layers))
   predicted = []          # max/mean of each decision's layout on the load it was planned for
   crossing, moved, times = 0, 0, []
   for t in range(steps):
-    if t % every == 0 and (t > 0 or lookahead):
+    if (t % every == 0 and (t > 0 or lookahead)) or (t == 1 and not lookahead):
       seen = counts[t:t + every] if lookahead else counts[max(0, t - window):t]
       pred = seen.mean(0) if lookahead else predict(counts[:t], window)   # [L, W, E]
       for layer in range(layers):
@@ -148,7 +154,7 @@ def oracle(counts: np.ndarray, devices: int, slots: int, *, cost: CostModel,
     place = functools.partial(place, options=options)
   src_dev = placement_lib.source_devices(sources, devices)
   c_eff = effective_slots("fsep", experts, devices, slots)
-  current = [placement_lib.static(experts, devices) for _ in range(layers)]
+  current = [round_robin_placement(experts, devices, c_eff) for _ in range(layers)]
   tally = BufferTally(cost)
   series = np.zeros((steps, layers))
   crossing, moved, times = 0, 0, []
