@@ -4,13 +4,13 @@ For every step after the first decision and every layer, the layout the fsep pla
 (every --every steps from the last --window finished steps, as `python -m moejax.replay`
 does) routes the step's counts, summed per device (one source per device, as in the layer):
 by its planned shares (`placement.split_loads`) and by shares re-levelled on the step's own
-counts (`adaptive.split_adaptive`, kept rows not capped). For each, the busiest device's load
-over the mean and the smallest capacity factor with which each capacity mode
+counts (`adaptive.split_adaptive`, a device's kept rows within its own pair's buffer at
+factor 1, per slot or pooled as the mode is, as the layer keeps them). For each, the busiest
+device's load over the mean and the smallest capacity factor with which each capacity mode
 (`moejax.layout.capacity`: 'slot' per (source, slot), 'device' pooled per (source, device))
 drops at most --max_drop of the step's choices. Then, for each --factors value, the share of
 all choices each mode drops at that factor, with the layouts planned for it (the planner's
-`capacity_factor`, as the trainer passes it) and adaptive kept rows capped at the 'slot'
-mode's rows per (source, slot) under either mode, as the layer caps them. Host arithmetic
+`capacity_factor`, as the trainer passes it). Host arithmetic
 only; no timing.
 
   python -m benchmarks.adaptive_capacity benchmarks/traces/drift_bursts.npz --devices 8 \
@@ -64,12 +64,15 @@ def measure(counts: np.ndarray, top_k: int, devices: int, slots: int, every: int
   out = {rule: {"max_over_mean": [], **{m: [] for m in capacity.MODES}} for rule in RULES}
   for c_NxE, p in _steps(counts, devices, slots, every, window):
     num_tokens = int(c_NxE.sum(1).max()) // top_k
-    loads = {"planned": placement_lib.split_loads(p, c_NxE, np.arange(devices)),
-             "adaptive": adaptive.split_adaptive(p, c_NxE)}
-    for rule, loads_NxS in loads.items():
-      out[rule]["max_over_mean"].append(
-          max_over_mean(loads_NxS.reshape(devices, devices, slots).sum((0, 2))))
-      for mode in capacity.MODES:
+    keep = adaptive.balanced_cap(c_NxE, p)
+    loads = {"planned": dict.fromkeys(capacity.MODES, placement_lib.split_loads(
+                 p, c_NxE, np.arange(devices))),
+             "adaptive": {m: adaptive.split_adaptive(p, c_NxE, keep, pooled=m == "device")
+                          for m in capacity.MODES}}
+    for rule, by_mode in loads.items():
+      out[rule]["max_over_mean"].append(max_over_mean(
+          by_mode["slot"].reshape(devices, devices, slots).sum((0, 2))))
+      for mode, loads_NxS in by_mode.items():
         out[rule][mode].append(capacity.smallest_factor(mode, loads_NxS, slots, num_tokens,
                                                         top_k, max_drop))
   return out
@@ -83,11 +86,12 @@ def drops(counts: np.ndarray, top_k: int, devices: int, slots: int, every: int, 
   for c_NxE, p in _steps(counts, devices, slots, every, window, factor):
     num_tokens = int(c_NxE.sum(1).max()) // top_k
     total += int(c_NxE.sum())
-    keep = capacity.rows("slot", num_tokens, top_k, devices, slots, factor)
-    loads = {"planned": placement_lib.split_loads(p, c_NxE, np.arange(devices)),
-             "adaptive": adaptive.split_adaptive(p, c_NxE, keep)}
+    keep = adaptive.balanced_cap(c_NxE, p)
+    planned = placement_lib.split_loads(p, c_NxE, np.arange(devices))
     for mode in capacity.MODES:
       cap = capacity.rows(mode, num_tokens, top_k, devices, slots, factor)
+      loads = {"planned": planned,
+               "adaptive": adaptive.split_adaptive(p, c_NxE, keep, pooled=mode == "device")}
       for rule, loads_NxS in loads.items():
         dropped[rule][mode] += capacity.dropped(mode, loads_NxS, slots, cap)
   return {rule: {mode: d / total for mode, d in r.items()} for rule, r in dropped.items()}

@@ -50,6 +50,7 @@ from benchmarks.fsep_vs_ep import build as build_layer, check_against_reference,
 from moejax.config import Config, MoEConfig
 from moejax.frontend import DEFAULT_GIN, parse_config
 from moejax.layout.placement import static as static_placement
+from moejax.layout.tables import round_robin_placement
 from moejax.model.mesh import BATCH_AXES, mesh_of_shape
 from moejax.strategy.spec import parse as parse_spec
 from moejax.train.optim import optimizer, schedule
@@ -168,8 +169,22 @@ def _program(cfg, spec, layout_host=None):
   return prog, state
 
 
+def _routing(prog, state, batches):
+  """(warm-up counts [steps, L, W, E], the timed batch's [L, W, E]) of `prog`'s own router:
+  the last batch is the timed one."""
+  counts = []
+  for batch in batches:
+    state, m = prog.train_step(state, batch, prog.layout)
+    counts.append(np.asarray(m["counts_LxWxE"]))
+  return np.stack(counts[:-1]), counts[-1]
+
+
 def step_runs(args, seed: int) -> dict:
-  """Per policy: a whole training step of the default model at its factor."""
+  """Per policy: a whole training step of the default model at its factor. ep and fsep
+  programs initialise their parameters apart (their experts are laid out differently), so
+  they route the same batch differently: each expert mode plans and sizes its buffers on its
+  own program's routing of the warm-up and timed batches (at a factor where nothing drops),
+  as the trainer's re-planner sees its own program's counts."""
   cfg, spec = _model_config(args, None, args.experts / args.top_k)   # nothing can drop
   layers = cfg.model.num_layers // cfg.moe.moe_every
   bias_LxE = np.tile(args.step_bias_scale * setup.log_popularity(seed, args.experts, args.sigma),
@@ -181,17 +196,20 @@ def step_runs(args, seed: int) -> dict:
   shape = (cfg.data.global_batch_size, cfg.data.seq_len + 1)
   batches = [jax.device_put(rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32),
                             prog.batch_sharding) for _ in range(args.warmup_batches + 1)]
-  counts = []
-  for batch in batches:
-    state, m = prog.train_step(state, batch, prog.layout)
-    counts.append(np.asarray(m["counts_LxWxE"]))
-  warm_stepsxLxWxE, timed_LxWxE = np.stack(counts[:-1]), counts[-1]
+  routing = {"ep": _routing(prog, state, batches)}
+  if "fsep" in setup.EXPERT_MODE.values():
+    start = round_robin_placement(args.experts, N, args.fsep_slots)
+    fcfg, fspec = _model_config(args, "fsep", args.experts / args.top_k)
+    routing["fsep"] = _routing(*_program(fcfg, fspec, setup.device_layout(
+        "fsep", [start] * layers, args.experts, bias_LxE)), batches)
   tokens = cfg.data.global_batch_size * cfg.data.seq_len // N
-  per_layer = [setup.plan(warm_stepsxLxWxE[:, layer], N, args.fsep_slots, cfg)
-               for layer in range(layers)]
+  plans = {mode: [setup.plan(warm[:, layer], N, args.fsep_slots, cfg) for layer in range(layers)]
+           for mode, (warm, _) in routing.items()}
   runs = {}
   for policy in setup.POLICIES:
-    placements = [plans[policy] for plans in per_layer]
+    mode = setup.EXPERT_MODE[policy]
+    placements = [per_layer[policy] for per_layer in plans[mode]]
+    timed_LxWxE = routing[mode][1]
     cf = max(setup.needed_factor(policy, p, c[None], tokens, args.top_k)
              for p, c in zip(placements, timed_LxWxE))
     pcfg, pspec = _model_config(args, policy, cf)

@@ -41,8 +41,7 @@ def rows_for(counts, devices: int, slots: int, window: int, policy: str, cost) -
   out = []
   for adaptive, every in [(False, x) for x in FIXED] + [(True, x) for x in ADAPTIVE]:
     tick = time.perf_counter()
-    r = replay(counts, devices, slots, policy, every, window, cost=cost, adaptive=adaptive,
-               cold_start=True)
+    r = replay(counts, devices, slots, policy, every, window, cost=cost, adaptive=adaptive)
     row = {"policy": policy, "rule": "adaptive" if adaptive else "fixed", "every": every,
            **{k: r[k] for k in KEYS}}
     row["paid_s"] = row["busiest_compute_s"] + row["migration_s"]

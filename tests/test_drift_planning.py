@@ -12,7 +12,7 @@ from moejax.config import ConfigError
 from moejax.layout import placement as placement_lib
 from moejax.placement import fsep
 from moejax.placement.drift import drift_bursts_trace, step_change
-from moejax.placement.fsep.spread import recent_center
+from moejax.placement.fsep.spread import recent_center, step_totals
 from moejax.placement.replay import oracle, replay, with_regret
 from moejax.placement.workloads import load_trace
 from tests.plan_helpers import PLAN_COST
@@ -133,14 +133,14 @@ def test_recent_center_ignores_one_spiking_step_and_keeps_the_source_split():
   win = rng.integers(50, 150, (10, 4, 6)).astype(float)           # [steps, W, E]
   win[-1, :, 2] *= 5                                                # one heavy-tailed step
   pred = win.mean(0)
-  got = recent_center(pred, win, 5)
+  got = recent_center(pred, step_totals(win), 5)
   assert got.sum() == pytest.approx(pred.sum())
   np.testing.assert_allclose(got / got.sum(0), pred / pred.sum(0))   # each expert's split
   share = win[-5:].sum(1) / win[-5:].sum((1, 2))[:, None]
   want = np.median(share, axis=0)
   np.testing.assert_allclose(got.sum(0) / got.sum(), want / want.sum())
   assert got.sum(0)[2] < pred.sum(0)[2]                  # the mean still carries the spike
-  np.testing.assert_array_equal(recent_center(pred * 0, win, 5), pred * 0)
+  np.testing.assert_array_equal(recent_center(pred * 0, step_totals(win), 5), pred * 0)
 
 
 def test_center_option_is_checked_and_mean_keeps_the_window_mean(drift):

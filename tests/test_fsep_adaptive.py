@@ -108,6 +108,32 @@ def test_adaptive_split_serves_the_levelled_quotas_and_keeps_own_rows(seed):
     assert np.all(loads_NxS[d, own_slot] >= kept)
 
 
+@pytest.mark.parametrize("pooled", [False, True])
+def test_kept_rows_do_not_raise_the_buffer_the_program_needs(pooled):
+  """Under a buffer (dense dispatch) a device keeps its own rows home only while its own pair
+  holds no more than the larger of its rows when nothing is kept and the factor-1 share: the
+  fullest buffer stays within the zero buffer's split (each own pair held to its rows when
+  nothing is kept) or that share, where keeping all piles a hot expert's rows onto one pair;
+  and a device keeps at least what the zero buffer lets it keep."""
+  n, slots = 8, 2
+  for seed in range(6):
+    p, counts_NxE = _case(seed, skew=0.3)
+    cap = adaptive.balanced_cap(counts_NxE, p)
+
+    def fullest(loads_NxS):
+      rows = loads_NxS.reshape(n, n, slots)
+      return (rows.sum(2) if pooled else rows).max()
+
+    capped = adaptive.split_adaptive(p, counts_NxE, cap, pooled=pooled)
+    zero = adaptive.split_adaptive(p, counts_NxE, 0, pooled=pooled)
+    everything = adaptive.split_adaptive(p, counts_NxE, None)
+    own = np.diagonal(capped.reshape(n, n, slots)).sum()
+    assert fullest(capped) <= max(fullest(zero), cap * (slots if pooled else 1)) + n, seed
+    assert own >= np.diagonal(zero.reshape(n, n, slots)).sum(), seed
+    if seed < 2:       # the uncapped rule piles rows onto the own pair on these cases
+      assert fullest(everything) > fullest(capped), seed
+
+
 def test_adaptive_beats_planned_shares_on_a_shifted_step():
   """A layout planned for one load, used on a step whose hot expert moved: re-levelled shares
   bring the busiest device down; the planned ones cannot."""

@@ -14,7 +14,7 @@ from moejax.layout import placement as placement_lib
 from moejax.layout.flow import flow, max_over_mean
 from moejax.placement import fsep, policies
 from moejax.placement.fsep.score import overflow
-from moejax.placement.fsep.spread import recent_center
+from moejax.placement.fsep.spread import recent_center, step_totals
 from moejax.placement.replay import replay
 from moejax.placement.workloads import load_trace, synthetic_trace
 from tests.plan_helpers import PLAN_COST
@@ -351,7 +351,7 @@ def test_fsep_beats_static_and_smartmoe_on_committed_traces(trace):
     win = counts[t - 10:t, 0]
     p = fsep.place_replicas(win.mean(0), placement_lib.static(32, 8), slots=8, src_dev_W=src,
                             num_devices=8, samples_stepsxWxE=win, cost=PLAN_COST)
-    target = np.rint(recent_center(win.mean(0), win, 5)).astype(np.int64)
+    target = np.rint(recent_center(win.mean(0), step_totals(win), 5)).astype(np.int64)
     planned.append(max_over_mean(flow(p, target, src).device_load_N))
   assert np.median(planned) <= 1.01, planned
 

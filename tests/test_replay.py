@@ -44,7 +44,7 @@ def test_static_equals_direct_flow(skewed):
   assert r["tokens_crossing"] == crossing
   assert r["crossing_fraction"] == pytest.approx(crossing / skewed.sum())
   assert r["experts_moved"] == 0
-  assert r["decisions"] == 2 * len(range(5, 40, 5))         # t = 5, 10, ..., 35 per layer
+  assert r["decisions"] == 2 * len([1, *range(5, 40, 5)])   # t = 1 (cold start), 5, ..., 35
 
 
 def test_planners_beat_static_on_skewed_load(skewed):
@@ -53,11 +53,12 @@ def test_planners_beat_static_on_skewed_load(skewed):
     r = replay(skewed, 4, 8, name, every=4, window=4, cost=PLAN_COST)
     assert r["median"] <= static["median"], name
     assert r["mean"] <= static["mean"], name
-    assert r["experts_moved"] > 0 and r["decisions"] == 2 * 9
+    assert r["experts_moved"] > 0 and r["decisions"] == 2 * 10   # t = 1, 4, ..., 36
     assert r["planner_ms_mean"] > 0 and r["planner_ms_max"] >= r["planner_ms_mean"]
-  # Before the first decision every policy runs the static layout.
+  # Before the first decision (after the first finished step, as the trainer's re-planner
+  # plans) a one-copy policy runs the static layout.
   smart = replay(skewed, 4, 8, "smartmoe", every=4, window=4, cost=PLAN_COST)
-  np.testing.assert_allclose(np.asarray(smart["series"])[:4], np.asarray(static["series"])[:4])
+  np.testing.assert_allclose(np.asarray(smart["series"])[:1], np.asarray(static["series"])[:1])
 
 
 def test_shadow_fixes_collapse_where_a_permutation_cannot():
@@ -95,12 +96,12 @@ def test_policy_gets_the_lagged_prediction(skewed, monkeypatch):
 
   monkeypatch.setitem(POLICIES, "spy", spy)
   replay(skewed, 4, 6, "spy", every=7, window=3, cost=PLAN_COST)
-  decision_steps = [t for t in range(1, 40) if t % 7 == 0]
+  decision_steps = [1] + [t for t in range(1, 40) if t % 7 == 0]   # cold start, then every 7
   assert len(seen) == 2 * len(decision_steps)
   for i, t in enumerate(decision_steps):
     for layer in range(2):
       pred, slots, n, src = seen[2 * i + layer]
-      np.testing.assert_allclose(pred, skewed[t - 3:t, layer].mean(0))
+      np.testing.assert_allclose(pred, skewed[max(0, t - 3):t, layer].mean(0))
       np.testing.assert_allclose(pred, predict(skewed[:t], 3)[layer])
       assert slots == 6 and n == 4 and src == [0, 0, 1, 1, 2, 2, 3, 3]
 
@@ -162,7 +163,7 @@ def test_cli_all_policies_json(tmp_path):
   for r in data["policies"].values():
     assert {"median", "p90", "mean", "tokens_crossing", "crossing_fraction", "experts_moved",
             "planner_ms_mean", "planner_ms_max", "decisions", "series"} <= set(r)
-    assert np.asarray(r["series"]).shape == (12, 2) and r["decisions"] == 2 * 3
+    assert np.asarray(r["series"]).shape == (12, 2) and r["decisions"] == 2 * 4  # t = 1, 3, 6, 9
   ahead = data["window_oracle"]                     # plans at steps 0, 3, 6, 9 as well
   assert ahead["decisions"] == 2 * 4 and "regret_median" in ahead and "oracle" in data
   bad = subprocess.run([sys.executable, "-m", "moejax.replay", str(trace), "--devices", "3",
@@ -177,9 +178,10 @@ def test_adaptive_shares_hold_the_layout_and_re_level_each_step(skewed):
   levelled = replay(skewed, 4, 8, "fsep", every=5, window=5, shares="adaptive", cost=PLAN_COST)
   assert levelled["experts_moved"] == planned["experts_moved"]
   assert levelled["decisions"] == planned["decisions"]
-  after = np.s_[5:]                                     # the static layout runs steps 0-4
-  np.testing.assert_array_equal(np.asarray(levelled["series"])[:5],
-                                np.asarray(planned["series"])[:5])
+  after = np.s_[1:]                             # the round-robin start layout runs step 0
+  # ... whose replicas pair devices with the same experts: no better to level, same to a part
+  np.testing.assert_allclose(np.asarray(levelled["series"])[0], np.asarray(planned["series"])[0],
+                             atol=2e-3)
   assert np.mean(np.asarray(levelled["series"])[after]) < \
       np.mean(np.asarray(planned["series"])[after])
   assert np.percentile(np.asarray(levelled["series"])[after], 90) < \

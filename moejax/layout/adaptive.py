@@ -6,8 +6,10 @@ step, from the group's per-expert counts and each replica's own count (its hosti
 choices of that expert), `shares` starts from parts in proportion to the own counts (plus
 one), so that quotas sit where the tokens already are, and levels device loads in
 LEVEL_ROUNDS multiplicative rounds (`level_parts`); the planned parts are kept where they
-level the step better. Each device then keeps min(own, quota, capacity) of its own tokens on
-its own replica, and every source's remaining tokens fill the quotas left, split in
+level the step better. Each device then keeps min(own, quota) of its own tokens on its own
+replica, under the dense dispatch only as far as its own pair stays within the buffer the
+program sizes at factor 1 (`keep_own`: keeping everything piles a hot expert's rows onto one
+pair, decision 0097), and every source's remaining tokens fill the quotas left, split in
 proportion to each replica's room (`remote_parts`). Device loads are the quotas whichever
 sources fill them.
 
@@ -25,6 +27,7 @@ from moejax.layout.placement import SHARE_PARTS, Placement, share_parts
 
 LEVEL_ROUNDS = 8
 RATIO_RANGE = (0.25, 4.0)   # a device's slack ratio is clipped to this before squaring
+BUDGET_ROUNDS = 3           # fixed-point steps of `keep_own` (the remote parts move with it)
 WEIGHT_SCALE = 32           # weights = parts x ratio^2 x 32 <= 2^19: exact in int32 and float32
 
 
@@ -107,11 +110,38 @@ def level_parts(xp, slots_ExR, parts_ExR, counts_E, num_devices: int, slots_per_
   return carry[0]
 
 
-def keep_own(xp, own_ExR, quota_ExR, cap: int | None):
-  """Rows a device keeps on its own replica: all it has, up to the replica's quota and the
-  (source, slot) capacity (None: no capacity)."""
-  kept = xp.minimum(own_ExR, quota_ExR)
-  return kept if cap is None else xp.minimum(kept, cap)
+def keep_own(xp, own_ExR, quota_ExR, parts_ExR, valid_ExR, dev_ExR, num_devices: int,
+             slots_per_device: int, cap: int | None, pooled: bool = False,
+             rounds: int = BUDGET_ROUNDS):
+  """Rows a device keeps on its own replica: all it has up to the replica's quota, and, with
+  a capacity `cap` (the per-(source, slot) buffer at factor 1; None: no buffer), only as much
+  as keeps its own pair within the buffer the program sizes anyway: the larger of the pair's
+  rows when nothing is kept (own x levelled part) and the balanced share (`cap` per slot,
+  C x `cap` per device when `pooled`). A kept row still fills the (source, own slot) pair,
+  and so do the source's remaining rows split by the remote parts, which move with what
+  every device keeps: `rounds` fixed-point steps from keeping all, as the planner's
+  `moejax.placement.fsep.locality` does."""
+  keep0 = xp.where(valid_ExR, xp.minimum(own_ExR, quota_ExR), 0)
+  if cap is None:
+    return keep0
+  nokeep = xp.where(valid_ExR, scaled_floor(parts_ExR, own_ExR), 0)
+  if pooled:
+    budget_N = xp.maximum(_segment_sum(xp, nokeep, dev_ExR, num_devices),
+                          cap * slots_per_device)
+    sum0_N = xp.maximum(_segment_sum(xp, keep0, dev_ExR, num_devices), 1)
+  else:
+    budget = xp.maximum(nokeep, cap)
+  kept = keep0
+  for _ in range(rounds):      # a few [E, R] steps: unrolled in jnp
+    rp = remote_parts(xp, quota_ExR, kept, valid_ExR, parts_ExR)
+    fixed = xp.where(valid_ExR, scaled_floor(rp, own_ExR), 0)    # own rows sent home anyway
+    if pooled:
+      room_N = xp.maximum(budget_N - _segment_sum(xp, fixed, dev_ExR, num_devices), 0)
+      ratio_N = xp.minimum(room_N.astype(xp.float32) / sum0_N.astype(xp.float32), 1)
+      kept = xp.floor(keep0.astype(xp.float32) * ratio_N[dev_ExR]).astype(keep0.dtype)
+    else:
+      kept = xp.clip(budget - fixed, 0, keep0)
+  return xp.minimum(kept, keep0)
 
 
 def remote_parts(xp, quota_ExR, kept_ExR, valid_ExR, parts_ExR):
@@ -140,7 +170,8 @@ def device_peak(xp, parts_ExR, counts_E, dev_ExR, num_devices: int):
 
 
 def shares(xp, slots_ExR, planned_ExR, counts_E, own_ExR, num_devices: int,
-           slots_per_device: int, cap: int | None, rounds: int = LEVEL_ROUNDS):
+           slots_per_device: int, cap: int | None, rounds: int = LEVEL_ROUNDS,
+           pooled: bool = False):
   """(quota, kept, remote parts), each [E, R], of one step: the rows each replica serves, the
   rows its own device keeps on it, and the parts by which every source splits the rest.
   counts_E: the group's counts; own_ExR: each replica's hosting device's count of its expert
@@ -154,12 +185,21 @@ def shares(xp, slots_ExR, planned_ExR, counts_E, own_ExR, num_devices: int,
            device_peak(xp, parts, counts_E, dev, num_devices))
   parts = xp.where(worse, planned_ExR, parts)
   quota = quotas(xp, parts, counts_E)
-  kept = xp.where(valid, keep_own(xp, own_ExR, quota, cap), 0)
+  kept = keep_own(xp, own_ExR, quota, parts, valid, dev, num_devices, slots_per_device, cap,
+                  pooled)
   return quota, kept, remote_parts(xp, quota, kept, valid, parts)
 
 
+def balanced_cap(counts_NxE: np.ndarray, p: Placement) -> int:
+  """The rows a device may keep on each own replica: the dense dispatch's per-(source, slot)
+  buffer at capacity factor 1, T * K / (N * C) of the busiest source, which the program sizes
+  at any factor >= 1."""
+  per_source = int(np.asarray(counts_NxE).sum(1).max())
+  return max(1, -(-per_source // (p.num_devices * p.slots_per_device)))
+
+
 def split_adaptive(p: Placement, counts_NxE: np.ndarray, cap: int | None = None,
-                   rounds: int = LEVEL_ROUNDS) -> np.ndarray:
+                   rounds: int = LEVEL_ROUNDS, pooled: bool = False) -> np.ndarray:
   """Rows each device (one source per device, as in the layer) sends to each slot, int64
   [N, S], under adaptive shares: the layer's rule (`replicas.adaptive_slots`) on the host."""
   counts_NxE = np.asarray(counts_NxE).astype(np.int32)
@@ -170,7 +210,7 @@ def split_adaptive(p: Placement, counts_NxE: np.ndarray, cap: int | None = None,
   counts_E = counts_NxE.sum(0).astype(np.int32)
   dev = np.where(valid, slots // c, 0)
   own = np.where(valid, counts_NxE[dev, np.arange(num_experts)[:, None]], 0)
-  _, kept, remote = shares(np, slots, planned, counts_E, own, n, c, cap, rounds)
+  _, kept, remote = shares(np, slots, planned, counts_E, own, n, c, cap, rounds, pooled)
   kept_NxE = np.zeros((n, num_experts), np.int32)
   np.add.at(kept_NxE, (dev[valid], np.nonzero(valid)[0]), kept[valid])
   phase_N = np.arange(n, dtype=np.int32) * SHARE_PARTS // n

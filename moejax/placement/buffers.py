@@ -21,14 +21,17 @@ TRANSFERS = 4                       # dispatch + combine, forward + backward
 
 
 def slot_loads(p: placement_lib.Placement, counts_WxE: np.ndarray,
-               src_dev_W: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+               src_dev_W: np.ndarray, mode: str = "slot") -> tuple[np.ndarray, np.ndarray] | None:
   """([W', S] rows each source sends each slot, the sources' devices [W']) as the layer
-  routes them, or None for a rule without fixed per-source rows (shadow's local-first)."""
+  routes them under the dense dispatch's capacity `mode` (adaptive shares keep a device's
+  own rows within its buffer), or None for a rule without fixed per-source rows (shadow's
+  local-first)."""
   counts = np.rint(np.asarray(counts_WxE)).astype(np.int64)
   n = p.num_devices
   if p.routing == "adaptive":
     dev_NxE = placement_lib.device_counts(counts, src_dev_W, n).astype(np.int64)
-    return adaptive.split_adaptive(p, dev_NxE), np.arange(n)
+    return adaptive.split_adaptive(p, dev_NxE, adaptive.balanced_cap(dev_NxE, p),
+                                   pooled=mode == "device"), np.arange(n)
   if p.routing == "split":
     return placement_lib.split_loads(p, counts, src_dev_W), np.asarray(src_dev_W)
   se = p.slot_expert
@@ -52,16 +55,16 @@ class BufferTally:
 
   def add(self, p: placement_lib.Placement, counts_WxE: np.ndarray, src_dev_W: np.ndarray,
           crossing: int) -> None:
-    got = slot_loads(p, counts_WxE, src_dev_W)
     self.crossing += crossing
-    if got is None:
-      self.known = False
-      return
-    loads_WxS, src = got
     n, c = p.num_devices, p.slots_per_device
-    per_source = float(loads_WxS.sum(1).max())
-    self.choices += int(loads_WxS.sum())
     for mode in capacity.MODES:
+      got = slot_loads(p, counts_WxE, src_dev_W, mode)
+      if got is None:
+        self.known = False
+        return
+      loads_WxS, src = got
+      per_source = float(loads_WxS.sum(1).max())
+      self.choices += int(loads_WxS.sum()) if mode == capacity.MODES[0] else 0
       buffers = capacity.buffers_per_source(mode, n, c)
       self.loads[mode].append(capacity.buffer_loads(mode, loads_WxS, c).ravel())
       self.share[mode].append(np.full(len(src) * buffers, per_source / buffers))

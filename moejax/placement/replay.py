@@ -4,10 +4,13 @@
       [--window WINDOW] [--json OUT.json]
 
 Sources map to devices evenly: source s of W runs on device s*N // W, which needs W % N == 0 or
-N % W == 0. Every layer is replayed independently. At step 0 the layout is the static one
-(expert e on device e // (E/N)); at every step t > 0 with t % every == 0 the policy is called
-with the prediction from finished steps only, `predict(counts[:t], window)[layer]` (mean of the
-last `window` steps), and the layout in use; its answer is used from step t on. The layout in
+N % W == 0. Every layer is replayed independently. As in the trainer, at step 0 the layout is the static
+one (expert e on device e // (E/N)) for one-copy policies and the round-robin one (slot s
+hosts expert s mod E, even shares) for the others, and the first plan comes from the first
+finished step (the re-planner's cold start): at step 1 and at every step t > 0 with
+t % every == 0 the policy is called with the prediction from finished steps only,
+`predict(counts[:t], window)[layer]` (mean of the last `window` steps), and the layout in use;
+its answer is used from step t on. The layout in
 use at step t is evaluated with `flow` on the actual counts of step t: max/mean device load
 (median, p90 and mean over steps x layers), tokens whose expert runs off their source device,
 what the program pays (per capacity mode the smallest factor with <= 1% of the choices dropped,
@@ -34,6 +37,7 @@ import numpy as np
 from moejax.config import ConfigError
 from moejax.layout import placement as placement_lib
 from moejax.layout.flow import flow, max_over_mean
+from moejax.layout.tables import round_robin_placement
 from moejax.placement import pricing
 from moejax.placement.buffers import BufferTally
 from moejax.placement.policies import ONE_COPY_POLICIES, POLICIES, CostModel, get_policy, predict
@@ -55,15 +59,14 @@ def effective_slots(policy: str, num_experts: int, devices: int, slots: int) -> 
 
 def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int = 10,
            window: int = 10, *, cost: CostModel, options=None,
-           lookahead: bool = False, shares: str = "planned", adaptive: bool = False,
-           cold_start: bool = False) -> dict:
+           lookahead: bool = False, shares: str = "planned", adaptive: bool = False) -> dict:
   """Replays counts[steps, L, W, E] through one policy (with its `options` dataclass, or its
   defaults); returns the per-policy result dict. `shares="adaptive"`: fsep layouts split
   each step's tokens by shares re-levelled from that step's counts (`moejax.layout.adaptive`)
   instead of the planned ones. `adaptive` (planner.adaptive): a candidate after every finished
   step, kept where its priced gain over `every` steps beats its migration
-  (`moejax.placement.pricing`); `cold_start`: also a decision at step 1, as the trainer plans
-  as soon as one step has finished (adaptive always has it). `lookahead` (the `window_oracle`
+  (`moejax.placement.pricing`). As the trainer, the first decision comes after step 1 (one
+  finished step), then every `every` steps. `lookahead` (the `window_oracle`
   row): each decision, from step 0 on, is given the `every` steps it will serve (their mean
   and the steps, not which comes when) instead of the finished ones: what a layout held for `every`
   steps can reach when only the per-step noise inside them is unknown."""
@@ -79,7 +82,9 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
     place = functools.partial(place, options=options)
   src_dev = placement_lib.source_devices(sources, devices)
   c_eff = effective_slots(policy, experts, devices, slots)
-  current = [placement_lib.static(experts, devices) for _ in range(layers)]
+  start = (placement_lib.static(experts, devices) if policy in ONE_COPY_POLICIES
+           else round_robin_placement(experts, devices, c_eff))
+  current = [start for _ in range(layers)]
   tally = BufferTally(cost)
   series = np.zeros((steps, layers))
   predicted = []          # max/mean of each decision's layout on the load it was planned for
@@ -89,9 +94,10 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
   # steps x layers and the migrations' seconds.
   priced = {"migrated_bytes": 0, "migration_s": 0.0, "switches": 0, "busiest_compute_s": 0.0}
   for t in range(steps):
-    # Adaptive: a candidate after every finished step (the first one always taken, as the
-    # trainer's cold start), kept only where its gain over `every` steps beats its migration.
-    if (t % every == 0 or adaptive or (cold_start and t == 1)) and (t > 0 or lookahead):
+    # A decision after the first finished step (the trainer's cold start), then every `every`
+    # steps; adaptive: a candidate after every step, kept only where its gain over `every`
+    # steps beats its migration.
+    if (t > 0 or lookahead) and (t % every == 0 or adaptive or (t == 1 and not lookahead)):
       seen = counts[t:t + every] if lookahead else counts[max(0, t - window):t]
       pred = seen.mean(0) if lookahead else predict(counts[:t], window)   # [L, W, E]
       for layer in range(layers):
@@ -175,7 +181,7 @@ def oracle(counts: np.ndarray, devices: int, slots: int, *, cost: CostModel,
     place = functools.partial(place, options=options)
   src_dev = placement_lib.source_devices(sources, devices)
   c_eff = effective_slots("fsep", experts, devices, slots)
-  current = [placement_lib.static(experts, devices) for _ in range(layers)]
+  current = [round_robin_placement(experts, devices, c_eff) for _ in range(layers)]
   tally = BufferTally(cost)
   series = np.zeros((steps, layers))
   crossing, moved, times = 0, 0, []

@@ -69,13 +69,15 @@ def _replica_slots(expert_TK, expert_slots_ExR, expert_parts_ExR, local_parts_S,
   return split_slots(expert_TK, expert_slots_ExR, expert_parts_ExR, phase, kept_E, local_E)
 
 
-def _adaptive_slots(cap):
+def _adaptive_slots(cap, pooled):
   """`moe.fsep_shares = 'adaptive'`: shares levelled on the step's own counts; a device keeps
-  at most `cap` rows on its own replica (the dense per-(source, slot) rows, also under pooled
-  capacity, where a device's own C slots share C of them; None: ragged, no cap)."""
+  its own rows on its own replica only while its own pair stays within the buffer sized at
+  factor 1 (`cap` rows per (source, slot), C of them per device when `pooled`;
+  `moejax.layout.adaptive.keep_own`; None: ragged, no cap)."""
   def pick(expert_TK, expert_slots_ExR, expert_parts_ExR, local_parts_S, slots):
     del local_parts_S      # the kept rows follow the levelled quotas, not the planned parts
-    return adaptive_slots(expert_TK, expert_slots_ExR, expert_parts_ExR, "expert", slots, cap)
+    return adaptive_slots(expert_TK, expert_slots_ExR, expert_parts_ExR, "expert", slots, cap,
+                          pooled)
   return pick
 
 
@@ -173,10 +175,10 @@ def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
   # Chosen when the program is built: ep layouts have one replica per expert.
   if layout.expert_slots_LxExR.shape[-1] == 1:
     pick_slots = _ep_slots
-  elif cfg.fsep_shares == "adaptive":   # kept rows within a (source, slot)'s dense share
+  elif cfg.fsep_shares == "adaptive":   # kept rows within the balanced dense share
     pick_slots = _adaptive_slots(
-        dispatch_lib.capacity(num_tokens, cfg.top_k, num_slots, cfg.capacity_factor)
-        if cfg.dispatch == "dense" else None)
+        dispatch_lib.capacity(num_tokens, cfg.top_k, num_slots, 1.0)
+        if cfg.dispatch == "dense" else None, cfg.capacity == "device")
   else:
     pick_slots = _replica_slots
   platform = mesh.devices.flat[0].platform

@@ -82,7 +82,7 @@ def split_slots(expert_TK: jax.Array, expert_slots_ExR: jax.Array,
 
 def adaptive_slots(expert_TK: jax.Array, expert_slots_ExR: jax.Array,
                    expert_parts_ExR: jax.Array, axis: str, slots_per_device: int,
-                   cap: int | None) -> jax.Array:
+                   cap: int | None, pooled: bool = False) -> jax.Array:
   """Adaptive shares (`moejax.layout.adaptive`) for this device's choices expert_TK, inside
   shard_map over `axis` (the expert axis: the devices that exchange tokens). One psum of the
   int32 [E] counts and one all_gather of the [C] counts of the experts this device hosts give
@@ -103,7 +103,8 @@ def adaptive_slots(expert_TK: jax.Array, expert_slots_ExR: jax.Array,
   own_S = jax.lax.all_gather(own_C, axis, tiled=True)
   own_ExR = jnp.where(valid, own_S[jnp.maximum(expert_slots_ExR, 0)], 0)
   _, kept_ExR, remote = adaptive.shares(jnp, expert_slots_ExR, expert_parts_ExR, total_E,
-                                        own_ExR, num_devices, slots_per_device, cap)
+                                        own_ExR, num_devices, slots_per_device, cap,
+                                        pooled=pooled)
   phase = device * adaptive.SHARE_PARTS // num_devices
   kept_E = jnp.sum(jnp.where(mine, kept_ExR, 0), axis=1)
   local_slot_E = jnp.max(jnp.where(mine, expert_slots_ExR, -1), axis=1)

@@ -37,7 +37,13 @@ from moejax.placement.fsep.score import (
   own_counts,
 )
 from moejax.placement.fsep.shares import levelled, quantise
-from moejax.placement.fsep.spread import hedge_loads, mean_peak, recent_center, window_loads
+from moejax.placement.fsep.spread import (
+  hedge_loads,
+  mean_peak,
+  recent_center,
+  step_totals,
+  window_loads,
+)
 
 TIME_SLACK = 0.01     # relative score within which the dense dispatch's overflow decides
 DEFAULT_CANDIDATES = ("even", "dhondt")
@@ -96,13 +102,14 @@ def place_replicas(pred_WxE: np.ndarray, current: Placement, *, slots: int,
   if cost is None:
     raise ConfigError(NO_COST)
   spread = (o.plan_for == "spread" and samples_stepsxWxE is not None and len(samples_stepsxWxE) > 1)
+  totals_stepsxE = step_totals(samples_stepsxWxE) if spread else None
   if spread and o.center == "median":
-    pred = recent_center(pred, samples_stepsxWxE, o.center_steps)
+    pred = recent_center(pred, totals_stepsxE, o.center_steps)
   dev_NxE = fold_sources(pred, src_dev_W, n)
   load_E = column_sums(dev_NxE)
   rounds = min(c, num_experts)              # more than E slots: every device holds all E
   total = n * rounds
-  load_stepsxE = window_loads(samples_stepsxWxE, src_dev_W, n, load_E.sum()) if spread else None
+  load_stepsxE = window_loads(totals_stepsxE, load_E.sum()) if spread else None
   targets = [load_E] + (hedge_loads(load_stepsxE) if spread else [])
   counts = {}
   for kind, target in itertools.product(o.candidates, targets):
