@@ -141,7 +141,7 @@ def main(argv=None) -> int:
   if args.base not in args.variants:
     raise SystemExit(f"--variants must include --base {args.base}: the ratios are taken "
                      "against it")
-  import jax   # the package's __init__ has set 8 fake devices
+  import jax  # the package's __init__ has set 8 fake devices
   rows = []
   with tempfile.TemporaryDirectory(prefix="replan_overhead_") as work:
     # Every run compiles the same programs: the cache keeps that out of the benchmark's time.

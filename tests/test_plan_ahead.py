@@ -188,4 +188,5 @@ def test_training_with_a_lag_resumes_to_the_same_layouts_and_losses(tmp_path):
   assert switches["cut"] == switches["whole"]
   assert step_losses(records["cut"]) == step_losses(records["whole"])
   np.testing.assert_array_equal(resumed, whole)
-  assert hook.plans == 3 and hook.migrations >= 1 and hook.planning_s > 0   # due at 2..5, applied 3..5
+  # Due at 2..5, applied at 3..5.
+  assert hook.plans == 3 and hook.migrations >= 1 and hook.planning_s > 0

@@ -205,10 +205,15 @@ def _replan_overhead(files):
     base = a.get("base", "every1000")
     for v, knobs in d["variants"].items():
       runs = [r for r in d["rows"] if r["variant"] == v]
-      med = lambda key: statistics.median(r[key] for r in runs)
       q = d["ratios"].get(v)
-      fmt = lambda k: (f"{q[k]['median']:.3f}x ({', '.join(f'{x:.3f}' for x in q[k]['per_repeat'])})"
-                       if q else "1")
+
+      def med(key, runs=runs):
+        return statistics.median(r[key] for r in runs)
+
+      def fmt(k, q=q):
+        if not q:
+          return "1"
+        return f"{q[k]['median']:.3f}x ({', '.join(f'{x:.3f}' for x in q[k]['per_repeat'])})"
       where = ", planned on the loop's thread" if v.endswith("_nothread") else ""
       rows.append([v, ", ".join(f"`{k} = {x}`" for k, x in knobs.items()) + where,
                    num(med("median_step_s")), num(med("mean_step_s")), fmt("mean_step"),

@@ -4,8 +4,8 @@
       [--window WINDOW] [--json OUT.json]
 
 Sources map to devices evenly: source s of W runs on device s*N // W, which needs W % N == 0 or
-N % W == 0. Every layer is replayed independently. As in the trainer, at step 0 the layout is the static
-one (expert e on device e // (E/N)) for one-copy policies and the round-robin one (slot s
+N % W == 0. Every layer is replayed independently. As in the trainer, at step 0 the layout is
+the static one (expert e on device e // (E/N)) for one-copy policies and the round-robin one (slot s
 hosts expert s mod E, even shares) for the others, and the first plan comes from the first
 finished step (the re-planner's cold start): at step 1 and at every step t > 0 with
 t % every == 0 the policy is called with the prediction from finished steps only,
