@@ -74,13 +74,28 @@ def _planner_time(files):
       rows.append([r["policy"], options or "defaults", r["experts"], r["devices"], r["slots"],
                    num(r["ms_median"]), f"{num(r['ms_min'])} - {num(r['ms_max'])}",
                    num(r["max_over_mean"]), f"`{name}`"])
-      if r["policy"] == "fsep" and r["devices"] == 4096 and not options:
-        head.append((f"fsep planner, E = {r['experts']} experts on N = 4096 devices, median "
-                     "time per decision", f"{r['ms_median']:.2f} ms", name))
+  trainer = []
+  for name, d in files.items():
+    for r in d.get("trainer_rows", []):
+      trainer.append([r["policy"], r["experts"], r["devices"], r["slots"], r["layers"],
+                      r["window"], num(r["ms_per_layer_median"], 2),
+                      num(r["ms_per_replan_median"], 1), r["calls"], f"`{name}`"])
+    picks = {(r["policy"], r["experts"], r["devices"]): r for r in d.get("trainer_rows", [])}
+    fsep, smartmoe = picks.get(("fsep", 256, 4096)), picks.get(("smartmoe", 256, 64))
+    if fsep and smartmoe:
+      head.append(("The trainer's re-plan (its options, window and layers), median time per "
+                   "layer decision: fsep E = 256 on N = 4096; SmartMoE pooled E = 256 on N = 64",
+                   f"{fsep['ms_per_layer_median']:.1f} ms; "
+                   f"{smartmoe['ms_per_layer_median']:.0f} ms", name))
   return Section(["Wall time per planner call (numpy on the host), median and range over the "
                   "calls, and the plan's max/mean on its own load.", "",
                   *table(["policy", "options", "E", "N", "C", "median ms", "min - max ms",
-                          "max/mean", "file"], rows)], head)
+                          "max/mean", "file"], rows), "",
+                  "The call the trainer makes (`OnlinePlanner.propose` of the trainer's "
+                  "re-planner, after a window of observed steps): every MoE layer of one "
+                  "re-plan, per layer and per re-plan.", "",
+                  *table(["policy", "E", "N", "C", "layers", "window", "ms per layer",
+                          "ms per re-plan", "calls", "file"], trainer)], head)
 
 
 @family("planner_ab", "The fsep planner against a base commit, interleaved")
