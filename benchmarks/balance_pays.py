@@ -3,8 +3,8 @@
 On the 8 fake CPU devices as a (1, 8, 1) mesh, E = 16 experts, top-2, routing skewed by a
 log-normal popularity (sigma 1 by default) that is stable across steps. Policies:
 
-  static         per-(source, slot) capacity, expert e on device e // 2 (today's path and
-                 every peer's)
+  static         per-(source, slot) capacity (the default `moe.capacity = 'slot'`), expert
+                 e on device e // 2
   static_pooled  per-(source, device) capacity (`moe.capacity = 'device'`), static layout
   smartmoe       pooled capacity, the SmartMoE permutation planned on warm-up batches,
                  scored by the pooled drops of each warm-up batch
@@ -47,7 +47,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from benchmarks import balance_setup as setup
 from benchmarks.common import command, write_result
 from benchmarks.fsep_vs_ep import build as build_layer, check_against_reference, routed_counts
-from moejax.config import Config, MoEConfig
+from moejax.config import Config, MoEConfig, num_moe_layers
 from moejax.frontend import DEFAULT_GIN, parse_config
 from moejax.layout.placement import static as static_placement
 from moejax.layout.tables import round_robin_placement
@@ -186,7 +186,7 @@ def step_runs(args, seed: int) -> dict:
   own program's routing of the warm-up and timed batches (at a factor where nothing drops),
   as the trainer's re-planner sees its own program's counts."""
   cfg, spec = _model_config(args, None, args.experts / args.top_k)   # nothing can drop
-  layers = cfg.model.num_layers // cfg.moe.moe_every
+  layers = num_moe_layers(cfg.model, cfg.moe)
   bias_LxE = np.tile(args.step_bias_scale * setup.log_popularity(seed, args.experts, args.sigma),
                      (layers, 1))
   static = setup.device_layout("static", [static_placement(args.experts, N)] * layers,

@@ -32,6 +32,7 @@ import numpy as np
 
 from benchmarks.common import command, write_result
 from benchmarks.planner_time import FSEP_CONFIGS, _any_layout
+from benchmarks.timing import print_table
 from moejax.config import Config
 from moejax.layout.flow import max_over_mean
 from moejax.placement import fsep
@@ -133,17 +134,10 @@ def main(argv=None) -> int:
     base = load_base(a.base, tmp)
     rows = [compare(base, e, n, a.rounds, a.calls, a.seed) for e, n in FSEP_CONFIGS]
   load_after = os.getloadavg()[0]
-  print(f"fsep planner, this tree vs {a.base} (C=8; median ms over {a.rounds} x {a.calls} calls; "
-        "bal: planned max/mean)")
-  head = (f"{'E':>4} {'N':>5} {'same plan':>9} {'bal base':>8} {'bal new':>8} {'wall base':>9} "
-          f"{'wall new':>9} {'ratio':>6} {'cpu base':>9} {'cpu new':>8} {'ratio':>6}")
-  print(head)
-  print("-" * len(head))
-  for r in rows:
-    print(f"{r['experts']:>4} {r['devices']:>5} {str(r['same_plan']):>9} "
-          f"{r['max_over_mean_base']:>8.4f} {r['max_over_mean_new']:>8.4f} "
-          f"{r['wall_base_ms']:>9.2f} {r['wall_new_ms']:>9.2f} {r['wall_ratio']:>6.3f} "
-          f"{r['cpu_base_ms']:>9.2f} {r['cpu_new_ms']:>8.2f} {r['cpu_ratio']:>6.3f}")
+  print(f"fsep planner, this tree vs {a.base} (C=8; median ms over {a.rounds} x {a.calls} calls)")
+  print_table(rows, ["experts", "devices", "same_plan", "max_over_mean_base",
+                     "max_over_mean_new", "wall_base_ms", "wall_new_ms", "wall_ratio",
+                     "cpu_base_ms", "cpu_new_ms", "cpu_ratio"])
   print(f"1-minute load average: {load_before:.2f} before, {load_after:.2f} after "
         f"({os.cpu_count()} cores)")
   write_result({"benchmark": "planner_ab", "command": command("planner_ab", argv),

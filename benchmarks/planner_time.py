@@ -56,7 +56,8 @@ import time
 import numpy as np
 
 from benchmarks.common import command, write_result
-from moejax.config import Config
+from benchmarks.timing import print_table
+from moejax.config import Config, num_moe_layers
 from moejax.layout import placement as placement_lib
 from moejax.layout.flow import flow, max_over_mean
 from moejax.layout.tables import round_robin_placement
@@ -138,7 +139,7 @@ def time_trainer_replan(policy: str, experts: int, devices: int, slots: int, rep
   """One re-plan as the trainer makes it (module doc), timed `repeats` times after a warm-up."""
   c = max(slots, -(-experts // devices)) if policy == "fsep" else experts // devices
   cfg = trainer_config(policy, experts, c)
-  layers = cfg.model.num_layers // cfg.moe.moe_every
+  layers = num_moe_layers(cfg.model, cfg.moe)
   planner = online_planner(cfg, devices)
   steps = synthetic_trace(cfg.planner.window, layers, devices, experts, kind="lognormal",
                           seed=seed)["counts"]
@@ -162,30 +163,11 @@ def time_trainer_replan(policy: str, experts: int, devices: int, slots: int, rep
           "ms_per_replan_max": max(ms), "calls": len(ms)}
 
 
-def print_trainer_table(rows: list[dict]) -> None:
-  head = (f"{'policy':<9} {'E':>4} {'N':>5} {'C':>3} {'layers':>6} {'ms/re-plan':>11} "
-          f"{'ms/layer':>9} {'ms min':>9} {'ms max':>9}")
-  print(head)
-  print("-" * len(head))
-  for r in rows:
-    print(f"{r['policy']:<9} {r['experts']:>4} {r['devices']:>5} {r['slots']:>3} "
-          f"{r['layers']:>6} {r['ms_per_replan_median']:>11.3f} {r['ms_per_layer_median']:>9.3f} "
-          f"{r['ms_per_replan_min']:>9.3f} {r['ms_per_replan_max']:>9.3f}")
-
-
-def print_table(rows: list[dict]) -> None:
-  head = (f"{'policy':<10} {'E':>4} {'N':>5} {'C':>3} {'ms median':>10} {'ms min':>9} "
-          f"{'ms max':>9} {'copies':>6} {'max/mean':>8}")
-  print(head)
-  print("-" * len(head))
-  for r in rows:
-    c = "-" if r["slots"] is None else r["slots"]
-    if r["status"] != "ok":
-      print(f"{r['policy']:<10} {r['experts']:>4} {r['devices']:>5} {c:>3} {r['status']:>10}")
-      continue
-    print(f"{r['policy']:<10} {r['experts']:>4} {r['devices']:>5} {c:>3} "
-          f"{r['ms_median']:>10.3f} {r['ms_min']:>9.3f} {r['ms_max']:>9.3f} "
-          f"{r['replicas']:>6} {r['max_over_mean']:>8.3f}")
+# The printed tables' columns (keys of the rows).
+TRAINER_COLUMNS = ["policy", "experts", "devices", "slots", "layers", "ms_per_replan_median",
+                   "ms_per_layer_median", "ms_per_replan_min", "ms_per_replan_max"]
+COLUMNS = ["policy", "experts", "devices", "slots", "status", "ms_median", "ms_min", "ms_max",
+           "replicas", "max_over_mean"]
 
 
 def main(argv=None) -> int:
@@ -211,23 +193,23 @@ def main(argv=None) -> int:
   rows = [] if alone else [time_policy(name, e, n, a.slots, a.repeats, a.seed)
                            for e, n in CONFIGS for name in policy_order()]
   if rows:
-    print_table(rows)
+    print_table(rows, COLUMNS)
   trainer_rows = []
   if (a.trainer and not a.fsep_only) or a.trainer_only or a.smartmoe_only:
     for e, n in TRAINER_CONFIGS if not a.smartmoe_only else ():
       trainer_rows.append(time_trainer_replan("fsep", e, n, a.fsep_slots, a.repeats, a.seed))
-      print_trainer_table(trainer_rows[-1:])
+      print_table(trainer_rows[-1:], TRAINER_COLUMNS)
     for e, n in TRAINER_CONFIGS:
       if e % n == 0:     # a permutation needs N to divide E (none at N = 512, 4096)
         trainer_rows.append(time_trainer_replan("smartmoe", e, n, 0, a.repeats, a.seed))
-        print_trainer_table(trainer_rows[-1:])
+        print_table(trainer_rows[-1:], TRAINER_COLUMNS)
   fsep_rows = []
   if "fsep" in POLICIES and not (a.trainer_only or a.smartmoe_only):
     fsep_rows = [time_policy("fsep", e, n, a.fsep_slots, a.repeats, a.seed, opts)
                  for opts in (None, {"exact_parts": False}) for e, n in FSEP_CONFIGS]
     print(f"\nfsep latency (C={a.fsep_slots}); last {len(FSEP_CONFIGS)} rows: exact_parts=False "
           "(shares not snapped/rounded to SHARE_PARTS by the planner)")
-    print_table(fsep_rows)
+    print_table(fsep_rows, COLUMNS)
   load_after = os.getloadavg()[0]
   print(f"1-minute load average: {load_before:.2f} before, {load_after:.2f} after "
         f"({os.cpu_count()} cores)")

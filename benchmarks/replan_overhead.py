@@ -161,7 +161,7 @@ def main(argv=None) -> int:
               flush=True)
   result = {"args": vars(args), "variants": {v: VARIANTS[v] for v in args.variants},
             "rows": rows, "ratios": ratios(rows, args.variants, args.repeats, args.base),
-            "command": command("replan_overhead")}
+            "command": command("replan_overhead", argv)}
   for v, r in result["ratios"].items():
     print(f"{v} over {args.base}: median step {r['median_step']['median']:.3f}x, mean step "
           f"{r['mean_step']['median']:.3f}x (per repeat: "

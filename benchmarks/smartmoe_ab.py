@@ -33,6 +33,7 @@ import numpy as np
 from benchmarks.common import command, write_result
 from benchmarks.planner_ab import load_base
 from benchmarks.planner_time import trainer_config
+from moejax.config import num_moe_layers
 from moejax.layout import capacity, placement as placement_lib
 from moejax.placement import smartmoe
 from moejax.placement.workloads import synthetic_trace
@@ -109,7 +110,7 @@ def default_job(mod, counts, n=4, top_k=2, unfolded=False) -> float:
 
 def time_trainer(base, experts, n, calls) -> dict:
   cfg = trainer_config("smartmoe", experts, experts // n)
-  layers = cfg.model.num_layers // cfg.moe.moe_every
+  layers = num_moe_layers(cfg.model, cfg.moe)
   planner = online_planner(cfg, n)
   for c in synthetic_trace(cfg.planner.window, layers, n, experts, kind="lognormal",
                            seed=0)["counts"]:
