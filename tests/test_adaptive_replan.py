@@ -71,6 +71,24 @@ def test_adaptive_planner_is_due_every_step_and_switches_only_where_it_pays():
   assert none == [] and kept[0] is start[0], "a migration that never pays back is not made"
 
 
+def test_the_trainers_plan_ahead_takes_the_cold_start_plan_even_where_it_does_not_pay():
+  from moejax.train.plan_ahead import PlanAhead
+  start = [placement_lib.static(EXPERTS, DEVICES)]
+  for lag in (0, 1):
+    dear = _planner(1.0)                                 # no later migration ever pays
+    dear.observe(_skewed_counts_LxWxE())
+    ahead = PlanAhead(lag, threaded=False)
+    ahead.submit(1, 0, dear, start)
+    (plan,) = ahead.take(1 + lag)
+    new, switches, _ = plan.result()
+    assert len(switches) == 1 and not np.array_equal(new[0].slot_expert, start[0].slot_expert)
+    assert dear.planned
+    dear.observe(_skewed_counts_LxWxE((2, 3)))
+    ahead.submit(2, 0, dear, new)
+    (plan,) = ahead.take(2 + lag)
+    assert plan.result()[1] == [], "after the cold start a migration that never pays is not made"
+
+
 def test_the_horizon_is_planner_every():
   p = _planner(1e15).cost
   start = [placement_lib.static(EXPERTS, DEVICES)]

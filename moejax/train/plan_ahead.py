@@ -88,8 +88,10 @@ class PlanAhead:
     """Plans from `planner`'s history now; the plan is applied before `step + lag`. Marks the
     planner as having planned (here, not on the thread: `due` must not depend on timing)."""
     before = next((p for p in reversed(self.pending) if p.member == member), None)
-    planner.planned = True
+    # The snapshot is taken first: it keeps whether this is the cold-start plan (always taken,
+    # also under planner.adaptive), which `propose` reads from `planned`.
     job = (_plan, snapshot(planner), before or current)
+    planner.planned = True
     if self.threaded and self.lag > 0:
       if self._executor is None:
         self._executor = concurrent.futures.ThreadPoolExecutor(
