@@ -14,7 +14,7 @@ import pytest
 
 from moejax.config import ConfigError, PlannerConfig
 from moejax.layout import placement as placement_lib
-from moejax.layout.tables import static_layout
+from moejax.layout.tables import static_layout, to_placements
 from moejax.placement.replanner import OnlinePlanner
 from moejax.train import plan_ahead
 from moejax.train.controllers import LayoutReplanning
@@ -114,8 +114,9 @@ def test_resume_applies_the_same_layouts_at_the_same_steps(lag, jittery):
 def fake_trainer():
   program = types.SimpleNamespace(mesh=types.SimpleNamespace(shape={"expert": DEVICES}))
   planner = new_planner()
+  layout = static_layout(LAYERS, EXPERTS, DEVICES)
   pool = types.SimpleNamespace(planner=planner, planners=[planner], active=0, program=program,
-                               layout=static_layout(LAYERS, EXPERTS, DEVICES))
+                               layout=layout, placements=lambda: to_placements(layout, DEVICES))
   return types.SimpleNamespace(pool=pool)
 
 

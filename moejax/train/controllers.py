@@ -26,7 +26,7 @@ import numpy as np
 
 from moejax.config import Config
 from moejax.layout.migrate import migrate
-from moejax.layout.tables import from_placements, from_slot_expert, to_placements
+from moejax.layout.tables import from_placements, from_slot_expert
 from moejax.strategy.cost import load_dispersion, load_profile
 from moejax.strategy.offline import workload_of
 from moejax.strategy.switcher import StrategySwitcher, expert_shares
@@ -72,8 +72,7 @@ class LayoutReplanning(Hook):
   def before_step(self, trainer, step: int) -> bool:
     pool = trainer.pool
     if pool.planner.due(step):   # lag 0: planned here and taken below
-      n = pool.program.mesh.shape["expert"]
-      self.ahead.submit(step, pool.active, pool.planner, to_placements(pool.layout, n))
+      self.ahead.submit(step, pool.active, pool.planner, pool.placements())
     changed = False
     for plan in self.ahead.take(step):
       changed |= self._apply_plan(trainer, step, plan)
@@ -101,8 +100,7 @@ class LayoutReplanning(Hook):
     strategy switch); True if the layout changed."""
     pool = trainer.pool
     tick = time.perf_counter()
-    new, switches = pool.planner.propose(to_placements(pool.layout,
-                                                       pool.program.mesh.shape["expert"]))
+    new, switches = pool.planner.propose(pool.placements())
     seconds = time.perf_counter() - tick
     self.plans += 1
     self.planning_s += seconds

@@ -13,7 +13,8 @@ import numpy as np
 import optax
 
 from moejax.config import Config, ConfigError, batch_split_error
-from moejax.layout.tables import Layout
+from moejax.layout.placement import Placement
+from moejax.layout.tables import Layout, to_placements
 from moejax.placement.replanner import OnlinePlanner
 from moejax.strategy.placement_cost import of_config as placement_cost_of
 from moejax.strategy.spec import Strategy, check_pool, from_config, parse
@@ -66,6 +67,7 @@ class StrategyPool:
     self.active = 0
     self.transfers: dict = {}        # (src, dst) -> compiled state move (train.programs)
     self.switch_cost_s: dict = {}    # (src, dst) -> seconds one move took at warm-up
+    self._placements: tuple[Layout, list[Placement]] | None = None   # (layout, its placements)
 
   @property
   def switching(self) -> bool:
@@ -83,6 +85,14 @@ class StrategyPool:
   @property
   def layout(self) -> Layout:
     return self.program.layout
+
+  def placements(self) -> list[Placement]:
+    """The active member's layout as host placements per layer, read from the devices once
+    per layout (a re-planner due every step would otherwise copy it back every step)."""
+    layout = self.program.layout
+    if self._placements is None or self._placements[0] is not layout:
+      self._placements = (layout, to_placements(layout, self.program.mesh.shape["expert"]))
+    return self._placements[1]
 
   def set_layout(self, member: int, layout: Layout) -> None:
     """Makes `layout` member `member`'s layout, placed with that member's sharding."""
