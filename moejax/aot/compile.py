@@ -14,6 +14,7 @@ so the attention there is not the one a GPU run picks (`GpuProgram.attention` sa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -22,7 +23,6 @@ import jax
 
 from moejax.aot.gpus import compile_only_devices
 from moejax.config import Config
-from moejax.model.transformer import resolve_attention
 from moejax.runtime.xla_flags import GPU_FLAGS
 from moejax.strategy.spec import Strategy, from_config
 from moejax.train.optim import optimizer, schedule
@@ -54,9 +54,13 @@ class GpuProgram:
   topology: str
   lower_s: float
   compile_s: float
-  attention: str = "xla"       # the attention implementation compiled
 
   @property
+  def attention(self) -> str:
+    """The attention implementation compiled (build_program resolved 'auto' on this mesh)."""
+    return self.program.cfg.model.attention
+
+  @functools.cached_property
   def hlo(self) -> str:
     return self.compiled.as_text()
 
@@ -84,6 +88,4 @@ def compile_train_step(cfg: Config, strategy: Strategy | None = None, *, gpu: st
   lower_s = time.perf_counter() - tick
   tick = time.perf_counter()
   compiled = lowered.compile(compiler_options=xla_options(flags))
-  attention = resolve_attention(cfg.model, prog.mesh).attention
-  return GpuProgram(prog, compiled, gpu, topology, lower_s, time.perf_counter() - tick,
-                    attention)
+  return GpuProgram(prog, compiled, gpu, topology, lower_s, time.perf_counter() - tick)

@@ -145,7 +145,7 @@ def kernels(module: Module | str) -> dict[str, int]:
       target = ins.attr("custom_call_target") or "?"
       if "triton" in target and (m := re.search(r'(?:"name":|\bname = )"([^"]+)"', ins.line)):
         target = f"triton:{m.group(1)}"
-      counts[target] += runs.get(comp, runs_of_caller(module, comp, runs))
+      counts[target] += runs[comp] if comp in runs else runs_of_caller(module, comp, runs)
   return dict(sorted(counts.items()))
 
 
