@@ -4,7 +4,7 @@ into a receive buffer bounded by a factor of the balanced share (dropless at fac
 Every device of the expert axis gathers every source's per-slot counts, so all of them know
 each (source, destination, slot) count, the offsets and the drop rule (`kept_rows`) alike;
 the rows go out sorted by slot, are grouped by slot on arrival for the grouped SwiGLU, and
-come back with the reverse exchange (`ragged_moe` lists the steps). Autodiff goes through
+come back with the reverse exchange (`ragged_stages` lists the steps). Autodiff goes through
 JAX's transpose of `ragged_all_to_all` (a reverse ragged_all_to_all).
 
 XLA:CPU does not implement `ragged_all_to_all`; `check_platform` says so at build time.
