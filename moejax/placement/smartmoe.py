@@ -119,13 +119,13 @@ def _swaps_for_drops(samples_stepsxWxE, dev_E, n, cap_stepsxW, max_iters):
   where it overflows; it takes that device's best swap (where every pair fits, the best swap
   of every dropping device: the full scan's pick up to ties). A device's gains are kept and,
   after a swap elsewhere, only the columns of the two changed devices' experts are summed again
-  (2C columns, not E). Where a whole E x E scan fits `_FULL_ROWS` (E = 64 on N = 8 with a
-  10-step window) it is kept instead, every swap the full scan's best pair. Where one
-  device's search fits `_PAIR_ROWS` every other device is a partner, so the result is a
-  local optimum of the full E x E pair scan; above it a search keeps to the device's `_SIDE` busiest experts and its roomiest partners, and all searches
-  stop after `_SEARCH_ROWS`, so a decision costs O(`_SEARCH_ROWS`), not O(E^2 x rows) per
-  swap. At E = 256 the swaps past the first dozens lower the window's drops and not the next
-  steps' (docs/decisions/0095), so the bound costs the program nothing."""
+  (2C columns, not E). Where a whole E x E scan fits `_FULL_ROWS` (E = 64 on N = 8 with a 10-step
+  window) it is kept instead, every swap the full scan's best pair. Where one device's search fits
+  `_PAIR_ROWS` every other device is a partner, so the result is a local optimum of the full E x E
+  pair scan; above it a search keeps to the device's `_SIDE` busiest experts and its roomiest
+  partners, and all searches stop after `_SEARCH_ROWS`, so a decision costs O(`_SEARCH_ROWS`), not
+  O(E^2 x rows) per swap. At E = 256 the swaps past the first dozens lower the window's drops and
+  not the next steps' (docs/decisions/0095), so the bound costs the program nothing."""
   return _Drops(samples_stepsxWxE, n, cap_stepsxW).swaps(dev_E, max_iters)
 
 

@@ -108,13 +108,13 @@ def ascending(key_candsxN: np.ndarray, cols: np.ndarray | None = None,
 
 def deal_bound(r_candsxE, coarse_candsxE, load_E, load_stepsxE, dev_NxE, total_N, n, rounds):
   """(busiest device's load, most rows a device sends) [cands]: lower bounds on what
-  `planner.peaks` scores for each candidate, before it is placed. `deal` deals the replicas,
-  sorted by per-replica load, in rounds of one per device, so every device carries one replica of each
-  round: the device given round j's heaviest snapped replica (its share fixed at 1/r_e)
-  carries at least that plus the lightest of every other round (unsnapped ones count as 0:
-  their shares may shrink); and the busiest carries at least the mean. With a window
-  (load_stepsxE [steps, E]) per step and averaged. Rows sent: the device with the most tokens keeps
-  at most its `rounds` largest own counts (times 1/r_e where snapped)."""
+  `planner.peaks` scores for each candidate, before it is placed. `deal` deals the replicas, sorted
+  by per-replica load, in rounds of one per device, so every device carries one replica of each
+  round: the device given round j's heaviest snapped replica (its share fixed at 1/r_e) carries at
+  least that plus the lightest of every other round (unsnapped ones count as 0: their shares may
+  shrink); and the busiest carries at least the mean. With a window (load_stepsxE [steps, E]) per
+  step and averaged. Rows sent: the device with the most tokens keeps at most its `rounds` largest
+  own counts (times 1/r_e where snapped)."""
   loads = load_E[None] if load_stepsxE is None else load_stepsxE
   k, num_experts = r_candsxE.shape
   peak, sent = np.empty(k), np.empty(k)
