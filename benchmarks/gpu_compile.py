@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from benchmarks.common import RESULTS, command, ir_operations, write_result
 from moejax.frontend import parse_config
-from moejax.model.moe import ragged
+from moejax.layout import capacity
 from pallas_kernels import backend as backend_lib, compat, gather, gmm as gmm_lib
 from pallas_kernels.gmm import GmmTuning
 from pallas_kernels.permute import PermuteTuning
@@ -61,7 +61,7 @@ def config_shapes(top_k: int | None) -> Shapes:
   tokens = cfg.data.global_batch_size * cfg.data.seq_len // devices
   k = top_k or cfg.moe.top_k
   return Shapes(tokens, cfg.model.d_model, cfg.moe.d_ff // cfg.mesh.model,
-                cfg.moe.num_experts // cfg.mesh.expert, ragged.buffer_rows(
+                cfg.moe.num_experts // cfg.mesh.expert, capacity.ragged_rows(
                     tokens, k, cfg.mesh.expert, cfg.moe.ragged_buffer_factor), k)
 
 

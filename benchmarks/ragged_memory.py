@@ -35,13 +35,14 @@ def _layer(n: int, factor: float, platform: str):
   import jax.numpy as jnp
   from jax.sharding import PartitionSpec as P
 
+  from moejax.layout import capacity
   from moejax.model.mesh import mesh_of_shape
   from moejax.model.moe import ragged
   from moejax.model.moe.ops import ops_for
 
   mesh = mesh_of_shape((1, n, 1))
   ops = ops_for("xla", platform)
-  rows = ragged.buffer_rows(T, K, n, factor)
+  rows = capacity.ragged_rows(T, K, n, factor)
 
   def local(x_TxD, slot_TK, gate_TxK, w_gate, w_up, w_down):
     def loss(x, gate, *w):

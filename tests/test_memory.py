@@ -17,12 +17,13 @@ def test_ep_and_fsep_bytes():
   assert "fsep C=4" in report(2, 8, 4, 8, 4, fsep_slots=4)
 
 
-def test_ragged_buffer_rows_is_the_layers():
-  from moejax.model.moe.ragged import buffer_rows
-  from moejax.strategy.memory import ragged_buffer_rows
+def test_ragged_buffer_rows_are_factor_times_the_balanced_share():
+  # One function sizes the layer's receive buffer and the memory model's (layout.capacity).
+  from moejax.layout.capacity import ragged_rows
 
-  for tokens, k, n, factor in [(8192, 2, 8, 2.0), (100, 3, 4, 0.0), (10, 1, 2, 5.0)]:
-    assert ragged_buffer_rows(tokens, k, n, factor) == buffer_rows(tokens, k, n, factor)
+  expected = {(8192, 2, 8, 2.0): 32768, (100, 3, 4, 0.0): 1200, (10, 1, 2, 5.0): 20}
+  for (tokens, k, n, factor), rows in expected.items():
+    assert ragged_rows(tokens, k, n, factor) == rows
 
 
 def test_activation_terms_name_the_peak():

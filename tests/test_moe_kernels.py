@@ -22,6 +22,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from moejax.config import ConfigError, MoEConfig
+from moejax.layout import capacity
 from moejax.layout.tables import static_layout
 from moejax.model.mesh import mesh_of_shape
 from moejax.model.moe import ragged
@@ -129,7 +130,7 @@ def test_ragged_path_lowers_for_cuda():
   ops = ops_for("pallas", "gpu")
   assert ops.backend == "triton"
   t, d, f, slots = 32, 64, 64, 2
-  ROWS = ragged.buffer_rows(t, 2, 4, 2.0)        # noqa: N806  (a shape, named like one)
+  ROWS = capacity.ragged_rows(t, 2, 4, 2.0)        # noqa: N806  (a shape, named like one)
 
   def local(x_TxD, slot_TK, gate_TxK, w_gate, w_up, w_down):
     def loss(x, gate, *w):

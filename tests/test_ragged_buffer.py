@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from moejax.config import MoEConfig
+from moejax.layout import capacity
 from moejax.layout.tables import static_layout
 from moejax.model.mesh import mesh_of_shape
-from moejax.model.moe import ragged
 from moejax.model.moe.reference import moe_reference
 from moejax.model.moe.route import route
 from tests.moe_helpers import (
@@ -32,9 +32,9 @@ from tests.numerics import assert_close, assert_trees_close
 
 
 def test_buffer_rows():
-  assert ragged.buffer_rows(16, 2, 4, 0.0) == 4 * 32           # worst case: never drops
-  assert ragged.buffer_rows(16, 2, 4, 1.5) == 48
-  assert ragged.buffer_rows(16, 2, 4, 9.0) == 4 * 32           # never above the worst case
+  assert capacity.ragged_rows(16, 2, 4, 0.0) == 4 * 32           # worst case: never drops
+  assert capacity.ragged_rows(16, 2, 4, 1.5) == 48
+  assert capacity.ragged_rows(16, 2, 4, 9.0) == 4 * 32           # never above the worst case
 
 
 @pytest.mark.slow   # over the 8-minute budget of the README test command: .ci/run's slow pass
@@ -57,7 +57,7 @@ def test_overflow_is_dropped_by_its_rule_and_matches_the_reference(emulated_coll
                                 normalize_top_k=True).expert_TxK)
   sources = shape[0] * n
   slot_WxTK = expert_TxK.reshape(sources, -1)            # static layout: slot = expert
-  rows = ragged.buffer_rows(slot_WxTK.shape[1] // 2, 2, n, factor)
+  rows = capacity.ragged_rows(slot_WxTK.shape[1] // 2, 2, n, factor)
   keep_WxTK = np.concatenate([ragged_keep(slot_WxTK[r:r + n], slots, rows)
                              for r in range(0, sources, n)])
   dropped_W = (~keep_WxTK).sum(1)

@@ -29,6 +29,16 @@ def rows(mode: str, num_tokens: int, top_k: int, num_devices: int, slots: int,
   return max(1, math.ceil(capacity_factor * share))
 
 
+def ragged_rows(num_tokens: float, top_k: int, num_devices: int, factor: float) -> int:
+  """The ragged dispatch's receive buffer per device, in rows: `factor` x the balanced share
+  T*K, fixed whatever the load (0: N*T*K, the worst case, when every source sends every
+  choice to this device)."""
+  choices = num_tokens * top_k
+  if factor <= 0:
+    return num_devices * choices
+  return max(1, min(num_devices * choices, math.ceil(factor * choices)))
+
+
 def buffer_loads(mode: str, loads_WxS: np.ndarray, slots: int) -> np.ndarray:
   """[W, buffers]: choices each source routes into each buffer (slot loads summed per device
   under pooling)."""

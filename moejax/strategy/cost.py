@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from moejax.config import ConfigError
+from moejax.layout import capacity
 from moejax.placement.fsep import dhondt_counts
 from moejax.strategy import calls, stages
 from moejax.strategy.memory import (
@@ -23,7 +24,6 @@ from moejax.strategy.memory import (
   activation_bytes,
   expert_bytes,
   expert_params,
-  ragged_buffer_rows,
   step_bytes,
 )
 
@@ -327,7 +327,7 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
 
   buffer_rows = stage_rows      # what the expert matmuls hold: ragged's fixed buffer
   if strategy.dispatch == "ragged":
-    buffer_rows = ragged_buffer_rows(tokens / mb, w.top_k, n, w.ragged_buffer_factor) * (
+    buffer_rows = capacity.ragged_rows(tokens / mb, w.top_k, n, w.ragged_buffer_factor) * (
         mb * moe_layers)
   experts = expert_bytes(strategy.expert_mode, w.moe_layers // p, e, d, f, n, m, c,
                          w.act_bytes, fs, stages=p)

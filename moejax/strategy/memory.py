@@ -24,8 +24,6 @@ The trainer writes `report` into the run dir; `python -m moejax.replay ... --d_m
 
 from __future__ import annotations
 
-import math
-
 from moejax.config import default_fsep_slots
 
 FP32 = 4
@@ -70,15 +68,6 @@ def expert_bytes(mode: str, layers: int, experts: int, d_model: int, d_ff: int, 
           "transient": params * FP32 + 2 * restored * compute_bytes}
 
 
-def ragged_buffer_rows(tokens: float, top_k: int, devices: int, factor: float) -> float:
-  """Ragged dispatch's receive buffer per device and MoE layer, in rows: its size is fixed at
-  `factor` x T*K (0: N*T*K), whatever the load (moejax.model.moe.ragged.buffer_rows)."""
-  choices = tokens * top_k
-  if factor <= 0:
-    return devices * choices
-  return max(1, min(devices * choices, math.ceil(factor * choices)))
-
-
 def attention_score_bytes(tokens: float, heads: int, seq_len: int, act_bytes: int,
                           model_shards: int = 1) -> float:
   """One attention layer's [B, H, Q, Q] scores on a device, when they are materialised (XLA's
@@ -113,7 +102,7 @@ def activation_terms(tokens: float, d_model: int, num_layers: int, vocab_size: i
   The last two are live at different times; the peak holds the larger one (`activation_bytes`).
 
   Per token and layer the residuals are ~20 values of width D, plus 6 per expert row (summed
-  over MoE layers; ragged dispatch: its fixed receive buffer's rows, `ragged_buffer_rows`).
+  over MoE layers; ragged dispatch: its fixed receive buffer's rows, `capacity.ragged_rows`).
   `num_layers`, `groups` (scanned layer groups) and `expert_rows` are this device's (a
   pipeline stage's). A pipelined step is one scan over ticks whose autodiff keeps every
   tick's residuals, idle ticks' too: `stretch` = ticks / (V*M) times the busy ticks'.

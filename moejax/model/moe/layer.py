@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from moejax.config import ConfigError, MoEConfig, batch_split_error
+from moejax.layout import capacity
 from moejax.layout.leaves import EXPERT_WEIGHTS
 from moejax.layout.placement import SHARE_PARTS
 from moejax.layout.tables import Layout
@@ -162,7 +163,7 @@ def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
     raise ConfigError(why)
   num_tokens //= cfg.exchange_chunks      # capacity is per piece
   if cfg.dispatch == "ragged":   # the receive buffer's rows
-    cap = ragged.buffer_rows(num_tokens, cfg.top_k, num_dev, cfg.ragged_buffer_factor)
+    cap = capacity.ragged_rows(num_tokens, cfg.top_k, num_dev, cfg.ragged_buffer_factor)
   elif cfg.capacity == "device":
     cap = pooled.device_capacity(num_tokens, cfg.top_k, num_dev, cfg.capacity_factor)
   else:

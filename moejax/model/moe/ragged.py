@@ -12,8 +12,6 @@ XLA:CPU does not implement `ragged_all_to_all`; `check_platform` says so at buil
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
@@ -60,15 +58,6 @@ def exclusive_cumsum(x, axis=0):
   return jnp.cumsum(x, axis=axis) - x
 
 
-def buffer_rows(num_tokens: int, top_k: int, num_devices: int, factor: float) -> int:
-  """Receive-buffer rows per device: `factor` x the balanced share T*K (0: N*T*K, the worst
-  case, when every source sends every choice to this device)."""
-  choices = num_tokens * top_k
-  if factor <= 0:
-    return num_devices * choices
-  return max(1, min(num_devices * choices, math.ceil(factor * choices)))
-
-
 def kept_rows(counts_NxNxC: jax.Array, rows: int) -> jax.Array:
   """[src, dst, C] choices each source's buffer space on each destination holds: a
   destination's `rows` fill source by source, and a source's block slot by slot."""
@@ -90,15 +79,16 @@ def ragged_stages(x_TxD, slot_TK, gate_TxK, weights, ops, num_dev: int, slots: i
   """Stages (moejax.model.moe.chunks.whole) of (y_TxD float32, slot_counts_S, dropped, kept_S)
   for one device; `weights` = slot-ordered
   (w_gate, w_up, w_down) of this device's C slots (F possibly sharded over 'model', so `y`
-  holds partial sums); `rows` the receive buffer (`buffer_rows`).
+  holds partial sums); `rows` the receive buffer (`capacity.ragged_rows`).
 
   Inside shard_map, per device of the expert axis (N devices, C slots each, T*K choices):
     1. sort choices by slot (stable); gather their token rows into that order: [T*K, D];
     2. all_gather the [N, C] per-slot counts of every source of the group, so every device
        knows every (source, destination, slot) count and the offsets follow from cumsums;
     3. `ragged_all_to_all` sends device d the rows for its slots, packed source-major into a
-       receive buffer of `moe.ragged_buffer_factor` x T*K rows (`buffer_rows`; factor 0: N*T*K, the
-       worst case, every source sending all its choices to this device, which never drops).
+       receive buffer of `moe.ragged_buffer_factor` x T*K rows (`capacity.ragged_rows`; factor
+       0: N*T*K, the worst case, every source sending all its choices to this device, which
+       never drops).
        Drop rule, computed by every device alike from the gathered counts (`kept_rows`): a
        destination's buffer fills source by source in source order, a source's block slot by
        slot, each slot's rows in token order; rows past the end are not sent, and those
