@@ -21,11 +21,9 @@ import dataclasses
 import math
 import re
 
-import numpy as np
-
 from moejax.aot.gpus import Gpu, gpu as gpu_named, host_size
 from moejax.aot.hlo import Instr, Module, parse
-from moejax.aot.read import KINDS, _kind
+from moejax.aot.read import KINDS, _kind, first_group
 from moejax.strategy.cost import PRESETS, HardwareProfile
 
 KERNELS = ("fusion", "custom-call", "dot", "convolution", "copy", "sort", "scatter", "gather",
@@ -98,34 +96,8 @@ def label(kind: str, line: str) -> str:
   return kind
 
 
-def _group(line: str) -> list[int]:
-  """The device ids of a collective's first group (XLA's three spellings)."""
-  if m := re.search(r"replica_groups=\{\{([\d,]*)\}", line):
-    return [int(x) for x in m.group(1).split(",") if x]
-  if m := re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line):
-    ids = np.arange(math.prod(int(x) for x in m.group(3).split(",")))
-    ids = ids.reshape([int(x) for x in m.group(3).split(",")])
-    if m.group(4):
-      ids = ids.transpose([int(x) for x in m.group(4).split(",")])
-    return ids.reshape(int(m.group(1)), int(m.group(2)))[0].tolist()
-  if m := re.search(r"replica_groups=mesh\[([^\]]*)\]([^{]*)\{([^}]*)\}", line):
-    axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))
-    sizes = [int(s) for _, s in axes]
-    ids = np.arange(math.prod(sizes)).reshape(sizes)
-    if d := re.search(r"device_ids=\(([\d,]+)\)", m.group(2)):
-      ids = np.array([int(x) for x in d.group(1).split(",")]).reshape(sizes)
-    names = [a for a, _ in axes]
-    reduced = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(3))]
-    keep = [i for i in range(len(names)) if i not in reduced]
-    return ids.transpose(keep + reduced).reshape(-1, math.prod(sizes[i] for i in reduced))[0]\
-        .tolist()
-  if m := re.search(r"source_target_pairs=\{\{(\d+),(\d+)\}", line):
-    return [int(m.group(1)), int(m.group(2))]
-  return [0]
-
-
 def collective_s(kind: str, size: int, line: str, rates: Rates) -> float:
-  group = _group(line)
+  group = first_group(line) or [0]
   n = max(len(group), 2 if kind.startswith("collective") else 1)
   if n == 1:
     return 0.0

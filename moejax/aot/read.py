@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import re
+
+import numpy as np
 
 from moejax.aot.hlo import Instr, Module, parse
 
@@ -60,17 +63,36 @@ def group_size(line: str) -> int:
   if m := re.search(r"source_target_pairs=\{(.*?)\}\}", line):
     pairs = re.findall(r"\{(\d+),(\d+)", m.group(1) + "}")
     return 2 if any(a != b for a, b in pairs) else 1
+  if (group := first_group(line)) is None:
+    raise ValueError(f"no replica groups read in: {line[:200]}")
+  return max(1, len(group))
+
+
+def first_group(line: str) -> list[int] | None:
+  """The device ids of a collective's first group: its replica groups in any of XLA's three
+  spellings, or a collective permute's first (source, target) pair; None where it has none."""
   if m := re.search(r"replica_groups=\{\{([\d,]*)\}", line):
-    return len(m.group(1).split(","))
-  if m := re.search(r"replica_groups=\[\d+,(\d+)\]<=", line):
-    return int(m.group(1))
-  if m := re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", line):
-    sizes = dict(re.findall(r"'(\w+)'=(\d+)", m.group(1)))
-    size = 1
-    for axis in re.findall(r"'(\w+)'", m.group(2)):
-      size *= int(sizes[axis])
-    return size
-  raise ValueError(f"no replica groups read in: {line[:200]}")
+    return [int(x) for x in m.group(1).split(",") if x]
+  if m := re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line):
+    ids = np.arange(math.prod(int(x) for x in m.group(3).split(",")))
+    ids = ids.reshape([int(x) for x in m.group(3).split(",")])
+    if m.group(4):
+      ids = ids.transpose([int(x) for x in m.group(4).split(",")])
+    return ids.reshape(int(m.group(1)), int(m.group(2)))[0].tolist()
+  if m := re.search(r"replica_groups=mesh\[([^\]]*)\]([^{]*)\{([^}]*)\}", line):
+    axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))
+    sizes = [int(s) for _, s in axes]
+    ids = np.arange(math.prod(sizes)).reshape(sizes)
+    if d := re.search(r"device_ids=\(([\d,]+)\)", m.group(2)):
+      ids = np.array([int(x) for x in d.group(1).split(",")]).reshape(sizes)
+    names = [a for a, _ in axes]
+    reduced = [names.index(a) for a in re.findall(r"'(\w+)'", m.group(3))]
+    keep = [i for i in range(len(names)) if i not in reduced]
+    return ids.transpose(keep + reduced).reshape(-1, math.prod(sizes[i] for i in reduced))[0]\
+        .tolist()
+  if m := re.search(r"source_target_pairs=\{\{(\d+),(\d+)\}", line):
+    return [int(m.group(1)), int(m.group(2))]
+  return None
 
 
 def _group_or_one(line: str) -> int:
