@@ -23,16 +23,14 @@ import argparse
 
 import numpy as np
 
-from benchmarks.common import command, write_result
-from moejax.config import Config
+from benchmarks.common import command, default_cost, write_result
 from moejax.layout import adaptive, capacity, placement as placement_lib
 from moejax.layout.flow import max_over_mean
 from moejax.placement.fsep import FsepOptions
 from moejax.placement.policies import get_policy, predict
 from moejax.placement.workloads import load_trace
-from moejax.strategy.placement_cost import of_config
 
-DEFAULT_COST = of_config(Config())      # the default run's model on its hardware profile
+DEFAULT_COST = default_cost()
 
 RULES = ("planned", "adaptive")
 

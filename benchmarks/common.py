@@ -18,6 +18,18 @@ import sys
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
+def default_config(bindings: list[str] | None = None):
+  """The config `python train.py` runs (configs/default.gin), with `bindings` on top."""
+  from moejax.frontend import DEFAULT_GIN, parse_config
+  return parse_config([DEFAULT_GIN], list(bindings or []))
+
+
+def default_cost():
+  """The placement cost model of the default run: its model on its hardware profile."""
+  from moejax.strategy.placement_cost import of_config
+  return of_config(default_config())
+
+
 def command(name: str, argv: list[str] | None = None) -> str:
   """The command line that reruns benchmark `name` with `argv` (default: this process's)."""
   return shlex.join(["python", "-m", f"benchmarks.{name}",

@@ -30,17 +30,15 @@ import time
 
 import numpy as np
 
-from benchmarks.common import command, write_result
+from benchmarks.common import command, default_cost, write_result
 from benchmarks.planner_time import FSEP_CONFIGS, _any_layout
 from benchmarks.timing import print_table
-from moejax.config import Config
 from moejax.layout.flow import max_over_mean
 from moejax.placement import fsep
 from moejax.placement.fsep.deal import LARGE_MESH
 from moejax.placement.workloads import synthetic_trace
-from moejax.strategy.placement_cost import of_config
 
-DEFAULT_COST = of_config(Config())      # the default run's model on its hardware profile
+DEFAULT_COST = default_cost()
 
 DEFAULT_JSON = "benchmarks/results/planner_ab.json"
 

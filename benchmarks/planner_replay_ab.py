@@ -25,15 +25,13 @@ import tempfile
 
 import numpy as np
 
-from benchmarks.common import command, write_result
+from benchmarks.common import command, default_cost, write_result
 from benchmarks.planner_ab import _same, load_base
-from moejax.config import Config
 from moejax.layout import placement as placement_lib
 from moejax.placement import fsep
 from moejax.placement.policies import predict
-from moejax.strategy.placement_cost import of_config
 
-DEFAULT_COST = of_config(Config())      # the default run's model on its hardware profile
+DEFAULT_COST = default_cost()
 
 DEFAULT_JSON = "benchmarks/results/planner_replay_ab.json"
 TRACES = (("default_run", (2, 4, 8)), ("drift_bursts", (8,)),

@@ -55,7 +55,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import command, write_result
+from benchmarks.common import command, default_config, default_cost, write_result
 from benchmarks.timing import print_table
 from moejax.config import Config, num_moe_layers
 from moejax.layout import placement as placement_lib
@@ -63,10 +63,9 @@ from moejax.layout.flow import flow, max_over_mean
 from moejax.layout.tables import round_robin_placement
 from moejax.placement.policies import ONE_COPY_POLICIES, POLICIES, make_options
 from moejax.placement.workloads import synthetic_trace
-from moejax.strategy.placement_cost import of_config
 from moejax.train.pool import online_planner
 
-DEFAULT_COST = of_config(Config())      # the default run's model on its hardware profile
+DEFAULT_COST = default_cost()
 
 DEFAULT_JSON = "benchmarks/results/planner_time.json"
 CONFIGS = ((64, 64), (64, 256), (256, 256))     # (experts E, devices N)
@@ -125,7 +124,7 @@ def time_policy(name: str, experts: int, devices: int, slots: int, repeats: int,
 def trainer_config(policy: str, experts: int, slots: int) -> Config:
   """The default config with `policy` planning (SmartMoE in ep under pooled capacity, fsep
   with `slots` per device); every other knob the trainer's default."""
-  cfg = Config()
+  cfg = default_config()
   fsep = policy == "fsep"
   moe = dataclasses.replace(cfg.moe, num_experts=experts, expert_mode="fsep" if fsep else "ep",
                             slots_per_device=slots if fsep else 0,
