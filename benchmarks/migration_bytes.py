@@ -1,10 +1,12 @@
-"""What an ep migration sends, read from the compiled programs: the moved-only program (a fixed
-budget of B rows per device pair, one all-to-all per leaf) against the whole permutation (the
-gather XLA partitions over the expert-sharded slot axis), per mesh, for the default run's
-expert size (d_model x d_ff) with weights and both Adam moments. Bytes are per device, from
-`moejax.aot.read.collectives` on `jax.jit(...).lower(...).compile().as_text()`; compile only,
-nothing runs. The moved-only program's bytes do not depend on which slots move (up to the
-budget); the whole permutation's do not either.
+"""What an ep migration sends, read from the compiled programs the trainer runs: the default
+run's training state (configs/default.gin with `--experts` experts, weights and both Adam
+moments) on each mesh, and `moejax.layout.migrate.migration_call`, the call the re-planner's
+switch makes. The moved-only program (a fixed budget of B rows per device pair, one all-to-all
+per leaf) is compared with the whole permutation (the gather XLA partitions over the
+expert-sharded slot axis). Bytes are per device, from `moejax.aot.read.collectives` on the
+compiled programs' text; nothing runs but the state's initialisation. The moved-only program's
+bytes do not depend on which slots move (up to the budget); the whole permutation's do not
+either.
 
 Run (from the repository root; 8 fake CPU devices, under a minute):
 
@@ -21,45 +23,50 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 import argparse  # noqa: E402
 import sys  # noqa: E402
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import (
-  NamedSharding,  # noqa: E402
-  PartitionSpec as P,  # noqa: E402
-)
 
-from benchmarks.common import command, write_result  # noqa: E402
+from benchmarks.common import command, default_config, write_result  # noqa: E402
 from moejax.aot.read import collective_summary, collectives  # noqa: E402
-from moejax.config import Config  # noqa: E402
+from moejax.config import num_moe_layers  # noqa: E402
 from moejax.layout import migrate  # noqa: E402
 from moejax.layout.tables import from_slot_expert  # noqa: E402
+from moejax.strategy.spec import parse as parse_spec  # noqa: E402
+from moejax.train.optim import optimizer, schedule  # noqa: E402
+from moejax.train.programs import build_program  # noqa: E402
+from moejax.train.state import init_state  # noqa: E402
 
 DEFAULT_JSON = "benchmarks/results/migration_bytes_cpu.json"
 MESHES = ((2, 4, 1), (1, 8, 1))        # (data, expert, model)
 
 
-def measure(shape, experts: int, layers: int, d: int, f: int) -> dict:
-  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(shape), ("data", "expert", "model"))
-  n = shape[1]
+def _compiled_text(fn, args) -> str:
+  return fn.lower(*args).compile().as_text()
 
-  def leaf(spec):
-    return jax.ShapeDtypeStruct((layers, experts, d, f), np.float32,
-                                sharding=NamedSharding(mesh, spec))
-  moe = lambda: {"moe": {"w_gate": leaf(P(None, "expert", None, "model")),   # noqa: E731
-                         "w_up": leaf(P(None, "expert", None, "model")),
-                         "w_down": leaf(P(None, "expert", "model", None))}}
-  state = {"params": moe(), "mu": moe(), "nu": moe()}
+
+def measure(shape, experts: int) -> dict:
+  """The default run's ep program on mesh `shape` with `experts` experts: the bytes per
+  device of the migration programs for a change within the budget and past it."""
+  data, n, model = shape
+  cfg = default_config([f"mesh.data = {data}", f"mesh.expert = {n}", f"mesh.model = {model}",
+                        f"moe.num_experts = {experts}", "moe.expert_mode = 'ep'"])
+  tx, lr = optimizer(cfg.optim, 10), schedule(cfg.optim, 10)
+  prog = build_program(cfg, parse_spec(f"ep/{data}x{n}x{model}"), tx, lr, compile_now=False)
+  state = init_state(prog.model, tx, prog.shardings, prog.layout, cfg.data.global_batch_size,
+                     cfg.data.seq_len, 0)
+  layers = num_moe_layers(prog.cfg.model, prog.cfg.moe)
   budget = migrate.default_budget(experts, n)
-  table = NamedSharding(mesh, P("expert", None))
-  tables = jax.ShapeDtypeStruct((n, layers, n * budget), np.int32, sharding=table)
-  pick = jax.ShapeDtypeStruct((n, layers, experts // n), np.int32, sharding=table)
-  moved = migrate._moved_program(state, mesh, "expert", None, budget).lower(
-      state, tables, pick).compile().as_text()
-  src = from_slot_expert(np.stack([np.arange(experts)] * layers), experts).slot_expert_LxS
-  whole = jax.jit(migrate.gather_slots).lower(state, src).compile().as_text()
+  # Within the budget: each layer swaps device 0's first slot with device 1's.
+  c = experts // n
+  swapped = np.arange(experts)
+  swapped[[0, c]] = swapped[[c, 0]]
+  old = prog.state_layout(from_slot_expert(np.stack([np.arange(experts)] * layers), experts))
+  new = prog.state_layout(from_slot_expert(np.stack([swapped] * layers), experts))
+  moved = _compiled_text(*migrate.migration_call(state, old, new))
+  whole = _compiled_text(*migrate.migration_call(state, old, new, whole=True))
+  d, f = prog.cfg.model.d_model, prog.cfg.moe.d_ff
   expert_bytes = 3 * 3 * d * f * 4            # weights and both moments of one expert
   out = {"mesh": "x".join(map(str, shape)), "devices": n, "experts": experts, "layers": layers,
-         "budget": budget, "expert_bytes": expert_bytes}
+         "budget": budget, "d_model": d, "d_ff": f, "expert_bytes": expert_bytes}
   for name, hlo in (("moved_only", moved), ("whole", whole)):
     summary = collective_summary(collectives(hlo))
     out[name] = {"collectives": summary,
@@ -73,20 +80,18 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m benchmarks.migration_bytes",
                                description=__doc__.split("\n\n")[0])
   ap.add_argument("--experts", type=int, default=32)
-  ap.add_argument("--layers", type=int, default=2)
   ap.add_argument("--json", default=DEFAULT_JSON)
   a = ap.parse_args(argv)
-  cfg = Config()
   rows = []
   for shape in MESHES:
-    r = measure(shape, a.experts, a.layers, cfg.model.d_model, cfg.moe.d_ff)
+    r = measure(shape, a.experts)
     rows.append(r)
     print(f"mesh {r['mesh']}: budget {r['budget']} rows/pair; moved-only "
           f"{r['moved_only']['bytes'] / 2**20:.2f} MiB "
           f"{sorted(r['moved_only']['collectives'])}, whole {r['whole']['bytes'] / 2**20:.2f} MiB "
           f"{sorted(r['whole']['collectives'])}", flush=True)
   write_result({"benchmark": "migration_bytes", "command": command("migration_bytes", argv),
-                "d_model": cfg.model.d_model, "d_ff": cfg.moe.d_ff, "rows": rows}, a.json)
+                "rows": rows}, a.json)
   return 0
 
 

@@ -163,9 +163,10 @@ def _migration_bytes(files):
                    f"({', '.join(sorted(r['whole']['collectives']))})",
                    ratio(r["whole"]["bytes"] / r["moved_only"]["bytes"]), f"`{name}`"])
   return Section(["Collective bytes per device of one migration of the expert weights and both "
-                  "Adam moments (d_model x d_ff of the default run), read from the compiled "
-                  "programs: the moved-only program (B rows per device pair, any layout that "
-                  "fits) against the whole permutation.", "",
+                  "Adam moments, read from the programs the trainer's switch compiles for the "
+                  "default run's training state (`migrate.migration_call`): the moved-only "
+                  "program (B rows per device pair, any layout that fits) against the whole "
+                  "permutation.", "",
                   *table(["mesh (data x expert x model)", "E", "L", "B", "experts it can move",
                           "moved-only MiB", "whole MiB", "whole / moved-only", "file"], rows)])
 

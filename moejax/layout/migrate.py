@@ -30,8 +30,7 @@ _PERMUTERS: dict = {}
 _MOVERS: dict = {}
 
 
-def permute_slots(tree: Any, src_LxS: jax.Array, donate: bool = False) -> Any:
-  """leaf[l, s] <- leaf[l, src[l, s]] for every expert leaf [L, S, ...]; shardings kept."""
+def _permuter(tree: Any, donate: bool):
   leaves, treedef = jax.tree.flatten(tree)
   shardings = tuple(x.sharding for x in leaves)
   key = (treedef, shardings, donate)
@@ -39,7 +38,12 @@ def permute_slots(tree: Any, src_LxS: jax.Array, donate: bool = False) -> Any:
     out_sh = jax.tree.unflatten(treedef, shardings)
     _PERMUTERS[key] = jax.jit(gather_slots, out_shardings=out_sh,
                               donate_argnums=(0,) if donate else ())
-  return _PERMUTERS[key](tree, src_LxS)
+  return _PERMUTERS[key]
+
+
+def permute_slots(tree: Any, src_LxS: jax.Array, donate: bool = False) -> Any:
+  """leaf[l, s] <- leaf[l, src[l, s]] for every expert leaf [L, S, ...]; shardings kept."""
+  return _permuter(tree, donate)(tree, src_LxS)
 
 
 def migration_source(old: Layout, new: Layout) -> jax.Array:
@@ -133,12 +137,12 @@ def _moved_program(tree: Any, mesh, axis: str, layer_spec, budget: int):
   return _MOVERS[key]
 
 
-def migrate(state: Any, old: Layout, new: Layout, budget: int | None = None,
-            whole: bool = False) -> Any:
-  """Returns `state` with expert weights and optimizer moments in `new`'s slot order, moving
-  only the slots whose expert comes from another device while every (source, destination)
-  pair moves at most `budget` (default `default_budget`), else (or with `whole`) by the whole
-  permutation. The input state is donated."""
+def migration_call(state: Any, old: Layout, new: Layout, budget: int | None = None,
+                   whole: bool = False) -> tuple[Any, tuple]:
+  """(the compiled program, its arguments) that `migrate` runs for this change: the moved-only
+  program while every (source, destination) pair moves at most `budget` (default
+  `default_budget`), else (or with `whole`) the whole permutation. Apart from `migrate` so a
+  benchmark can lower the very program the trainer runs."""
   src_LxS = migration_source(old, new)
   where = None if whole else slot_axis(state, tuple(src_LxS.shape))
   if where is not None:
@@ -150,6 +154,15 @@ def migrate(state: Any, old: Layout, new: Layout, budget: int | None = None,
     if plan is not None:
       send, pick, _ = plan
       table = NamedSharding(mesh, P(axis, layer_spec))
-      return _moved_program(state, mesh, axis, layer_spec, b)(
-          state, jax.device_put(send, table), jax.device_put(pick, table))
-  return permute_slots(state, src_LxS, donate=True)
+      return (_moved_program(state, mesh, axis, layer_spec, b),
+              (state, jax.device_put(send, table), jax.device_put(pick, table)))
+  return _permuter(state, donate=True), (state, src_LxS)
+
+
+def migrate(state: Any, old: Layout, new: Layout, budget: int | None = None,
+            whole: bool = False) -> Any:
+  """Returns `state` with expert weights and optimizer moments in `new`'s slot order, moving
+  only the slots whose expert comes from another device (`migration_call` says which
+  program). The input state is donated."""
+  fn, args = migration_call(state, old, new, budget, whole)
+  return fn(*args)
