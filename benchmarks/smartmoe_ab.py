@@ -8,10 +8,11 @@ Three tables, each planner given the same inputs:
     drops of the chosen layout on the window it was planned on; `realised`: its drops on the
     10 steps it then serves, per (source, device) buffer of the trace's own sources;
     max/mean: those steps' device loads.
-  * default job: the decisions the trainer makes in the default job (a cold start at step 2,
-    then every 50 steps, from the steps read by then) replayed on a logged run's counts,
-    and the drops of steps 150-299 as train.py's last line counts them; `unfolded` passes the
-    window's data rows as separate sources (the re-planner sums a device's rows).
+  * default job: the decisions the trainer's re-planner (`online_planner` of the default
+    config, each planner its policy) makes in the default job, fed a logged run's counts as
+    the trainer reads them (a step late, except before an eval or a checkpoint) and asked
+    before every step whether it is due (a cold start at step 2, then every 50 steps), and
+    the drops of steps 150-299 as train.py's last line counts them.
   * time: `OnlinePlanner.propose` for the default config under pooled capacity (as
     `benchmarks.planner_time --smartmoe_only`), both planners interleaved call by call.
 
@@ -30,7 +31,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import command, write_result
+from benchmarks.common import command, default_config, write_result
 from benchmarks.planner_ab import load_base
 from benchmarks.planner_time import trainer_config
 from moejax.config import num_moe_layers
@@ -87,17 +88,21 @@ def replay(mod, counts, n, every=10, window=10, decisions=None) -> dict:
           "ms_median": statistics.median(ms)}
 
 
-def default_job(mod, counts, n=4, top_k=2, unfolded=False) -> float:
+def default_job(mod, counts) -> float:
   """Dropped fraction of steps 150-299 under the trainer's decisions (module doc)."""
-  steps, layers, sources, experts = counts.shape
-  seen = counts if unfolded else counts.reshape(steps, layers, n, sources // n, experts).sum(3)
-  cur, dropped, choices = [placement_lib.static(experts, n)] * layers, 0, 0
+  steps, layers, _, experts = counts.shape
+  cfg = default_config()
+  n, top_k = cfg.mesh.expert, cfg.moe.top_k
+  planner = online_planner(cfg, n)
+  planner.policy = mod.place_permutation
+  cur, dropped, choices, read = [placement_lib.static(experts, n)] * layers, 0, 0, 0
   for t in range(steps):
     # Metrics are read a step late, except before an eval or a checkpoint (every 100 steps).
-    read = t if t % 100 == 0 else t - 1
-    if read > 0 and (t == 2 or t % 50 == 0):
-      cur = [_plan(mod, seen[max(0, read - 10):read, layer], cur[layer])
-             for layer in range(layers)]
+    while read < (t if t % 100 == 0 else t - 1):
+      planner.observe(counts[read])
+      read += 1
+    if planner.due(t):
+      cur = planner.propose(cur)[0]
     if t >= steps // 2:
       for layer in range(layers):
         c = counts[t, layer]
@@ -154,8 +159,7 @@ def main(argv=None) -> int:
     print(name, n, {k: {m: round(v, 5) for m, v in row[k].items()} for k in ("base", "this")},
           flush=True)
   counts = np.load(DEFAULT_JOB_TRACE)["counts"].astype(np.float64)
-  job = {f"{tag}{'_unfolded' if unfolded else ''}": default_job(mod, counts, unfolded=unfolded)
-         for tag, mod in (("base", base), ("this", smartmoe)) for unfolded in (False, True)}
+  job = {tag: default_job(mod, counts) for tag, mod in (("base", base), ("this", smartmoe))}
   print("default job, steps 150-299 dropped:", {k: f"{v:.4%}" for k, v in job.items()})
   timed = []
   for e, n in TIMED:

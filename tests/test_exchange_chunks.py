@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from moejax.aot.hlo import parse
 from moejax.config import ConfigError, MoEConfig
 from moejax.layout import capacity
 from moejax.layout.tables import static_layout
@@ -86,39 +87,39 @@ def test_pieces_run_in_fastermoe_order():
   params = make_params(4)
   lowered = jax.jit(lambda p, x: moe_apply(p, x, layout, cfg, mesh)[0]).lower(params, x)
 
-  def compute_of(comps, piece):
-    def pred(line):
-      if f"exchange_chunk{piece}/" not in line:
+  def compute_of(module, piece):
+    def pred(ins):
+      if f"exchange_chunk{piece}/" not in ins.line:
         return False
-      if hlo_lib.opcode(line) in ("dot", "convolution"):
+      if ins.opcode in ("dot", "convolution"):
         return True
-      return any(hlo_lib.has_dot(comps, c) for c in hlo_lib.callees(line))
+      return any(hlo_lib.has_dot(module, c) for c in ins.callees)
     return pred
 
   def pieces(text):
-    comps = hlo_lib.computations(text)
-    body = next(c for c in comps.values()
-                if any(hlo_lib.opcode(line) == "all-to-all" for line in c.values()))
+    module = parse(text)
+    body = next(module.by_name(c) for c, instrs in module.computations.items()
+                if any(ins.opcode == "all-to-all" for ins in instrs))
     found = {}
     for piece in (0, 1):
-      found[piece] = [n for n, line in body.items() if hlo_lib.opcode(line) == "all-to-all"
-                      and f"exchange_chunk{piece}/" in line]
+      found[piece] = [n for n, ins in body.items() if ins.opcode == "all-to-all"
+                      and f"exchange_chunk{piece}/" in ins.line]
       assert len(found[piece]) >= 2, f"piece {piece}: {found[piece]}"   # there and back
-      assert any(compute_of(comps, piece)(line) for line in body.values()), piece
-    return comps, body, found
+      assert any(compute_of(module, piece)(ins) for ins in body.values()), piece
+    return module, body, found
 
-  comps, body, found = pieces(lowered.compile().as_text())
-  own = [n for n in found[1] if hlo_lib.depends_on(body, n, compute_of(comps, 1))]
+  module, body, found = pieces(lowered.compile().as_text())
+  own = [n for n in found[1] if hlo_lib.depends_on(body, n, compute_of(module, 1))]
   dispatches = [n for n in found[1] if n not in own]
   assert own and dispatches, found[1]
   for name, other in [(n, 1) for n in found[0]] + [(n, 0) for n in dispatches]:
-    waits = hlo_lib.depends_on(body, name, compute_of(comps, other))
-    assert waits is None, f"{name} waits for piece {other}: {waits}"
-  comps, body, found = pieces(lowered.as_text(dialect="hlo", debug_info=True))
-  returns = [n for n in found[1] if hlo_lib.depends_on(body, n, compute_of(comps, 1))]
+    waits = hlo_lib.depends_on(body, name, compute_of(module, other))
+    assert waits is None, f"{name} waits for piece {other}: {waits.line}"
+  module, body, found = pieces(lowered.as_text(dialect="hlo", debug_info=True))
+  returns = [n for n in found[1] if hlo_lib.depends_on(body, n, compute_of(module, 1))]
   assert returns, found[1]
   for name in returns:
-    assert hlo_lib.depends_on(body, name, compute_of(comps, 0)), f"piece 1's {name} unordered"
+    assert hlo_lib.depends_on(body, name, compute_of(module, 0)), f"piece 1's {name} unordered"
 
 
 @pytest.mark.slow     # 12 s on the 2-core VM: over the README test command's 8-minute budget

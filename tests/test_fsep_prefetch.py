@@ -20,6 +20,7 @@ import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from moejax.aot.hlo import parse
 from moejax.config import MoEConfig
 from moejax.layout.tables import from_placements
 from moejax.model.mesh import mesh_of_shape
@@ -71,24 +72,21 @@ def _compiled(layers: int, d_ff: int):
   return f.lower(params, batch_BxQ1=tokens(), layout=layout).compile(), f, params, layout
 
 
-def _is_compute(comps, line: str) -> bool:
+def _is_compute(module, ins) -> bool:
   """A matmul (direct or fused) or a token exchange: this iteration's layer compute."""
-  op = hlo_lib.opcode(line)
-  if op in ("dot", "convolution"):
+  if ins.opcode in ("dot", "convolution"):
     return True
-  if op == "all-to-all":
-    return "fsep_restore" not in line
-  return any(hlo_lib.has_dot(comps, c) for c in hlo_lib.callees(line))
+  if ins.opcode == "all-to-all":
+    return "fsep_restore" not in ins.line
+  return any(hlo_lib.has_dot(module, c) for c in ins.callees)
 
 
-def _while_bodies(hlo: str, comps) -> tuple[str, str]:
+def _while_bodies(module) -> tuple[str, str]:
   """Body computations of the forward and the backward (transposed) layer loop."""
-  entry = next(c for n, c in comps.items() if f"ENTRY %{n} " in hlo or f"ENTRY {n} " in hlo)
-  loops = [line for line in entry.values() if hlo_lib.opcode(line) == "while"]
-  body = lambda line: re.search(r"body=%([\w.\-]+)", line).group(1)
-  forward = [body(line) for line in loops if "transpose(" not in line]
-  backward = [body(line) for line in loops if "transpose(" in line]
-  assert len(forward) == 1 and len(backward) == 1, loops
+  loops = [ins for ins in module.computations[module.entry] if ins.opcode == "while"]
+  forward = [ins.attr("body") for ins in loops if "transpose(" not in ins.line]
+  backward = [ins.attr("body") for ins in loops if "transpose(" in ins.line]
+  assert len(forward) == 1 and len(backward) == 1, [ins.line for ins in loops]
   return forward[0], backward[0]
 
 
@@ -106,20 +104,19 @@ def test_next_layers_restore_does_not_wait_for_this_layers_compute():
   lowered = f.lower(params, batch_BxQ1=tokens(), layout=layout).as_text()
   weight_a2a = re.findall(r'"stablehlo.all_to_all"\(%\w+\) .*?: \(tensor<1x(\w+)>\)', lowered)
   assert len(weight_a2a) >= 9 and all(t.endswith("xbf16") for t in weight_a2a), weight_a2a
-  hlo = compiled.as_text()
-  comps = hlo_lib.computations(hlo)
-  for loop, body_name in zip(("forward", "backward"), _while_bodies(hlo, comps)):
-    body = comps[body_name]
-    restores = [n for n, line in body.items()
-                if hlo_lib.opcode(line) == "all-to-all" and "fsep_restore" in line]
+  module = parse(compiled.as_text())
+  for loop, body_name in zip(("forward", "backward"), _while_bodies(module)):
+    body = module.by_name(body_name)
+    restores = [n for n, ins in body.items()
+                if ins.opcode == "all-to-all" and "fsep_restore" in ins.line]
     assert len(restores) >= (1 if loop == "forward" else 2), f"{loop} loop: {restores}"
-    assert any(_is_compute(comps, line) and "all-to-all" in line for line in body.values()), \
+    assert any(_is_compute(module, ins) and "all-to-all" in ins.line for ins in body.values()), \
         f"expected the token all_to_alls inside the {loop} layer loop"
-    assert any(hlo_lib.opcode(line) != "all-to-all" and _is_compute(comps, line)
-               for line in body.values()), f"expected matmuls inside the {loop} layer loop"
+    assert any(ins.opcode != "all-to-all" and _is_compute(module, ins)
+               for ins in body.values()), f"expected matmuls inside the {loop} layer loop"
     for name in restores:
-      waits_for = hlo_lib.depends_on(body, name, lambda line: _is_compute(comps, line))
-      assert waits_for is None, f"{loop}: {name} waits for {waits_for}"
+      waits_for = hlo_lib.depends_on(body, name, lambda ins: _is_compute(module, ins))
+      assert waits_for is None, f"{loop}: {name} waits for {waits_for.line}"
 
 
 @pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass

@@ -1,6 +1,7 @@
-"""XLA's scheduled HLO text as data: computations in schedule order, each instruction with
-its opcode, result shapes, operands, called computations and attributes; how often each
-computation runs per step (while loops' known trip counts)."""
+"""XLA's HLO text as data: computations in schedule order, each instruction with its opcode,
+result shapes, operands, called computations and attributes; how often each computation runs
+per step (while loops' known trip counts). Reads the optimised (scheduled) text and the text
+as lowered (`as_text(dialect="hlo")`: names without %, computations without signatures)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2
                "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8,
                "f64": 8, "c64": 8, "c128": 16, "s4": 1, "u4": 1}
 _SHAPE = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
-_INSTR = re.compile(r"\s+(?:ROOT )?%([\w.\-]+) = (.*)$")
-_CALLS = re.compile(r"\b(?:calls|to_apply|body|condition)=%([\w.\-]+)")
+_INSTR = re.compile(r"\s+(?:ROOT )?(%?)([\w.\-]+) = (.*)$")
+_CALLS = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
+_HEADER = re.compile(r"(?:ENTRY )?%?([\w.\-]+) [({]")
 
 
 @dataclasses.dataclass
@@ -37,6 +39,11 @@ class Instr:
     m = re.search(rf"\b{key}=(\"[^\"]*\"|\{{[^}}]*\}}|[^,\s]+)", self.line)
     return m.group(1).strip('"').lstrip('%') if m else None
 
+  def trip_count(self) -> int | None:
+    """A while loop's known trip count (None where XLA knows none)."""
+    m = re.search(r'known_trip_count":\{"n":"(\d+)"', self.line)
+    return int(m.group(1)) if m else None
+
 
 def _split_rhs(rhs: str) -> tuple[str, str, str]:
   """(shape, opcode, the rest after the opening parenthesis) of an instruction's right side."""
@@ -53,12 +60,17 @@ def _split_rhs(rhs: str) -> tuple[str, str, str]:
   return shape, m.group(1), m.group(2)
 
 
-def _operands(args: str) -> list[str]:
+def _operands(args: str, lowered: bool) -> list[str]:
+  """The operand names in `args` (up to the balanced closing parenthesis); `lowered`: names
+  without %, separated by commas."""
   depth = 1
   for end, c in enumerate(args):
     depth += {"(": 1, ")": -1}.get(c, 0)
     if depth == 0:
-      return re.findall(r"%([\w.\-]+)", args[:end])
+      args = args[:end]
+      break
+  if lowered:
+    return [a.strip() for a in args.split(",") if a.strip()]
   return re.findall(r"%([\w.\-]+)", args)
 
 
@@ -83,10 +95,8 @@ class Module:
                           "scatter", "map", "reduce-window", "select-and-scatter",
                           "reduce-scatter"):
           continue                                    # computations of one kernel
-        trip = 1
-        if ins.opcode == "while":
-          m = re.search(r'known_trip_count":\{"n":"(\d+)"', ins.line)
-          trip = int(m.group(1)) if m else 1
+        trip = ins.trip_count() if ins.opcode == "while" else 1
+        trip = 1 if trip is None else trip
         for callee in ins.callees:
           if callee in self.computations and callee not in runs:
             runs[callee] = runs[comp] * (1 if callee == ins.attr("condition") else trip)
@@ -97,15 +107,15 @@ class Module:
 def parse(text: str) -> Module:
   comps, current, entry = {}, None, None
   for line in text.splitlines():
-    if line.endswith("{") and not line.startswith(" ") and " (" in line:
-      name = re.search(r"%?([\w.\-]+) \(", line).group(1)
-      current = comps.setdefault(name, [])
+    if line.endswith("{") and not line.startswith(" ") and (h := _HEADER.match(line)):
+      current = comps.setdefault(name := h.group(1), [])
       if line.startswith("ENTRY"):
         entry = name
     elif current is not None and (m := _INSTR.match(line)):
-      shape, opcode, args = _split_rhs(m.group(2))
+      shape, opcode, args = _split_rhs(m.group(3))
       callees = _CALLS.findall(line)
       for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
-        callees += re.findall(r"%([\w.\-]+)", group)
-      current.append(Instr(m.group(1), opcode, shape, _operands(args), callees, line))
+        callees += re.findall(r"%?([\w.\-]+)", group)
+      current.append(Instr(m.group(2), opcode, shape, _operands(args, not m.group(1)), callees,
+                           line))
   return Module(comps, entry)

@@ -126,38 +126,11 @@ class DenseMLP(nn.Module):
 BACKWARD_RESTORE = "backward_restore"
 
 
-def _rerestoring_moe(moe: MoELayer):
-  """`moe(x, layout, weights)` whose backward pass restores `weights` again from the stored
-  shards (one more exchange) and recomputes the layer, instead of keeping every layer's
-  restored weights from the forward pass until its backward pass."""
-  def call(mdl, x, layout, weights, stored, slot_expert_LxS, layer):
-    del stored, slot_expert_LxS, layer          # the backward pass's inputs
-    return mdl(x, layout, weights)
-
-  def fwd(mdl, x, layout, weights, stored, slot_expert_LxS, layer):
-    res = (mdl.variables["params"], x, layout, stored, slot_expert_LxS, layer)   # no `weights`
-    return mdl(x, layout, weights), res
-
-  def bwd(res, ct):
-    params, x, layout, stored, slot_expert_LxS, layer = res
-    with jax.named_scope(BACKWARD_RESTORE):
-      weights = restore_layer(stored, slot_expert_LxS, layer, moe.mesh, moe.dtype)
-    apply = lambda p, x, w: MoELayer(moe.cfg, moe.mesh, moe.dtype).apply({"params": p}, x,
-                                                                          layout, w)
-    ct_params, ct_x, ct_weights = jax.vjp(apply, params, x, weights)[1](ct)
-    return {"params": ct_params}, ct_x, None, ct_weights, None, None, None
-
-  return nn.custom_vjp(call, fwd, bwd)
-
-
-def _prefetching_moe(moe: MoELayer):
-  """`moe(x, layout, weights)`, plus a `channel` (the shape of one layer's restored weights)
-  passed through unchanged, whose cotangent carries restored weights backwards through the
-  layer scan: layer l's backward pass takes its own weights from the cotangent of its channel
-  output (restored during layer l+1's backward, or by `_seed_backward_restore` for the last
-  layer) and returns layer l-1's, restored now, as the cotangent of its channel input, so
-  that restore overlaps this layer's backward compute instead of preceding it. The forward
-  keeps no layer's restored weights for the backward."""
+def _recomputing_moe(moe: MoELayer, backward_weights):
+  """`moe(x, layout, weights)`, plus a `channel` passed through unchanged, whose backward
+  pass recomputes the layer from weights it gets again instead of the forward keeping every
+  layer's restored weights until its backward pass: `backward_weights(ct_channel, stored,
+  slot_expert_LxS, layer)` gives (this layer's weights, the cotangent of the channel input)."""
   def call(mdl, x, layout, weights, channel, stored, slot_expert_LxS, layer):
     del stored, slot_expert_LxS, layer          # the backward pass's inputs
     return mdl(x, layout, weights), channel
@@ -168,16 +141,43 @@ def _prefetching_moe(moe: MoELayer):
 
   def bwd(res, ct):
     params, x, layout, stored, slot_expert_LxS, layer = res
-    ct_out, weights = ct                         # this layer's weights, restored ahead
-    previous = (layer - 1) % slot_expert_LxS.shape[0]    # layer 0 wraps: nobody reads it
-    with jax.named_scope(BACKWARD_RESTORE):
-      ahead = restore_layer(stored, slot_expert_LxS, previous, moe.mesh, moe.dtype)
+    ct_out, ct_channel = ct
+    weights, ct_channel_in = backward_weights(ct_channel, stored, slot_expert_LxS, layer)
     apply = lambda p, x, w: MoELayer(moe.cfg, moe.mesh, moe.dtype).apply({"params": p}, x,
                                                                           layout, w)
     ct_params, ct_x, ct_weights = jax.vjp(apply, params, x, weights)[1](ct_out)
-    return {"params": ct_params}, ct_x, None, ct_weights, ahead, None, None, None
+    return {"params": ct_params}, ct_x, None, ct_weights, ct_channel_in, None, None, None
 
   return nn.custom_vjp(call, fwd, bwd)
+
+
+def _backward_restore(moe: MoELayer, stored, slot_expert_LxS, layer):
+  with jax.named_scope(BACKWARD_RESTORE):
+    return restore_layer(stored, slot_expert_LxS, layer, moe.mesh, moe.dtype)
+
+
+def _rerestoring_moe(moe: MoELayer):
+  """`_recomputing_moe` whose backward pass restores this layer's weights again from the
+  stored shards (one more exchange); its channel is None."""
+  def backward_weights(ct_channel, stored, slot_expert_LxS, layer):
+    del ct_channel
+    return _backward_restore(moe, stored, slot_expert_LxS, layer), None
+
+  return _recomputing_moe(moe, backward_weights)
+
+
+def _prefetching_moe(moe: MoELayer):
+  """`_recomputing_moe` whose channel (the shape of one layer's restored weights) carries
+  restored weights backwards through the layer scan: layer l's backward pass takes its own
+  weights from the cotangent of its channel output (restored during layer l+1's backward, or
+  by `_seed_backward_restore` for the last layer) and returns layer l-1's, restored now, as
+  the cotangent of its channel input, so that restore overlaps this layer's backward compute
+  instead of preceding it."""
+  def backward_weights(ct_channel, stored, slot_expert_LxS, layer):
+    previous = (layer - 1) % slot_expert_LxS.shape[0]    # layer 0 wraps: nobody reads it
+    return ct_channel, _backward_restore(moe, stored, slot_expert_LxS, previous)
+
+  return _recomputing_moe(moe, backward_weights)
 
 
 def _seed_backward_restore(mesh: Mesh, dtype):
@@ -261,8 +261,8 @@ class LayerGroup(nn.Module):
                                                   stored, slot_expert_LxS, layer)
     else:
       moe = MoELayer(self.moe_cfg, self.mesh, jnp.dtype(cfg.dtype), name="moe")
-      y, stats = _rerestoring_moe(moe)(moe, h_BxQxD, layout, slot_weights, stored,
-                                        slot_expert_LxS, layer)
+      (y, stats), _ = _rerestoring_moe(moe)(moe, h_BxQxD, layout, slot_weights, None, stored,
+                                             slot_expert_LxS, layer)
     if self.moe_cfg.num_shared_experts:   # one SwiGLU as wide as all shared experts together
       width = self.moe_cfg.num_shared_experts * (self.moe_cfg.shared_d_ff or self.moe_cfg.d_ff)
       y = y + mlp(cfg, width, name="shared")(h_BxQxD)
