@@ -124,6 +124,11 @@ def test_a_snapshot_keeps_its_window_while_the_planner_observes():
   seen = _recorded(copied)
   copied.propose(_start())
   _check_window(copied, seen, steps[:WINDOW])
+  seen = _recorded(op)                      # and the planner's own sum went on from there
+  for counts in steps[:2]:
+    op.observe(counts)
+    op.propose(_start())
+  _check_window(op, seen, list(steps[WINDOW + 2:]) + list(steps[:2]))
 
 
 def test_fsep_plans_as_from_the_stacked_window():

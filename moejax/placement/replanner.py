@@ -27,15 +27,20 @@ from moejax.placement.fsep.spread import step_totals
 from moejax.placement.pricing import planned_load as _planned_load
 
 
-def _whole(raw: np.ndarray, folded: np.ndarray, steps: int) -> bool:
-  """Whether `folded` (of the counts `raw`) holds whole numbers small enough that `steps` + 1
-  of them add up exactly in float64, in any order."""
-  if folded.size == 0:
+def _whole(raw: np.ndarray, rows: int, steps: int) -> bool:
+  """Whether counts `raw`, summed over `rows` data rows and then over `steps` + 1 steps in any
+  order, add up exactly in float64: whole numbers small enough (for int32 counts, as the
+  trainer's, by their type alone, without reading them)."""
+  if raw.size == 0:
     return True
-  if raw.dtype.kind not in "biu" and not np.array_equal(raw, np.rint(raw)):
+  bound = 2.0 ** 52 / (steps + 1) / max(rows, 1)
+  if raw.dtype.kind in "biu":
+    info = np.iinfo(raw.dtype) if raw.dtype.kind != "b" else np.iinfo(np.int8)
+    if max(abs(int(info.min)), int(info.max)) < bound:
+      return True
+  elif not np.array_equal(raw, np.rint(raw)):
     return False
-  bound = 2.0 ** 52 / (steps + 1)
-  return bool(folded.max() < bound and folded.min() > -bound)
+  return bool(raw.max() < bound and raw.min() > -bound)
 
 
 class Switch(NamedTuple):
@@ -75,15 +80,16 @@ class OnlinePlanner:
     self.policy = policies.get_policy(cfg.policy)
     given = _config_options(cfg, capacity_factor, capacity)
     self.options = policies.make_options(cfg.policy, **given)
-    # The window's steps, oldest first. An entry is never changed in place (and the sums
-    # below are replaced, not updated in place), so a copy of the deque and of this object
-    # (moejax.train.plan_ahead.snapshot) plans from the window as it was.
+    # The window's steps, oldest first. An entry is never changed in place, and the running
+    # sum below is once a copy of this object shares it (`__copy__`), so a copy of the deque
+    # and of this object (moejax.train.plan_ahead.snapshot) plans from the window as it was.
     self.history: collections.deque = collections.deque(maxlen=cfg.window)
     # The window's sum, kept step by step: at N = 4096, E = 256 the window is 84 MB per layer,
     # and reading all of it for every decision took as long as the plan. Added and taken off
     # only while every step it holds is whole counts (exact in float64, so it equals the
     # sum of the window in order, bit for bit); None: sum the window when asked.
     self._sum_LxNxE: np.ndarray | None = None
+    self._sum_shared = False                # a copy holds it: add into a new array
     self._whole: tuple[bool, ...] = ()      # per step of the window: its counts are whole
     # fsep's spread planning reads each step's expert totals [steps, L, E]; kept per step as it
     # comes (None: the policy sums the steps itself).
@@ -105,7 +111,8 @@ class OnlinePlanner:
     else:
       folded_LxNxE = c.reshape(layers, sources // self.num_devices, self.num_devices,
                                experts).sum(1)
-    whole = not sources % self.num_devices and _whole(raw, folded_LxNxE, self.history.maxlen)
+    whole = not sources % self.num_devices and _whole(raw, sources // self.num_devices,
+                                                       self.history.maxlen)
     self._append(folded_LxNxE, whole)
     if self.rows is not None:
       if sources % self.num_devices or (self.rows and self.rows[-1].shape != c.shape):
@@ -119,12 +126,17 @@ class OnlinePlanner:
     oldest = self.history[0] if full else None
     if not self.history:
       self._sum_LxNxE = folded_LxNxE.copy() if whole else None
+      self._sum_shared = False
     elif self._sum_LxNxE is None or not whole or (full and not self._whole[0]):
       self._sum_LxNxE = None           # summed afresh when asked (`_window_sum`)
     else:
-      self._sum_LxNxE = self._sum_LxNxE + folded_LxNxE
+      if self._sum_shared:             # a new array (a fresh one's first writes cost as much
+        self._sum_LxNxE = self._sum_LxNxE + folded_LxNxE    # as the adds: kept after)
+        self._sum_shared = False
+      else:
+        self._sum_LxNxE += folded_LxNxE
       if oldest is not None:
-        self._sum_LxNxE -= oldest      # a new array: a snapshot keeps the one it copied
+        self._sum_LxNxE -= oldest
     self.history.append(folded_LxNxE)
     self._whole = (self._whole + (whole,))[-self.history.maxlen:]
     if self._tracks_totals():
@@ -133,6 +145,13 @@ class OnlinePlanner:
       kept = kept[1:] if full and kept is not None else kept
       self._totals_stepsxLxE = (totals_1xLxE if kept is None
                                 else np.concatenate([kept, totals_1xLxE]))
+
+  def __copy__(self) -> OnlinePlanner:
+    """A shallow copy; the running sum is shared from here on, so neither adds into it."""
+    copied = object.__new__(type(self))
+    copied.__dict__.update(self.__dict__)
+    self._sum_shared = copied._sum_shared = True
+    return copied
 
   def _tracks_totals(self) -> bool:
     return self.cfg.policy == "fsep" and getattr(self.options, "plan_for", "") == "spread"
@@ -145,7 +164,7 @@ class OnlinePlanner:
     for h in itertools.islice(self.history, 1, None):
       total_LxNxE += h
     if all(self._whole):               # exact: kept from here on
-      self._sum_LxNxE = total_LxNxE
+      self._sum_LxNxE, self._sum_shared = total_LxNxE, False
     return total_LxNxE
 
   def clear(self) -> None:
@@ -224,7 +243,7 @@ class OnlinePlanner:
     self.clear()
     for h in d.get("history", []):
       h = np.asarray(h, np.float64)
-      self._append(h, _whole(h, h, self.history.maxlen))
+      self._append(h, _whole(h, 1, self.history.maxlen))
     if self.rows is not None:   # a checkpoint without them samples the folded history
       for r in d.get("rows", []):
         self.rows.append(np.asarray(r, np.float64))
