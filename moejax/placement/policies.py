@@ -63,6 +63,17 @@ def make_options(name: str, **given):
   return cls(**given)
 
 
+class Steps(list):
+  """A window's finished steps of one layer, oldest first, as a list of [W, E] arrays (not
+  stacked into one: at N = 4096 the copy cost as much as the plan); `totals_stepsxE`, each
+  step's expert totals over the sources (`fsep.spread.step_totals`), where the caller kept
+  them as the steps came, else None."""
+
+  def __init__(self, steps=(), totals_stepsxE: np.ndarray | None = None):
+    super().__init__(steps)
+    self.totals_stepsxE = totals_stepsxE
+
+
 def predict(history_stepsxLxWxE: np.ndarray, window: int) -> np.ndarray:
   """Predicted counts [L, W, E]: mean of the last `window` finished steps."""
   h = np.asarray(history_stepsxLxWxE, np.float64)
@@ -72,4 +83,4 @@ def predict(history_stepsxLxWxE: np.ndarray, window: int) -> np.ndarray:
 
 
 __all__ = ["POLICIES", "OPTIONS", "ONE_COPY_POLICIES", "CostModel", "get_policy",
-           "make_options", "predict", "place_static"]
+           "make_options", "predict", "place_static", "Steps"]

@@ -13,6 +13,7 @@ expert-axis device first.
 from __future__ import annotations
 
 import collections
+import itertools
 from typing import NamedTuple
 
 import numpy as np
@@ -22,7 +23,24 @@ from moejax.layout import placement as placement_lib
 from moejax.layout.flow import max_over_mean
 from moejax.layout.placement import Placement
 from moejax.placement import policies, pricing
+from moejax.placement.fsep.spread import step_totals
 from moejax.placement.pricing import planned_load as _planned_load
+
+
+def _whole(raw: np.ndarray, rows: int, steps: int) -> bool:
+  """Whether counts `raw`, summed over `rows` data rows and then over `steps` + 1 steps in any
+  order, add up exactly in float64: whole numbers small enough (for int32 counts, as the
+  trainer's, by their type alone, without reading them)."""
+  if raw.size == 0:
+    return True
+  bound = 2.0 ** 52 / (steps + 1) / max(rows, 1)
+  if raw.dtype.kind in "biu":
+    info = np.iinfo(raw.dtype) if raw.dtype.kind != "b" else np.iinfo(np.int8)
+    if max(abs(int(info.min)), int(info.max)) < bound:
+      return True
+  elif not np.array_equal(raw, np.rint(raw)):
+    return False
+  return bool(raw.max() < bound and raw.min() > -bound)
 
 
 class Switch(NamedTuple):
@@ -62,7 +80,20 @@ class OnlinePlanner:
     self.policy = policies.get_policy(cfg.policy)
     given = _config_options(cfg, capacity_factor, capacity)
     self.options = policies.make_options(cfg.policy, **given)
+    # The window's steps, oldest first. An entry is never changed in place, and the running
+    # sum below is once a copy of this object shares it (`__copy__`), so a copy of the deque
+    # and of this object (moejax.train.plan_ahead.snapshot) plans from the window as it was.
     self.history: collections.deque = collections.deque(maxlen=cfg.window)
+    # The window's sum, kept step by step: at N = 4096, E = 256 the window is 84 MB per layer,
+    # and reading all of it for every decision took as long as the plan. Added and taken off
+    # only while every step it holds is whole counts (exact in float64, so it equals the
+    # sum of the window in order, bit for bit); None: sum the window when asked.
+    self._sum_LxNxE: np.ndarray | None = None
+    self._sum_shared = False                # a copy holds it: add into a new array
+    self._whole: tuple[bool, ...] = ()      # per step of the window: its counts are whole
+    # fsep's spread planning reads each step's expert totals [steps, L, E]; kept per step as it
+    # comes (None: the policy sums the steps itself).
+    self._totals_stepsxLxE: np.ndarray | None = None
     # smartmoe scores drops per (source, device) buffer, and the program sizes one buffer per
     # data row: a row's overflow cannot use another row's room, so its samples keep the rows
     # of a device apart (summed, they would plan for buffers the program does not have).
@@ -72,23 +103,74 @@ class OnlinePlanner:
 
   def observe(self, counts_LxWxE: np.ndarray) -> None:
     """Counts of one finished step; sources ordered (data, expert) row-major."""
-    c = np.asarray(counts_LxWxE, np.float64)
+    raw = np.asarray(counts_LxWxE)
+    c = raw.astype(np.float64, copy=False)
     layers, sources, experts = c.shape
     if sources % self.num_devices:   # another pool member's mesh: keep the expert totals
       folded_LxNxE = np.repeat(c.sum(1, keepdims=True) / self.num_devices, self.num_devices, 1)
     else:
       folded_LxNxE = c.reshape(layers, sources // self.num_devices, self.num_devices,
                                experts).sum(1)
-    self.history.append(folded_LxNxE)
+    whole = not sources % self.num_devices and _whole(raw, sources // self.num_devices,
+                                                       self.history.maxlen)
+    self._append(folded_LxNxE, whole)
     if self.rows is not None:
       if sources % self.num_devices or (self.rows and self.rows[-1].shape != c.shape):
         self.rows.clear()   # another mesh's rows: sample from the folded history until refilled
       if not sources % self.num_devices:
         self.rows.append(c)
 
+  def _append(self, folded_LxNxE: np.ndarray, whole: bool) -> None:
+    """Appends one folded step to the window, its running sum and its expert totals."""
+    full = len(self.history) == self.history.maxlen
+    oldest = self.history[0] if full else None
+    if not self.history:
+      self._sum_LxNxE = folded_LxNxE.copy() if whole else None
+      self._sum_shared = False
+    elif self._sum_LxNxE is None or not whole or (full and not self._whole[0]):
+      self._sum_LxNxE = None           # summed afresh when asked (`_window_sum`)
+    else:
+      if self._sum_shared:             # a new array (a fresh one's first writes cost as much
+        self._sum_LxNxE = self._sum_LxNxE + folded_LxNxE    # as the adds: kept after)
+        self._sum_shared = False
+      else:
+        self._sum_LxNxE += folded_LxNxE
+      if oldest is not None:
+        self._sum_LxNxE -= oldest
+    self.history.append(folded_LxNxE)
+    self._whole = (self._whole + (whole,))[-self.history.maxlen:]
+    if self._tracks_totals():
+      totals_1xLxE = np.stack([step_totals(f[None])[0] for f in folded_LxNxE])[None]
+      kept = self._totals_stepsxLxE
+      kept = kept[1:] if full and kept is not None else kept
+      self._totals_stepsxLxE = (totals_1xLxE if kept is None
+                                else np.concatenate([kept, totals_1xLxE]))
+
+  def __copy__(self) -> OnlinePlanner:
+    """A shallow copy; the running sum is shared from here on, so neither adds into it."""
+    copied = object.__new__(type(self))
+    copied.__dict__.update(self.__dict__)
+    self._sum_shared = copied._sum_shared = True
+    return copied
+
+  def _tracks_totals(self) -> bool:
+    return self.cfg.policy == "fsep" and getattr(self.options, "plan_for", "") == "spread"
+
+  def _window_sum(self) -> np.ndarray:
+    """[L, N, E]: the window's sum, added in order (as numpy's mean over the steps adds)."""
+    if self._sum_LxNxE is not None:
+      return self._sum_LxNxE
+    total_LxNxE = self.history[0].copy()
+    for h in itertools.islice(self.history, 1, None):
+      total_LxNxE += h
+    if all(self._whole):               # exact: kept from here on
+      self._sum_LxNxE, self._sum_shared = total_LxNxE, False
+    return total_LxNxE
+
   def clear(self) -> None:
     """Forgets every observed step."""
     self.history.clear()
+    self._sum_LxNxE, self._whole, self._totals_stepsxLxE = None, (), None
     if self.rows is not None:
       self.rows.clear()
 
@@ -115,17 +197,16 @@ class OnlinePlanner:
     """New placements per layer (the current one where no switch pays off; adaptive: also
     where the priced gain over `every` steps does not beat the migration)."""
     cold_start_done, self.planned = self.planned, True
-    history_stepsxLxNxE = np.stack(self.history)[-self.cfg.window:]
-    pred_LxNxE = policies.predict(history_stepsxLxNxE, self.cfg.window)
+    # policies.predict's mean of the window, from the running sum (the deque holds the window
+    # only: maxlen is planner.window).
+    pred_LxNxE = self._window_sum() / len(self.history)
     src = np.arange(self.num_devices)
-    samples_stepsxLxWxE = (np.stack(self.rows)[-self.cfg.window:] if self.rows
-                           else history_stepsxLxNxE)
     out, switches = list(current), []
     for layer, pred_NxE in enumerate(pred_LxNxE):
       cur = current[layer]
       new = self.policy(pred_NxE, cur, slots=cur.slots_per_device, src_dev_W=src,
                         cost=self.cost, num_devices=self.num_devices, options=self.options,
-                        samples_stepsxWxE=samples_stepsxLxWxE[:, layer])
+                        samples_stepsxWxE=self._samples(layer))
       if (np.array_equal(new.slot_expert, cur.slot_expert) and
           np.allclose(new.share, cur.share, atol=0.5 / placement_lib.SHARE_PARTS) and
           np.array_equal(placement_lib.local_parts(new), placement_lib.local_parts(cur))):
@@ -141,6 +222,17 @@ class OnlinePlanner:
                              priced.moved, priced.gain_s, priced.move_s, priced.moved_bytes))
     return out, switches
 
+  def _samples(self, layer: int) -> np.ndarray | policies.Steps:
+    """The window's steps of `layer`: the data rows where kept, else the folded steps; to
+    fsep's spread planning, which reads only each step's expert totals, the folded steps as
+    views with the totals kept as they came (stacked, they cost as much as the plan)."""
+    if self.rows:
+      return np.stack([r[layer] for r in self.rows])
+    if self._totals_stepsxLxE is not None:
+      return policies.Steps((h[layer] for h in self.history),
+                            totals_stepsxE=self._totals_stepsxLxE[:, layer])
+    return np.stack([h[layer] for h in self.history])
+
   def state_dict(self) -> dict:
     d = {"history": [h.tolist() for h in self.history], "planned": self.planned}
     if self.rows is not None:
@@ -148,11 +240,11 @@ class OnlinePlanner:
     return d
 
   def load_state_dict(self, d: dict) -> None:
-    self.history.clear()
+    self.clear()
     for h in d.get("history", []):
-      self.history.append(np.asarray(h, np.float64))
+      h = np.asarray(h, np.float64)
+      self._append(h, _whole(h, 1, self.history.maxlen))
     if self.rows is not None:   # a checkpoint without them samples the folded history
-      self.rows.clear()
       for r in d.get("rows", []):
         self.rows.append(np.asarray(r, np.float64))
     # A checkpoint without the flag was written by a run that planned every X steps only.

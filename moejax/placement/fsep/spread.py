@@ -26,9 +26,13 @@ from moejax.placement.fsep.score import column_sums
 def step_totals(samples_stepsxWxE: np.ndarray) -> np.ndarray:
   """[steps, E]: each finished step's expert totals over the sources, read once for both
   `window_loads` and `recent_center` (at N = 4096, E = 256 the window is 84 MB of float64:
-  reading it sets their time). Summed step by step, each [W, E] block with `column_sums`."""
-  s = np.asarray(samples_stepsxWxE, np.float64)
-  return np.stack([column_sums(np.ascontiguousarray(x)) for x in s])
+  reading it sets their time). Summed step by step, each [W, E] block with `column_sums`;
+  the steps may be a list of [W, E] arrays, and one that carries `totals_stepsxE`
+  (moejax.placement.policies.Steps, from the re-planner that kept them) is not read again."""
+  totals_stepsxE = getattr(samples_stepsxWxE, "totals_stepsxE", None)
+  if totals_stepsxE is not None:
+    return totals_stepsxE
+  return np.stack([column_sums(np.ascontiguousarray(x, np.float64)) for x in samples_stepsxWxE])
 
 
 def window_loads(totals_stepsxE: np.ndarray, total: float) -> np.ndarray:
