@@ -186,10 +186,9 @@ def _smartmoe(files):
                 "served.", "", *table(["trace", "E", "N", "planned dropped", "realised dropped",
                                        "max/mean", "decisions", "file"], rows), ""]
       job = d["default_job"]
-      lines += ["The default job's decisions replayed on a logged run, steps 150-299 dropped: "
-                f"base {pct(job['base'])}, this {pct(job['this'])}; data rows as separate "
-                f"sources: base {pct(job['base_unfolded'])}, this {pct(job['this_unfolded'])}.",
-                ""]
+      lines += ["The default job's decisions, as the trainer's re-planner makes them, replayed "
+                f"on a logged run, steps 150-299 dropped: base {pct(job['base'])}, this "
+                f"{pct(job['this'])}.", ""]
       rows = [[t["experts"], t["devices"], num(t["ms_per_layer"]["base"], 1),
                num(t["ms_per_layer"]["this"], 1), ratio(t["speedup"]), t["calls"], f"`{name}`"]
               for t in d["time"]]
