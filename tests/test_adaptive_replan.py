@@ -157,3 +157,33 @@ def test_training_with_adaptive_replanning_switches_where_it_pays(tmp_path):
   switches = [r for r in records if r.get("event") == "layout_switch"]
   assert switches and all(r["predicted_after"] <= r["predicted_before"] for r in switches)
   assert calls[2:] == [True] * (len(calls) - 2), "adaptive: due before every later step"
+
+
+@pytest.mark.parametrize("policy,adaptive", [("fsep", True), ("fsep", False),
+                                             ("smartmoe", True), ("smartmoe", False)])
+def test_replay_switches_where_the_trainers_planner_does(policy, adaptive):
+  """Replay and the trainer's re-planner take the same switches (the same rule,
+  `pricing.decide`), so a replay's counts are the ones the trainer's run would make."""
+  from moejax.layout.tables import round_robin_placement
+  from moejax.placement.workloads import synthetic_trace
+  experts, devices, layers, steps, slots = 16, 4, 2, 41, 6
+  counts = synthetic_trace(steps, layers, devices, experts, kind="lognormal", sigma=1.2,
+                           corr=0.6, seed=3)["counts"]
+  cost = dataclasses.replace(PLAN_COST, link_bytes_per_s=5e9)
+  planner = OnlinePlanner(PlannerConfig(policy=policy, every=10, window=10, adaptive=adaptive),
+                          devices, cost=cost)
+  current = ([round_robin_placement(experts, devices, slots)] * layers if policy == "fsep"
+             else [placement_lib.static(experts, devices)] * layers)
+  switches, moved, moved_bytes = 0, 0, 0
+  for t in range(steps):
+    if planner.due(t):
+      current, made = planner.propose(current)
+      switches += len(made)
+      moved += sum(s.experts_moved for s in made)
+      moved_bytes += sum(s.moved_bytes for s in made)
+    planner.observe(counts[t])
+  r = replay(counts, devices, slots, policy, every=10, window=10, cost=cost,
+             options=planner.options, adaptive=adaptive)
+  assert switches > 0
+  assert (r["switches"], r["experts_moved"], r["migrated_bytes"]) == (switches, moved,
+                                                                      moved_bytes)

@@ -63,3 +63,32 @@ def price(cur: Placement, new: Placement, load_before_N: np.ndarray, load_after_
   busiest_receiver = int(added_NxE.sum(1).max()) if moved else 0
   return SwitchPrice(gain, cost.expert_move_s(busiest_receiver), moved,
                      moved_bytes(cost, moved))
+
+
+def routes_alike(new: Placement, cur: Placement) -> bool:
+  """Whether `new` routes as `cur` does: the same expert in every slot, shares within half a
+  router part (the router rounds them to whole parts) and the same local parts."""
+  return (np.array_equal(new.slot_expert, cur.slot_expert) and
+          np.allclose(new.share, cur.share, atol=0.5 / placement_lib.SHARE_PARTS) and
+          np.array_equal(placement_lib.local_parts(new), placement_lib.local_parts(cur)))
+
+
+class Decision(NamedTuple):
+  price: SwitchPrice
+  load_before_N: np.ndarray     # the predicted device loads under the current layout
+  load_after_N: np.ndarray      # and under the new one
+
+
+def decide(cur: Placement, new: Placement, pred_NxE: np.ndarray, cost: CostModel,
+           moves_weights: bool, horizon: int | None = None) -> Decision | None:
+  """The re-planner's rule for one layer (the trainer's and replay's alike): None where `new`
+  routes as `cur` does, or, given `horizon` (adaptive dyn.X past the cold start), where the
+  gain over `horizon` steps does not beat the migration; else the switch, priced on the loads
+  the plan promises (`planned_load`)."""
+  if routes_alike(new, cur):
+    return None
+  before_N, after_N = planned_load(cur, pred_NxE), planned_load(new, pred_NxE)
+  priced = price(cur, new, before_N, after_N, cost, pred_NxE.shape[1], moves_weights)
+  if horizon is not None and not priced.pays(horizon):
+    return None
+  return Decision(priced, before_N, after_N)

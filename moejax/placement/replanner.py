@@ -19,12 +19,10 @@ from typing import NamedTuple
 import numpy as np
 
 from moejax.config import PlannerConfig
-from moejax.layout import placement as placement_lib
 from moejax.layout.flow import max_over_mean
 from moejax.layout.placement import Placement
 from moejax.placement import policies, pricing
 from moejax.placement.fsep.spread import step_totals
-from moejax.placement.pricing import planned_load as _planned_load
 
 
 def _whole(raw: np.ndarray, rows: int, steps: int) -> bool:
@@ -207,20 +205,21 @@ class OnlinePlanner:
       new = self.policy(pred_NxE, cur, slots=cur.slots_per_device, src_dev_W=src,
                         cost=self.cost, num_devices=self.num_devices, options=self.options,
                         samples_stepsxWxE=self._samples(layer))
-      if (np.array_equal(new.slot_expert, cur.slot_expert) and
-          np.allclose(new.share, cur.share, atol=0.5 / placement_lib.SHARE_PARTS) and
-          np.array_equal(placement_lib.local_parts(new), placement_lib.local_parts(cur))):
-        continue
-      load_before_N, load_after_N = _planned_load(cur, pred_NxE), _planned_load(new, pred_NxE)
-      priced = pricing.price(cur, new, load_before_N, load_after_N, self.cost, pred_NxE.shape[1],
-                             moves_weights=self.cfg.policy not in pricing.FREE_MOVE_POLICIES)
       # The cold-start plan is always taken (the initial layout knows nothing of the load).
-      if self.cfg.adaptive and cold_start_done and not priced.pays(self.every):
+      adaptive = self.cfg.adaptive and cold_start_done
+      d = pricing.decide(cur, new, pred_NxE, self.cost, moves_weights=self._moves_weights,
+                         horizon=self.every if adaptive else None)
+      if d is None:
         continue
       out[layer] = new
-      switches.append(Switch(layer, max_over_mean(load_before_N), max_over_mean(load_after_N),
-                             priced.moved, priced.gain_s, priced.move_s, priced.moved_bytes))
+      switches.append(Switch(layer, max_over_mean(d.load_before_N),
+                             max_over_mean(d.load_after_N), d.price.moved, d.price.gain_s,
+                             d.price.move_s, d.price.moved_bytes))
     return out, switches
+
+  @property
+  def _moves_weights(self) -> bool:
+    return self.cfg.policy not in pricing.FREE_MOVE_POLICIES
 
   def _samples(self, layer: int) -> np.ndarray | policies.Steps:
     """The window's steps of `layer`: the data rows where kept, else the folded steps; to

@@ -87,7 +87,7 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
   current = [start for _ in range(layers)]
   tally = BufferTally(cost)
   series = np.zeros((steps, layers))
-  predicted = []          # max/mean of each decision's layout on the load it was planned for
+  predicted = []          # after each decision: max/mean of the layout in use, predicted load
   crossing, moved, times = 0, 0, []
   moves = policy not in FREE_MOVE_POLICIES
   # What the program pays, priced by the cost model: the busiest device's expert compute over
@@ -106,19 +106,19 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
                     num_devices=devices, samples_stepsxWxE=seen[:, layer])
         times.append(time.perf_counter() - t0)
         new.validate(experts)
-        planned = flow(held(new, shares), pred[layer], src_dev)
-        if adaptive or _changed(new, current[layer]):
-          before = flow(held(current[layer], shares), pred[layer], src_dev).device_load_N
-          price = pricing.price(current[layer], new, before, planned.device_load_N, cost,
-                                experts, moves_weights=moves)
-          if adaptive and t > 1 and not price.pays(every):
-            continue
-          moved += price.moved
-          priced["migrated_bytes"] += price.moved_bytes
-          priced["migration_s"] += price.move_s
+        # The trainer's rule (`pricing.decide`): a layout that routes as the current one does is
+        # not switched to; under adaptive, past the cold start, nor one whose switch does not
+        # pay over `every` steps.
+        d = pricing.decide(current[layer], new, pred[layer], cost, moves_weights=moves,
+                           horizon=every if adaptive and t > 1 else None)
+        if d is not None:
+          moved += d.price.moved
+          priced["migrated_bytes"] += d.price.moved_bytes
+          priced["migration_s"] += d.price.move_s
           priced["switches"] += 1
+          current[layer] = new
+        planned = flow(held(current[layer], shares), pred[layer], src_dev)
         predicted.append(max_over_mean(planned.device_load_N))
-        current[layer] = new
     for layer in range(layers):
       f = flow(held(current[layer], shares), counts[t, layer], src_dev)
       series[t, layer] = max_over_mean(f.device_load_N)
@@ -127,11 +127,6 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
       tally.add(held(current[layer], shares), counts[t, layer], src_dev, f.crossing)
   return {**_result(series, predicted, crossing, int(counts.sum()), moved, times, tally),
           **priced}
-
-
-def _changed(new: placement_lib.Placement, cur: placement_lib.Placement) -> bool:
-  return not (np.array_equal(new.slot_expert, cur.slot_expert) and
-              np.array_equal(new.share, cur.share))
 
 
 SHARES = ("planned", "adaptive")
