@@ -208,7 +208,8 @@ class OnlinePlanner:
       # The cold-start plan is always taken (the initial layout knows nothing of the load).
       adaptive = self.cfg.adaptive and cold_start_done
       d = pricing.decide(cur, new, pred_NxE, self.cost, moves_weights=self._moves_weights,
-                         horizon=self.every if adaptive else None)
+                         horizon=self.every if adaptive else None,
+                         totals_stepsxE=self._step_totals(layer) if adaptive else None)
       if d is None:
         continue
       out[layer] = new
@@ -216,6 +217,12 @@ class OnlinePlanner:
                              max_over_mean(d.load_after_N), d.price.moved, d.price.gain_s,
                              d.price.move_s, d.price.moved_bytes))
     return out, switches
+
+  def _step_totals(self, layer: int) -> np.ndarray:
+    """[steps, E]: each finished step's expert totals of `layer`, in the window."""
+    if self._totals_stepsxLxE is not None:
+      return self._totals_stepsxLxE[:, layer]
+    return np.stack([h[layer].sum(0) for h in self.history])
 
   @property
   def _moves_weights(self) -> bool:

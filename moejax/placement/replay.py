@@ -110,7 +110,8 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
         # not switched to; under adaptive, past the cold start, nor one whose switch does not
         # pay over `every` steps.
         d = pricing.decide(current[layer], new, pred[layer], cost, moves_weights=moves,
-                           horizon=every if adaptive and t > 1 else None)
+                           horizon=every if adaptive and t > 1 else None,
+                           totals_stepsxE=seen[:, layer].sum(1) if adaptive else None)
         if d is not None:
           moved += d.price.moved
           priced["migrated_bytes"] += d.price.moved_bytes
