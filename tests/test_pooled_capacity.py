@@ -209,6 +209,38 @@ def test_tiled_gmm_matches_per_group_matmul_with_gradients():
   assert_trees_close(got, want, rows)
 
 
+def test_tiled_swiglu_matches_per_group_swiglu_with_gradients():
+  """The fused static-tile SwiGLU (used tiles only, one scan each way) equals each row through
+  its group's SwiGLU, rows past the groups giving zeros: value and every gradient."""
+  tile, sizes = 8, np.array([5, 0, 13], np.int32)
+  groups, width, ffn = len(sizes), 4, 6
+  tiles = tiled.num_tiles(int(sizes.sum()), groups, tile)
+  rows = tiles * tile
+  keys = jax.random.split(jax.random.key(2), 4)
+  x = jax.random.normal(keys[0], (rows, width))
+  w_gate, w_up = (jax.random.normal(k, (groups, width, ffn)) / width ** 0.5 for k in keys[1:3])
+  w_down = jax.random.normal(keys[3], (groups, ffn, width)) / ffn ** 0.5      # O(1) outputs
+  group_of_tile = tiled.tile_groups(jnp.asarray(sizes), tiles, tile)
+  padded = -(-sizes // tile) * tile
+  group_of_row = np.repeat(np.arange(groups), padded)
+  used = len(group_of_row)
+  group_of_row = np.concatenate([group_of_row, np.zeros(rows - used, int)])
+  in_group = (np.arange(rows) < used)[:, None]
+
+  def want_fn(x, wg, wu, wd):
+    g = group_of_row
+    h = jax.nn.silu(jnp.einsum("mi,mio->mo", x, wg[g])) * jnp.einsum("mi,mio->mo", x, wu[g])
+    return jnp.sum(jnp.cos(jnp.where(in_group, jnp.einsum("mi,mio->mo", h, wd[g]), 0.0)))
+
+  # cos: positive terms, so the sum does not cancel below its terms' rounding
+  got_fn = lambda x, wg, wu, wd: jnp.sum(jnp.cos(
+      tiled.tiled_swiglu(x, wg, wu, wd, group_of_tile, tile)))
+  argnums = (0, 1, 2, 3)
+  want = jax.value_and_grad(want_fn, argnums)(x, w_gate, w_up, w_down)
+  got = jax.jit(jax.value_and_grad(got_fn, argnums))(x, w_gate, w_up, w_down)
+  assert_trees_close(got, want, rows * ffn)
+
+
 def test_pooled_capacity_rejects_unknown_names():
   with pytest.raises(Exception, match="moe.capacity='pool'"):
     dataclasses.replace(MoEConfig(), capacity="pool").validate()

@@ -60,15 +60,17 @@ def pooled_starts(kept_NxC: jax.Array, cap_dev: int) -> jax.Array:
 
 
 def _tiled_ffn(recv_rowsxD, starts_NxC, kept_NxC, weights, ops, dtype):
-  """`grouped_ffn` with slot groups padded to whole tiles and the static-tile matmul."""
+  """`grouped_ffn` with slot groups padded to whole tiles and the static-tile SwiGLU, which
+  runs the whole FFN of a tile in one step and skips the tiles no group uses."""
   rows = recv_rowsxD.shape[0]
   slots = kept_NxC.shape[1]
   tile = tiled.tile_rows(rows, slots)
   tiles = tiled.num_tiles(rows, slots, tile)
   g = grouping.group_received(starts_NxC, kept_NxC, rows, align=tile, out_rows=tiles * tile)
   group_of_tile = tiled.tile_groups(g.sizes_C, tiles, tile)
-  gmm = lambda x, w, sizes: tiled.tiled_gmm(x, w, group_of_tile, tile)
-  return grouped_ffn(recv_rowsxD, g, weights, ops._replace(gmm=gmm), dtype)
+  x_rowsxD = ops.permute(recv_rowsxD, g.recv_row, g.group_row[:, None])
+  y_rowsxD = tiled.tiled_swiglu(x_rowsxD, *weights, group_of_tile, tile, dtype)
+  return ops.permute(y_rowsxD, g.group_row, g.recv_row[:, None])
 
 
 def pooled_dispatch_combine(x_TxD, slot_TK, gate_TxK, weights, ops, num_dev, slots, cap_dev,

@@ -3,9 +3,11 @@
 `jax.lax.ragged_dot` on XLA:CPU costs about one dense matmul per group over all rows. Here
 each group is padded to a multiple of `tile` rows inside a buffer of a bounded number of
 tiles, and a `lax.scan` over the tiles multiplies each by its group's weights (a dynamic
-index into w_Cxinxout), so the cost follows the buffer rows, not G times them; tiles past the
-groups are skipped. The backward is a `custom_vjp`: dx is the same scan with the weights
-transposed, dW the per-tile products summed by group (a segment sum, accumulated in a scan).
+index into w_Cxinxout), so the cost follows the used tiles, not G times the rows; tiles past
+the groups are skipped. `tiled_gmm` is one such matmul; `tiled_swiglu`, what the pooled layer
+runs, is the whole SwiGLU per tile, so its activation also skips the unused tiles. Backwards
+are `custom_vjp`s: dx is the same scan with the weights transposed, dW the per-tile products
+summed by group (a segment sum, accumulated in the scan).
 """
 
 from __future__ import annotations
@@ -18,13 +20,20 @@ import jax.numpy as jnp
 from pallas_kernels.backend import match_varying
 
 MAX_TILE = 512
+MIN_TILE = 32
 
 
 def tile_rows(rows: int, groups: int, max_tile: int = MAX_TILE) -> int:
-  """Tile height: `max_tile`, or the power of two covering one group's even share if smaller
-  (tiny buffers would otherwise be mostly padding)."""
+  """Tile height: a power of two near an eighth of one group's even share, within
+  [MIN_TILE, max_tile], and no more than the power of two covering the share. Each group's
+  last tile is on average half padding, so groups * tile / 2 of the rows are wasted: an eighth
+  of the share keeps that near 1/16 of the buffer (a whole tile per group at factor ~1 with
+  4 slots per device cost ~25% more matmul rows), while tiles stay large enough for the
+  matmuls and few enough for the scan."""
   share = max(1, -(-rows // groups))
-  return min(max_tile, 1 << (share - 1).bit_length())
+  cover = 1 << (share - 1).bit_length()
+  eighth = 1 << max(0, (share // 8).bit_length() - 1)
+  return min(max_tile, cover, max(MIN_TILE, eighth))
 
 
 def num_tiles(rows: int, groups: int, tile: int) -> int:
@@ -99,3 +108,91 @@ def _bwd(tile, res, dy_rowsxout):
 
 
 _tiled_gmm.defvjp(_fwd, _bwd)
+
+
+def tiled_swiglu(x_rowsxD: jax.Array, w_gate_CxDxffn: jax.Array, w_up_CxDxffn: jax.Array,
+                 w_down_CxffnxD: jax.Array, group_of_tile: jax.Array, tile: int,
+                 dtype=jnp.float32) -> jax.Array:
+  """`swiglu_grouped` (moejax.model.moe.experts) over static tiles, the whole SwiGLU of a tile
+  in one scan step: tile i of x through group_of_tile[i]'s gate, up and down weights, zeros
+  where that is -1. Three `tiled_gmm`s would run the activation and its gradient over every
+  row of the buffer, padding and unused tail tiles included, and on XLA:CPU those elementwise
+  passes over [rows, ffn] cost about as much as the matmuls (docs/decisions/0103); here they
+  run on the used tiles only. The backward is one scan too: per tile dx and the three weights'
+  gradients (f32 sums by group), from the gate and up products the forward kept."""
+  args = match_varying(x_rowsxD.astype(dtype), w_gate_CxDxffn.astype(dtype),
+                       w_up_CxDxffn.astype(dtype), w_down_CxffnxD.astype(dtype))
+  return _tiled_swiglu(*args, group_of_tile, tile)
+
+
+def _swiglu_tiles(x_rowsxD, w_gate, w_up, w_down, group_of_tile, tile, keep):
+  """(y [rows, D], and with `keep` the gate and up products [tiles, tile, ffn])."""
+  rows, width = x_rowsxD.shape
+  ffn = w_gate.shape[-1]
+  x_tiles = x_rowsxD.reshape(rows // tile, tile, width)
+
+  def body(carry, xs):
+    x_t, g = xs
+
+    def run():
+      i = jnp.maximum(g, 0)
+      a_t, u_t = jnp.dot(x_t, w_gate[i]), jnp.dot(x_t, w_up[i])
+      return (jnp.dot(jax.nn.silu(a_t) * u_t, w_down[i]),) + ((a_t, u_t) if keep else ())
+
+    def skip():
+      zeros = lambda *shape: match_varying(jnp.zeros(shape, x_t.dtype), x_t)[0]
+      return (zeros(tile, w_down.shape[-1]),) + ((zeros(tile, ffn),) * 2 if keep else ())
+
+    return carry, jax.lax.cond(g >= 0, run, skip)
+
+  _, out = jax.lax.scan(body, None, (x_tiles, group_of_tile))
+  return (out[0].reshape(rows, -1),) + tuple(out[1:])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _tiled_swiglu(x_rowsxD, w_gate, w_up, w_down, group_of_tile, tile):
+  return _swiglu_tiles(x_rowsxD, w_gate, w_up, w_down, group_of_tile, tile, False)[0]
+
+
+def _swiglu_fwd(x_rowsxD, w_gate, w_up, w_down, group_of_tile, tile):
+  y, a_tiles, u_tiles = _swiglu_tiles(x_rowsxD, w_gate, w_up, w_down, group_of_tile, tile, True)
+  return y, (x_rowsxD, w_gate, w_up, w_down, group_of_tile, a_tiles, u_tiles)
+
+
+def _swiglu_bwd(tile, res, dy_rowsxD):
+  x_rowsxD, w_gate, w_up, w_down, group_of_tile, a_tiles, u_tiles = res
+  rows, width = x_rowsxD.shape
+  x_tiles = x_rowsxD.reshape(rows // tile, tile, width)
+  dy_tiles = dy_rowsxD.reshape(rows // tile, tile, -1)
+  f32 = jnp.float32
+  outer = lambda a, b: jnp.dot(a.T, b, preferred_element_type=f32)
+
+  def body(dw, xs):
+    x_t, a_t, u_t, dy_t, g = xs
+
+    def run():
+      i = jnp.maximum(g, 0)
+      sig_t = jax.nn.sigmoid(a_t)
+      silu_t = a_t * sig_t
+      dh_t = jnp.dot(dy_t, w_down[i].T)
+      du_t = dh_t * silu_t
+      da_t = dh_t * u_t * (sig_t * (1 + a_t * (1 - sig_t)))
+      dx_t = jnp.dot(da_t, w_gate[i].T) + jnp.dot(du_t, w_up[i].T)
+      dw_gate, dw_up, dw_down = dw
+      return ((dw_gate.at[i].add(outer(x_t, da_t)), dw_up.at[i].add(outer(x_t, du_t)),
+               dw_down.at[i].add(outer(silu_t * u_t, dy_t))), dx_t)
+
+    def skip():
+      return dw, match_varying(jnp.zeros((tile, width), x_t.dtype), x_t)[0]
+
+    return jax.lax.cond(g >= 0, run, skip)
+
+  # f32 sums
+  dw0 = tuple(match_varying(jnp.zeros(w.shape, f32), x_rowsxD, dy_rowsxD)[0]
+              for w in (w_gate, w_up, w_down))
+  dw, dx_tiles = jax.lax.scan(body, dw0, (x_tiles, a_tiles, u_tiles, dy_tiles, group_of_tile))
+  return ((dx_tiles.reshape(rows, width).astype(x_rowsxD.dtype),)
+          + tuple(d.astype(w.dtype) for d, w in zip(dw, (w_gate, w_up, w_down))) + (None,))
+
+
+_tiled_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
