@@ -187,28 +187,6 @@ def test_pairing_hot_with_cold_drops_fewer_only_under_pooled_capacity():
   assert drops["device", "apart"] < drops["device", "together"], drops
 
 
-@pytest.mark.slow   # with the fresh venv's install, over the 8-minute budget
-def test_tiled_gmm_matches_per_group_matmul_with_gradients():
-  tile, sizes = 8, np.array([5, 0, 13], np.int32)
-  groups, width, out_w = len(sizes), 4, 3
-  tiles = tiled.num_tiles(int(sizes.sum()), groups, tile)
-  rows = tiles * tile
-  x = jax.random.normal(jax.random.key(0), (rows, width))
-  w = jax.random.normal(jax.random.key(1), (groups, width, out_w))
-  group_of_tile = tiled.tile_groups(jnp.asarray(sizes), tiles, tile)
-  padded = -(-sizes // tile) * tile
-  group_of_row = np.repeat(np.arange(groups), padded)
-  used = len(group_of_row)    # the tail tiles hold no group: their rows give zeros
-  group_of_row = np.concatenate([group_of_row, np.zeros(rows - used, int)])
-  in_group = (np.arange(rows) < used)[:, None]
-  want_fn = lambda x, w: jnp.sum(jnp.sin(
-      jnp.where(in_group, jnp.einsum("mi,mio->mo", x, w[group_of_row]), 0.0)))
-  got_fn = lambda x, w: jnp.sum(jnp.sin(tiled.tiled_gmm(x, w, group_of_tile, tile)))
-  want = jax.value_and_grad(want_fn, argnums=(0, 1))(x, w)
-  got = jax.jit(jax.value_and_grad(got_fn, argnums=(0, 1)))(x, w)
-  assert_trees_close(got, want, rows)
-
-
 def test_tiled_swiglu_matches_per_group_swiglu_with_gradients():
   """The fused static-tile SwiGLU (used tiles only, one scan each way) equals each row through
   its group's SwiGLU, rows past the groups giving zeros: value and every gradient."""

@@ -1,13 +1,12 @@
-"""A grouped matmul from static tiles, for XLA backends without a real one (XLA:CPU).
+"""Grouped expert SwiGLU from static tiles, for XLA backends without a grouped matmul (XLA:CPU).
 
 `jax.lax.ragged_dot` on XLA:CPU costs about one dense matmul per group over all rows. Here
 each group is padded to a multiple of `tile` rows inside a buffer of a bounded number of
-tiles, and a `lax.scan` over the tiles multiplies each by its group's weights (a dynamic
-index into w_Cxinxout), so the cost follows the used tiles, not G times the rows; tiles past
-the groups are skipped. `tiled_gmm` is one such matmul; `tiled_swiglu`, what the pooled layer
-runs, is the whole SwiGLU per tile, so its activation also skips the unused tiles. Backwards
-are `custom_vjp`s: dx is the same scan with the weights transposed, dW the per-tile products
-summed by group (a segment sum, accumulated in the scan).
+tiles, and a `lax.scan` over the tiles runs each through its group's weights (a dynamic
+index into the stacked weights), so the cost follows the used tiles, not G times the rows;
+tiles past the groups are skipped. `tiled_swiglu` runs the whole SwiGLU per tile, so its
+activation also skips the unused tiles. Its backward is a `custom_vjp` scan too: dx with the
+weights transposed, dW the per-tile products summed by group (accumulated in the scan).
 """
 
 from __future__ import annotations
@@ -50,72 +49,12 @@ def tile_groups(sizes_C: jax.Array, tiles: int, tile: int) -> jax.Array:
   return jnp.where(group < sizes_C.shape[0], group, -1)
 
 
-def _scan_tiles(x_rowsxin: jax.Array, w_Cxinxout: jax.Array, group_of_tile: jax.Array,
-                tile: int) -> jax.Array:
-  rows, width = x_rowsxin.shape
-  x_tiles = x_rowsxin.reshape(rows // tile, tile, width)   # [tiles, tile, in]
-
-  def body(carry, xs):
-    x_t, g = xs
-    y_t = jax.lax.cond(g >= 0, lambda: jnp.dot(x_t, w_Cxinxout[jnp.maximum(g, 0)]),
-                       lambda: match_varying(jnp.zeros((tile, w_Cxinxout.shape[-1]), x_t.dtype),
-                                             x_t)[0])
-    return carry, y_t
-
-  _, y_tiles = jax.lax.scan(body, None, (x_tiles, group_of_tile))
-  return y_tiles.reshape(rows, -1)
-
-
-def tiled_gmm(x_rowsxin: jax.Array, w_Cxinxout: jax.Array, group_of_tile: jax.Array,
-              tile: int) -> jax.Array:
-  """[rows, out]: tile i of x (rows i*tile ..) times w[group_of_tile[i]], zeros where that is -1;
-  M a multiple of tile."""
-  # Inside shard_map the cotangents must vary over the axes their inputs vary over; the cast
-  # of the weights to x's axes sums their gradient over the axes they were broadcast to.
-  x_rowsxin, w_Cxinxout = match_varying(x_rowsxin, w_Cxinxout)
-  return _tiled_gmm(x_rowsxin, w_Cxinxout, group_of_tile, tile)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _tiled_gmm(x_rowsxin, w_Cxinxout, group_of_tile, tile):
-  return _scan_tiles(x_rowsxin, w_Cxinxout, group_of_tile, tile)
-
-
-def _fwd(x_rowsxin, w_Cxinxout, group_of_tile, tile):
-  return (_scan_tiles(x_rowsxin, w_Cxinxout, group_of_tile, tile),
-          (x_rowsxin, w_Cxinxout, group_of_tile))
-
-
-def _bwd(tile, res, dy_rowsxout):
-  x_rowsxin, w_Cxinxout, group_of_tile = res
-  dx_rowsxin = _scan_tiles(dy_rowsxout, w_Cxinxout.transpose(0, 2, 1), group_of_tile, tile)
-  rows = x_rowsxin.shape[0]
-  x_tiles = x_rowsxin.reshape(rows // tile, tile, -1)
-  dy_tiles = dy_rowsxout.reshape(rows // tile, tile, -1)
-
-  # dW: each used tile's product added to its group's sum as the scan goes; a [tiles, in, out]
-  # stack of per-tile products summed afterwards would hold tiles x the weights' bytes.
-  def body(dw_Cxinxout, xs):
-    x_t, dy_t, g = xs
-    add = lambda: dw_Cxinxout.at[jnp.maximum(g, 0)].add(
-        jnp.dot(x_t.T, dy_t, preferred_element_type=jnp.float32))
-    return jax.lax.cond(g >= 0, add, lambda: dw_Cxinxout), None
-
-  # f32 sums
-  dw0 = match_varying(jnp.zeros(w_Cxinxout.shape, jnp.float32), x_rowsxin, dy_rowsxout)[0]
-  dw_Cxinxout, _ = jax.lax.scan(body, dw0, (x_tiles, dy_tiles, group_of_tile))
-  return dx_rowsxin, dw_Cxinxout.astype(w_Cxinxout.dtype), None
-
-
-_tiled_gmm.defvjp(_fwd, _bwd)
-
-
 def tiled_swiglu(x_rowsxD: jax.Array, w_gate_CxDxffn: jax.Array, w_up_CxDxffn: jax.Array,
                  w_down_CxffnxD: jax.Array, group_of_tile: jax.Array, tile: int,
                  dtype=jnp.float32) -> jax.Array:
   """`swiglu_grouped` (moejax.model.moe.experts) over static tiles, the whole SwiGLU of a tile
   in one scan step: tile i of x through group_of_tile[i]'s gate, up and down weights, zeros
-  where that is -1. Three `tiled_gmm`s would run the activation and its gradient over every
+  where that is -1. Three tiled matmuls would run the activation and its gradient over every
   row of the buffer, padding and unused tail tiles included, and on XLA:CPU those elementwise
   passes over [rows, ffn] cost about as much as the matmuls (docs/decisions/0103); here they
   run on the used tiles only. The backward is one scan too: per tile dx and the three weights'
