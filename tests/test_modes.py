@@ -94,6 +94,8 @@ LAYER_CASES = [
     LayerCase("ep", "slot", "ragged", "xla", (1, 8, 1)),
     LayerCase("fsep", "slot", "dense", "xla", (1, 4, 2)),
     LayerCase("fsep", "device", "dense", "pallas", (2, 4, 1), fsep_shares="adaptive"),
+    # fsep's pooled buffer through the XLA kernels: the static-tile SwiGLU over its slots
+    LayerCase("fsep", "device", "dense", "xla", (1, 8, 1)),
     LayerCase("fsep", "slot", "ragged", "pallas", (1, 4, 2), exchange_chunks=2,
               fsep_shares="adaptive", gate="sigmoid"),
 ]
