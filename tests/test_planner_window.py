@@ -12,7 +12,6 @@ from moejax.layout.tables import round_robin_placement
 from moejax.placement import fsep, policies
 from moejax.placement.fsep.spread import step_totals
 from moejax.placement.replanner import OnlinePlanner
-from moejax.train.plan_ahead import snapshot
 from tests.plan_helpers import PLAN_COST
 
 DEVICES, EXPERTS, SLOTS, LAYERS, WINDOW = 8, 16, 4, 2, 3
@@ -118,7 +117,7 @@ def test_a_snapshot_keeps_its_window_while_the_planner_observes():
   steps = _steps(WINDOW + 3)
   for counts in steps[:WINDOW]:
     op.observe(counts)
-  copied = snapshot(op)
+  copied = op.snapshot()
   for counts in steps[WINDOW:]:
     op.observe(counts)
   seen = _recorded(copied)

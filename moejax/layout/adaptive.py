@@ -23,6 +23,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from moejax.layout import capacity
 from moejax.layout.placement import SHARE_PARTS, Placement, share_parts
 
 LEVEL_ROUNDS = 8
@@ -195,7 +196,7 @@ def balanced_cap(counts_NxE: np.ndarray, p: Placement) -> int:
   buffer at capacity factor 1, T * K / (N * C) of the busiest source, which the program sizes
   at any factor >= 1."""
   per_source = int(np.asarray(counts_NxE).sum(1).max())
-  return max(1, -(-per_source // (p.num_devices * p.slots_per_device)))
+  return capacity.rows("slot", per_source, 1, p.num_devices, p.slots_per_device, 1.0)
 
 
 def split_adaptive(p: Placement, counts_NxE: np.ndarray, cap: int | None = None,

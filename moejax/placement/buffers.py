@@ -57,14 +57,18 @@ class BufferTally:
           crossing: int) -> None:
     self.crossing += crossing
     n, c = p.num_devices, p.slots_per_device
-    for mode in capacity.MODES:
-      got = slot_loads(p, counts_WxE, src_dev_W, mode)
-      if got is None:
-        self.known = False
-        return
-      loads_WxS, src = got
+    # Only adaptive shares route by the capacity mode (a device keeps its own rows within the
+    # buffer that mode sizes); the other rules route the same rows under both.
+    if p.routing == "adaptive":
+      routed = {mode: slot_loads(p, counts_WxE, src_dev_W, mode) for mode in capacity.MODES}
+    else:
+      routed = dict.fromkeys(capacity.MODES, slot_loads(p, counts_WxE, src_dev_W))
+    if routed[capacity.MODES[0]] is None:
+      self.known = False
+      return
+    self.choices += int(routed[capacity.MODES[0]][0].sum())
+    for mode, (loads_WxS, src) in routed.items():
       per_source = float(loads_WxS.sum(1).max())
-      self.choices += int(loads_WxS.sum()) if mode == capacity.MODES[0] else 0
       buffers = capacity.buffers_per_source(mode, n, c)
       self.loads[mode].append(capacity.buffer_loads(mode, loads_WxS, c).ravel())
       self.share[mode].append(np.full(len(src) * buffers, per_source / buffers))

@@ -22,7 +22,7 @@ from moejax.config import PlannerConfig
 from moejax.layout.flow import max_over_mean
 from moejax.layout.placement import Placement
 from moejax.placement import policies, pricing
-from moejax.placement.fsep.spread import step_totals
+from moejax.placement.fsep.score import column_sums
 
 
 def _whole(raw: np.ndarray, rows: int, steps: int) -> bool:
@@ -78,16 +78,15 @@ class OnlinePlanner:
     self.policy = policies.get_policy(cfg.policy)
     given = _config_options(cfg, capacity_factor, capacity)
     self.options = policies.make_options(cfg.policy, **given)
-    # The window's steps, oldest first. An entry is never changed in place, and the running
-    # sum below is once a copy of this object shares it (`__copy__`), so a copy of the deque
-    # and of this object (moejax.train.plan_ahead.snapshot) plans from the window as it was.
+    # The window's steps, oldest first. An entry is never changed in place, so a `snapshot`
+    # plans from the window as it was while this planner goes on observing.
     self.history: collections.deque = collections.deque(maxlen=cfg.window)
-    # The window's sum, kept step by step: at N = 4096, E = 256 the window is 84 MB per layer,
-    # and reading all of it for every decision took as long as the plan. Added and taken off
-    # only while every step it holds is whole counts (exact in float64, so it equals the
-    # sum of the window in order, bit for bit); None: sum the window when asked.
+    # The window's sum, kept step by step so that a decision does not read the whole window
+    # (84 MB per layer at N = 4096, E = 256). Added and taken off only while every step it
+    # holds is whole counts (exact in float64, so it equals the sum of the window in order,
+    # bit for bit); None: sum the window when asked.
     self._sum_LxNxE: np.ndarray | None = None
-    self._sum_shared = False                # a copy holds it: add into a new array
+    self._sum_shared = False                # a snapshot holds it: add into a new array
     self._whole: tuple[bool, ...] = ()      # per step of the window: its counts are whole
     # fsep's spread planning reads each step's expert totals [steps, L, E]; kept per step as it
     # comes (None: the policy sums the steps itself).
@@ -128,8 +127,8 @@ class OnlinePlanner:
     elif self._sum_LxNxE is None or not whole or (full and not self._whole[0]):
       self._sum_LxNxE = None           # summed afresh when asked (`_window_sum`)
     else:
-      if self._sum_shared:             # a new array (a fresh one's first writes cost as much
-        self._sum_LxNxE = self._sum_LxNxE + folded_LxNxE    # as the adds: kept after)
+      if self._sum_shared:             # a snapshot holds the old array: add into a new one
+        self._sum_LxNxE = self._sum_LxNxE + folded_LxNxE
         self._sum_shared = False
       else:
         self._sum_LxNxE += folded_LxNxE
@@ -138,16 +137,22 @@ class OnlinePlanner:
     self.history.append(folded_LxNxE)
     self._whole = (self._whole + (whole,))[-self.history.maxlen:]
     if self._tracks_totals():
-      totals_1xLxE = np.stack([step_totals(f[None])[0] for f in folded_LxNxE])[None]
+      totals_1xLxE = np.stack([column_sums(np.ascontiguousarray(f, np.float64))
+                               for f in folded_LxNxE])[None]
       kept = self._totals_stepsxLxE
       kept = kept[1:] if full and kept is not None else kept
       self._totals_stepsxLxE = (totals_1xLxE if kept is None
                                 else np.concatenate([kept, totals_1xLxE]))
 
-  def __copy__(self) -> OnlinePlanner:
-    """A shallow copy; the running sum is shared from here on, so neither adds into it."""
+  def snapshot(self) -> OnlinePlanner:
+    """A copy that later `observe` calls on this planner do not change (for planning on
+    another thread): the window's deques are copied (their entries are never changed in
+    place), and the running sum is shared from here on, so neither adds into it."""
     copied = object.__new__(type(self))
     copied.__dict__.update(self.__dict__)
+    copied.history = collections.deque(self.history, maxlen=self.history.maxlen)
+    if self.rows is not None:
+      copied.rows = collections.deque(self.rows, maxlen=self.rows.maxlen)
     self._sum_shared = copied._sum_shared = True
     return copied
 

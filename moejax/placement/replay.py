@@ -99,7 +99,7 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
     # steps beats its migration.
     if (t > 0 or lookahead) and (t % every == 0 or adaptive or (t == 1 and not lookahead)):
       seen = counts[t:t + every] if lookahead else counts[max(0, t - window):t]
-      pred = seen.mean(0) if lookahead else predict(counts[:t], window)   # [L, W, E]
+      pred = seen.mean(0) if lookahead else predict(seen, window)   # [L, W, E]
       for layer in range(layers):
         t0 = time.perf_counter()
         new = place(pred[layer], current[layer], slots=c_eff, src_dev_W=src_dev, cost=cost,

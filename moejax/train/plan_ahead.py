@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import copy
 import dataclasses
 import time
 from typing import Any
@@ -62,16 +61,6 @@ def _plan(planner: OnlinePlanner, current: list[Placement] | Plan):
   return new, switches, time.perf_counter() - tick
 
 
-def snapshot(planner: OnlinePlanner) -> OnlinePlanner:
-  """A copy of `planner` whose history later `observe` calls do not change (its entries are
-  never modified in place, so copying the deque is enough)."""
-  copied = copy.copy(planner)
-  copied.history = collections.deque(planner.history, maxlen=planner.history.maxlen)
-  if planner.rows is not None:
-    copied.rows = collections.deque(planner.rows, maxlen=planner.rows.maxlen)
-  return copied
-
-
 class PlanAhead:
   """Pending re-plans, applied `lag` steps after they were due. `threaded`: plan on one
   worker thread (False: plan at once on the caller's thread, the synchronous reference of
@@ -88,21 +77,20 @@ class PlanAhead:
     """Plans from `planner`'s history now; the plan is applied before `step + lag`. Marks the
     planner as having planned (here, not on the thread: `due` must not depend on timing)."""
     before = next((p for p in reversed(self.pending) if p.member == member), None)
-    # The snapshot is taken first: it keeps whether this is the cold-start plan (always taken,
-    # also under planner.adaptive), which `propose` reads from `planned`.
-    job = (_plan, snapshot(planner), before or current)
-    planner.planned = True
     if self.threaded and self.lag > 0:
       if self._executor is None:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="moejax-replan")
-      future = self._executor.submit(*job)
+      # The thread plans from a snapshot taken before `planned` is set: it keeps whether this
+      # is the cold-start plan (always taken, also under planner.adaptive).
+      future = self._executor.submit(_plan, planner.snapshot(), before or current)
     else:
       future = concurrent.futures.Future()
       try:
-        future.set_result(job[0](*job[1:]))
+        future.set_result(_plan(planner, before or current))
       except Exception as e:   # raised where a threaded plan's error would be: when applied
         future.set_exception(e)
+    planner.planned = True
     plan = Plan(step, step + self.lag, member, future)
     self.pending.append(plan)
     return plan
