@@ -120,8 +120,8 @@ def keep_own(xp, own_ExR, quota_ExR, parts_ExR, valid_ExR, dev_ExR, num_devices:
   rows when nothing is kept (own x levelled part) and the balanced share (`cap` per slot,
   C x `cap` per device when `pooled`). A kept row still fills the (source, own slot) pair,
   and so do the source's remaining rows split by the remote parts, which move with what
-  every device keeps: `rounds` fixed-point steps from keeping all, as the planner's
-  `moejax.placement.fsep.locality` does."""
+  every device keeps: `rounds` fixed-point steps from keeping all, the fixed point the
+  planner's `moejax.placement.fsep.locality` also solves (with its own round count)."""
   keep0 = xp.where(valid_ExR, xp.minimum(own_ExR, quota_ExR), 0)
   if cap is None:
     return keep0

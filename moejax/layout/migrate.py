@@ -1,7 +1,7 @@
 """Move experts between slots in `ep` mode: weights and every optimizer-state leaf.
 
-Two compiled programs per state structure (cached), neither specialised to a layout: the
-tables are traced int32 arguments, so any new layout reuses them.
+Two compiled programs per state structure and budget (cached), neither specialised to a
+layout: the tables are traced int32 arguments, so any new layout reuses them.
 
 - The moved-only program (`moved_slots`): each device packs the slots it must send into a
   fixed budget of B rows per destination device, one all-to-all over the expert axis carries

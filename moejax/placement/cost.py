@@ -38,9 +38,13 @@ class CostModel:
     """Dispatch + combine, fwd + bwd: 4 transfers of a d_model row."""
     return 4.0 * tokens_sent * self.row_bytes() / self.link_bytes_per_s
 
-  def expert_move_s(self, experts: float) -> float:
-    """Move one expert's weights (and, for ep migration, its Adam state: x3)."""
-    return 3.0 * experts * self.expert_params * self.bytes_per_param / self.link_bytes_per_s
+  def expert_move_bytes(self, experts: int) -> int:
+    """Bytes of `experts` experts' weights and, for ep migration, their Adam state: x3."""
+    return 3 * experts * self.expert_params * self.bytes_per_param
+
+  def expert_move_s(self, experts: int) -> float:
+    """Move `experts` experts (`expert_move_bytes`) over one link."""
+    return self.expert_move_bytes(experts) / self.link_bytes_per_s
 
   def replica_sync_s(self, replicas: float) -> float:
     """Broadcast a replica's weights and reduce its gradient, every step."""

@@ -65,7 +65,7 @@ def make_options(name: str, **given):
 
 class Steps(list):
   """A window's finished steps of one layer, oldest first, as a list of [W, E] arrays (not
-  stacked into one: at N = 4096 the copy cost as much as the plan); `totals_stepsxE`, each
+  stacked: that would copy the whole window for every decision); `totals_stepsxE`, each
   step's expert totals over the sources (`fsep.spread.step_totals`), where the caller kept
   them as the steps came, else None."""
 

@@ -4,11 +4,10 @@ The gain is the expert compute the busiest device saves per step (the step waits
 `CostModel.compute_s` of the max device rows before less after), on the window's finished steps
 one by one where they are given: a planner that plans for the steps' spread (fsep's 'spread')
 can lose on their mean and still win on the steps, and each step waits for its own busiest
-device. The
-cost is the migration of what actually moves: every (device, expert) copy the new layout adds
-that the old one lacked carries the expert's weights and its two Adam moments
-(`CostModel.expert_move_s`), and devices receive in parallel, so the busiest receiver sets the
-time. fsep restores every slot from the expert-sharded weights each step anyway, so its
+device. The cost is the migration of what actually moves: every (device, expert) copy the
+new layout adds that the old one lacked carries the expert's weights and its two Adam moments
+(`CostModel.expert_move_s`), and devices receive in parallel, so the busiest receiver sets
+the time. fsep restores every slot from the expert-sharded weights each step anyway, so its
 switch moves no weights (only the small layout tables, priced at zero). A switch pays when
 the gain over `horizon` steps beats the cost.
 """
@@ -26,6 +25,11 @@ from moejax.placement.cost import CostModel
 # Policies whose switch moves no weights: their slots are restored from the expert shards every
 # step, whatever the layout.
 FREE_MOVE_POLICIES = ("fsep",)
+
+
+def moves_weights(policy: str) -> bool:
+  """Whether a switch of `policy`'s layout moves expert weights."""
+  return policy not in FREE_MOVE_POLICIES
 
 
 class SwitchPrice(NamedTuple):
@@ -53,11 +57,6 @@ def step_loads(p: Placement, totals_stepsxE: np.ndarray) -> np.ndarray:
   return rows.reshape(len(rows), p.num_devices, -1).sum(-1)
 
 
-def moved_bytes(cost: CostModel, moved: int) -> int:
-  """Bytes of `moved` expert copies: weights and both Adam moments."""
-  return 3 * moved * cost.expert_params * cost.bytes_per_param
-
-
 def price(cur: Placement, new: Placement, load_before_N: np.ndarray, load_after_N: np.ndarray,
           cost: CostModel, experts: int, moves_weights: bool = True) -> SwitchPrice:
   """The switch `cur` -> `new` of a layer of `experts` priced on the predicted device loads
@@ -70,7 +69,7 @@ def price(cur: Placement, new: Placement, load_before_N: np.ndarray, load_after_
     return SwitchPrice(gain, 0.0, moved, 0)
   busiest_receiver = int(added_NxE.sum(1).max()) if moved else 0
   return SwitchPrice(gain, cost.expert_move_s(busiest_receiver), moved,
-                     moved_bytes(cost, moved))
+                     cost.expert_move_bytes(moved))
 
 
 def routes_alike(new: Placement, cur: Placement) -> bool:
@@ -96,9 +95,8 @@ def decide(cur: Placement, new: Placement, pred_NxE: np.ndarray, cost: CostModel
   the plan promises (`planned_load`; per step of `totals_stepsxE`, the window's expert
   totals, where given). A switch that moves no weights (`moves_weights` False) costs nothing
   and is taken: the policy's own score (fsep's: the spread of the steps, the exchange, each
-  source's local rows) chose it, and the quota loads priced here see none of that (on
-  drift_bursts they called 95% of fsep's re-plans a loss, and refusing them raised the median
-  max/mean from 1.03 to 1.08)."""
+  source's local rows) chose it, and the quota loads priced here see none of that
+  (docs/decisions/0093)."""
   if routes_alike(new, cur):
     return None
   before_N, after_N = planned_load(cur, pred_NxE), planned_load(new, pred_NxE)

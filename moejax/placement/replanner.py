@@ -231,7 +231,7 @@ class OnlinePlanner:
 
   @property
   def _moves_weights(self) -> bool:
-    return self.cfg.policy not in pricing.FREE_MOVE_POLICIES
+    return pricing.moves_weights(self.cfg.policy)
 
   def _samples(self, layer: int) -> np.ndarray | policies.Steps:
     """The window's steps of `layer`: the data rows where kept, else the folded steps; to

@@ -41,7 +41,6 @@ from moejax.layout.tables import round_robin_placement
 from moejax.placement import pricing
 from moejax.placement.buffers import BufferTally
 from moejax.placement.policies import ONE_COPY_POLICIES, POLICIES, CostModel, get_policy, predict
-from moejax.placement.pricing import FREE_MOVE_POLICIES
 
 
 def effective_slots(policy: str, num_experts: int, devices: int, slots: int) -> int:
@@ -89,7 +88,7 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
   series = np.zeros((steps, layers))
   predicted = []          # after each decision: max/mean of the layout in use, predicted load
   crossing, moved, times = 0, 0, []
-  moves = policy not in FREE_MOVE_POLICIES
+  moves = pricing.moves_weights(policy)
   # What the program pays, priced by the cost model: the busiest device's expert compute over
   # steps x layers and the migrations' seconds.
   priced = {"migrated_bytes": 0, "migration_s": 0.0, "switches": 0, "busiest_compute_s": 0.0}

@@ -32,8 +32,8 @@ from moejax.placement.cost import CostModel
 
 def _lpt(load_E: np.ndarray, cur_dev_E: np.ndarray, n: int, c: int) -> np.ndarray:
   """Longest processing time first: each expert, heaviest first, to the least loaded device
-  with a free slot (its current device among equals, else the lowest index). A heap of
-  (load, device) with stale entries skipped, not a scan of every device per expert."""
+  with a free slot (its current device among equals, else the lowest index), from a heap of
+  (load, device) with stale entries skipped: log N per expert."""
   dev_E = np.full(len(load_E), -1, np.int64)
   dev_load, free = [0.0] * n, [c] * n
   heap = [(0.0, d) for d in range(n)]
@@ -140,7 +140,7 @@ class _Drops:
 
   def over(self, dev_E):
     """[N, rows]: each device's load over its buffer's rows (< 0: room); segment sums over the
-    experts sorted by device, not a matmul with a one-hot E x N matrix."""
+    experts sorted by device."""
     order = np.argsort(dev_E, kind="stable")
     starts = np.searchsorted(dev_E[order], np.arange(self.n))
     over_NxK = np.zeros((self.n, len(self.cap_K)))

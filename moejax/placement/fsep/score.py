@@ -60,8 +60,8 @@ def overflow(grid: np.ndarray, share: np.ndarray, dev_NxE: np.ndarray,
 def _pooled_overflow(grid, share, dev_NxE, cap_N):
   """`overflow` per (source, device): the rows source s sends device d are
   sum_r dev[s, grid[d, r]] x share[d, r], one matrix product dev_NxE @ M per candidate with
-  M[e, d] = the share of e's replica on d. Gathering the [N, N, rounds] rows instead took
-  30x as long at N = 4096 (1 GB per candidate)."""
+  M[e, d] = the share of e's replica on d: N x N per candidate, not the N x N x rounds rows
+  (1 GB at N = 4096)."""
   n, num_experts = dev_NxE.shape
   dev_of = np.broadcast_to(np.arange(n)[:, None], grid.shape[1:])
   over = np.empty(len(grid))
