@@ -151,9 +151,9 @@ def _recomputing_moe(moe: MoELayer, backward_weights):
   return nn.custom_vjp(call, fwd, bwd)
 
 
-def _backward_restore(moe: MoELayer, stored, slot_expert_LxS, layer):
+def _backward_restore(stored, slot_expert_LxS, layer, mesh: Mesh, dtype):
   with jax.named_scope(BACKWARD_RESTORE):
-    return restore_layer(stored, slot_expert_LxS, layer, moe.mesh, moe.dtype)
+    return restore_layer(stored, slot_expert_LxS, layer, mesh, dtype)
 
 
 def _rerestoring_moe(moe: MoELayer):
@@ -161,7 +161,7 @@ def _rerestoring_moe(moe: MoELayer):
   stored shards (one more exchange); its channel is None."""
   def backward_weights(ct_channel, stored, slot_expert_LxS, layer):
     del ct_channel
-    return _backward_restore(moe, stored, slot_expert_LxS, layer), None
+    return _backward_restore(stored, slot_expert_LxS, layer, moe.mesh, moe.dtype), None
 
   return _recomputing_moe(moe, backward_weights)
 
@@ -175,7 +175,7 @@ def _prefetching_moe(moe: MoELayer):
   instead of preceding it."""
   def backward_weights(ct_channel, stored, slot_expert_LxS, layer):
     previous = (layer - 1) % slot_expert_LxS.shape[0]    # layer 0 wraps: nobody reads it
-    return ct_channel, _backward_restore(moe, stored, slot_expert_LxS, previous)
+    return ct_channel, _backward_restore(stored, slot_expert_LxS, previous, moe.mesh, moe.dtype)
 
   return _recomputing_moe(moe, backward_weights)
 
@@ -195,8 +195,7 @@ def _seed_backward_restore(mesh: Mesh, dtype):
 
   def bwd(res, ct_x):
     stored, slot_expert_LxS = res
-    with jax.named_scope(BACKWARD_RESTORE):
-      last = restore_layer(stored, slot_expert_LxS, slot_expert_LxS.shape[0] - 1, mesh, dtype)
+    last = _backward_restore(stored, slot_expert_LxS, slot_expert_LxS.shape[0] - 1, mesh, dtype)
     return ct_x, last, None, None
 
   seed.defvjp(fwd, bwd)
@@ -252,17 +251,14 @@ class LayerGroup(nn.Module):
     if self.moe_cfg.dense_equivalent:   # the MoE layer's active FLOPs as one dense SwiGLU
       y = mlp(cfg, self.moe_cfg.top_k * self.moe_cfg.d_ff, name="moe_dense")(h_BxQxD)
       stats = no_moe_stats(self.moe_cfg, self.mesh, layout)
-    elif fsep is None or not self.rerestore:
-      moe = MoELayer(self.moe_cfg, self.mesh, jnp.dtype(cfg.dtype), name="moe")
-      y, stats = moe(h_BxQxD, layout, slot_weights)
-    elif self.prefetch_backward:
-      moe = MoELayer(self.moe_cfg, self.mesh, jnp.dtype(cfg.dtype), name="moe")
-      (y, stats), channel = _prefetching_moe(moe)(moe, h_BxQxD, layout, slot_weights, channel,
-                                                  stored, slot_expert_LxS, layer)
     else:
       moe = MoELayer(self.moe_cfg, self.mesh, jnp.dtype(cfg.dtype), name="moe")
-      (y, stats), _ = _rerestoring_moe(moe)(moe, h_BxQxD, layout, slot_weights, None, stored,
-                                             slot_expert_LxS, layer)
+      if fsep is None or not self.rerestore:
+        y, stats = moe(h_BxQxD, layout, slot_weights)
+      else:   # `channel` is None unless prefetching
+        wrap = _prefetching_moe if self.prefetch_backward else _rerestoring_moe
+        (y, stats), channel = wrap(moe)(moe, h_BxQxD, layout, slot_weights, channel, stored,
+                                        slot_expert_LxS, layer)
     if self.moe_cfg.num_shared_experts:   # one SwiGLU as wide as all shared experts together
       width = self.moe_cfg.num_shared_experts * (self.moe_cfg.shared_d_ff or self.moe_cfg.d_ff)
       y = y + mlp(cfg, width, name="shared")(h_BxQxD)
