@@ -16,6 +16,8 @@ import glob
 import os
 import re
 
+from moejax.aot.hlo import op_name
+
 
 @dataclasses.dataclass(frozen=True)
 class Buffer:
@@ -51,8 +53,7 @@ def peak_buffers(directory: str) -> list[Buffer]:
   for line in _one(directory, ".txt").splitlines():
     m = re.match(r"\s*(?:ROOT )?%(\S+) = (\(.*?\)|\S+) ", line)
     if m:
-      op = re.search(r'op_name="([^"]*)"', line)
-      info.setdefault(m.group(1), (m.group(2), op.group(1) if op else ""))
+      info.setdefault(m.group(1), (m.group(2), op_name(line)))
   found = []
   for name, index, size in re.findall(r"^\s+(\S+?)(\{[\d,]*\}): (\d+) bytes", block, re.M):
     shape, op = info.get(name, ("", ""))

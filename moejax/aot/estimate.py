@@ -22,7 +22,7 @@ import math
 import re
 
 from moejax.aot.gpus import Gpu, gpu as gpu_named, host_size
-from moejax.aot.hlo import Instr, Module, parse
+from moejax.aot.hlo import Instr, Module, op_name, parse
 from moejax.aot.read import KINDS, _kind, first_group
 from moejax.strategy.cost import PRESETS, HardwareProfile
 
@@ -71,8 +71,7 @@ def scope(line: str) -> str:
   softmax and weighted values: jax.nn.dot_product_attention's vmapped ops, or the fused
   kernel), 'attention projections', 'moe' (the MoE layer, fsep's restores included), 'dense
   mlp', else 'other' (embedding, loss, optimizer, glue)."""
-  found = re.search(r'op_name="([^"]*)"', line)
-  op = found.group(1) if found else ""
+  op = op_name(line)
   if re.search(r"/attn[^/]*/(vmap\(|dot_product_attention|cudnn)", op):
     return "attention core"
   if "/attn" in op:
@@ -232,9 +231,9 @@ class _Walk:
           self._add(exposed_by, tag, finish - t)
           t = finish
       elif ins.opcode == "while":
-        trip = re.search(r'known_trip_count":\{"n":"(\d+)"', ins.line)
         body = ins.attr("body")
-        n = int(trip.group(1)) if trip else 1
+        n = ins.trip_count()
+        n = 1 if n is None else n
         bt, be, bc, bm, b_comm, b_exposed, b_compute = self.run(body)
         for table, child in ((comm_by, b_comm), (exposed_by, b_exposed),
                              (compute_by, b_compute)):

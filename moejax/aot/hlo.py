@@ -16,6 +16,13 @@ _SHAPE = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
 _INSTR = re.compile(r"\s+(?:ROOT )?(%?)([\w.\-]+) = (.*)$")
 _CALLS = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
 _HEADER = re.compile(r"(?:ENTRY )?%?([\w.\-]+) [({]")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def op_name(line: str) -> str:
+  """The JAX source path an instruction's metadata names (e.g. .../moe/shard_map/mul), or ''."""
+  m = _OP_NAME.search(line)
+  return m.group(1) if m else ""
 
 
 @dataclasses.dataclass
@@ -38,6 +45,10 @@ class Instr:
   def attr(self, key: str) -> str | None:
     m = re.search(rf"\b{key}=(\"[^\"]*\"|\{{[^}}]*\}}|[^,\s]+)", self.line)
     return m.group(1).strip('"').lstrip('%') if m else None
+
+  @property
+  def op_name(self) -> str:
+    return op_name(self.line)
 
   def trip_count(self) -> int | None:
     """A while loop's known trip count (None where XLA knows none)."""

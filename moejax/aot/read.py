@@ -123,9 +123,8 @@ def collectives(module: Module | str) -> list[Collective]:
         if done is not None:
           size = max(done.bytes(), size - done.bytes())   # start: (operands, outputs)
           between = [x.name for x in instrs[i + 1:position[done.name]] if x.opcode in COMPUTE]
-      m = re.search(r'op_name="([^"]*)"', ins.line)
       found.append(Collective(kind, comp, ins.name, size, count, is_async, between,
-                              m.group(1) if m else "", _group_or_one(ins.line)))
+                              ins.op_name, _group_or_one(ins.line)))
   return found
 
 
