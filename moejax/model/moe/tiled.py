@@ -1,12 +1,13 @@
-"""Grouped expert SwiGLU from static tiles, for XLA backends without a grouped matmul (XLA:CPU).
+"""The pooled layer's grouped expert SwiGLU with the XLA kernels (`moe.kernels = 'xla'`),
+from static tiles.
 
 `jax.lax.ragged_dot` on XLA:CPU costs about one dense matmul per group over all rows. Here
 each group is padded to a multiple of `tile` rows inside a buffer of a bounded number of
-tiles, and a `lax.scan` over the tiles runs each through its group's weights (a dynamic
-index into the stacked weights), so the cost follows the used tiles, not G times the rows;
-tiles past the groups are skipped. `tiled_swiglu` runs the whole SwiGLU per tile, so its
-activation also skips the unused tiles. Its backward is a `custom_vjp` scan too: dx with the
-weights transposed, dW the per-tile products summed by group (accumulated in the scan).
+tiles, and a `lax.scan` over the tiles runs each through its group's gate, up and down
+weights (dynamic indexes into the stacked weights), so the matmuls and the activation cost
+what the used tiles hold, not G times the rows; tiles past the groups are skipped. The
+backward is a `custom_vjp` scan too: dx with the weights transposed, dW the per-tile products
+summed by group (accumulated in the scan).
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ def tile_rows(rows: int, groups: int, max_tile: int = MAX_TILE) -> int:
   """Tile height: a power of two near an eighth of one group's even share, within
   [MIN_TILE, max_tile], and no more than the power of two covering the share. Each group's
   last tile is on average half padding, so groups * tile / 2 of the rows are wasted: an eighth
-  of the share keeps that near 1/16 of the buffer (a whole tile per group at factor ~1 with
-  4 slots per device cost ~25% more matmul rows), while tiles stay large enough for the
-  matmuls and few enough for the scan."""
+  of the share keeps that near 1/16 of the buffer, while tiles stay large enough for the
+  matmuls and few enough for the scan (docs/decisions/0103)."""
   share = max(1, -(-rows // groups))
   cover = 1 << (share - 1).bit_length()
   eighth = 1 << max(0, (share // 8).bit_length() - 1)
@@ -41,8 +41,8 @@ def num_tiles(rows: int, groups: int, tile: int) -> int:
 
 
 def tile_groups(sizes_C: jax.Array, tiles: int, tile: int) -> jax.Array:
-  """int32 [tiles]: the group each tile belongs to, -1 for the unused tail tiles (zero rows:
-  the matmul skips them and gives zeros)."""
+  """int32 [tiles]: the group each tile belongs to, -1 for the unused tail tiles (the SwiGLU
+  skips them and gives zeros)."""
   end_C = jnp.cumsum(-(-sizes_C // tile))
   t = jnp.arange(tiles, dtype=jnp.int32)
   group = jnp.searchsorted(end_C, t, side="right").astype(jnp.int32)
@@ -54,10 +54,9 @@ def tiled_swiglu(x_rowsxD: jax.Array, w_gate_CxDxffn: jax.Array, w_up_CxDxffn: j
                  dtype=jnp.float32) -> jax.Array:
   """`swiglu_grouped` (moejax.model.moe.experts) over static tiles, the whole SwiGLU of a tile
   in one scan step: tile i of x through group_of_tile[i]'s gate, up and down weights, zeros
-  where that is -1. Three tiled matmuls would run the activation and its gradient over every
-  row of the buffer, padding and unused tail tiles included, and on XLA:CPU those elementwise
-  passes over [rows, ffn] cost about as much as the matmuls (docs/decisions/0103); here they
-  run on the used tiles only. The backward is one scan too: per tile dx and the three weights'
+  where that is -1. The activation and its gradient run on the used tiles only: over every
+  row of the buffer those elementwise passes cost about as much as the matmuls on XLA:CPU
+  (docs/decisions/0103). The backward is one scan too: per tile dx and the three weights'
   gradients (f32 sums by group), from the gate and up products the forward kept."""
   args = match_varying(x_rowsxD.astype(dtype), w_gate_CxDxffn.astype(dtype),
                        w_up_CxDxffn.astype(dtype), w_down_CxffnxD.astype(dtype))
