@@ -13,8 +13,8 @@ Three tables, each planner given the same inputs:
     the trainer reads them (a step late, except before an eval or a checkpoint) and asked
     before every step whether it is due (a cold start at step 2, then every 50 steps), and
     the drops of steps 150-299 as train.py's last line counts them.
-  * time: `OnlinePlanner.propose` for the default config under pooled capacity (as
-    `benchmarks.planner_time --smartmoe_only`), both planners interleaved call by call.
+  * time: `OnlinePlanner.propose` for the default config under pooled capacity (the SmartMoE
+    rows of `benchmarks.planner_time --trainer_only`), both planners interleaved call by call.
 
   python -m benchmarks.smartmoe_ab --base aeb3d0a
 """
