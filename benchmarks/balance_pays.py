@@ -197,11 +197,10 @@ def step_runs(args, seed: int) -> dict:
   batches = [jax.device_put(rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32),
                             prog.batch_sharding) for _ in range(args.warmup_batches + 1)]
   routing = {"ep": _routing(prog, state, batches)}
-  if "fsep" in setup.EXPERT_MODE.values():
-    start = round_robin_placement(args.experts, N, args.fsep_slots)
-    fcfg, fspec = _model_config(args, "fsep", args.experts / args.top_k)
-    routing["fsep"] = _routing(*_program(fcfg, fspec, setup.device_layout(
-        "fsep", [start] * layers, args.experts, bias_LxE)), batches)
+  start = round_robin_placement(args.experts, N, args.fsep_slots)
+  fcfg, fspec = _model_config(args, "fsep", args.experts / args.top_k)
+  routing["fsep"] = _routing(*_program(fcfg, fspec, setup.device_layout(
+      "fsep", [start] * layers, args.experts, bias_LxE)), batches)
   tokens = cfg.data.global_batch_size * cfg.data.seq_len // N
   plans = {mode: [setup.plan(warm[:, layer], N, args.fsep_slots, cfg) for layer in range(layers)]
            for mode, (warm, _) in routing.items()}

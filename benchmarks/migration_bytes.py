@@ -15,25 +15,21 @@ Run (from the repository root; 8 fake CPU devices, under a minute):
 
 from __future__ import annotations
 
-import os
+import argparse
+import sys
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+import numpy as np
 
-import argparse  # noqa: E402
-import sys  # noqa: E402
-
-import numpy as np  # noqa: E402
-
-from benchmarks.common import command, default_config, write_result  # noqa: E402
-from moejax.aot.read import collective_summary, collectives  # noqa: E402
-from moejax.config import num_moe_layers  # noqa: E402
-from moejax.layout import migrate  # noqa: E402
-from moejax.layout.tables import from_slot_expert  # noqa: E402
-from moejax.strategy.spec import parse as parse_spec  # noqa: E402
-from moejax.train.optim import optimizer, schedule  # noqa: E402
-from moejax.train.programs import build_program  # noqa: E402
-from moejax.train.state import init_state  # noqa: E402
+from benchmarks.common import command, default_config, write_result
+from moejax.aot.read import collective_summary, collectives
+from moejax.config import num_moe_layers
+from moejax.layout import migrate
+from moejax.layout.tables import from_slot_expert
+from moejax.strategy.placement_cost import of_config
+from moejax.strategy.spec import parse as parse_spec
+from moejax.train.optim import optimizer, schedule
+from moejax.train.programs import build_program
+from moejax.train.state import init_state
 
 DEFAULT_JSON = "benchmarks/results/migration_bytes_cpu.json"
 MESHES = ((2, 4, 1), (1, 8, 1))        # (data, expert, model)
@@ -64,7 +60,7 @@ def measure(shape, experts: int) -> dict:
   moved = _compiled_text(*migrate.migration_call(state, old, new))
   whole = _compiled_text(*migrate.migration_call(state, old, new, whole=True))
   d, f = prog.cfg.model.d_model, prog.cfg.moe.d_ff
-  expert_bytes = 3 * 3 * d * f * 4            # weights and both moments of one expert
+  expert_bytes = of_config(prog.cfg).expert_move_bytes(1)   # weights and both moments
   out = {"mesh": "x".join(map(str, shape)), "devices": n, "experts": experts, "layers": layers,
          "budget": budget, "d_model": d, "d_ff": f, "expert_bytes": expert_bytes}
   for name, hlo in (("moved_only", moved), ("whole", whole)):

@@ -25,8 +25,7 @@ model), for every MoE layer of the default model, after `planner.window` finishe
 the synthetic load have been observed: fsep (C = --fsep_slots, or E/N where that is more)
 at N = 8, 64, 512, 4096 with E = 64 and 256, and SmartMoE under pooled capacity (E/N slots)
 where N divides E. Rows give ms per re-plan (all layers) and per layer decision, and name
-the options. `--smartmoe_only`: only those SmartMoE rows (E = 64, 256 on N = 8, 64; at
-N = 512 and 4096 no permutation exists, E < N).
+the options (no SmartMoE row at N = 512 and 4096: E < N, no permutation exists).
 
 Wall time depends on what else the machine runs: the JSON records the 1-minute load average
 before and after (`os.getloadavg`); quote a figure beside its load. `--fsep_only` runs only
@@ -37,8 +36,8 @@ Run (from the repository root):
   python -m benchmarks.planner_time
   python -m benchmarks.planner_time --repeats 7 --json benchmarks/results/planner_time.json
   python -m benchmarks.planner_time --fsep_only --repeats 21
-  python -m benchmarks.planner_time --smartmoe_only --repeats 21 \
-      --json benchmarks/results/smartmoe_planner_time.json
+  python -m benchmarks.planner_time --trainer_only --repeats 21 \
+      --json benchmarks/results/planner_time_trainer.json
 """
 
 from __future__ import annotations
@@ -182,20 +181,18 @@ def main(argv=None) -> int:
   ap.add_argument("--trainer", action=argparse.BooleanOptionalAction, default=True,
                   help="the trainer's re-plan table (module doc)")
   ap.add_argument("--trainer_only", action="store_true", help="only the trainer's table")
-  ap.add_argument("--smartmoe_only", action="store_true",
-                  help="only the trainer's SmartMoE rows (pooled capacity)")
   a = ap.parse_args(argv)
   if a.repeats < 5:
     ap.error("--repeats must be >= 5")
   load_before = os.getloadavg()[0]
-  alone = a.fsep_only or a.trainer_only or a.smartmoe_only
+  alone = a.fsep_only or a.trainer_only
   rows = [] if alone else [time_policy(name, e, n, a.slots, a.repeats, a.seed)
                            for e, n in CONFIGS for name in policy_order()]
   if rows:
     print_table(rows, COLUMNS)
   trainer_rows = []
-  if (a.trainer and not a.fsep_only) or a.trainer_only or a.smartmoe_only:
-    for e, n in TRAINER_CONFIGS if not a.smartmoe_only else ():
+  if (a.trainer and not a.fsep_only) or a.trainer_only:
+    for e, n in TRAINER_CONFIGS:
       trainer_rows.append(time_trainer_replan("fsep", e, n, a.fsep_slots, a.repeats, a.seed))
       print_table(trainer_rows[-1:], TRAINER_COLUMNS)
     for e, n in TRAINER_CONFIGS:
@@ -203,7 +200,7 @@ def main(argv=None) -> int:
         trainer_rows.append(time_trainer_replan("smartmoe", e, n, 0, a.repeats, a.seed))
         print_table(trainer_rows[-1:], TRAINER_COLUMNS)
   fsep_rows = []
-  if "fsep" in POLICIES and not (a.trainer_only or a.smartmoe_only):
+  if "fsep" in POLICIES and not a.trainer_only:
     fsep_rows = [time_policy("fsep", e, n, a.fsep_slots, a.repeats, a.seed, opts)
                  for opts in (None, {"exact_parts": False}) for e, n in FSEP_CONFIGS]
     print(f"\nfsep latency (C={a.fsep_slots}); last {len(FSEP_CONFIGS)} rows: exact_parts=False "

@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.common import RESULTS, command, load, write_result
+from benchmarks.common import RESULTS, command, default_config, load, write_result
 
 VARIANTS = {"every1000": {"planner.every": 1000},
             "every1_lag1": {"planner.every": 1, "planner.lag": 1},
@@ -69,7 +69,6 @@ def parse_args(argv):
 
 
 def one_run(variant: str, args, work: str) -> dict:
-  from moejax.frontend import DEFAULT_GIN, parse_config
   from moejax.train.controllers import Hook
   from moejax.train.trainer import Trainer
 
@@ -91,7 +90,7 @@ def one_run(variant: str, args, work: str) -> dict:
   bindings = [f"train.num_steps = {args.steps}", f"train.run_dir = '{run_dir}'",
               "train.progress_bar = False",
               *(f"{k} = {v}" for k, v in VARIANTS[variant].items())]
-  cfg = parse_config([DEFAULT_GIN], bindings)
+  cfg = default_config(bindings)
   clock, before = StepClock(), load()
   with Trainer(cfg) as trainer:
     trainer.layouts.ahead.threaded = variant not in NO_THREAD

@@ -24,8 +24,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import command, write_result
-from moejax.config import Config
+from benchmarks.common import command, default_config, write_result
 from moejax.placement.replay import replay
 from moejax.strategy.cost import load_profile
 from moejax.strategy.placement_cost import placement_cost
@@ -66,7 +65,7 @@ def main(argv=None) -> int:
   ap.add_argument("--json", default=DEFAULT_JSON)
   a = ap.parse_args(argv)
   counts = np.load(a.trace)["counts"]
-  cfg = Config()
+  cfg = default_config()
   sweeps = []
   for profile in a.profiles.split(","):
     cost = placement_cost(cfg.model, cfg.moe, load_profile(profile))

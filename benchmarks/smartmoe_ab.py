@@ -2,19 +2,20 @@
 the plan drops, on the committed traces, and the time of the trainer's call.
 
 Three tables, each planner given the same inputs:
-  * traces: every trace in benchmarks/traces on N devices (sources folded per device, as the
-    re-planner keeps them), and lognormal synthetic ones at E = 64 and 256; a decision every
-    10 steps from the last 10 (cf 1.25, min_gain 0.05, starting from static). `planned`: the
-    drops of the chosen layout on the window it was planned on; `realised`: its drops on the
-    10 steps it then serves, per (source, device) buffer of the trace's own sources;
-    max/mean: those steps' device loads.
+  * traces: every trace in benchmarks/traces on N devices, its sources folded per device (the
+    plan's samples are those folded steps, not the trainer's per-row samples), and lognormal
+    synthetic ones at E = 64 and 256; a decision every 10 steps from the last 10 (cf 1.25,
+    min_gain 0.05, starting from static). `planned`: the drops of the chosen layout on the
+    window it was planned on; `realised`: its drops on the 10 steps it then serves, per
+    (source, device) buffer of the trace's own sources; max/mean: those steps' device loads.
   * default job: the decisions the trainer's re-planner (`online_planner` of the default
-    config, each planner its policy) makes in the default job, fed a logged run's counts as
-    the trainer reads them (a step late, except before an eval or a checkpoint) and asked
-    before every step whether it is due (a cold start at step 2, then every 50 steps), and
-    the drops of steps 150-299 as train.py's last line counts them.
-  * time: `OnlinePlanner.propose` for the default config under pooled capacity (as
-    `benchmarks.planner_time --smartmoe_only`), both planners interleaved call by call.
+    config, each planner its policy; for SmartMoE it keeps each data row of a step as its own
+    sample) makes in the default job, fed a logged run's counts as the trainer reads them (a
+    step late, except before an eval or a checkpoint) and asked before every step whether it
+    is due (a cold start at step 2, then every 50 steps), and the drops of steps 150-299 as
+    train.py's last line counts them.
+  * time: `OnlinePlanner.propose` for the default config under pooled capacity (the SmartMoE
+    rows of `benchmarks.planner_time --trainer_only`), both planners interleaved call by call.
 
   python -m benchmarks.smartmoe_ab --base aeb3d0a
 """

@@ -173,39 +173,24 @@ def _migration_bytes(files):
 
 @family("smartmoe", "SmartMoE under pooled capacity: plans, drops and time against a base commit")
 def _smartmoe(files):
-  lines, head = [], []
-  for name, d in files.items():
-    if "traces" in d:        # benchmarks.smartmoe_ab
-      rows = [[r["trace"], r["experts"], r["devices"],
-               *(f"{pct(r['base'][k])} -> {pct(r['this'][k])}"
-                 for k in ("planned_dropped", "realised_dropped")),
-               f"{num(r['base']['max_over_mean'])} -> {num(r['this']['max_over_mean'])}",
-               r["this"]["decisions"], f"`{name}`"] for r in d["traces"]]
-      lines += [f"Base {d['base']} -> this tree, cf {d['capacity_factor']}, a decision every 10 "
-                "steps from the last 10: drops on the window planned on and on the steps "
-                "served.", "", *table(["trace", "E", "N", "planned dropped", "realised dropped",
-                                       "max/mean", "decisions", "file"], rows), ""]
-      job = d["default_job"]
-      lines += ["The default job's decisions, as the trainer's re-planner makes them, replayed "
-                f"on a logged run, steps 150-299 dropped: base {pct(job['base'])}, this "
-                f"{pct(job['this'])}.", ""]
-      rows = [[t["experts"], t["devices"], num(t["ms_per_layer"]["base"], 1),
-               num(t["ms_per_layer"]["this"], 1), ratio(t["speedup"]), t["calls"], f"`{name}`"]
-              for t in d["time"]]
-      lines += ["The trainer's call, both planners interleaved (ms per layer decision, median):",
-                "", *table(["E", "N", "base ms", "this ms", "speedup", "calls", "file"], rows), ""]
-    else:                    # benchmarks.planner_time --smartmoe_only
-      rows = [[r["experts"], r["devices"], r["slots"], num(r["ms_per_layer_median"], 1),
-               f"{num(r['ms_per_replan_min'] / r['layers'], 1)} - "
-               f"{num(r['ms_per_replan_max'] / r['layers'], 1)}", r["calls"],
-               f"min_gain={r['options']['min_gain']}, pooled_capacity_factor="
-               f"{r['options']['pooled_capacity_factor']}, window={r['window']}", f"`{name}`"]
-              for r in d["trainer_rows"]]
-      lines += ["The trainer's SmartMoE call (pooled capacity), ms per layer decision:", "",
-                *table(["E", "N", "C", "median ms", "min - max ms", "calls", "options", "file"],
-                       rows), ""]
-      for r in d["trainer_rows"]:
-        if (r["experts"], r["devices"]) == (256, 64):
-          head.append(("SmartMoE planner under pooled capacity, E = 256 on N = 64, median time "
-                       "per layer decision", f"{r['ms_per_layer_median']:.0f} ms", name))
-  return Section(lines, head)
+  lines = []
+  for name, d in files.items():      # benchmarks.smartmoe_ab
+    rows = [[r["trace"], r["experts"], r["devices"],
+             *(f"{pct(r['base'][k])} -> {pct(r['this'][k])}"
+               for k in ("planned_dropped", "realised_dropped")),
+             f"{num(r['base']['max_over_mean'])} -> {num(r['this']['max_over_mean'])}",
+             r["this"]["decisions"], f"`{name}`"] for r in d["traces"]]
+    lines += [f"Base {d['base']} -> this tree, cf {d['capacity_factor']}, a decision every 10 "
+              "steps from the last 10: drops on the window planned on and on the steps "
+              "served.", "", *table(["trace", "E", "N", "planned dropped", "realised dropped",
+                                     "max/mean", "decisions", "file"], rows), ""]
+    job = d["default_job"]
+    lines += ["The default job's decisions, as the trainer's re-planner makes them, replayed "
+              f"on a logged run, steps 150-299 dropped: base {pct(job['base'])}, this "
+              f"{pct(job['this'])}.", ""]
+    rows = [[t["experts"], t["devices"], num(t["ms_per_layer"]["base"], 1),
+             num(t["ms_per_layer"]["this"], 1), ratio(t["speedup"]), t["calls"], f"`{name}`"]
+            for t in d["time"]]
+    lines += ["The trainer's call, both planners interleaved (ms per layer decision, median):",
+              "", *table(["E", "N", "base ms", "this ms", "speedup", "calls", "file"], rows), ""]
+  return Section(lines)
