@@ -1,14 +1,15 @@
-"""The GPU config's train step on one GPU, measured through the trainer's own programs:
-every dispatch path and the dense-equivalent model built from `configs/gpt_moe_gpu.gin` at the
-per-GPU batch of an 8-GPU node, timed interleaved, with model-FLOP MFU and a kernel profile of
-the fastest. `benchmarks.on_gpu` runs it in a process of its own (`train_child`)."""
+"""Train steps on one GPU, measured through the trainer's own programs: for each shape in
+`SHAPES` (the GPU config at the per-GPU batch of an 8-GPU node and its per-GPU expert slice; a
+Mixtral-8x7B and a Qwen3-30B-A3B shape cut to the layers one GPU holds, at a Megatron-like
+64K tokens per optimizer step by gradient accumulation), its MoE paths and its dense-equivalent
+model timed interleaved, with model-FLOP MFU and the fastest path's whole kernel profile.
+`benchmarks.on_gpu` runs each shape in a process of its own (`train_child`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import gzip
 import json
-import os
 import time
 
 GPU_CONFIG = "configs/gpt_moe_gpu.gin"
@@ -28,6 +29,38 @@ PATHS = (
 # What the tiled loss and the fused attention are worth, on the fastest MoE path.
 ABLATIONS = (("plain loss", {"model.loss_chunk": 0}), ("xla attention", {"model.attention": "xla"}),
              ("no remat", {"model.remat": False}))
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  """A measured config: a gin file, bindings over it, and the paths timed side by side."""
+  gin: str
+  bindings: dict
+  paths: tuple
+  ablations: tuple = ()
+
+
+_DENSE = PATHS[0]
+_DENSE_EQ = PATHS[-1]
+# 64K tokens per optimizer step as 8 accumulated microbatches of 2 x 4096; the tiled loss at
+# 512 positions a tile (a [512, vocab] fp32 tile rather than the whole [8192, vocab] logits).
+_BIG_STEP = {"data.seq_len": 4096, "data.global_batch_size": 16, "train.microbatches": 8,
+             "model.loss_chunk": 512}
+SHAPES = {
+    # Mixtral-8x7B's layer (d 4096, GQA 32/8, 8 experts of 14336, top-2), 2 layers: ~3.1B
+    # parameters, whose fp32 state and Adam moments (~37 GB) leave room for the dense twin.
+    "mixtral_2l": Shape("configs/mixtral_8x7b.gin", {"model.num_layers": 2, **_BIG_STEP},
+                        (_DENSE, _DENSE_EQ)),
+    # Qwen3-30B-A3B's layer (d 2048, GQA 32/4 of dim 128, QK-norm, 128 experts of 768, top-8),
+    # 4 layers: ~3.1B parameters, 0.6B of them the 151936-token embedding and head.
+    "qwen3_4l": Shape("configs/qwen3_moe.gin", {"model.num_layers": 4, **_BIG_STEP},
+                      (_DENSE, PATHS[1], _DENSE_EQ)),
+    # One GPU's share of an 8-GPU expert-parallel node: E/8 = 4 experts a layer, the node's
+    # tokens per GPU; the exchange is left out, the optimizer's share is the one a user sees.
+    "gpu_config_ep8_slice": Shape(GPU_CONFIG, {"moe.num_experts": 4}, (_DENSE, _DENSE_EQ)),
+    "gpu_config": Shape(GPU_CONFIG, {}, PATHS, ABLATIONS),
+}
+
+
 def with_bindings(cfg, bindings: dict):
   """`cfg` with 'section.field' bindings applied."""
   for key, value in bindings.items():
@@ -37,35 +70,52 @@ def with_bindings(cfg, bindings: dict):
   return cfg
 
 
-def load_config(dry_run: bool, devices: int):
-  """The GPU config at `devices` x the per-GPU batch (dry run: a tiny model of its shape)."""
+def load_config(dry_run: bool, devices: int, shape: str = "gpu_config"):
+  """`shape`'s config at `devices` x its per-GPU batch (dry run: a tiny model of its kind:
+  its head grouping, QK-norm, microbatches and layer pattern, small widths)."""
   from moejax.frontend import parse_config
-  cfg = parse_config([GPU_CONFIG], [])
+  spec = SHAPES[shape]
+  cfg = parse_config([spec.gin], [])
   cfg = with_bindings(cfg, {"mesh.data": -1, "mesh.expert": min(devices, cfg.mesh.expert),
                     "mesh.host_device_count": 1,
                     "data.global_batch_size": PER_GPU_BATCH * devices, "data.path": None,
-                    "checkpoint.every": 10**9, "train.tensorboard": False})
+                    "checkpoint.every": 10**9, "train.tensorboard": False,
+                    "model.max_seq_len": max(cfg.model.max_seq_len,
+                                             spec.bindings.get("data.seq_len", 0))})
+  cfg = with_bindings(cfg, spec.bindings)
+  if "data.global_batch_size" in spec.bindings:
+    cfg = with_bindings(cfg, {"data.global_batch_size": cfg.data.global_batch_size * devices})
   if dry_run:
+    m = cfg.model
     cfg = with_bindings(cfg, {"model.vocab_size": 512, "model.d_model": 32, "model.num_heads": 4,
-                      "model.d_ff": 64, "model.num_layers": 2, "model.max_seq_len": 64,
-                      "moe.num_experts": 4, "moe.d_ff": 32, "data.seq_len": 64,
-                      "data.global_batch_size": 2 * devices, "model.loss_chunk": 16})
+                      "model.num_kv_heads": 2 if m.num_kv_heads else 0,
+                      "model.head_dim": 16 if m.head_dim else 0,
+                      "model.d_ff": 64, "model.num_layers": cfg.moe.moe_every * 2,
+                      "model.max_seq_len": 64, "moe.num_experts": min(cfg.moe.num_experts, 8),
+                      "moe.top_k": min(cfg.moe.top_k, 2), "moe.d_ff": 32, "data.seq_len": 64,
+                      "data.global_batch_size": 2 * cfg.train.microbatches * devices,
+                      "model.loss_chunk": 16})
   return cfg.validate()
 
 
 def flops_per_token(cfg) -> float:
   """Model FLOPs of one training token (forward + backward = 3x forward; remat's recompute
-  not counted): 6 x the active matmul parameters, plus causal attention's 6 x Q x D a layer."""
+  not counted): 6 x the active matmul parameters, plus causal attention's 6 x Q x H x Dh a
+  layer (scores and values over the causal half). The projections count grouped k/v heads
+  and a head dim apart from d_model / H."""
   from moejax.config import num_moe_layers
   m, moe = cfg.model, cfg.moe
   d, q = m.d_model, cfg.data.seq_len
+  width = m.num_heads * (m.head_dim or d // m.num_heads)          # H x Dh
+  kv_width = (m.num_kv_heads or m.num_heads) * (m.head_dim or d // m.num_heads)
+  attn = 2 * d * width + 2 * d * kv_width                        # q, o; k, v
   moe_layers = num_moe_layers(m, moe)
   dense_layers = m.num_layers - moe_layers
   expert_width = moe.top_k * moe.d_ff + moe.num_shared_experts * (moe.shared_d_ff or moe.d_ff)
-  params = (m.num_layers * 4 * d * d + dense_layers * 3 * d * m.d_ff +
+  params = (m.num_layers * attn + dense_layers * 3 * d * m.d_ff +
             moe_layers * (3 * d * expert_width + (0 if moe.dense_equivalent else d *
                                                   moe.num_experts)) + d * m.vocab_size)
-  return 6 * params + 6 * m.num_layers * q * d
+  return 6 * params + 6 * m.num_layers * q * width
 
 
 class Budget:
@@ -150,27 +200,75 @@ def time_interleaved(built, rounds: int, steps: int, budget: Budget) -> dict:
   return timed, {name: slot[1] for name, slot in live.items()}   # the states, not donated
 
 
+def kernel_table(trace_dir: str, steps: int) -> dict:
+  """Every GPU kernel of the Perfetto trace under `trace_dir`, per step: time and launches by
+  (kernel, HLO op, module), the busy time (the union of kernel intervals over all streams) and
+  the span from the first kernel's start to the last one's end, whose difference is idle."""
+  import glob
+  files = glob.glob(f"{trace_dir}/**/*perfetto_trace.json.gz", recursive=True)
+  if not files:
+    return {"error": f"no Perfetto trace under {trace_dir}"}
+  with gzip.open(files[0]) as f:
+    events = json.load(f)
+  events = events["traceEvents"] if isinstance(events, dict) else events
+  gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+         and "gpu" in e["args"]["name"].lower()}
+  kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu]
+  if not kernels:
+    return {"error": "the trace has no GPU kernels"}
+  table: dict = {}
+  for e in kernels:
+    args = e.get("args") or {}
+    key = (e["name"][:160], str(args.get("hlo_op", ""))[:160],
+           str(args.get("hlo_module", ""))[:80])
+    row = table.setdefault(key, [0.0, 0])
+    row[0] += e.get("dur", 0) / steps
+    row[1] += 1 / steps
+  spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in kernels)
+  busy, (start, end) = 0.0, spans[0]
+  for s0, s1 in spans[1:]:
+    if s0 > end:
+      busy, start, end = busy + end - start, s0, s1
+    else:
+      end = max(end, s1)
+  busy += end - start
+  return {"steps": steps, "busy_us_per_step": busy / steps,
+          "span_us_per_step": (spans[-1][1] - spans[0][0]) / steps,
+          "kernel_us_per_step": sum(r[0] for r in table.values()),
+          "launches_per_step": sum(r[1] for r in table.values()),
+          "args_seen": sorted({k for e in kernels[:50] for k in (e.get("args") or {})}),
+          "kernels": sorted(([n, op, mod, round(us, 2), round(c, 2)]
+                             for (n, op, mod), (us, c) in table.items()),
+                            key=lambda r: -r[3])}
+
+
 def _profile(prog, state, steps: int = 3, top: int = 25) -> dict:
-  """GPU kernel time by kernel name over `steps` traced steps (JAX's profiler)."""
+  """GPU kernel time over `steps` traced steps (JAX's profiler): the top kernels by name, and
+  the whole table (`kernel_table`) under "table"."""
   import tempfile
 
   import jax
 
-  from benchmarks.layer_profile import gpu_kernels
   logdir = tempfile.mkdtemp(prefix="on_gpu_trace_")
   batch = _batch(prog, 1)
   with jax.profiler.trace(logdir, create_perfetto_trace=True):
     for _ in range(steps):
       state, _ = prog.train_step(state, batch, prog.layout)
     jax.block_until_ready(state)
-  ms = gpu_kernels(logdir, steps)
-  return {"state": state, "steps": steps, "gpu_busy_us_per_step": 1e3 * sum(ms.values()),
-          "top_kernels_us_per_step": [[n, round(1e3 * v, 1)] for n, v in ms.most_common(top)]}
+  table = kernel_table(logdir, steps)
+  by_name: dict = {}
+  for name, _, _, us, _ in table.get("kernels", []):
+    by_name[name[:90]] = by_name.get(name[:90], 0.0) + us
+  top_names = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+  return {"state": state, "steps": steps, "gpu_busy_us_per_step": sum(by_name.values()),
+          "top_kernels_us_per_step": [[n, round(v, 1)] for n, v in top_names], "table": table}
 
 
-def step_train(cfg, dry_run: bool, budget: Budget, out: str, peak: float | None):
+def step_train(cfg, dry_run: bool, budget: Budget, out: str, peak: float | None,
+               shape: str = "gpu_config"):
   """(result, the fastest MoE path's scheduled HLO, its row)."""
-  rounds, steps = (2, 2) if dry_run else (4, 4)
+  spec = SHAPES[shape]
+  rounds, steps = (2, 2) if dry_run else (4, 4) if spec.ablations else (3, 3)
   tokens = cfg.data.global_batch_size * cfg.data.seq_len
 
   def rows_of(built, timed):
@@ -188,7 +286,7 @@ def step_train(cfg, dry_run: bool, budget: Budget, out: str, peak: float | None)
       rows.append(row)
     return rows
 
-  built = _programs(cfg, PATHS)
+  built = _programs(cfg, spec.paths)
   timed, states = time_interleaved(built, rounds, steps, budget)
   rows = rows_of(built, timed)
   result = {"tokens_per_step": tokens, "peak_flops": peak, "rows": rows}
@@ -211,11 +309,11 @@ def step_train(cfg, dry_run: bool, budget: Budget, out: str, peak: float | None)
       kept = kept[:2] + (result["profile"].pop("state"),) + kept[3:]
     except Exception as e:
       result["profile"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-  if budget.left() > (40 if dry_run else 150):
+  if spec.ablations and budget.left() > (40 if dry_run else 150):
     try:
       base = dict(PATHS)[best["path"]]
       abl = [kept] + _programs(cfg, [(f"{best['path']}, {n}", {**base, **b})
-                                     for n, b in ABLATIONS] +
+                                     for n, b in spec.ablations] +
                              [("dense_equivalent, no remat",
                                {**dict(PATHS)["dense_equivalent"], "model.remat": False})])
       result["ablations"] = rows_of(abl, time_interleaved(abl, rounds, steps, budget)[0])
@@ -224,20 +322,16 @@ def step_train(cfg, dry_run: bool, budget: Budget, out: str, peak: float | None)
   return result, hlo, best
 
 
-def train_child(path: str, out: str, budget_s: str, dry_run: str) -> None:
-  """The train-step measurement, in its own process: its result and the fastest path's
-  scheduled HLO (gzipped, beside the JSON) go to `path`."""
+def train_child(path: str, out: str, budget_s: str, dry_run: str,
+                shape: str = "gpu_config") -> None:
+  """One shape's train-step measurement, in its own process: its result, the fastest path's
+  row and its scheduled HLO go to `path` (JSON)."""
   import jax
   dev = jax.devices()[0]
   peak = next((v for k, v in PEAK_BF16.items() if k in dev.device_kind), None)
-  result, hlo, best = step_train(load_config(dry_run == "1", 1), dry_run == "1",
-                                 Budget(float(budget_s)), out, peak)
-  name = None
-  if hlo is not None:
-    name = "best_step_hlo.txt.gz"
-    with gzip.open(os.path.join(out, name), "wt") as f:
-      f.write(hlo)
+  result, hlo, best = step_train(load_config(dry_run == "1", 1, shape), dry_run == "1",
+                                 Budget(float(budget_s)), out, peak, shape)
   with open(path, "w") as f:
-    json.dump({"result": result, "best": best, "hlo": name}, f)
+    json.dump({"result": result, "best": best, "hlo_text": hlo}, f)
 
 

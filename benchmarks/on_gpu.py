@@ -2,15 +2,21 @@
 --out DIR [--dry_run]`.
 
 Steps in priority order, each skipped (with the reason) when the budget left is below its
-estimate, the JSON rewritten after every step so that a cut-off run still returns what it did:
+estimate (the wall time the step took in the newest committed run, or a default), the JSON
+rewritten after every step so that a cut-off run still returns what it did:
   1. the GPU's own GpuTargetConfigProto, the target of the compile-only GPU programs;
-  2. the kernels' tests on the GPU (pass/fail per test);
-  3. train-step tokens/s and MFU of the GPU config at the per-GPU batch of an 8-GPU node,
-     through the trainer's own `build_program`, its paths interleaved, and a kernel profile of
-     the fastest;
-  4. the same train step compiled for 8 and 64 GPUs with `jax_mock_gpu_topology` (autotuned),
-     its memory and collectives;
-  5. the schedule estimate (moejax.aot) of the one-GPU program beside its measured step time.
+  2. the rates a schedule estimate needs (`benchmarks.gpu_rates`: HBM, GEMMs at the trained
+     shapes, cuDNN and XLA attention by head dim and sequence);
+  3. train-step tokens/s and MFU of each shape of `gpu_train_step.SHAPES` (Mixtral- and
+     Qwen3-shaped cuts first, then the GPU config's per-GPU expert slice, then the GPU config
+     with every path and its ablations), through the trainer's own `build_program`, MoE paths
+     and the dense-equivalent interleaved, and the fastest path's whole kernel profile;
+  4. the kernels' tests on the GPU (pass/fail per test);
+  5. the GPU config's train step compiled for 8 and 64 GPUs with `jax_mock_gpu_topology`
+     (autotuned), its memory and collectives;
+  6. the schedule estimate (moejax.aot) of each measured program beside its measured step.
+Files beside the JSON: the scheduled HLO of each shape's fastest path (step_hlos.json.gz)
+and their kernel tables (kernel_profiles.json.gz), which the estimate's tests read.
 `--dry_run` runs step 3 on CPU at a tiny size (the code path, not the numbers) and reports the
 others as skipped. The train-step measurement itself is `benchmarks.gpu_train_step`.
 """
@@ -28,6 +34,7 @@ import tempfile
 import time
 
 from benchmarks.gpu_train_step import (
+  SHAPES,
   Budget,
   load_config,
   train_child,
@@ -120,6 +127,23 @@ def step_mock(budget: Budget, per_compile_s: float) -> list:
   return rows
 
 
+def _last_wall_s() -> dict:
+  """Each step's wall seconds in the newest committed on_gpu run (by its date)."""
+  import glob
+  runs = []
+  for name in glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                     "on_gpu_*.json")):
+    with open(name) as f:
+      got = json.load(f)
+    if not got.get("dry_run"):
+      runs.append((got["metadata"].get("date", ""), got["steps"]))
+  if not runs:
+    return {}
+  steps = max(runs, key=lambda r: r[0])[1]
+  return {k: v["wall_s"] for k, v in steps.items()
+          if isinstance(v, dict) and "wall_s" in v and not v.get("skipped")}
+
+
 def machine() -> dict:
   import platform
 
@@ -142,7 +166,7 @@ def main(argv=None) -> int:
       "Comma-separated steps not to run (target_config, kernel_tests, train_steps, "
       "mock_topology, schedule_estimate), e.g. to redo only a step that failed."))
   ap.add_argument("--_mock", nargs=2, help=argparse.SUPPRESS)
-  ap.add_argument("--_train", nargs=4, help=argparse.SUPPRESS)
+  ap.add_argument("--_train", nargs=5, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args._mock:
     print(json.dumps(mock_compile(*args._mock)))
@@ -189,42 +213,88 @@ def main(argv=None) -> int:
       json.dump(result, f, indent=2)
     print(f"[on_gpu] {name}: {json.dumps(result['steps'][name])[:300]}", flush=True)
 
-  record("target_config", lambda: step_target_config(args.out, kind), 5)
-  # time-boxed so that the train steps, the most valuable numbers, keep ~5 minutes
-  record("kernel_tests", lambda: step_kernel_tests(args.out, min(100, budget.left() - 300)), 330)
-  trained = {}
+  last = _last_wall_s()
 
-  def train():
-    # Its own process: the measured steps get the GPU's memory pool to themselves, and the
-    # compiles after them get it back when it exits.
-    child = os.path.join(args.out, "train_steps.tmp.json")
-    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "true",
-           "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.92"}
-    cmd = [sys.executable, "-m", "benchmarks.on_gpu", "--_train", child, args.out,
-           str(budget.left() - 15), "1" if not on_gpu else "0"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
-                          timeout=max(budget.left() - 5, 10))
+  def need(step, default_s):
+    """The step's wall time in the newest committed run (+20%), else `default_s`."""
+    return 1.2 * last[step] if step in last else default_s
+
+  record("target_config", lambda: step_target_config(args.out, kind), 5)
+
+  def rates():
+    child = os.path.join(args.out, "rates.tmp.json")
+    cmd = [sys.executable, "-m", "benchmarks.gpu_rates", "--json", child]
+    proc = subprocess.run(cmd, capture_output=True, text=True,
+                          timeout=max(min(budget.left() - 5, 240), 10))
     if not os.path.exists(child):
       return {"error": f"exit {proc.returncode}: {proc.stderr[-1500:]}"}
     with open(child) as f:
-      trained.update(json.load(f))
+      got = json.load(f)
     os.remove(child)
-    return trained["result"]
-  record("train_steps", train, 30 if not on_gpu else 150, needs_gpu=False)
+    return got
+  record("rates", rates, need("rates", 60))
+  hlos, profiles, measured = {}, {}, {}
+
+  def train(shape, cap_s):
+    # Its own process: the measured steps get the GPU's memory pool to themselves, and the
+    # steps after them get it back when it exits.
+    child = os.path.join(args.out, f"train_{shape}.tmp.json")
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "true",
+           "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.92"}
+    allowed = min(budget.left() - 15, cap_s)
+    cmd = [sys.executable, "-m", "benchmarks.on_gpu", "--_train", child, args.out,
+           str(allowed), "1" if not on_gpu else "0", shape]
+    try:
+      proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                            timeout=max(allowed + 60, 10))
+    except subprocess.TimeoutExpired as e:
+      return {"error": f"timed out after {e.timeout:.0f} s"}
+    if not os.path.exists(child):
+      return {"error": f"exit {proc.returncode}: {proc.stderr[-1500:]}"}
+    with open(child) as f:
+      got = json.load(f)
+    os.remove(child)
+    result = got["result"]
+    if got.get("hlo_text"):
+      hlos[shape] = got["hlo_text"]
+      measured[shape] = got["best"]
+      with gzip.open(os.path.join(args.out, "step_hlos.json.gz"), "wt") as f:
+        json.dump(hlos, f)
+    table = (result.get("profile") or {}).pop("table", None)
+    if table is not None:
+      profiles[shape] = {"path": result.get("best"), **table}
+      with gzip.open(os.path.join(args.out, "kernel_profiles.json.gz"), "wt") as f:
+        json.dump(profiles, f)
+    return result
+
+  # (shape, the step's name in the JSON, default estimate s, cap s): the shapes people train
+  # first; "train_steps" keeps the GPU config's earlier name.
+  order = (("mixtral_2l", "train_mixtral_2l", 200, 240), ("qwen3_4l", "train_qwen3_4l", 200, 240),
+           ("gpu_config_ep8_slice", "train_gpu_config_ep8_slice", 100, 150),
+           ("gpu_config", "train_steps", 150, 300))
+  for shape, step, default_s, cap_s in order:
+    assert shape in SHAPES
+    record(step, lambda shape=shape, cap_s=cap_s: train(shape, cap_s),
+           30 if not on_gpu else need(step, default_s), needs_gpu=False)
+  # time-boxed so that what follows keeps its minutes
+  record("kernel_tests", lambda: step_kernel_tests(args.out, min(100, budget.left() - 100)),
+         need("kernel_tests", 130))
   record("mock_topology", lambda: {"rows": step_mock(budget, 90)}, 90)
 
   def schedule():
-    best = trained.get("best")
-    if not best:
+    if not hlos:
       return {"skipped": "no train step was measured"}
     from moejax.aot.estimate import estimate
     from moejax.aot.hlo import parse
-    with gzip.open(os.path.join(args.out, trained["hlo"]), "rt") as f:
-      est = estimate(parse(f.read()), "h100" if "H100" in info["device_kind"] else "h200",
-                     "1x1x1")
-    return {"path": best["path"], "hlo": trained["hlo"],
-            "measured_step_s": best.get("step_s_median"), "estimated_step_s": est.step_s,
-            "estimated_compute_s": est.compute_s, "estimated_exposed_comm_s": est.exposed_comm_s}
+    rows = []
+    for shape, text in hlos.items():
+      est = estimate(parse(text), "h100" if "H100" in info["device_kind"] else "h200", "1x1x1")
+      best = measured[shape]
+      rows.append({"shape": shape, "path": best["path"],
+                   "measured_step_s": best.get("step_s_median"), "estimated_step_s": est.step_s,
+                   "estimated_compute_s": est.compute_s,
+                   "estimated_exposed_comm_s": est.exposed_comm_s})
+    return {"hlo": "step_hlos.json.gz", "rows": rows}
   record("schedule_estimate", schedule, 1)
   print(f"wrote {path}")
   del jax
