@@ -103,20 +103,70 @@ def _estimate_vs_measured(est: dict) -> str:
           f"({est['estimated_step_s'] / est['measured_step_s'] - 1:+.0%})")
 
 
-@family("on_gpu", "The prepared GPU run: the GPU config's train step on one GPU")
+# (step's name in the JSON, shape of benchmarks.gpu_train_step.SHAPES, what it is);
+# "train_steps" is the GPU config's, its name before there were others.
+ON_GPU_SHAPES = (
+    ("train_mixtral_2l", "mixtral_2l",
+     "Mixtral-8x7B's layer, 2 layers, 64K tokens a step (8 x 2 x 4096)"),
+    ("train_qwen3_4l", "qwen3_4l",
+     "Qwen3-30B-A3B's layer, 4 layers, 64K tokens a step (8 x 2 x 4096)"),
+    ("train_gpu_config_ep8_slice", "gpu_config_ep8_slice",
+     "the GPU config's per-GPU slice of an 8-GPU expert-parallel node (4 of 32 experts), "
+     "8 x 1024 tokens"),
+    ("train_steps", "gpu_config",
+     "the GPU config, 8 x 1024 tokens (its batch over an 8-GPU node)"),
+)
+
+
+def _gpu_name(d: dict) -> str:
+  m = d["metadata"]["machine"]
+  return (m if isinstance(m, str) else m["device"]).split(" (")[0].replace("1 x NVIDIA ", "")
+
+
+def _attention_rates(rates: dict) -> list[str]:
+  rows = [[f"{a['batch']} x {a['seq']}, {a['heads']}/{a['kv_heads']} heads of {a['head_dim']}",
+           a["implementation"], num(1e3 * a["fwd_s"], 2) if a.get("fwd_s") else a.get("error"),
+           num(1e3 * a["fwd_bwd_s"], 2) if a.get("fwd_bwd_s") else "",
+           num(a.get("fwd_bwd_flops_per_s", 0) / 1e12, 0)]
+          for a in rates.get("attention", [])]
+  if not rows:
+    return []
+  return ["Causal attention by implementation (bf16; model FLOPs of the causal half, the "
+          "backward 2.5x the forward):", "",
+          *table(["batch x seq, q/kv heads of dim", "kernel", "fwd ms", "fwd+bwd ms",
+                  "fwd+bwd TFLOP/s"], rows), ""]
+
+
+@family("on_gpu", "The prepared GPU run: train steps of the shapes people train on one GPU")
 def _on_gpu(files):
   lines, head = [], []
   for name, d in files.items():
-    train = d["steps"].get("train_steps", {})
-    rows = [[r["path"], r.get("attention", ""), r.get("loss_chunk", ""),
-             num(r.get("tokens_per_s"), 0), pct(r.get("mfu"), 1),
-             num(1e3 * r["step_s_median"], 1) if r.get("step_s_median") else r.get("error", "")]
-            for r in train.get("rows", []) + train.get("ablations", [])]
-    lines += [f"`{name}`: per-GPU batch {num(train.get('tokens_per_step'))} tokens "
-              f"(the GPU config's batch over an 8-GPU node), median of "
-              f"{max((r.get('steps_timed', 0) for r in train.get('rows', [])), default=0)} "
-              "interleaved steps per path; MFU at the bf16 dense peak, model FLOPs only.", "",
-              *table(["path", "attention", "loss tile", "tokens/s", "MFU", "step ms"], rows), ""]
+    gpu = _gpu_name(d)
+    for step, shape, what in ON_GPU_SHAPES:
+      train = d["steps"].get(step, {})
+      if not train.get("rows"):
+        continue
+      rows = [[r["path"], r.get("attention", ""), r.get("loss_chunk", ""),
+               num(r.get("tokens_per_s"), 0), pct(r.get("mfu"), 1),
+               num(1e3 * r["step_s_median"], 1) if r.get("step_s_median") else r.get("error", "")]
+              for r in train.get("rows", []) + train.get("ablations", [])]
+      lines += [f"`{name}`, {what}: median of "
+                f"{max((r.get('steps_timed', 0) for r in train['rows']), default=0)} "
+                "interleaved steps per path; MFU at the bf16 dense peak, model FLOPs only.", "",
+                *table(["path", "attention", "loss tile", "tokens/s", "MFU", "step ms"], rows),
+                ""]
+      if train.get("best"):
+        best = next(r for r in train["rows"] if r["path"] == train["best"])
+        est = next((e for e in d["steps"].get("schedule_estimate", {}).get("rows", [])
+                    if e["shape"] == shape), None)
+        if step == "train_steps" and "rows" not in d["steps"].get("schedule_estimate", {}):
+          est = d["steps"]["schedule_estimate"]   # one shape's run: the estimate was one row
+        head.append((f"{what[0].upper()}{what[1:]}, on one {gpu}: fastest MoE path "
+                     f"({best['path']}) vs the dense-equivalent model",
+                     f"{num(best['tokens_per_s'], 0)} tokens/s, MFU {pct(best.get('mfu'), 1)}; "
+                     f"{ratio(train['best_vs_dense_equivalent'])} the dense-equivalent's"
+                     + _estimate_vs_measured(est or {}), name))
+    lines += _attention_rates(d["steps"].get("rates", {}))
     tests = d["steps"].get("kernel_tests", {}).get("counts")
     if tests:
       lines += [f"Kernel tests on the GPU: {', '.join(f'{v} {k}' for k, v in tests.items())}.",
@@ -125,16 +175,8 @@ def _on_gpu(files):
     if mock:
       lines += [*table(["mocked topology", "strategy", "result"],
                        [[m["topology"], m["strategy"],
-                         m.get("error") or m.get("skipped") or
-                         f"compiled in {m['compile_s']:.0f} s"] for m in mock]), ""]
-    if train.get("best"):
-      best = next(r for r in train["rows"] if r["path"] == train["best"])
-      head.append((f"GPU config's train step on one H100 (8 x 1024 tokens), fastest MoE path "
-                   f"({best['path']}) vs the dense-equivalent model",
-                   f"{num(best['tokens_per_s'], 0)} tokens/s, MFU {pct(best.get('mfu'), 1)}; "
-                   f"{ratio(train['best_vs_dense_equivalent'])} the dense-equivalent's"
-                   + _estimate_vs_measured(d["steps"].get("schedule_estimate", {})),
-                   name))
+                         (m.get("error") or m.get("skipped") or
+                          f"compiled in {m['compile_s']:.0f} s")[:120]] for m in mock]), ""]
   return Section(lines[:-1], head)
 
 
