@@ -65,6 +65,7 @@ class LayerCase:
   gate: str = "softmax"
   fsep_shares: str = "planned"
   pallas_backend: str = "auto"
+  n_group: int = 1       # > 1: group-limited routing, the best half of the groups
 
   def modes(self) -> dict:
     """(knob, value) pairs this case runs, in the coverage test's terms."""
@@ -77,12 +78,14 @@ class LayerCase:
     modes["mesh.model"] = "1" if self.shape[2] == 1 else ">1"
     modes["moe.exchange_chunks"] = "1" if self.exchange_chunks == 1 else ">1"
     modes["mesh.stage"] = "1"
+    modes["moe.n_group"] = "1" if self.n_group == 1 else ">1"
     return modes
 
   def __str__(self) -> str:
     extra = [f"k{self.exchange_chunks}"] if self.exchange_chunks > 1 else []
     extra += [self.gate] if self.gate != "softmax" else []
     extra += [self.fsep_shares] if self.expert_mode == "fsep" else []
+    extra += [f"g{self.n_group}"] if self.n_group > 1 else []
     return "-".join([self.expert_mode, self.capacity, self.dispatch, self.kernels,
                      "x".join(map(str, self.shape))] + extra)
 
@@ -90,14 +93,15 @@ class LayerCase:
 LAYER_CASES = [
     LayerCase("ep", "slot", "dense", "xla", (2, 4, 1), exchange_chunks=2),
     LayerCase("ep", "slot", "dense", "pallas", (2, 2, 2), pallas_backend="interpret"),
-    LayerCase("ep", "device", "dense", "xla", (2, 4, 1), exchange_chunks=2, gate="sigmoid"),
+    LayerCase("ep", "device", "dense", "xla", (2, 4, 1), exchange_chunks=2, gate="sigmoid",
+              n_group=4),
     LayerCase("ep", "slot", "ragged", "xla", (1, 8, 1)),
     LayerCase("fsep", "slot", "dense", "xla", (1, 4, 2)),
     LayerCase("fsep", "device", "dense", "pallas", (2, 4, 1), fsep_shares="adaptive"),
     # fsep's pooled buffer through the XLA kernels: the static-tile SwiGLU over its slots
     LayerCase("fsep", "device", "dense", "xla", (1, 8, 1)),
     LayerCase("fsep", "slot", "ragged", "pallas", (1, 4, 2), exchange_chunks=2,
-              fsep_shares="adaptive", gate="sigmoid"),
+              fsep_shares="adaptive", gate="sigmoid", n_group=2),
 ]
 
 
@@ -113,7 +117,8 @@ def _ep_value_and_grad_fn(cfg, mesh, slot_expert):
 
 def _reference_value_and_grad(params, x, cfg):
   def f(p, x):
-    y, counts, bal, z = moe_reference(p, x, cfg.top_k, gate=cfg.gate)
+    y, counts, bal, z = moe_reference(p, x, cfg.top_k, gate=cfg.gate,
+                                      num_groups=cfg.n_group, topk_groups=cfg.topk_group)
     return objective(y, bal, z), (y, counts)
   return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(params, x)
 
@@ -143,7 +148,8 @@ def test_layer_mode_matches_reference(case, request):
                   expert_mode=case.expert_mode, capacity=case.capacity, dispatch=case.dispatch,
                   kernels=case.kernels, pallas_backend=case.pallas_backend,
                   exchange_chunks=case.exchange_chunks, gate=case.gate,
-                  fsep_shares=case.fsep_shares, ragged_buffer_factor=0.0)
+                  fsep_shares=case.fsep_shares, ragged_buffer_factor=0.0,
+                  n_group=case.n_group, topk_group=max(1, case.n_group // 2))
   cfg.validate()
   fn = (fsep_value_and_grad_fn(cfg, mesh) if case.expert_mode == "fsep" else
         _ep_value_and_grad_fn(cfg, mesh, jnp.asarray(placement.slot_expert)))
@@ -268,8 +274,9 @@ def test_ep_checkpoint_resumes_in_fsep_mode_and_back(tmp_path):
 
 
 # The numeric knobs whose values take another path: F sharded over `model`, the exchange in
-# pieces, layer groups on pipeline stages; plus the two state moves.
+# pieces, layer groups on pipeline stages, routing by expert groups; plus the two state moves.
 NUMERIC_MODES = {"mesh.model": ("1", ">1"), "moe.exchange_chunks": ("1", ">1"),
+                 "moe.n_group": ("1", ">1"),
                  "mesh.stage": ("1", ">1"), "migration": ("ep",), "resume": ("ep<->fsep",)}
 # Values no CPU can run; their kernels compile in the GPU tests (test_pallas_kernels.py).
 GPU_ONLY = {("pallas_backend", "triton"), ("pallas_backend", "mosaic_gpu")}
@@ -289,6 +296,7 @@ SPECIAL = [
     ({"dispatch": "ragged", "moe.exchange_chunks": ">1"}, "ragged buffers per piece"),
     ({"mesh.stage": ">1", "expert_mode": "fsep"}, "replica split vmapped over stages"),
     ({"mesh.stage": ">1", "capacity": "device"}, "pooled capacity vmapped over stages"),
+    ({"moe.n_group": ">1", "expert_mode": "fsep"}, "groups chosen before the replica split"),
 ]
 
 

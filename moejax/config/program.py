@@ -99,6 +99,12 @@ class MoEConfig:
   # Device-limited routing: a token picks its device_limit best devices under the current
   # layout (by the best biased score each hosts), then its top-k among their experts (0: off).
   device_limit: int = 0
+  # Group-limited routing (DeepSeek-V3's): the experts cut into n_group groups of contiguous
+  # ids; a token picks its topk_group groups by the sum of each group's two best biased
+  # scores, then its top-k among their experts (1: no groups). The planners keep a group's
+  # experts on its own devices (moejax.placement.groups).
+  n_group: int = 1
+  topk_group: int = 1
   first_dense: int = 0            # dense (non-MoE) first layers before the scanned groups
   # Each MoE layer replaced by one dense SwiGLU of width top_k * d_ff (the active FLOPs of
   # its k experts, no routing or exchange): the baseline that MoE overhead is measured against.
@@ -136,6 +142,25 @@ class MoEConfig:
     for name in ("num_shared_experts", "shared_d_ff", "device_limit", "first_dense"):
       if getattr(self, name) < 0:
         raise ConfigError(f"moe.{name}={getattr(self, name)} must be >= 0 (0: off).")
+    self.validate_groups()
+
+  def validate_groups(self) -> None:
+    g, tg, e = self.n_group, self.topk_group, self.num_experts
+    if g < 1 or not 1 <= tg <= g:
+      raise ConfigError(f"moe.n_group={g}, moe.topk_group={tg}: need n_group >= 1 and topk_group "
+                        "in [1, n_group] (n_group = 1: no groups).")
+    if g == 1:
+      return
+    if e % g or e // g < 2:
+      raise ConfigError(f"moe.n_group={g} must divide moe.num_experts={e} into groups of 2 or "
+                        "more experts (a group scores its two best); use a divisor of "
+                        f"{e} up to {e // 2}.")
+    if tg * (e // g) < self.top_k:
+      raise ConfigError(f"moe.topk_group={tg} groups of {e // g} experts hold fewer than "
+                        f"moe.top_k={self.top_k}; use topk_group >= {-(-self.top_k // (e // g))}.")
+    if self.device_limit:
+      raise ConfigError(f"moe.device_limit={self.device_limit} with moe.n_group={g}: use one "
+                        "limit (n_group for DeepSeek-V3's groups, device_limit for V2's devices).")
 
 
 @dataclasses.dataclass(frozen=True)
