@@ -56,10 +56,11 @@ def respects(placement: placement_lib.Placement, num_experts: int, num_groups: i
 
 
 def place_permutation(pred_WxE: np.ndarray, current: placement_lib.Placement, *,
-                      num_groups: int, options: smartmoe.SmartMoEOptions =
-                      smartmoe.SmartMoEOptions(), samples_stepsxWxE: np.ndarray | None = None,
+                      num_groups: int, options: smartmoe.SmartMoEOptions | None = None,
+                      samples_stepsxWxE: np.ndarray | None = None,
                       **shared) -> placement_lib.Placement:
   """smartmoe's permutation with each group kept on its devices (see the module doc)."""
+  options = options or smartmoe.SmartMoEOptions()
   pred_WxE = np.asarray(pred_WxE, np.float64)
   num_experts, n = pred_WxE.shape[1], current.num_devices
   how = kept(num_experts, num_groups, n)
