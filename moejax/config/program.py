@@ -184,6 +184,56 @@ class ModelConfig:
   # Positions per tile of the tiled cross-entropy (moejax.train.loss): the [tokens, vocab]
   # logits are never held whole; 0: plain logits (fine for small vocabularies).
   loss_chunk: int = 0
+  # Multi-head latent attention (DeepSeek-V2/V3, moejax.model.mla) when kv_lora_rank > 0:
+  # keys and values expanded from one RMS-normed latent of this width per token; each head's
+  # query and key a non-rotary part (qk_nope_head_dim) and a rotary one (qk_rope_head_dim,
+  # the key's shared by every head); values of v_head_dim. head_dim and num_kv_heads unused.
+  kv_lora_rank: int = 0
+  q_lora_rank: int = 0            # MLA: the query through an RMS-normed latent this wide (0: not)
+  qk_nope_head_dim: int = 0
+  qk_rope_head_dim: int = 0
+  v_head_dim: int = 0
+  # RoPE scaling: "none" or "yarn" (YaRN, MLA only: frequencies past rope_original_max_len
+  # interpolated by rope_factor between the beta_fast and beta_slow rotations; the attention
+  # scaled by the mscale terms as transformers' DeepSeek-V3 does; 0: the term is absent).
+  rope_scaling: str = "none"
+  rope_factor: float = 1.0
+  rope_original_max_len: int = 0   # 0: max_seq_len
+  rope_beta_fast: float = 32.0
+  rope_beta_slow: float = 1.0
+  rope_mscale: float = 0.0
+  rope_mscale_all_dim: float = 0.0
+  # Multi-token prediction (DeepSeek-V3, moejax.model.mtp): 1 adds a module predicting the
+  # token after next from the final hidden state and the next token's embedding, its
+  # cross-entropy weighted by mtp_loss_weight in the loss (0: off).
+  mtp_depth: int = 0
+  mtp_loss_weight: float = 0.3
+
+  def validate_latent(self) -> None:
+    """MLA's widths, RoPE scaling and multi-token prediction."""
+    mla = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    if self.kv_lora_rank < 0 or any(getattr(self, n) < 0 for n in mla):
+      raise ConfigError(f"model.kv_lora_rank={self.kv_lora_rank} and the MLA widths "
+                        f"{ {n: getattr(self, n) for n in mla} } must be >= 0.")
+    if self.kv_lora_rank and (min(self.qk_nope_head_dim, self.v_head_dim) < 1 or
+                              self.qk_rope_head_dim < 2 or self.qk_rope_head_dim % 2):
+      raise ConfigError(f"model.kv_lora_rank={self.kv_lora_rank} (MLA) needs qk_nope_head_dim="
+                        f"{self.qk_nope_head_dim} and v_head_dim={self.v_head_dim} >= 1 and an "
+                        f"even qk_rope_head_dim={self.qk_rope_head_dim}; e.g. DeepSeek-V3's "
+                        "128, 128 and 64.")
+    if self.rope_scaling not in ("none", "yarn"):
+      raise ConfigError(f"model.rope_scaling={self.rope_scaling!r} is not supported; use 'none' "
+                        "or 'yarn'.")
+    if self.rope_scaling == "yarn" and not self.kv_lora_rank:
+      raise ConfigError("model.rope_scaling='yarn' is computed by multi-head latent attention "
+                        "only; set model.kv_lora_rank > 0 or model.rope_scaling = 'none'.")
+    if self.rope_scaling == "yarn" and (self.rope_factor <= 0 or self.rope_original_max_len < 0):
+      raise ConfigError(f"model.rope_factor={self.rope_factor} must be > 0 and model."
+                        f"rope_original_max_len={self.rope_original_max_len} >= 0.")
+    if self.mtp_depth not in (0, 1) or self.mtp_loss_weight < 0:
+      raise ConfigError(f"model.mtp_depth={self.mtp_depth}, model.mtp_loss_weight="
+                        f"{self.mtp_loss_weight}: moejax predicts one extra token (depth 0 or "
+                        "1) with a weight >= 0; e.g. 1 and 0.3 (DeepSeek-V3's first phase).")
 
   def validate(self, moe: MoEConfig) -> None:
     if self.vocab_size < 0:
@@ -203,9 +253,11 @@ class ModelConfig:
     if self.dtype not in ("float32", "bfloat16", "float16"):
       raise ConfigError(f"model.dtype={self.dtype!r} is not supported; use 'float32', "
                         "'bfloat16' or 'float16'.")
+    self.validate_latent()
     head_dim, kv = self.head_dim or self.d_model // self.num_heads, self.num_kv_heads or 1
-    if (not self.head_dim and self.d_model % self.num_heads) or head_dim % 2 or min(
-        self.head_dim, self.num_kv_heads) < 0 or self.num_heads % kv:
+    bad_heads = ((not self.head_dim and self.d_model % self.num_heads) or head_dim % 2 or
+                 min(self.head_dim, self.num_kv_heads) < 0 or self.num_heads % kv)
+    if bad_heads and not self.kv_lora_rank:   # MLA's heads have their own widths
       raise ConfigError(
           f"model.d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads="
           f"{self.num_kv_heads}, head_dim={self.head_dim}: need num_kv_heads dividing num_heads "

@@ -31,7 +31,13 @@ from moejax.model import layer_order
 from moejax.model.mesh import BATCH_AXES, STAGE, logical_to_spec, num_stages
 from moejax.model.moe.fsep_experts import restore_layer
 from moejax.model.moe.layer import MoEStats
-from moejax.model.transformer import Attention, DenseMLP, LayerGroup, RMSNorm, Transformer
+from moejax.model.transformer import (
+  DenseMLP,
+  LayerGroup,
+  RMSNorm,
+  Transformer,
+  attention_class,
+)
 from pallas_kernels import compat
 
 
@@ -113,7 +119,8 @@ def _first_dense(model: Transformer, params, x_BxQxD, act):
   """The Transformer's `moe.first_dense` dense first blocks (same modules, same parameter
   names), applied like the embedding: on the whole batch by every stage, before the pipeline."""
   cfg = model.cfg
-  attn, mlp = (nn.remat(Attention), nn.remat(DenseMLP)) if cfg.remat else (Attention, DenseMLP)
+  attention = attention_class(cfg)
+  attn, mlp = (nn.remat(attention), nn.remat(DenseMLP)) if cfg.remat else (attention, DenseMLP)
   norm = RMSNorm(cfg.norm_eps)
   for i in range(model.moe_cfg.first_dense):
     h = norm.apply({"params": params[f"first_ln_attn_{i}"]}, x_BxQxD)

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from moejax.config import ModelConfig, MoEConfig, num_moe_layers
 from moejax.layout.tables import Layout
+from moejax.model import mla
 from moejax.model.mesh import logical_to_spec
 from moejax.model.moe.fsep_experts import FsepExperts, restore_layer
 from moejax.model.moe.layer import MoELayer, MoEStats, no_moe_stats
@@ -30,14 +31,17 @@ from moejax.model.moe.layer import MoELayer, MoEStats, no_moe_stats
 def resolve_attention(cfg: ModelConfig, mesh: Mesh) -> ModelConfig:
   """`cfg` with `attention = 'auto'` replaced by the implementation for `mesh`'s devices:
   cuDNN's fused kernel on GPU where its constraints hold, XLA's attention elsewhere (also on
-  compile-only GPU devices, where XLA finds no cuDNN to build the fused kernel with)."""
+  compile-only GPU devices, where XLA finds no cuDNN to build the fused kernel with). MLA's
+  head is its query/key width (moejax.model.mla)."""
   if cfg.attention != "auto":
     return cfg
   device = mesh.devices.flat[0]
-  head_dim = cfg.head_dim or cfg.d_model // cfg.num_heads
+  head_dim = (mla.qk_head_dim(cfg) if cfg.kv_lora_rank else
+              cfg.head_dim or cfg.d_model // cfg.num_heads)
   fused = (device.platform in ("gpu", "cuda") and
            device.client.runtime_type != "compile_only_runtime" and
-           cfg.dtype in ("bfloat16", "float16") and head_dim % 8 == 0 and head_dim <= 128)
+           cfg.dtype in ("bfloat16", "float16") and head_dim % 8 == 0 and
+           head_dim <= mla.cudnn_max_head_dim(device))
   return dataclasses.replace(cfg, attention="cudnn" if fused else "xla")
 
 
@@ -102,6 +106,11 @@ class Attention(nn.Module):
                                                     v_BxQxheadsxhdim, is_causal=True,
                                                     implementation=impl)
     return jnp.einsum("bqhj,hjd->bqd", o_BxQxheadsxhdim, wo.astype(dtype))
+
+
+def attention_class(cfg: ModelConfig) -> type[nn.Module]:
+  """Multi-head latent attention where model.kv_lora_rank > 0, else (grouped) multi-head."""
+  return mla.MLAttention if cfg.kv_lora_rank else Attention
 
 
 class DenseMLP(nn.Module):
@@ -236,8 +245,9 @@ class LayerGroup(nn.Module):
                                    jnp.dtype(cfg.dtype))
     # fsep under remat checkpoints the dense blocks one by one: a checkpoint of the whole
     # group would keep its input, this layer's restored weights, for the backward pass.
-    attn, mlp = (nn.remat(Attention), nn.remat(DenseMLP)) if cfg.remat and fsep else (
-        Attention, DenseMLP)
+    attention = attention_class(cfg)
+    attn, mlp = (nn.remat(attention), nn.remat(DenseMLP)) if cfg.remat and fsep else (
+        attention, DenseMLP)
     act = NamedSharding(self.mesh, logical_to_spec(("batch", "length", "embed")))
     for i in range(self.moe_cfg.moe_every - 1):
       x_BxQxD = x_BxQxD + attn(cfg, name=f"attn_{i}")(RMSNorm(cfg.norm_eps,
@@ -286,7 +296,8 @@ class Transformer(nn.Module):
     x_BxQxD = embed[tokens_BxQ].astype(jnp.dtype(cfg.dtype))
     act = NamedSharding(self.mesh, logical_to_spec(("batch", "length", "embed")))
     x_BxQxD = jax.lax.with_sharding_constraint(x_BxQxD, act)
-    attn, mlp = (nn.remat(Attention), nn.remat(DenseMLP)) if cfg.remat else (Attention, DenseMLP)
+    attention = attention_class(cfg)
+    attn, mlp = (nn.remat(attention), nn.remat(DenseMLP)) if cfg.remat else (attention, DenseMLP)
     for i in range(self.moe_cfg.first_dense):    # dense first layers, outside the scan
       x_BxQxD = x_BxQxD + attn(cfg, name=f"first_attn_{i}")(
           RMSNorm(cfg.norm_eps, name=f"first_ln_attn_{i}")(x_BxQxD))
