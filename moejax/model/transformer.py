@@ -26,6 +26,7 @@ from moejax.model import mla
 from moejax.model.mesh import logical_to_spec
 from moejax.model.moe.fsep_experts import FsepExperts, restore_layer
 from moejax.model.moe.layer import MoELayer, MoEStats, no_moe_stats
+from moejax.model.mtp import MultiTokenPrediction
 
 
 def resolve_attention(cfg: ModelConfig, mesh: Mesh) -> ModelConfig:
@@ -285,10 +286,12 @@ class Transformer(nn.Module):
   mesh: Mesh
 
   @nn.compact
-  def __call__(self, tokens_BxQ: jax.Array, layout: Layout,
-               hidden: bool = False) -> tuple[jax.Array, MoEStats]:
+  def __call__(self, tokens_BxQ: jax.Array, layout: Layout, hidden: bool = False,
+               mtp_tokens_BxQ: jax.Array | None = None) -> tuple[jax.Array, MoEStats]:
     """(logits_BxQxvocab, stats); `hidden`: (the final normed hidden states, stats), for a loss
-    that applies the unembedding itself (moejax.train.loss.tiled_cross_entropy)."""
+    that applies the unembedding itself (moejax.train.loss.tiled_cross_entropy).
+    `mtp_tokens_BxQ` (each position's next token; model.mtp_depth = 1): ((out, (the
+    multi-token module's logits or hidden states, its balance loss, its z-loss)), stats)."""
     cfg = self.cfg
     embed = self.param("embed", nn.with_logical_partitioning(nn.initializers.normal(1.0),
                                                              ("vocab", "embed")),
@@ -324,9 +327,19 @@ class Transformer(nn.Module):
       x_BxQxD = _seed_backward_restore(self.mesh, jnp.dtype(cfg.dtype))(x_BxQxD, carry[2],
                                                                          *fsep[0])
     x_BxQxD = RMSNorm(cfg.norm_eps, name="ln_final")(x_BxQxD)
+    mtp = None
+    if cfg.mtp_depth and (mtp_tokens_BxQ is not None or self.is_initializing()):
+      module = nn.remat(MultiTokenPrediction) if cfg.remat else MultiTokenPrediction
+      nxt = embed[tokens_BxQ if mtp_tokens_BxQ is None else mtp_tokens_BxQ]
+      mtp = module(cfg, self.moe_cfg, self.mesh, RMSNorm, attention, DenseMLP, name="mtp")(
+          x_BxQxD, jax.lax.with_sharding_constraint(nxt.astype(jnp.dtype(cfg.dtype)), act))
     if hidden:
-      return x_BxQxD, stats
-    w_out = _dense(("embed", "vocab"), (cfg.d_model, cfg.vocab_size), cfg.d_model, self,
-                   "unembed")
-    logits_BxQxvocab = jnp.einsum("bqd,dv->bqv", x_BxQxD.astype(jnp.float32), w_out)
-    return logits_BxQxvocab, stats
+      out = x_BxQxD
+    else:
+      w_out = _dense(("embed", "vocab"), (cfg.d_model, cfg.vocab_size), cfg.d_model, self,
+                     "unembed")
+      out = jnp.einsum("bqd,dv->bqv", x_BxQxD.astype(jnp.float32), w_out)
+    if mtp_tokens_BxQ is None:
+      return out, stats
+    mtp_out = mtp[0] if hidden else jnp.einsum("bqd,dv->bqv", mtp[0].astype(jnp.float32), w_out)
+    return (out, (mtp_out,) + mtp[1:]), stats

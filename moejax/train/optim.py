@@ -20,8 +20,9 @@ def schedule(cfg: OptimConfig, num_steps: int) -> optax.Schedule:
 
 def optimizer(cfg: OptimConfig, num_steps: int) -> optax.GradientTransformation:
   def decay_mask(params):   # no decay on RMSNorm scales (which are [layers, D] when scanned)
+    # nor on a routing bias held as a parameter (the multi-token module's: no gradient)
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: getattr(path[-1], "key", None) != "scale", params)
+        lambda path, _: getattr(path[-1], "key", None) not in ("scale", "router_bias"), params)
   return optax.chain(
       optax.clip_by_global_norm(cfg.grad_clip_norm),
       optax.adamw(schedule(cfg, num_steps), b1=cfg.b1, b2=cfg.b2,

@@ -17,17 +17,29 @@ def loss_fn(params, model: nn.Module, moe_cfg: MoEConfig, batch_BxQ1: jax.Array,
             layout: Layout):
   inputs, targets = batch_BxQ1[:, :-1], batch_BxQ1[:, 1:]
   model_cfg = model.cfg          # a Transformer's, or the one a Pipelined runs
+  # multi-token prediction (moejax.model.mtp): position i also predicts t_{i+2} from t_{i+1}
+  mtp = {"mtp_tokens_BxQ": targets} if model_cfg.mtp_depth else {}
   if model_cfg.loss_chunk:     # the logits one tile of positions at a time
-    h, stats = model.apply({"params": params}, inputs, layout, hidden=True)
-    ce = tiled_cross_entropy(h, params["unembed"], targets, model_cfg.loss_chunk,
-                             jnp.dtype(model_cfg.dtype))
+    out, stats = model.apply({"params": params}, inputs, layout, hidden=True, **mtp)
+    ce_of = lambda h, t: tiled_cross_entropy(h, params["unembed"], t, model_cfg.loss_chunk,
+                                             jnp.dtype(model_cfg.dtype))
   else:
-    logits, stats = model.apply({"params": params}, inputs, layout)
-    ce = cross_entropy(logits, targets)
+    out, stats = model.apply({"params": params}, inputs, layout, **mtp)
+    ce_of = cross_entropy
+  out, mtp_out = out if mtp else (out, None)
+  ce = ce_of(out, targets)
   balance = jnp.sum(stats.balance_loss)
   z = jnp.sum(stats.z_loss)
-  loss = ce + moe_cfg.balance_loss_weight * balance + moe_cfg.z_loss_weight * z
-  return loss, {"ce": ce, "balance_loss_L": stats.balance_loss, "z_loss_L": stats.z_loss,
+  extra = {}
+  if mtp:   # the last position has no token after next
+    mtp_h, mtp_balance, mtp_z = mtp_out
+    extra["mtp_ce"] = ce_of(mtp_h[:, :-1], batch_BxQ1[:, 2:])
+    balance, z = balance + mtp_balance, z + mtp_z
+    ce_total = ce + model_cfg.mtp_loss_weight * extra["mtp_ce"]
+  else:
+    ce_total = ce
+  loss = ce_total + moe_cfg.balance_loss_weight * balance + moe_cfg.z_loss_weight * z
+  return loss, {"ce": ce, **extra, "balance_loss_L": stats.balance_loss, "z_loss_L": stats.z_loss,
                 "counts_LxWxE": stats.counts_WxE, "dropped_LxW": stats.dropped_W,
                 "slot_counts_LxWxS": stats.slot_counts_WxS,
                 # after capacity: rows each device computed per source, and its drops
