@@ -271,9 +271,10 @@ class Checkpointer:
     like = state_like.replace(opt_state=None) if weights_only else state_like
     return self.restore(like, layout_like, expert_mode, step=step)
 
-  def read_params(self, step: int | None = None) -> tuple[dict, dict]:
+  def read_params(self, step: int | None = None, bias: bool = False) -> tuple[dict, dict]:
     """(params in canonical ep paths and expert-id order, on one device; the step's meta) of
-    `step` (default: the latest), the optimizer state left unread; digests checked."""
+    `step` (default: the latest), the optimizer state left unread; digests checked. `bias`:
+    the router bias too, as params[BIAS] (where the checkpoint holds one)."""
     step = self.latest_step() if step is None else step
     if step is None:
       raise CheckpointError(f"{self.directory} holds no checkpoint to read.")
@@ -290,6 +291,9 @@ class Checkpointer:
     meta = dict(self._mngr.restore(step, args=ocp.args.Composite(
         meta=ocp.args.JsonRestore()))["meta"])
     target = {"state": {"params": params}}
+    if bias and BIAS in saved["state"]:
+      m = saved["state"][BIAS]
+      target["state"][BIAS] = jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=one)
     with ocp.PyTreeCheckpointer() as reader:
       item = reader.restore(os.path.join(self.directory, str(step), "state"),
                             args=ocp.args.PyTreeRestore(
@@ -301,7 +305,8 @@ class Checkpointer:
       raise CheckpointError(f"checkpoint {self.directory}/{step}: {bad[0]} differs from its "
                             "digest; the files are damaged.")
     src_mode = "fsep" if "fsep_experts" in item["state"]["params"] else "ep"
-    return convert_tree(item["state"]["params"], src_mode, "ep"), meta
+    out = convert_tree(item["state"]["params"], src_mode, "ep")
+    return (dict(out, **{BIAS: item["state"][BIAS]}) if BIAS in item["state"] else out), meta
 
   def _read(self, step: int, state_like: Any, layout_like: Layout, expert_mode: str) -> Restored:
     saved = _saved_arrays(self._mngr, step)
