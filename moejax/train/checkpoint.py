@@ -50,8 +50,11 @@ BIAS = "router_bias_LxE"   # the train state's field that checkpoints before 202
 MODEL_FIELDS = (("model", "vocab_size"), ("model", "d_model"), ("model", "num_layers"),
                 ("model", "num_heads"), ("model", "num_kv_heads"), ("model", "head_dim"),
                 ("model", "qk_norm"), ("model", "d_ff"), ("model", "max_seq_len"),
-                ("moe", "num_experts"), ("moe", "d_ff"), ("moe", "moe_every"),
-                ("moe", "first_dense"), ("moe", "num_shared_experts"), ("moe", "shared_d_ff"))
+                ("model", "kv_lora_rank"), ("model", "q_lora_rank"), ("model", "v_head_dim"),
+                ("model", "qk_nope_head_dim"), ("model", "qk_rope_head_dim"),
+                ("model", "mtp_depth"), ("moe", "num_experts"), ("moe", "d_ff"),
+                ("moe", "moe_every"), ("moe", "first_dense"), ("moe", "num_shared_experts"),
+                ("moe", "shared_d_ff"))
 
 
 def model_fields(cfg: Config) -> dict[str, int | str]:
@@ -291,8 +294,7 @@ class Checkpointer:
     meta = dict(self._mngr.restore(step, args=ocp.args.Composite(
         meta=ocp.args.JsonRestore()))["meta"])
     target = {"state": {"params": params}}
-    if bias and BIAS in saved["state"]:
-      m = saved["state"][BIAS]
+    if bias and (m := saved["state"].get(BIAS)) is not None:
       target["state"][BIAS] = jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=one)
     with ocp.PyTreeCheckpointer() as reader:
       item = reader.restore(os.path.join(self.directory, str(step), "state"),
