@@ -362,3 +362,23 @@ def test_training_from_converted_lowers_the_loss(tmp_path_factory, tmp_path):
   assert not bool(metrics["skipped"])
   assert ce[5] < ce[0] - 0.05, ce      # ce[0]: the converted weights' loss
   assert mtp[5] < mtp[0] - 0.05, mtp
+
+
+@pytest.mark.slow   # a conversion in and out and two transformers forwards
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_a_model_without_its_config_leaves_as_deepseek_v3(variant, tmp_path_factory, tmp_path):
+  """A run with no Hugging Face config to start from (trained from scratch) leaves with the
+  DeepSeek-V3 keys written from moejax's config (the rotary parts in DeepSeek's pairs, YaRN,
+  groups, the multi-token layer): transformers then computes the same logits."""
+  hf_dir, hf_model = saved_model(variant, tmp_path_factory)
+  run, out = str(tmp_path / "run"), str(tmp_path / "out")
+  from_hf(hf_dir, run, mesh=(1, 4, 1), dtype="float32")
+  os.remove(os.path.join(run, "hf", "config.json"))
+  to_hf(run, out, family="deepseek_v3")
+  with open(os.path.join(out, "config.json")) as f:
+    config = json.load(f)
+  assert config["rope_interleave"] and config["num_nextn_predict_layers"] == (variant == "v3")
+  back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  x = tokens(3)
+  want = hf_logits(hf_model, x)
+  assert_close(hf_logits(back, x), want, 2 * D, err_msg=variant)
