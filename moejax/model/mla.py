@@ -58,16 +58,17 @@ def _param(mod: nn.Module, name: str, axes, shape, fan_in: int):
   return mod.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
 
 
-def xla_attention(q_BxQxHxJ, k_BxQxHxJ, v_BxQxHxV, scale: float) -> jax.Array:
+def xla_attention(q_BxQxheadsxqk, k_BxQxheadsxqk, v_BxQxheadsxv,
+                  scale: float) -> jax.Array:
   """Causal softmax attention whose values may be narrower than the keys: float32 scores and
   softmax, the weights cast to the values' dtype."""
-  logits = jnp.einsum("bqhj,bkhj->bhqk", q_BxQxHxJ, k_BxQxHxJ,
+  logits = jnp.einsum("bqhj,bkhj->bhqk", q_BxQxheadsxqk, k_BxQxheadsxqk,
                       preferred_element_type=jnp.float32) * scale
-  length = q_BxQxHxJ.shape[1]
+  length = q_BxQxheadsxqk.shape[1]
   causal = jnp.tril(jnp.ones((length, length), jnp.bool_))
   logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(logits, axis=-1).astype(v_BxQxHxV.dtype)
-  return jnp.einsum("bhqk,bkhv->bqhv", probs, v_BxQxHxV)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v_BxQxheadsxv.dtype)
+  return jnp.einsum("bhqk,bkhv->bqhv", probs, v_BxQxheadsxv)
 
 
 def attend(q, k, v, scale: float, implementation: str) -> jax.Array:
@@ -97,24 +98,26 @@ class MLAttention(nn.Module):
       wq_a = _param(self, "wq_a", ("embed", None), (d, rank_q), d)
       wq_b = _param(self, "wq_b", (None,) + heads, (rank_q, h, nope + rot), rank_q)
       c_q = LatentNorm(cfg.norm_eps, name="q_norm")(x @ wq_a.astype(dtype))
-      q_BxQxHxJ = jnp.einsum("bqr,rhj->bqhj", c_q, wq_b.astype(dtype))
+      q_BxQxheadsxqk = jnp.einsum("bqr,rhj->bqhj", c_q, wq_b.astype(dtype))
     else:
       wq = _param(self, "wq", ("embed",) + heads, (d, h, nope + rot), d)
-      q_BxQxHxJ = jnp.einsum("bqd,dhj->bqhj", x, wq.astype(dtype))
+      q_BxQxheadsxqk = jnp.einsum("bqd,dhj->bqhj", x, wq.astype(dtype))
     # one projection to the latent and the shared rotary key, as DeepSeek stores it
     wkv_a = _param(self, "wkv_a", ("embed", None), (d, rank_kv + rot), d)
     wkv_b = _param(self, "wkv_b", (None,) + heads, (rank_kv, h, nope + vdim), rank_kv)
     wo = _param(self, "wo", heads + ("embed",), (h, vdim, d), h * vdim)
-    latent_BxQxR = x @ wkv_a.astype(dtype)
-    c_kv = LatentNorm(cfg.norm_eps, name="kv_norm")(latent_BxQxR[..., :rank_kv])
-    kv_BxQxHxW = jnp.einsum("bqr,rhw->bqhw", c_kv, wkv_b.astype(dtype))
+    latent_BxQxrank = x @ wkv_a.astype(dtype)
+    c_kv = LatentNorm(cfg.norm_eps, name="kv_norm")(latent_BxQxrank[..., :rank_kv])
+    kv_BxQxheadsxkv = jnp.einsum("bqr,rhw->bqhw", c_kv, wkv_b.astype(dtype))
     inv_freq = rope_lib.inv_frequencies(cfg, rot)
     on_angles, on_softmax = rope_lib.attention_factors(cfg)
-    q_rot = rope_lib.apply_rope(q_BxQxHxJ[..., nope:], inv_freq, on_angles)
-    k_rot_BxQx1xR = rope_lib.apply_rope(latent_BxQxR[..., None, rank_kv:], inv_freq, on_angles)
-    q_BxQxHxJ = jnp.concatenate([q_BxQxHxJ[..., :nope], q_rot], axis=-1)
-    k_BxQxHxJ = jnp.concatenate(
-        [kv_BxQxHxW[..., :nope], jnp.broadcast_to(k_rot_BxQx1xR, q_rot.shape)], axis=-1)
+    q_rot = rope_lib.apply_rope(q_BxQxheadsxqk[..., nope:], inv_freq, on_angles)
+    k_rot_BxQx1xrot = rope_lib.apply_rope(latent_BxQxrank[..., None, rank_kv:], inv_freq,
+                                          on_angles)
+    q_BxQxheadsxqk = jnp.concatenate([q_BxQxheadsxqk[..., :nope], q_rot], axis=-1)
+    k_BxQxheadsxqk = jnp.concatenate(
+        [kv_BxQxheadsxkv[..., :nope], jnp.broadcast_to(k_rot_BxQx1xrot, q_rot.shape)], axis=-1)
     scale = (nope + rot) ** -0.5 * on_softmax
-    o_BxQxHxV = attend(q_BxQxHxJ, k_BxQxHxJ, kv_BxQxHxW[..., nope:], scale, cfg.attention)
-    return jnp.einsum("bqhv,hvd->bqd", o_BxQxHxV, wo.astype(dtype))
+    o_BxQxheadsxv = attend(q_BxQxheadsxqk, k_BxQxheadsxqk, kv_BxQxheadsxkv[..., nope:], scale,
+                           cfg.attention)
+    return jnp.einsum("bqhv,hvd->bqd", o_BxQxheadsxv, wo.astype(dtype))

@@ -62,13 +62,13 @@ def attention_factors(cfg: ModelConfig) -> tuple[float, float]:
   return on_angles, on_softmax
 
 
-def apply_rope(x_BxQxheadsxR: jax.Array, inv_freq: np.ndarray, factor: float) -> jax.Array:
+def apply_rope(x_BxQxheadsxrot: jax.Array, inv_freq: np.ndarray, factor: float) -> jax.Array:
   """x rotated by position (0 .. Q-1) times `inv_freq`, halves layout, cos and sin times
   `factor`; the angles in float32, the result in x's dtype."""
-  length = x_BxQxheadsxR.shape[1]
+  length = x_BxQxheadsxrot.shape[1]
   angle_QxR2 = jnp.arange(length, dtype=jnp.float32)[:, None] * jnp.asarray(inv_freq)[None]
   cos = (jnp.cos(angle_QxR2) * factor)[None, :, None, :]
   sin = (jnp.sin(angle_QxR2) * factor)[None, :, None, :]
-  x1, x2 = jnp.split(x_BxQxheadsxR.astype(jnp.float32), 2, axis=-1)
+  x1, x2 = jnp.split(x_BxQxheadsxrot.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BxQxheadsxR.dtype)
+  return out.astype(x_BxQxheadsxrot.dtype)

@@ -51,10 +51,10 @@ def group_mask(choice_TxE: jax.Array, num_groups: int, topk_groups: int) -> jax.
   `choice_TxE` (DeepSeek-V3's group-limited routing; its groups are its nodes)."""
   num_tokens, num_experts = choice_TxE.shape
   per_group = num_experts // num_groups
-  top2_TxGx2, _ = jax.lax.top_k(choice_TxE.reshape(num_tokens, num_groups, per_group), 2)
-  _, group_Txtopk = jax.lax.top_k(jnp.sum(top2_TxGx2, axis=-1), topk_groups)
-  allowed_TxG = jnp.any(jax.nn.one_hot(group_Txtopk, num_groups, dtype=jnp.bool_), axis=1)
-  return jnp.repeat(allowed_TxG, per_group, axis=1)
+  top2_Txgroupsx2, _ = jax.lax.top_k(choice_TxE.reshape(num_tokens, num_groups, per_group), 2)
+  _, group_Txtopk = jax.lax.top_k(jnp.sum(top2_Txgroupsx2, axis=-1), topk_groups)
+  allowed_Txgroups = jnp.any(jax.nn.one_hot(group_Txtopk, num_groups, dtype=jnp.bool_), axis=1)
+  return jnp.repeat(allowed_Txgroups, per_group, axis=1)
 
 
 def _scores(logits_TxE: jax.Array, gate: str) -> jax.Array:
