@@ -32,11 +32,15 @@ ABLATIONS = (("plain loss", {"model.loss_chunk": 0}), ("xla attention", {"model.
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-  """A measured config: a gin file, bindings over it, and the paths timed side by side."""
+  """A measured config: a gin file, bindings over it, the paths timed side by side, the
+  ablations of the fastest path, and the levers: (name, bindings, moe_only) each timed as the
+  fastest MoE path beside the dense-equivalent (moe_only: the MoE path alone, a lever the
+  dense model does not have) under the bindings, with its kernel table and HLO."""
   gin: str
   bindings: dict
   paths: tuple
   ablations: tuple = ()
+  levers: tuple = ()
 
 
 _DENSE = PATHS[0]
@@ -45,18 +49,31 @@ _DENSE_EQ = PATHS[-1]
 # 512 positions a tile (a [512, vocab] fp32 tile rather than the whole [8192, vocab] logits).
 _BIG_STEP = {"data.seq_len": 4096, "data.global_batch_size": 16, "train.microbatches": 8,
              "model.loss_chunk": 512}
+# Each microbatch re-reads, converts and accumulates every weight and gradient (the first
+# H200 profile of the Mixtral cut: about 240 of its 1178 ms); the remat recomputes each
+# layer's forward matmuls; one GPU's 141 GB hold the larger microbatch and the activations.
+_MICRO2 = {"train.microbatches": 2}
+_NO_REMAT = {**_MICRO2, "model.remat": False}
+_BIG_LEVERS = (("microbatches 2", _MICRO2, False),
+               ("microbatches 2, no remat", _NO_REMAT, False),
+               ("microbatches 2, no remat, bf16 moments",
+                {**_NO_REMAT, "optim.moments_dtype": "bfloat16"}, False),
+               ("microbatches 2, no remat, capacity factor 1.0",
+                {**_NO_REMAT, "moe.capacity_factor": 1.0}, True))
 SHAPES = {
     # Mixtral-8x7B's layer (d 4096, GQA 32/8, 8 experts of 14336, top-2), 2 layers: ~3.1B
     # parameters, whose fp32 state and Adam moments (~37 GB) leave room for the dense twin.
     "mixtral_2l": Shape("configs/mixtral_8x7b.gin", {"model.num_layers": 2, **_BIG_STEP},
-                        (_DENSE, _DENSE_EQ)),
+                        (_DENSE, _DENSE_EQ), levers=_BIG_LEVERS),
     # Qwen3-30B-A3B's layer (d 2048, GQA 32/4 of dim 128, QK-norm, 128 experts of 768, top-8),
     # 4 layers: ~3.1B parameters, 0.6B of them the 151936-token embedding and head.
     "qwen3_4l": Shape("configs/qwen3_moe.gin", {"model.num_layers": 4, **_BIG_STEP},
-                      (_DENSE, PATHS[1], _DENSE_EQ)),
+                      (_DENSE, PATHS[1], _DENSE_EQ), levers=_BIG_LEVERS),
     # One GPU's share of an 8-GPU expert-parallel node: E/8 = 4 experts a layer, the node's
     # tokens per GPU; the exchange is left out, the optimizer's share is the one a user sees.
-    "gpu_config_ep8_slice": Shape(GPU_CONFIG, {"moe.num_experts": 4}, (_DENSE, _DENSE_EQ)),
+    "gpu_config_ep8_slice": Shape(GPU_CONFIG, {"moe.num_experts": 4}, (_DENSE, _DENSE_EQ),
+                                  levers=(("bf16 moments", {"optim.moments_dtype": "bfloat16"},
+                                           False),)),
     "gpu_config": Shape(GPU_CONFIG, {}, PATHS, ABLATIONS),
 }
 
@@ -265,8 +282,9 @@ def _profile(prog, state, steps: int = 3, top: int = 25) -> dict:
 
 
 def step_train(cfg, dry_run: bool, budget: Budget, out: str, peak: float | None,
-               shape: str = "gpu_config"):
-  """(result, the fastest MoE path's scheduled HLO, its row)."""
+               shape: str = "gpu_config", levers_only: bool = False):
+  """(result, the fastest MoE path's scheduled HLO, its row, {lever: its HLO}).
+  `levers_only`: the levers alone, on the first MoE path, without the paths' rows."""
   spec = SHAPES[shape]
   rounds, steps = (2, 2) if dry_run else (4, 4) if spec.ablations else (3, 3)
   tokens = cfg.data.global_batch_size * cfg.data.seq_len
@@ -286,6 +304,11 @@ def step_train(cfg, dry_run: bool, budget: Budget, out: str, peak: float | None,
       rows.append(row)
     return rows
 
+  if levers_only:
+    result = {"tokens_per_step": tokens, "peak_flops": peak, "rows": []}
+    levers, hlos = _levers(cfg, spec, spec.paths[0][0], rows_of, rounds, steps, budget,
+                           dry_run)
+    return {**result, "levers": levers}, None, None, hlos
   built = _programs(cfg, spec.paths)
   timed, states = time_interleaved(built, rounds, steps, budget)
   rows = rows_of(built, timed)
@@ -295,7 +318,7 @@ def step_train(cfg, dry_run: bool, budget: Budget, out: str, peak: float | None,
                None)
   best = max(moe_rows, key=lambda r: r["tokens_per_s"], default=None)
   if best is None:
-    return result, None, None
+    return result, None, None, {}
   result["best"] = best["path"]
   if dense:
     result["best_vs_dense_equivalent"] = best["tokens_per_s"] / dense["tokens_per_s"]
@@ -309,6 +332,7 @@ def step_train(cfg, dry_run: bool, budget: Budget, out: str, peak: float | None,
       kept = kept[:2] + (result["profile"].pop("state"),) + kept[3:]
     except Exception as e:
       result["profile"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+  abl = []
   if spec.ablations and budget.left() > (40 if dry_run else 150):
     try:
       base = dict(PATHS)[best["path"]]
@@ -319,19 +343,59 @@ def step_train(cfg, dry_run: bool, budget: Budget, out: str, peak: float | None,
       result["ablations"] = rows_of(abl, time_interleaved(abl, rounds, steps, budget)[0])
     except Exception as e:
       result["ablations"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-  return result, hlo, best
+  del kept, abl
+  hlos = {}
+  if spec.levers:
+    result["levers"], hlos = _levers(cfg, spec, best["path"], rows_of, rounds, steps, budget,
+                                     dry_run)
+  return result, hlo, best, hlos
+
+
+def _levers(cfg, spec: Shape, path: str, rows_of, rounds: int, steps: int, budget: Budget,
+            dry_run: bool):
+  """Each lever of `spec` as a pair timed interleaved: `path` and the dense-equivalent under
+  the lever's bindings (one pair's states at a time: a Mixtral cut's state is ~37 GB); the
+  MoE program's kernel table and HLO. ([rows per lever], {lever: HLO})."""
+  import gc
+  out, hlos = [], {}
+  for name, bindings, moe_only in spec.levers:
+    if budget.left() < (40 if dry_run else 75):
+      out.append({"lever": name, "bindings": bindings,
+                  "skipped": f"budget: {budget.left():.0f} s left"})
+      continue
+    pair = [(f"{path}, {name}", {**dict(PATHS)[path], **bindings})]
+    if not moe_only:
+      pair.append((f"dense_equivalent, {name}", {**dict(PATHS)["dense_equivalent"],
+                                                 **bindings}))
+    built = _programs(cfg, pair)
+    timed, states = time_interleaved(built, rounds, steps, budget)
+    row = {"lever": name, "bindings": bindings, "rows": rows_of(built, timed)}
+    prog = built[0][1]
+    if prog is not None:
+      hlos[name] = prog.train_step.as_text()
+      try:
+        prof = _profile(prog, states[built[0][0]])
+        prof.pop("state")
+        row["profile"] = prof
+      except Exception as e:
+        row["profile"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    out.append(row)
+    del built, states, prog
+    gc.collect()
+  return out, hlos
 
 
 def train_child(path: str, out: str, budget_s: str, dry_run: str,
-                shape: str = "gpu_config") -> None:
+                shape: str = "gpu_config", levers_only: str = "0") -> None:
   """One shape's train-step measurement, in its own process: its result, the fastest path's
-  row and its scheduled HLO go to `path` (JSON)."""
+  row, its scheduled HLO and each lever's go to `path` (JSON)."""
   import jax
   dev = jax.devices()[0]
   peak = next((v for k, v in PEAK_BF16.items() if k in dev.device_kind), None)
-  result, hlo, best = step_train(load_config(dry_run == "1", 1, shape), dry_run == "1",
-                                 Budget(float(budget_s)), out, peak, shape)
+  result, hlo, best, lever_hlos = step_train(
+      load_config(dry_run == "1", 1, shape), dry_run == "1", Budget(float(budget_s)), out,
+      peak, shape, levers_only == "1")
   with open(path, "w") as f:
-    json.dump({"result": result, "best": best, "hlo_text": hlo}, f)
+    json.dump({"result": result, "best": best, "hlo_text": hlo, "lever_hlos": lever_hlos}, f)
 
 

@@ -166,7 +166,9 @@ def main(argv=None) -> int:
       "Comma-separated steps not to run (target_config, kernel_tests, train_steps, "
       "mock_topology, schedule_estimate), e.g. to redo only a step that failed."))
   ap.add_argument("--_mock", nargs=2, help=argparse.SUPPRESS)
-  ap.add_argument("--_train", nargs=5, help=argparse.SUPPRESS)
+  ap.add_argument("--levers_only", action="store_true", help=(
+      "In each shape's step, time only its levers (gpu_train_step.SHAPES), not its paths."))
+  ap.add_argument("--_train", nargs=6, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args._mock:
     print(json.dumps(mock_compile(*args._mock)))
@@ -243,7 +245,7 @@ def main(argv=None) -> int:
            "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.92"}
     allowed = min(budget.left() - 15, cap_s)
     cmd = [sys.executable, "-m", "benchmarks.on_gpu", "--_train", child, args.out,
-           str(allowed), "1" if not on_gpu else "0", shape]
+           str(allowed), "1" if not on_gpu else "0", shape, "1" if args.levers_only else "0"]
     try:
       proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
                             timeout=max(allowed + 60, 10))
@@ -258,13 +260,21 @@ def main(argv=None) -> int:
     if got.get("hlo_text"):
       hlos[shape] = got["hlo_text"]
       measured[shape] = got["best"]
-      with gzip.open(os.path.join(args.out, "step_hlos.json.gz"), "wt") as f:
-        json.dump(hlos, f)
+    for lever, text in got.get("lever_hlos", {}).items():
+      hlos[f"{shape}, {lever}"] = text
     table = (result.get("profile") or {}).pop("table", None)
     if table is not None:
       profiles[shape] = {"path": result.get("best"), **table}
-      with gzip.open(os.path.join(args.out, "kernel_profiles.json.gz"), "wt") as f:
-        json.dump(profiles, f)
+    for lever in result.get("levers", []):
+      if lever.get("rows"):
+        measured[f"{shape}, {lever['lever']}"] = lever["rows"][0]
+      table = (lever.get("profile") or {}).pop("table", None)
+      if table is not None:
+        profiles[f"{shape}, {lever['lever']}"] = {"path": lever["rows"][0]["path"], **table}
+    with gzip.open(os.path.join(args.out, "step_hlos.json.gz"), "wt") as f:
+      json.dump(hlos, f)
+    with gzip.open(os.path.join(args.out, "kernel_profiles.json.gz"), "wt") as f:
+      json.dump(profiles, f)
     return result
 
   # (shape, the step's name in the JSON, default estimate s, cap s): the shapes people train
@@ -289,7 +299,7 @@ def main(argv=None) -> int:
     rows = []
     for shape, text in hlos.items():
       est = estimate(parse(text), "h100" if "H100" in info["device_kind"] else "h200", "1x1x1")
-      best = measured[shape]
+      best = measured.get(shape, {"path": None})
       rows.append({"shape": shape, "path": best["path"],
                    "measured_step_s": best.get("step_s_median"), "estimated_step_s": est.step_s,
                    "estimated_compute_s": est.compute_s,

@@ -23,6 +23,9 @@ class DataConfig:
   seed: int = 0
 
 
+BF16_MOMENT_MAX_BETA = 0.99   # 1 - beta >= 2^-7: two rounding steps of a bfloat16 moment
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
   learning_rate: float = 3e-3
@@ -33,6 +36,23 @@ class OptimConfig:
   b2: float = 0.95
   grad_clip_norm: float = 1.0
   decay_steps: int = 0   # cosine horizon; 0: train.num_steps at the start (saved, kept on resume)
+  # Adam's mu and nu: "float32", or "bfloat16" (half their memory and optimizer bytes; the
+  # moments are updated in float32 and rounded when stored).
+  moments_dtype: str = "float32"
+
+  def validate(self) -> None:
+    if self.moments_dtype not in ("float32", "bfloat16"):
+      raise ConfigError(f"optim.moments_dtype={self.moments_dtype!r} is not supported; use "
+                        "'float32' or 'bfloat16'.")
+    # bfloat16 keeps 8 significant bits: a moment's per-step change of (1 - b) of itself is
+    # lost to rounding once it falls under about 2^-8, and the moment stops following the
+    # gradients.
+    if self.moments_dtype == "bfloat16" and max(self.b1, self.b2) > BF16_MOMENT_MAX_BETA:
+      raise ConfigError(
+          f"optim.moments_dtype='bfloat16' with optim.b1={self.b1}, optim.b2={self.b2}: a "
+          f"bfloat16 moment cannot follow an update of (1 - beta) < "
+          f"{1 - BF16_MOMENT_MAX_BETA:.2g} of itself; use betas <= {BF16_MOMENT_MAX_BETA} or "
+          "optim.moments_dtype = 'float32'.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +175,7 @@ class Config:
       check_field_types(field.name, getattr(self, field.name))
     check_ranges(self)
     self.moe.validate()
+    self.optim.validate()
     self.planner.validate(self.moe.expert_mode)
     self.strategy.validate()
     self.model.validate(self.moe)
