@@ -5,7 +5,7 @@ compiles against (SM count, shared memory, registers, HBM size and bandwidth, co
 capability, CUDA runtime and cuDNN versions). `compile_only_devices` turns one into a
 topology of devices that can be compiled for but hold no data: "1x1x8" is one host of 8 GPUs,
 "8x1x8" eight such hosts (the fields are slices x hosts per slice x devices per host).
-The rates beside each target are the published peaks the schedule estimate uses.
+What a GPU sustains (the estimates' rates) is moejax.strategy.hardware's table.
 """
 
 from __future__ import annotations
@@ -14,41 +14,37 @@ import dataclasses
 import functools
 import importlib.util
 import pathlib
+import re
 
 from moejax.config import ConfigError
 
 TARGETS = pathlib.Path(__file__).resolve().parent / "targets"
 
 
+# The targets (moejax/aot/targets/NAME.txtpb); the *_real_* files are dumps of real GPUs kept
+# beside them, which this jax may not parse.
+GPUS = ("h100", "h200")
+
+
 @dataclasses.dataclass(frozen=True)
 class Gpu:
   name: str
   memory_bytes: float            # device memory XLA may use (the target's device_memory_size)
-  bf16_flops_per_s: float        # dense bf16 tensor-core peak
-  hbm_bytes_per_s: float         # HBM peak
-  nvlink_bytes_per_s: float      # NVLink, one direction, per GPU (within a host)
-  fabric_bytes_per_s: float      # the inter-host network per GPU (one 400 Gb/s NIC each)
-
-
-# NVIDIA's datasheets (SXM parts): 989 TFLOP/s dense bf16; HBM3 3.35 TB/s (H100),
-# HBM3e 4.8 TB/s (H200); NVLink 4 900 GB/s both directions (450 per direction); one
-# ConnectX-7 400 Gb/s (50 GB/s) NIC per GPU in DGX/HGX nodes.
-GPUS = {
-    "h100": Gpu("h100", 85520809984, 989e12, 3.35e12, 450e9, 50e9),
-    "h200": Gpu("h200", 150754820096, 989e12, 4.8e12, 450e9, 50e9),
-}
-
-
-def gpu(name: str) -> Gpu:
-  if name not in GPUS:
-    raise ConfigError(f"gpu={name!r} has no compile target; use one of {sorted(GPUS)} "
-                      f"(or add moejax/aot/targets/{name}.txtpb and a GPUS entry).")
-  return GPUS[name]
 
 
 def target_config(name: str) -> str:
   """The target's GpuTargetConfigProto text."""
-  return (TARGETS / f"{gpu(name).name}.txtpb").read_text()
+  if name not in GPUS:
+    raise ConfigError(f"gpu={name!r} has no compile target; use one of {list(GPUS)} (or add "
+                      f"moejax/aot/targets/{name}.txtpb and name it in moejax.aot.gpus.GPUS).")
+  return (TARGETS / f"{name}.txtpb").read_text()
+
+
+@functools.cache
+def gpu(name: str) -> Gpu:
+  """GPU `name` as its target describes it."""
+  memory = re.search(r"device_memory_size:\s*(\d+)", target_config(name))
+  return Gpu(name, float(memory.group(1)))
 
 
 def has_cuda_plugin() -> str | None:
@@ -57,7 +53,7 @@ def has_cuda_plugin() -> str | None:
       importlib.util.find_spec("jax_plugins.xla_cuda12") or
       importlib.util.find_spec("jax_plugins.xla_cuda13")):
     return None
-  return "JAX's CUDA plugin is not installed: pip install -e '.[gpu_aot]'"
+  return "JAX's CUDA plugin is not installed: pip install -e '.[gpu-aot]'"
 
 
 def parse_topology(topology: str) -> tuple[int, int, int]:
