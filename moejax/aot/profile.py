@@ -11,16 +11,26 @@ is tagged with its instruction. Library kernels inside a command buffer, which t
 tags only with the buffer, go by their library: cuBLAS(Lt) (nvjet, cutlass, xmma) to 'gemm',
 cuDNN to 'attention', NCCL to 'collectives', copies and memsets to 'elementwise'. 'idle' is
 the measured step less the GPU's busy time.
+
+  python -m moejax.aot.profile KERNEL_PROFILES.json.gz STEP_HLOS.json.gz ON_GPU.json --gpu h200
+  [--rates]
+
+prints, per profiled step, each category's estimate, measurement and error (ON_GPU.json: the
+run's result, whose `schedule_estimate` rows hold the measured steps), and with --rates the
+rates the table (moejax.strategy.hardware) reads off these kernel tables.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import gzip
+import json
 import re
 
 from moejax.aot import work
-from moejax.aot.estimate import Estimate
-from moejax.aot.hlo import Instr, Module
+from moejax.aot.estimate import Estimate, estimate
+from moejax.aot.hlo import Instr, Module, parse
 
 _LIBRARIES = ((re.compile(r"nccl", re.I), "collectives"),
               (re.compile(r"cudnn"), "attention"),
@@ -165,3 +175,53 @@ def measured_work(profile: dict, module: Module) -> dict[str, Work]:
       ins, _ = instructions[key] if key in instructions else instructions[hlo_op]
       add(work.memory_kind(module, ins), seconds=us * 1e-6)
   return table
+
+
+def _read(path: str):
+  with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+    return json.load(f)
+
+
+def comparisons(profiles: dict, hlos: dict, steps: dict[str, float], gpu: str,
+                ) -> dict[str, dict[str, dict]]:
+  """{step name: `compare` rows} for every profiled step with its HLO and measured time."""
+  out = {}
+  for name, prof in profiles.items():
+    if name in hlos and name in steps:
+      module = parse(hlos[name])
+      out[name] = compare(estimate(module, gpu, "1x1x1"), measured(prof, module, steps[name]),
+                          steps[name])
+  return out
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("profiles", help="kernel_profiles.json.gz of a benchmarks.on_gpu run")
+  parser.add_argument("hlos", help="step_hlos.json.gz of the same run")
+  parser.add_argument("result", help="the run's on_gpu JSON (its measured steps)")
+  parser.add_argument("--gpu", default="h200")
+  parser.add_argument("--rates", action="store_true", help="also the rates read off the tables")
+  args = parser.parse_args(argv)
+  profiles, hlos, result = _read(args.profiles), _read(args.hlos), _read(args.result)
+  steps = {r["shape"]: r["measured_step_s"]
+           for r in result["steps"]["schedule_estimate"]["rows"]}
+  for name, rows in comparisons(profiles, hlos, steps, args.gpu).items():
+    print(f"{name}: ms estimated / measured (error)")
+    for category, r in rows.items():
+      error = "" if r["error"] is None else f"{r['error']:+7.1%}"
+      print(f"  {category:<12}{r['estimate_s'] * 1e3:10.2f}{r['measured_s'] * 1e3:10.2f}  {error}")
+  if args.rates:
+    total: dict[str, Work] = {}
+    for name, prof in profiles.items():
+      if name in hlos:
+        for kind, w in measured_work(prof, parse(hlos[name])).items():
+          t = total.setdefault(kind, Work())
+          t.amount, t.seconds = t.amount + w.amount, t.seconds + w.seconds
+    print("rates, all steps together (FLOP/s, bytes/s; sort: seconds per call)")
+    for kind, w in sorted(total.items()):
+      value = w.seconds / w.amount if kind == "sort" and w.amount else w.rate
+      print(f"  {kind:<24}{value:12.4g}")
+
+
+if __name__ == "__main__":
+  main()
