@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import os
 import pathlib
 import re
 
@@ -65,6 +66,18 @@ def parse_topology(topology: str) -> tuple[int, int, int]:
   return slices, hosts, per_host
 
 
+def cpu_unless_chosen() -> None:
+  """On a host without a GPU, JAX starts on CPU unless the user chose platforms
+  (JAX_PLATFORMS): compile-only devices need no GPU platform, and JAX's CUDA plugin, started
+  where there is no GPU (or other CUDA libraries), fails, and takes the compile-only topology
+  with it. No effect once JAX's backends have started."""
+  import jax
+
+  if (not os.environ.get("JAX_PLATFORMS") and not jax.config.jax_platforms and
+          not os.path.exists("/dev/nvidiactl")):
+    jax.config.update("jax_platforms", "cpu")
+
+
 @functools.cache
 def compile_only_devices(name: str = "h100", topology: str = "1x1x8") -> tuple:
   """The devices of `topology` of GPU `name`, compile-only (no data can be put on them)."""
@@ -73,8 +86,13 @@ def compile_only_devices(name: str = "h100", topology: str = "1x1x8") -> tuple:
   parse_topology(topology)
   if why := has_cuda_plugin():
     raise ConfigError(why)
-  desc = topologies.get_topology_desc(platform="cuda", target_config=target_config(name),
-                                      topology=topology)
+  cpu_unless_chosen()
+  try:
+    desc = topologies.get_topology_desc(platform="cuda", target_config=target_config(name),
+                                        topology=topology)
+  except NotImplementedError as e:   # the CUDA plugin failed when JAX started
+    raise ConfigError(f"no compile-only CUDA topology ({e}): JAX started its CUDA plugin, which "
+                      "failed on this host; set JAX_PLATFORMS=cpu before JAX starts.") from None
   return tuple(desc.devices)
 
 
