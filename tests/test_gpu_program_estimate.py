@@ -139,6 +139,15 @@ def test_every_measured_kernel_has_a_category():
         prof["kernel_us_per_step"] * 1e-6 + m.by_category["idle"], rel=1e-5)   # rows: 0.01 us
 
 
+def test_profile_command_prints_each_category_and_the_rates(capsys):
+  assert profile.main([str(H200_PROFILES), str(H200_HLOS), str(H200_RUN), "--rates"]) == 0
+  out = capsys.readouterr().out
+  assert all(f"{shape}: ms estimated / measured" in out for shape in SHAPES), out
+  for c in (*work.CATEGORIES, "step"):       # one line per step, in each step's block
+    assert len(re.findall(rf"^  {c} +[\d.]+ +[\d.]+", out, re.M)) == len(SHAPES), c
+  assert "attention fwd 128 4096" in out and "gemm" in out.split("rates,")[1]
+
+
 def test_h100_step_held_out():
   """The H100 run's measured step (none of the H100 rates was fitted to it) within 10%."""
   run = _json(H100_RUN)["steps"]["schedule_estimate"]

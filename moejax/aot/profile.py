@@ -22,15 +22,17 @@ rates the table (moejax.strategy.hardware) reads off these kernel tables.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gzip
 import json
 import re
+import sys
 
 from moejax.aot import work
 from moejax.aot.estimate import Estimate, estimate
 from moejax.aot.hlo import Instr, Module, parse
+from moejax.runtime.cli import ArgumentParser, fail
+from moejax.strategy.hardware import GPU_RATES
 
 _LIBRARIES = ((re.compile(r"nccl", re.I), "collectives"),
               (re.compile(r"cudnn"), "attention"),
@@ -194,17 +196,30 @@ def comparisons(profiles: dict, hlos: dict, steps: dict[str, float], gpu: str,
   return out
 
 
-def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("profiles", help="kernel_profiles.json.gz of a benchmarks.on_gpu run")
-  parser.add_argument("hlos", help="step_hlos.json.gz of the same run")
-  parser.add_argument("result", help="the run's on_gpu JSON (its measured steps)")
-  parser.add_argument("--gpu", default="h200")
-  parser.add_argument("--rates", action="store_true", help="also the rates read off the tables")
-  args = parser.parse_args(argv)
-  profiles, hlos, result = _read(args.profiles), _read(args.hlos), _read(args.result)
-  steps = {r["shape"]: r["measured_step_s"]
-           for r in result["steps"]["schedule_estimate"]["rows"]}
+def parser() -> ArgumentParser:
+  p = ArgumentParser(prog="python -m moejax.aot.profile",
+                     description="The schedule estimate of each profiled train step's HLO "
+                                 "beside its measured kernel table, category by category.")
+  p.add_argument("profiles", help="The kernel_profiles.json.gz of a benchmarks.on_gpu run.")
+  p.add_argument("hlos", help="The step_hlos.json.gz of the same run.")
+  p.add_argument("result", help="The run's on_gpu JSON, whose schedule_estimate rows hold the "
+                                "measured steps.")
+  p.add_argument("--gpu", default="h200", choices=sorted(GPU_RATES),
+                 help="The GPU whose rates the estimate takes (moejax.strategy.hardware).")
+  p.add_argument("--rates", action="store_true",
+                 help="Also print the rates the kernel tables give, all steps together.")
+  return p
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = parser().parse_args(argv)
+  try:
+    profiles, hlos, result = _read(args.profiles), _read(args.hlos), _read(args.result)
+    steps = {r["shape"]: r["measured_step_s"]
+             for r in result["steps"]["schedule_estimate"]["rows"]}
+  except (OSError, ValueError, KeyError) as e:
+    return fail(f"cannot read the run's files ({type(e).__name__}: {e}); pass a "
+                "benchmarks.on_gpu run's kernel_profiles.json.gz, step_hlos.json.gz and JSON.")
   for name, rows in comparisons(profiles, hlos, steps, args.gpu).items():
     print(f"{name}: ms estimated / measured (error)")
     for category, r in rows.items():
@@ -221,7 +236,8 @@ def main(argv: list[str] | None = None) -> None:
     for kind, w in sorted(total.items()):
       value = w.seconds / w.amount if kind == "sort" and w.amount else w.rate
       print(f"  {kind:<24}{value:12.4g}")
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())
