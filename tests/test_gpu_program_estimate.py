@@ -83,6 +83,8 @@ def test_every_gemm_kernel_counts_its_flops():
                    "batched": (2 * GEMM_FLOPS, "gemm"), "fp8": (GEMM_FLOPS, "gemm"),
                    "gemm_fusion_dot.1": (GEMM_FLOPS, "gemm"), "pallas": (GEMM_FLOPS, "gemm"),
                    "dot": (GEMM_FLOPS, "gemm")}
+  assert {ins.name: work.gemm_dims(module, ins, shapes) for ins, shapes in _kernels(module)
+          if ins.name != "pallas"} == dict.fromkeys(set(found) - {"pallas"}, (64, 32, 128))
   lt = next(ins for ins, _ in _kernels(module) if ins.name == "lt")
   # A library call's workspace (its s8 result) is scratch, not traffic.
   assert work.kernel_bytes(module, lt, module.by_name(module.entry)) == (64 * 128 + 128 * 32 +

@@ -22,8 +22,6 @@ XLA's GEMM and fusion choices may differ from a GPU's compile.
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 
 from moejax.aot import work
 from moejax.aot.gpus import host_size
@@ -147,7 +145,7 @@ def kernel(module: Module, ins: Instr, shapes: dict[str, Instr], rates: Rates,
     # and masking run inside that kernel.
     if flops == 0:
       return Kernel(0.0, category)
-    dims = _gemm_dims(module, ins, shapes)
+    dims = work.gemm_dims(module, ins, shapes)
     r = g.attention_rate(min(dims), max(dims)) if dims else g.attention_rate(128, 4096)
     backward = "transpose(" in ins.op_name
     fused = 0.5 * flops * (_FUSED_BWD_PER_UNFUSED if backward else 1.0)
@@ -158,28 +156,6 @@ def kernel(module: Module, ins: Instr, shapes: dict[str, Instr], rates: Rates,
     return Kernel(g.sort_s.value, category)
   return Kernel(max(flops / g.gemm_flops_per_s.value, moved / g.memory_rate(kind).value,
                     shortest), category)
-
-
-def _gemm_dims(module: Module, ins: Instr, shapes: dict[str, Instr]) -> tuple[int, ...]:
-  """(M, N, K) of the first dot a kernel runs (its own, or its fusion body's)."""
-  dots = [(ins, shapes)] if ins.opcode == "dot" else [
-      (d, module.by_name(c)) for c in ins.callees if c in module.computations
-      for d in module.computations[c] if d.opcode == "dot"]
-  for dot, where in dots:
-    out = dot.arrays()
-    lhs = where.get(dot.operands[0]) if dot.operands else None
-    if not out or lhs is None or not lhs.arrays():
-      continue
-    dims = lhs.arrays()[0][1]
-    contracting = [int(x) for x in re.findall(
-        r"\d+", (re.search(r"lhs_contracting_dims=\{([\d,]*)\}", dot.line) or [0, ""])[1])]
-    batch = [int(x) for x in re.findall(
-        r"\d+", (re.search(r"lhs_batch_dims=\{([\d,]*)\}", dot.line) or [0, ""])[1])]
-    k = math.prod(dims[i] for i in contracting)
-    m = math.prod(d for i, d in enumerate(dims) if i not in contracting + batch)
-    n = math.prod(out[0][1]) // max(m * math.prod(dims[i] for i in batch), 1)
-    return (m, n, k)
-  return ()
 
 
 class _Walk:

@@ -129,6 +129,36 @@ def _grouped_matmul_flops(ins: Instr, shapes: dict[str, Instr]) -> float:
   return 0.0
 
 
+def _mnk(lhs: tuple[int, ...], out: tuple[int, ...], batch: list[int],
+         contracting: list[int]) -> tuple[int, int, int]:
+  k = math.prod(lhs[i] for i in contracting)
+  m = math.prod(d for i, d in enumerate(lhs) if i not in contracting + batch)
+  return m, math.prod(out) // max(m * math.prod(lhs[i] for i in batch), 1), k
+
+
+def gemm_dims(module: Module, ins: Instr, shapes: dict[str, Instr]) -> tuple[int, ...]:
+  """(M, N, K) of a GEMM kernel: a library call's (from its dot dimensions), a dot's, or the
+  first dot of a fusion's body; () where it runs none."""
+  if is_library_gemm(ins):
+    lhs, out = _operand_dims(ins, shapes, 0), _first_array(ins)
+    dims = re.search(r'"lhs_batch_dimensions":\[([^\]]*)\],"lhs_contracting_dimensions":'
+                     r'\[([^\]]*)\]', ins.line)
+    if lhs is None or out is None or not dims:
+      return ()
+    return _mnk(lhs, out[1], _ints(dims.group(1)), _ints(dims.group(2)))
+  dots = [(ins, shapes)] if ins.opcode == "dot" else [
+      (d, module.by_name(c)) for c in ins.callees if c in module.computations
+      for d in module.computations[c] if d.opcode == "dot"]
+  for dot, where in dots:
+    lhs, out = _operand_dims(dot, where, 0), _first_array(dot)
+    if lhs is None or out is None:
+      continue
+    field = lambda key, line=dot.line: _ints((re.search(rf"{key}=\{{([\d,]*)\}}", line) or
+                                               [None, ""])[1])
+    return _mnk(lhs, out[1], field("lhs_batch_dims"), field("lhs_contracting_dims"))
+  return ()
+
+
 def body_flops(module: Module, comp: str, seen: set | None = None) -> float:
   """Dot FLOPs of a kernel's computation (and of those it calls)."""
   seen = set() if seen is None else seen
