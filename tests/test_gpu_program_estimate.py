@@ -11,6 +11,7 @@ come from H100 measurements (and the H200's where none exists) and none was fitt
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import pathlib
@@ -20,7 +21,7 @@ import pytest
 
 from moejax.aot import estimate as est_lib, profile, work
 from moejax.aot.hlo import parse
-from moejax.strategy.hardware import GPU_RATES
+from moejax.strategy.hardware import GPU_RATES, Rate
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -37,7 +38,8 @@ CATEGORY_TOLERANCE, STEP_TOLERANCE = 0.15, 0.10
 
 # One of each GEMM kernel XLA:GPU emits, 2 x 64 x 32 x 128 FLOPs each (batch 2 for the
 # batched call): cuBLAS's legacy target, cuBLASLt's (jax 0.11), its fp8 form, a Triton GEMM
-# fusion, and a Pallas grouped matmul (x [M, K], w [G, K, N]) known by its shapes.
+# fusion, and a Pallas grouped matmul (x [M, K], w [G, K, N]) and its weight gradient (x
+# [M, K], dy [M, N] -> [G, K, N]), known by their shapes.
 GEMMS = """HloModule m, is_scheduled=true
 
 %triton_gemm (p0: bf16[64,128], p1: bf16[128,32]) -> bf16[64,32] {
@@ -46,7 +48,7 @@ GEMMS = """HloModule m, is_scheduled=true
   ROOT %dot.1 = bf16[64,32]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
 }
 
-ENTRY %main (a: bf16[64,128], b: bf16[128,32], c: bf16[2,64,128], d: bf16[2,128,32], w: bf16[4,128,32], f: f8e4m3fn[64,128], g: f8e4m3fn[128,32]) -> bf16[64,32] {
+ENTRY %main (a: bf16[64,128], b: bf16[128,32], c: bf16[2,64,128], d: bf16[2,128,32], w: bf16[4,128,32], f: f8e4m3fn[64,128], g: f8e4m3fn[128,32], dy: bf16[64,32]) -> bf16[64,32] {
   %a = bf16[64,128]{1,0} parameter(0)
   %b = bf16[128,32]{1,0} parameter(1)
   %c = bf16[2,64,128]{2,1,0} parameter(2)
@@ -60,6 +62,8 @@ ENTRY %main (a: bf16[64,128], b: bf16[128,32], c: bf16[2,64,128], d: bf16[2,128,
   %fp8 = (bf16[64,32]{1,0}, s8[33554432]{0}) custom-call(%f, %g), custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_batch_dimensions":[],"lhs_contracting_dimensions":["1"],"rhs_batch_dimensions":[],"rhs_contracting_dimensions":["0"]}}}
   %gemm_fusion_dot.1 = bf16[64,32]{1,0} fusion(%a, %b), kind=kCustom, calls=%triton_gemm, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
   %pallas = bf16[64,32]{1,0} custom-call(%a, %w), custom_call_target="__gpu$xla.gpu.triton", backend_config={"name":"gmm"}
+  %dy = bf16[64,32]{1,0} parameter(7)
+  %tgmm = bf16[4,128,32]{2,1,0} custom-call(%a, %dy), custom_call_target="__gpu$xla.gpu.triton", backend_config={"name":"tgmm"}
   ROOT %dot = bf16[64,32]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
 }
 """  # noqa: E501  (HLO lines are as long as XLA writes them)
@@ -82,9 +86,20 @@ def test_every_gemm_kernel_counts_its_flops():
   assert found == {"legacy": (GEMM_FLOPS, "gemm"), "lt": (GEMM_FLOPS, "gemm"),
                    "batched": (2 * GEMM_FLOPS, "gemm"), "fp8": (GEMM_FLOPS, "gemm"),
                    "gemm_fusion_dot.1": (GEMM_FLOPS, "gemm"), "pallas": (GEMM_FLOPS, "gemm"),
-                   "dot": (GEMM_FLOPS, "gemm")}
+                   "tgmm": (GEMM_FLOPS, "gemm"), "dot": (GEMM_FLOPS, "gemm")}
+  pallas = {"pallas", "tgmm"}
   assert {ins.name: work.gemm_dims(module, ins, shapes) for ins, shapes in _kernels(module)
-          if ins.name != "pallas"} == dict.fromkeys(set(found) - {"pallas"}, (64, 32, 128))
+          if ins.name not in pallas} == dict.fromkeys(set(found) - pallas, (64, 32, 128))
+  # moejax's grouped matmul at its own rate, below a dense GEMM's (bytes and the shortest
+  # kernel made free, so that the FLOPs set the time).
+  rates = est_lib.Rates.for_gpu("h100", "1x1x1")
+  free = dataclasses.replace(rates.gpu, kernel_s=Rate(0.0, "test"),
+                             hbm_bytes_per_s=Rate(1e30, "test"))
+  rates = dataclasses.replace(rates, gpu=free)
+  entry = module.by_name(module.entry)
+  for name, rate in (("pallas", free.grouped_flops_per_s), ("lt", free.gemm_flops_per_s)):
+    assert est_lib.kernel(module, entry[name], entry, rates).seconds == pytest.approx(
+        GEMM_FLOPS / rate.value), name
   lt = next(ins for ins, _ in _kernels(module) if ins.name == "lt")
   # A library call's workspace (its s8 result) is scratch, not traffic.
   assert work.kernel_bytes(module, lt, module.by_name(module.entry)) == (64 * 128 + 128 * 32 +

@@ -2,21 +2,24 @@
 own: `cost_analysis()` is None for these programs and the latency-hiding scheduler's
 estimates stay inside XLA).
 
-The walk follows the scheduled HLO in order on two streams per computation: kernels one
-after another on the compute stream, each by a roofline over what it computes and moves
-(moejax.aot.work: GEMM FLOPs at the GPU's sustained GEMM rate, bytes at its sustained HBM
-rate, scatter-adds at theirs, never shorter than the shortest kernel), then the GPU's idle
-gap per kernel; cuDNN's fused attention at its measured rate by head dim and sequence
-length, and XLA's unfused attention core (what a compile-only program holds, where cuDNN
-cannot be built) costed as that fused kernel, which a GPU run gets; collectives by
-alpha-beta (per-call latency plus bytes over the link's bandwidth: NVLink inside a host,
-the network across hosts), an async one on a communication stream from its start, the
-compute stream waiting at its done only for what is left (exposed). A loop body counts its
-trip count times. Every rate comes from moejax.strategy.hardware's table, with its source.
+The walk follows the scheduled HLO in order on two streams per computation. Kernels run one
+after another on the compute stream, each by what it computes and moves (moejax.aot.work):
+GEMM FLOPs at the GPU's sustained GEMM rate (moejax's grouped matmul at its own), bytes at
+the rate of how the kernel moves them (streaming, copies, fills, reductions, scatters,
+gathers; a sort per call), never shorter than the shortest kernel; cuDNN's fused attention at
+its measured rate by head dim and sequence length, and XLA's unfused attention core (what a
+compile-only program holds: cuDNN cannot be built there) costed as that fused kernel, which a
+GPU run gets. The GPU idles a fixed time per step and per loop iteration (the host launches
+each iteration's command buffer). Collectives go by alpha-beta (per-call latency plus bytes
+over the link's bandwidth: NVLink inside a host, the network across hosts), an async one on a
+communication stream from its start, the compute stream waiting at its done only for what is
+left (exposed). A loop body counts its trip count times. Every rate comes from
+moejax.strategy.hardware's table, with its source.
+
 Limits: Pallas/Mosaic kernels' FLOPs are known only for the grouped matmul's shapes
-([M, K] x [G, K, N]), others count bytes only; one GEMM rate for every shape; one
-communication stream (XLA may run several); a compile-only program is not autotuned, so
-XLA's GEMM and fusion choices may differ from a GPU's compile.
+([M, K] x [G, K, N], and its weight gradient), others count bytes only; one GEMM rate for
+every shape; one communication stream (XLA may run several); a compile-only program is not
+autotuned, so XLA's GEMM and fusion choices may differ from a GPU's compile.
 """
 
 from __future__ import annotations
@@ -154,8 +157,9 @@ def kernel(module: Module, ins: Instr, shapes: dict[str, Instr], rates: Rates,
   kind = work.memory_kind(module, ins)
   if kind == "sort":
     return Kernel(g.sort_s.value, category)
-  return Kernel(max(flops / g.gemm_flops_per_s.value, moved / g.memory_rate(kind).value,
-                    shortest), category)
+  # moejax's grouped matmul (a Pallas/Mosaic call) runs below a dense GEMM of its size.
+  rate = g.grouped_flops_per_s if work.grouped_matmul_flops(ins, shapes) else g.gemm_flops_per_s
+  return Kernel(max(flops / rate.value, moved / g.memory_rate(kind).value, shortest), category)
 
 
 class _Walk:

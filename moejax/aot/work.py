@@ -116,9 +116,12 @@ def _library_gemm_flops(ins: Instr, shapes: dict[str, Instr]) -> float:
   return 2.0 * math.prod(out[1]) * k
 
 
-def _grouped_matmul_flops(ins: Instr, shapes: dict[str, Instr]) -> float:
-  """A Pallas/Mosaic call's FLOPs where its shapes are a grouped matmul's: x [M, K],
-  w [G, K, N] -> [M, N] is 2 M K N (each row meets one group's weights); else 0."""
+def grouped_matmul_flops(ins: Instr, shapes: dict[str, Instr]) -> float:
+  """A Pallas/Mosaic call's FLOPs where its shapes are a grouped matmul's: x [M, K] by
+  w [G, K, N] -> [M, N] (each row meets one group's weights), or its weight gradient x [M, K]
+  by dy [M, N] -> [G, K, N]; 2 M K N either way. 0 for other custom calls and library ones."""
+  if ins.opcode != "custom-call" or is_library_gemm(ins) or is_attention_call(ins):
+    return 0.0
   arrays = [shapes[o].arrays()[0][1] for o in ins.operands if o in shapes and shapes[o].arrays()]
   out = _first_array(ins)
   out = out[1] if out else ()
@@ -126,6 +129,9 @@ def _grouped_matmul_flops(ins: Instr, shapes: dict[str, Instr]) -> float:
     for w in arrays:
       if len(x) == 2 and len(w) == 3 and x[1] == w[1] and len(out) == 2 and out == (x[0], w[2]):
         return 2.0 * x[0] * x[1] * w[2]
+      if (len(x) == len(w) == 2 and x is not w and x[0] == w[0] and len(out) == 3 and
+              out[1:] == (x[1], w[1])):
+        return 2.0 * x[0] * x[1] * w[1]
   return 0.0
 
 
@@ -181,7 +187,7 @@ def flops(module: Module, ins: Instr, shapes: dict[str, Instr]) -> float:
   if is_library_gemm(ins):
     return _library_gemm_flops(ins, shapes)
   if ins.opcode == "custom-call":
-    return 0.0 if is_attention_call(ins) else _grouped_matmul_flops(ins, shapes)
+    return grouped_matmul_flops(ins, shapes)
   return sum(body_flops(module, c) for c in ins.callees)
 
 
@@ -336,7 +342,7 @@ def category(module: Module, ins: Instr, shapes: dict[str, Instr]) -> str:
     return "attention"
   if ins.opcode in ("dot", "convolution") or is_library_gemm(ins) or is_gemm_fusion(module, ins):
     return "gemm"
-  if ins.opcode == "custom-call" and _grouped_matmul_flops(ins, shapes) > 0:
+  if grouped_matmul_flops(ins, shapes) > 0:
     return "gemm"
   op = ins.op_name
   if op.startswith("jit(train_step)/") and not any(p in op for p in _MODEL_PATHS):
