@@ -200,6 +200,16 @@ def test_unfused_attention_costs_as_the_fused_kernel():
   assert e.kernels == 2                  # the softmax is inside the fused kernel
 
 
+def test_sustained_rates_stay_under_the_datasheet():
+  for gpu in GPU_RATES.values():
+    assert gpu.grouped_flops_per_s.value < gpu.gemm_flops_per_s.value < gpu.peak_flops.value
+    memory = ("hbm", "copy", "fill", "reduce", "scatter", "gather")
+    assert all(0 < getattr(gpu, f"{k}_bytes_per_s").value < gpu.peak_hbm_bytes_per_s.value
+               for k in memory), gpu.name
+    assert all(a.fwd_flops_per_s < gpu.peak_flops.value > a.bwd_flops_per_s
+               for a in gpu.attention), gpu.name
+
+
 def test_every_rate_names_its_source():
   """Each rate of the table says where it comes from; a committed measurement it names
   exists."""

@@ -14,6 +14,7 @@ launch-bound.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 H200_PROFILE = ("benchmarks/results/on_gpu_h200/kernel_profiles.json.gz with step_hlos.json.gz "
                 "(4 one-GPU train steps, jax 0.11.2)")
@@ -49,6 +50,7 @@ class AttentionRate:
 @dataclasses.dataclass(frozen=True)
 class GpuRates:
   name: str
+  # The datasheet's ceilings (MFU's denominator; every sustained rate below them):
   peak_flops: Rate                # dense bf16 tensor-core peak
   peak_hbm_bytes_per_s: Rate
   gemm_flops_per_s: Rate          # cuBLAS(Lt) and XLA's GEMMs, as a train step runs them
@@ -72,8 +74,6 @@ class GpuRates:
 
   def attention_rate(self, head_dim: int, seq_len: int) -> AttentionRate:
     """The measured point nearest in head dim, then in sequence length (log scale)."""
-    import math
-
     return min(self.attention, key=lambda a: (abs(a.head_dim - head_dim),
                                              abs(math.log(a.seq_len / max(seq_len, 1)))))
 
@@ -92,14 +92,15 @@ class GpuRates:
 
 
 _DATASHEET = "NVIDIA {} SXM datasheet"
-_ASSUMED_LINKS = ("assumed (no collective measured yet): about half the per-direction link "
-                  "bandwidth for the all-to-all")
+_ASSUMED = "assumed (no collective measured yet)"
 # NVLink 4: 900 GB/s both directions per GPU; one ConnectX-7 400 Gb/s NIC per GPU in
 # DGX/HGX nodes. The same parts on H100 and H200 nodes.
-_NODE = Link(Rate(200e9, f"{_ASSUMED_LINKS}, 450 GB/s per direction (NVLink 4 datasheet)"),
+_NODE = Link(Rate(200e9, f"{_ASSUMED}: about half of NVLink 4's 450 GB/s per direction "
+                         "(datasheet) for the all-to-all"),
              Rate(250e9, "assumed: NCCL's all-reduce bus bandwidth on NVLink 4, ~0.55 of 450"),
              Rate(20e-6, "assumed: NCCL's per-call latency within a node"))
-_CLUSTER = Link(Rate(40e9, f"{_ASSUMED_LINKS}: 0.8 of the 50 GB/s NIC (ConnectX-7 datasheet)"),
+_CLUSTER = Link(Rate(40e9, f"{_ASSUMED}: 0.8 of the 50 GB/s NIC (ConnectX-7 datasheet) for "
+                           "the all-to-all"),
                 Rate(80e9, "assumed: hierarchical all-reduce (NVLink in the node, the NIC "
                            "across), bus bandwidth"),
                 Rate(30e-6, "assumed: NCCL's per-call latency across nodes"))
