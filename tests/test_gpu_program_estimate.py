@@ -76,7 +76,7 @@ def _json(path: pathlib.Path):
 
 
 def _kernels(module):
-  return [(ins, shapes) for ins, shapes, _, _ in profile._kernels_by_instruction(module)]
+  return [(ins, shapes) for ins, shapes, _, _ in profile.kernels_by_instruction(module)]
 
 
 def test_every_gemm_kernel_counts_its_flops():
@@ -114,7 +114,7 @@ def test_committed_programs_count_their_gemm_flops(shape):
   tiled loss's recompute add less than the rest."""
   module = parse(_json(H200_HLOS)[shape])
   executed = 0.0
-  for ins, shapes, runs, _ in profile._kernels_by_instruction(module):
+  for ins, shapes, runs, _ in profile.kernels_by_instruction(module):
     if work.is_library_gemm(ins):
       assert work.flops(module, ins, shapes) > 0, ins.line[:200]
     if (attn := work.attention(ins, shapes)) is not None:

@@ -121,7 +121,7 @@ class Work:
     return self.amount / self.seconds if self.seconds else 0.0
 
 
-def _kernels_by_instruction(module: Module) -> list[tuple[Instr, dict[str, Instr], float,
+def kernels_by_instruction(module: Module) -> list[tuple[Instr, dict[str, Instr], float,
                                                           Instr | None]]:
   """Every kernel instruction that runs, with its computation's shapes, its runs per step and
   its fusion-done (for a fusion-start)."""
@@ -152,7 +152,7 @@ def measured_work(profile: dict, module: Module) -> dict[str, Work]:
     w.amount += amount
     w.seconds += seconds
 
-  for ins, shapes, runs, done in _kernels_by_instruction(module):
+  for ins, shapes, runs, done in kernels_by_instruction(module):
     if (attn := work.attention(ins, shapes)) is not None:
       shape_of_attention = (attn.head_dim, attn.kv_len)
       add(f"attention {'bwd' if attn.backward else 'fwd'} {attn.head_dim} {attn.kv_len}",
