@@ -1,6 +1,6 @@
 """The GPU program of every strategy family of configs/gpt_moe_gpu.gin, compiled by XLA:GPU
 for compile-only H100s (or H200s) on this CPU host, with the XLA flags train.py sets on GPU
-(moejax.aot; needs `pip install -e '.[gpu_aot]'`).
+(moejax.aot; needs `pip install -e '.[gpu-aot]'`).
 
 Per family and topology one row: XLA's memory per GPU and whether it fits, the collectives
 (executions and bytes per step), the async and overlapped shares of their bytes, the

@@ -303,7 +303,8 @@ def main(argv=None) -> int:
       rows.append({"shape": shape, "path": best["path"],
                    "measured_step_s": best.get("step_s_median"), "estimated_step_s": est.step_s,
                    "estimated_compute_s": est.compute_s,
-                   "estimated_exposed_comm_s": est.exposed_comm_s})
+                   "estimated_exposed_comm_s": est.exposed_comm_s,
+                   "estimated_by_category": est.by_category})
     return {"hlo": "step_hlos.json.gz", "rows": rows}
   record("schedule_estimate", schedule, 1)
   print(f"wrote {path}")

@@ -65,7 +65,7 @@ def parser() -> ArgumentParser:
                  help="Print the table of every strategy ranked, after the summary.")
   p.add_argument("--verify", type=int, default=0, metavar="K",
                  help="Compile the top K candidates with XLA:GPU for the profile's GPU and "
-                      "--devices (no GPU needed; the gpu_aot extra) and print XLA's memory "
+                      "--devices (no GPU needed; the gpu-aot extra) and print XLA's memory "
                       "and the schedule's step estimate beside the predictions.")
   return p
 

@@ -1,5 +1,5 @@
 """The program XLA:GPU compiles for 8 H100s, read on this CPU host (moejax.aot; the
-`gpu_aot` extra): configs/gpt_moe_gpu.gin at its own sizes (benchmarks.gpu_program's
+`gpu-aot` extra): configs/gpt_moe_gpu.gin at its own sizes (benchmarks.gpu_program's
 families), compiled for a compile-only topology with the flags train.py sets on GPU. At the
 config's sizes a compile takes no longer than at tiny ones (30-110 s on a loaded 2-core
 host: the op count, not the sizes, sets it), and the memory model is checked where its
