@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from moejax import calibrate, launch, plan, replay, report
+from moejax.convert import __main__ as convert
 from moejax.prepare_data import __main__ as prepare_data
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,21 +22,30 @@ import train  # noqa: E402  (the CLI module at the repo root)
 COMMANDS = {"python train.py": train, "python -m moejax.plan": plan,
             "python -m moejax.report": report, "python -m moejax.replay": replay,
             "python -m moejax.launch": launch, "python -m moejax.calibrate": calibrate,
-            "python -m moejax.prepare_data": prepare_data}
+            "python -m moejax.prepare_data": prepare_data, "python -m moejax.convert": convert}
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_every_help_text_is_a_full_sentence(command):
   parser = COMMANDS[command].parser()
   assert parser.prog == command
-  assert parser.description and parser.description.endswith("."), parser.description
-  for action in parser._actions:
-    if isinstance(action, argparse._HelpAction):
-      continue
-    name = "/".join(action.option_strings) or action.dest
-    text = action.help or ""
-    assert text[:1].isupper() and text.endswith("."), f"{command} {name}: {text!r}"
-  assert "__main__" not in parser.format_help()
+  parsers = [parser]   # and each subcommand's (python -m moejax.convert from_hf, to_hf)
+  while parsers:
+    parser = parsers.pop()
+    assert parser.description and parser.description.endswith("."), parser.description
+    for action in parser._actions:
+      if isinstance(action, argparse._HelpAction):
+        continue
+      if isinstance(action, argparse._SubParsersAction):
+        for name, sub in action.choices.items():
+          assert sub.prog == f"{command} {name}", sub.prog
+          parsers.append(sub)
+        action = action._choices_actions   # the subcommands' one-line helps
+      for one in action if isinstance(action, list) else [action]:
+        name = "/".join(one.option_strings) or one.dest
+        text = one.help or ""
+        assert text[:1].isupper() and text.endswith("."), f"{parser.prog} {name}: {text!r}"
+    assert "__main__" not in parser.format_help()
 
 
 def test_plan_prints_its_answer_first_and_the_table_on_request(capsys):
