@@ -53,6 +53,8 @@ class Trainer:
     try:
       train_tokens, val_tokens, data_vocab = data_lib.load_tokens(cfg.validate().data)
       cfg = data_lib.resolve_vocab(cfg, data_vocab).validate()
+      if (note := data_lib.byte_corpus_mismatch(cfg)) and jax.process_index() == 0:
+        log.warning("warning: %s", note)
       self.checkpointer = Checkpointer(cfg.train.run_dir, cfg.checkpoint)
       self.cfg = cfg = self._check_run_dir(cfg)   # before compiling anything
       if not skip_if_finished:
