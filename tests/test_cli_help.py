@@ -108,12 +108,12 @@ def test_plan_prints_a_command_that_trains_the_pool_as_planned_and_how_to_launch
 def test_launch_passes_output_on_without_gloos_all_connected_lines():
   import io
 
-  from moejax.runtime.processes import _pump
+  from moejax.runtime.streams import pump
 
   gloo = b"[Gloo] Rank %d is connected to %d peer ranks. Expected number of connected peer " \
          b"ranks is : %d\n"
   lines = [b"XLA_FLAGS=...\n", gloo % (0, 7, 7), b"[Gloo] Rank " + gloo % (1, 7, 7),
            gloo % (2, 6, 7), b"steps 0..1: loss 6.4 -> 6.3\n"]
   out = io.BytesIO()
-  _pump(io.BytesIO(b"".join(lines)), b"[1] ", out)
+  pump(io.BytesIO(b"".join(lines)), b"[1] ", out)
   assert out.getvalue() == b"".join(b"[1] " + line for line in (lines[0], lines[3], lines[4]))
