@@ -18,17 +18,24 @@ import threading
 __all__ = ["Terminal", "filter_own_stdout", "keep_line", "pump"]
 
 # Gloo prints a line per rank for every communicator it sets up (dozens per run); one that
-# reached all its peers says nothing a user can act on. A shortfall is still shown.
+# reached all its peers says nothing a user can act on. A shortfall is still shown (Gloo then
+# adds an "is NOT connected to" line). Ranks print from several threads at once, so their
+# statements can interleave: a line may hold pieces of several, or only a piece of one.
 _GLOO_CONNECTED = re.compile(rb"is connected to (\d+) peer ranks\. Expected number of "
                              rb"connected peer ranks is : (\d+)")
-_GLOO = b"[Gloo]"
+_GLOO_PIECES = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. ?|"
+                          rb"\[Gloo\] Rank (\d+ )?|Expected number of connected peer ranks is "
+                          rb": \d+|\s+")
+_GLOO_STARTS = (b"[Gloo]", b"Expected number of connected")
 _ENDS = re.compile(rb"[\r\n]")
 
 
 def keep_line(line: bytes) -> bool:
-  """False for Gloo's "connected to all N peers" line."""
-  m = _GLOO_CONNECTED.search(line)
-  return not (m and m.group(1) == m.group(2))
+  """False for Gloo's "connected to all N peers" lines, whole or in interleaved pieces."""
+  if any(m.group(1) != m.group(2) for m in _GLOO_CONNECTED.finditer(line)):
+    return True
+  return not (line.strip() and line.lstrip().startswith(_GLOO_STARTS) and
+              not _GLOO_PIECES.sub(b"", line))
 
 
 class Terminal:
@@ -82,13 +89,14 @@ def pump(stream, prefix: bytes, out, terminal: Terminal | None = None) -> None:
       if whole:
         after_cr = end == b"\r"
       if not end:   # the unfinished rest: pass it on unless it may become a Gloo line
-        if piece and at_start and (piece.startswith(_GLOO) or _GLOO.startswith(piece)):
+        if piece and at_start and any(piece.startswith(g) or g.startswith(piece)
+                                      for g in _GLOO_STARTS):
           held = piece
         elif piece:
           terminal.write(stream, prefix, piece, at_start)
           at_start = False
         continue
-      if at_start and whole.startswith(_GLOO) and not keep_line(whole):
+      if at_start and not keep_line(whole):
         continue
       if whole:
         terminal.write(stream, prefix, whole, at_start)
