@@ -136,3 +136,29 @@ def test_to_hf_writes_the_files_the_guide_names(tmp_path, capsys):
   assert named == {"model.safetensors", "model-0000i-of-0000n.safetensors",
                    "model.safetensors.index.json"}, named
   assert "config.json" in os.listdir(one) and "config.json" in os.listdir(many)
+
+
+def test_a_converted_model_evaluates_on_given_data_and_not_on_the_byte_corpus(tmp_path,
+                                                                             capsys):
+  """The weights-only checkpoint from_hf writes evaluates (`python -m moejax.evaluate`) on data
+  in the model's vocabulary; without --data it is the one-line error of a converted model on
+  the byte corpus."""
+  import numpy as np
+
+  from moejax import evaluate as evaluate_cli
+
+  hf = _saved_mixtral(str(tmp_path))
+  run = str(tmp_path / "run")
+  assert cli.main(["from_hf", hf, run, "--mesh", "2,4,1", "--dtype", "float32"]) == 0
+  capsys.readouterr()
+  assert evaluate_cli.main([run, "--batches", "1"]) == 2
+  assert "data.path is unset, so the data is the built-in byte corpus" in _error_line(capsys)
+  tokens = str(tmp_path / "tokens.npy")
+  np.save(tokens, np.random.default_rng(0).integers(0, 128, 200_000).astype(np.uint16))
+  assert evaluate_cli.main([run, "--data", tokens, "--batches", "2"]) == 0
+  out = capsys.readouterr().out.splitlines()
+  assert len(out) == 1 and out[0].startswith(f"step 0 of {run}: loss "), out
+  with open(os.path.join(run, "eval.json")) as f:
+    result = json.load(f)
+  assert result["strategy"].startswith("ep/2x4x1/") and result["batches"] == 2
+  assert abs(result["loss"] - np.log(128)) < 1.0, result["loss"]   # random weights: near uniform

@@ -59,6 +59,7 @@ def split_tokens(cfg: Config, split: str) -> np.ndarray:
   must be the model's (one line otherwise)."""
   if split not in SPLITS:
     raise ConfigError(f"split {split!r} is not one of {SPLITS}.")
+  data_lib.byte_corpus_mismatch(cfg)   # a converted model on the byte corpus: one line
   train, val, vocab = data_lib.load_tokens(cfg.data)
   model_vocab = cfg.model.vocab_size
   prepared = cfg.data.path is not None and os.path.isdir(cfg.data.path)
@@ -67,7 +68,6 @@ def split_tokens(cfg: Config, split: str) -> np.ndarray:
     raise ConfigError(f"the data {where!r} has vocab_size={vocab} but the run's model has "
                       f"model.vocab_size={model_vocab}; give data prepared with the run's "
                       "tokenizer (python -m moejax.prepare_data --tokenizer ...).")
-  data_lib.byte_corpus_mismatch(cfg)   # a converted model on the byte corpus: one line
   return val if split == "val" else train
 
 
