@@ -55,16 +55,26 @@ def test_gloos_lines_are_left_out_also_when_its_threads_interleave_them():
 
 
 def test_another_processs_line_never_runs_into_an_unfinished_redraw():
-  out = io.BytesIO()
-  terminal = Terminal(out)
-  bar, warning = object(), object()
-  terminal.write(bar, b"[0] ", b"\r", True)
-  terminal.write(bar, b"[0] ", b" 10%|#", True)
-  terminal.write(warning, b"[1] ", b"warning: x\n", True)
-  terminal.write(bar, b"[0] ", b"\r", True)
-  terminal.write(bar, b"[0] ", b" 20%|##", True)
-  terminal.finish(bar)
-  assert out.getvalue() == b"\r[0]  10%|#\n[1] warning: x\n\r[0]  20%|##\n"
+  """Process 0's bar on stderr, process 1's line on stdout, one screen: the bar's line is
+  ended (on stderr) before the other line is written."""
+  from moejax.runtime.streams import Screen
+
+  err, out = io.BytesIO(), io.BytesIO()
+  screen = Screen()
+  stderr, stdout = Terminal(err, screen), Terminal(out, screen)
+  bar, warning, line = object(), object(), object()
+  stderr.write(bar, b"[0] ", b"\r", True)
+  stderr.write(bar, b"[0] ", b" 10%|#", True)
+  stderr.write(warning, b"[1] ", b"warning: x\n", True)
+  stderr.write(bar, b"[0] ", b"\r", True)
+  stderr.write(bar, b"[0] ", b" 20%|##", True)
+  stdout.write(line, b"[1] ", b"steps\n", True)
+  stderr.write(bar, b"[0] ", b"\r", True)
+  stderr.write(bar, b"[0] ", b" 30%|###", True)
+  stderr.finish(bar)
+  assert err.getvalue() == (b"\r[0]  10%|#\n[1] warning: x\n\r[0]  20%|##\n"
+                            b"\r[0]  30%|###\n")
+  assert out.getvalue() == b"[1] steps\n"
 
 
 def _launcher(code: str, processes: int) -> subprocess.Popen:

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-from moejax.runtime.streams import Terminal, pump
+from moejax.runtime.streams import Screen, Terminal, pump
 
 
 def free_port() -> int:
@@ -72,7 +72,8 @@ def launch(command: list[str], processes: int, devices_per_process: int | None =
   port = free_port()
   base = dict(os.environ if env is None else env)
   procs, pumps = [], []
-  terminals = (Terminal(sys.stdout.buffer), Terminal(sys.stderr.buffer))
+  screen = Screen()   # a terminal shows stdout and stderr together
+  terminals = (Terminal(sys.stdout.buffer, screen), Terminal(sys.stderr.buffer, screen))
   for i in range(processes):
     # A new session each: a terminal's Ctrl-C reaches only the launcher, which forwards once.
     p = subprocess.Popen(command, env=child_env(base, i, processes, port, devices_per_process),

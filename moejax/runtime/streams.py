@@ -15,7 +15,7 @@ import re
 import sys
 import threading
 
-__all__ = ["Terminal", "filter_own_stdout", "keep_line", "pump"]
+__all__ = ["Screen", "Terminal", "filter_own_stdout", "keep_line", "pump"]
 
 # Gloo prints a line per rank for every communicator it sets up (dozens per run); one that
 # reached all its peers says nothing a user can act on. A shortfall is still shown (Gloo then
@@ -38,36 +38,50 @@ def keep_line(line: bytes) -> bool:
               not _GLOO_PIECES.sub(b"", line))
 
 
+class Screen:
+  """What several output streams share when they end up on one screen (a terminal shows a
+  process's stdout and stderr together): whose line is unfinished, and on which stream."""
+
+  def __init__(self):
+    self.lock = threading.Lock()
+    self.open: tuple[object, object] | None = None   # (source, out) of the unfinished line
+
+
 class Terminal:
   """One output stream written by several sources. A source's unfinished line (a progress bar
-  between redraws) is ended before another source writes, so lines never run into each other;
-  each line, and each redraw after a `\\r`, starts with its source's prefix."""
+  between redraws) is ended before another source writes, on this stream or another of the
+  same `screen`, so lines never run into each other; each line, and each redraw after a
+  `\\r`, starts with its source's prefix."""
 
-  def __init__(self, out):
+  def __init__(self, out, screen: Screen | None = None):
     self.out = out
-    self.lock = threading.Lock()
-    self.open_by: object | None = None   # the source whose line the cursor is on, unfinished
+    self.screen = screen or Screen()
 
   def write(self, source: object, prefix: bytes, text: bytes, at_start: bool) -> None:
     """`text` of `source`, ending in at most one `\\r` or `\\n`; `at_start`: it begins a line
     (or a redraw) of that source."""
-    with self.lock:
-      if self.open_by is not None and self.open_by is not source:
-        self.out.write(b"\n")   # another source's line is unfinished: keep it, below it
-        self.open_by = None
-      if (at_start or self.open_by is not source) and text != b"\r":
+    screen = self.screen
+    with screen.lock:
+      if screen.open is not None and screen.open[0] is not source:
+        _write(screen.open[1], b"\n")   # another source's line is unfinished: keep it, above
+        screen.open = None
+      mine = screen.open is not None
+      if (at_start or not mine) and text != b"\r":
         self.out.write(prefix)
-      self.out.write(text)
-      self.out.flush()
-      self.open_by = None if text.endswith(b"\n") else source
+      _write(self.out, text)
+      screen.open = None if text.endswith(b"\n") else (source, self.out)
 
   def finish(self, source: object) -> None:
     """`source` ended: its unfinished line (a last redraw without a newline) is ended."""
-    with self.lock:
-      if self.open_by is source:
-        self.out.write(b"\n")
-        self.out.flush()
-        self.open_by = None
+    with self.screen.lock:
+      if self.screen.open is not None and self.screen.open[0] is source:
+        _write(self.screen.open[1], b"\n")
+        self.screen.open = None
+
+
+def _write(out, data: bytes) -> None:
+  out.write(data)
+  out.flush()
 
 
 def pump(stream, prefix: bytes, out, terminal: Terminal | None = None) -> None:
