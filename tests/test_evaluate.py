@@ -65,10 +65,10 @@ def test_evaluate_equals_the_trainers_eval_loss_on_the_same_batches(trained_run,
   assert not os.path.exists(trained_run / "run.lock")
 
 
-def test_the_whole_split_other_data_and_one_device(trained_run, tmp_path, capsys):
-  """Default: every whole batch of the validation split. Given data is read as data.path
-  is; on one device (--mesh 1,1,1 of a 2x4x1 run) the same batches give the same loss up to
-  float32 summation order."""
+@pytest.mark.slow   # four evaluations, one on another mesh (a compile): half a minute more
+def test_the_whole_split_other_data_and_another_mesh(trained_run, tmp_path, capsys):
+  """Default: every whole batch of the validation split, each window once. Given data is
+  read as data.path is. --mesh evaluates the same checkpoint on fewer devices."""
   cfg = evaluate_cli.run_config(str(trained_run))
   _, val, _ = data_lib.load_tokens(cfg.data)
   windows = (len(val) - 1) // cfg.data.seq_len
@@ -76,6 +76,8 @@ def test_the_whole_split_other_data_and_one_device(trained_run, tmp_path, capsys
   assert evaluate_cli.main([str(trained_run), "--json", out]) == 0
   _, whole = _result(capsys, out)
   assert whole["batches"] == windows // cfg.data.global_batch_size > 2
+  assert evaluate_cli.main([str(trained_run), "--batches", str(whole["batches"] + 1)]) == 2
+  assert f"the val split has {whole['batches']} whole batches" in capsys.readouterr().err
 
   text = tmp_path / "text.txt"
   text.write_bytes(bytes(val[:6000]))

@@ -123,8 +123,9 @@ def evaluate(cfg: Config, run_dir: str, tokens: np.ndarray, batches: int = 0, sp
                                 process_index=jax.process_index(),
                                 process_count=jax.process_count(), rows=rows)
   count = batches or loader.batches_per_epoch
-  if count < 1:
-    raise ConfigError(f"--batches={batches} must be >= 0 (0: the whole split).")
+  if not 1 <= count <= loader.batches_per_epoch:
+    raise ConfigError(f"--batches={batches}: the {split} split has {loader.batches_per_epoch} "
+                      "whole batches; give 1 to that many (0: all of them, each window once).")
   # The eval step's own function (step.loss_fn), here keeping the routing counts it computes.
   forward = jax.jit(lambda params, batch, lay: step_lib.loss_fn(params, prog.model, prog.cfg.moe,
                                                                 batch, lay)[1],
