@@ -7,9 +7,9 @@ before it; each row also reports both plans' planned balance (the busiest device
 over the mean, on the load planned for), and the exit status is 1 only when a plan below
 LARGE_MESH differs.
 
-  python -m benchmarks.planner_ab --base c2974b0
-  python -m benchmarks.planner_ab --base c2974b0 --rounds 11 \
-      --json benchmarks/results/planner_ab.json
+  python -m benchmarks.ab.planner_ab --base c2974b0
+  python -m benchmarks.ab.planner_ab --base c2974b0 --rounds 11 \
+      --json benchmarks/ab/results/planner_ab.json
 
 `main`'s docstring says how.
 """
@@ -18,72 +18,37 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import os
-import re
 import statistics
-import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 
 import numpy as np
 
-from benchmarks.common import command, default_cost, write_result
-from benchmarks.planner_time import FSEP_CONFIGS, _any_layout
+from benchmarks.ab.base import load_base, same_plan
+from benchmarks.common import command, default_cost, start, write_result
+from benchmarks.placement.planner_setup import FSEP_CONFIGS, any_layout
 from benchmarks.timing import print_table
 from moejax.layout.flow import max_over_mean
 from moejax.placement import fsep
 from moejax.placement.fsep.deal import LARGE_MESH
 from moejax.placement.workloads import synthetic_trace
 
-DEFAULT_COST = default_cost()
-
-DEFAULT_JSON = "benchmarks/results/planner_ab.json"
-
-
-def load_base(rev: str, into: str):
-  """moejax.placement's fsep module as it was at git revision `rev`, as package `base_placement`
-  under folder `into` (its own imports rewritten to point at that copy)."""
-  archive = os.path.join(into, "base.tar")
-  subprocess.run(["git", "archive", "-o", archive, rev, "moejax/placement"], check=True)
-  with tarfile.open(archive) as tar:
-    tar.extractall(into, filter="data")
-  pkg = os.path.join(into, "base_placement")
-  os.rename(os.path.join(into, "moejax", "placement"), pkg)
-  for folder, _, names in os.walk(pkg):
-    for name in names:
-      if name.endswith(".py"):
-        path = os.path.join(folder, name)
-        with open(path) as f:
-          text = f.read()
-        text = re.sub(r"\bmoejax\.placement\b", "base_placement", text)
-        with open(path, "w") as f:
-          f.write(text)
-  sys.path.insert(0, into)
-  return importlib.import_module("base_placement.fsep")
+DEFAULT_JSON = "benchmarks/ab/results/planner_ab.json"
 
 
 def _plan(mod, pred, current, n):
-  return mod.place_replicas(pred, current, slots=8, src_dev_W=np.arange(n), cost=DEFAULT_COST,
+  return mod.place_replicas(pred, current, slots=8, src_dev_W=np.arange(n), cost=default_cost(),
                             num_devices=n, options=mod.FsepOptions())
-
-
-def _same(a, b) -> bool:
-  arrays = [(a.slot_expert, b.slot_expert), (a.share, b.share)]
-  if a.local is not None and b.local is not None:
-    arrays.append((a.local, b.local))
-  return ((a.local is None) == (b.local is None)
-          and all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in arrays))
 
 
 def compare(base, experts: int, devices: int, rounds: int, calls: int, seed: int) -> dict:
   pred = synthetic_trace(1, 1, devices, experts, kind="lognormal",
                          seed=seed)["counts"][0, 0].astype(np.float64)
-  current = _any_layout(experts, devices, 8)
+  current = any_layout(experts, devices, 8)
   plans = {"base": _plan(base, pred, current, devices), "new": _plan(fsep, pred, current, devices)}
-  same = _same(plans["base"], plans["new"])
+  same = same_plan(plans["base"], plans["new"])
   load_E = pred.sum(0)
   balance = {f"max_over_mean_{k}": max_over_mean(np.bincount(
       np.arange(len(p.share)) // 8, weights=p.share * load_E[p.slot_expert], minlength=devices))
@@ -107,16 +72,16 @@ def compare(base, experts: int, devices: int, rounds: int, calls: int, seed: int
 def main(argv=None) -> int:
   """Times taken minutes apart on a shared VM move with what else runs; a ratio taken call by call
   in one process holds up better (decision 0035). The earlier planner is moejax/placement at
-  --base (a git revision), copied by `git archive` into a temporary package whose imports point
-  at itself; both run on the benchmark load of `benchmarks.planner_time` (one lognormal step,
-  top-2, 2048 tokens per source, sources = N, C = 8, default options). Each row: --rounds rounds,
-  each `--calls` calls of the base planner then as many of this one; median wall (perf_counter)
-  and CPU (process_time) ms, and their ratio new / base. The 1-minute load average is recorded
-  before and after. Needs git and the repository's history.
+  --base (a git revision), copied by `git archive` into a temporary package whose imports point at
+  itself; both run on the benchmark load of `benchmarks.placement.planner_time` (one lognormal
+  step, top-2, 2048 tokens per source, sources = N, C = 8, default options). Each row: --rounds
+  rounds, each `--calls` calls of the base planner then as many of this one; median wall
+  (perf_counter) and CPU (process_time) ms, and their ratio new / base. The 1-minute load average
+  is recorded before and after. Needs git and the repository's history.
 
   Run (from the repository root):
   """
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.planner_ab",
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.ab.planner_ab",
                                description=__doc__.split("\n\n")[0],
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--base", required=True, help="git revision of the planner to compare with")
@@ -138,7 +103,7 @@ def main(argv=None) -> int:
                      "cpu_base_ms", "cpu_new_ms", "cpu_ratio"])
   print(f"1-minute load average: {load_before:.2f} before, {load_after:.2f} after "
         f"({os.cpu_count()} cores)")
-  write_result({"benchmark": "planner_ab", "command": command("planner_ab", argv),
+  write_result({"benchmark": "planner_ab", "command": command("ab.planner_ab", argv),
                 "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 "base": a.base, "numpy": np.__version__, "rounds": a.rounds, "calls": a.calls,
                 "seed": a.seed, "load": "lognormal sigma=1.0, top_k=2, 2048 tokens per source",
@@ -148,4 +113,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  start()
   sys.exit(main())

@@ -1,19 +1,19 @@
 """Every fsep planner call that replay makes on the committed traces, planned by this tree and
 by an earlier commit: are the plans the same, bit for bit?
 
-The replay results in benchmarks/results/ were recorded with the planner of their day; a
-later change to the planner keeps them valid only if it plans every one of those calls the
+The replay results in benchmarks/placement/results/ were recorded with the planner of their day;
+a later change to the planner keeps them valid only if it plans every one of those calls the
 same. The calls are the ones `python -m moejax.replay --slots 8 --every 10 --window 10
---window_oracle` makes: the lagged decisions (every 10 steps, the last 10 steps' mean and
-the steps themselves), the window oracle's (the next 10 steps) and the oracle's (each
-step's own counts, no window), for each trace and device count the results hold, with the
-default options and with locality=False (the crossing-blind plan). --adaptive shares and
-capacity runs call the planner the same way. The earlier planner is loaded from git as in
-`benchmarks.planner_ab`. Exit status 1 where any plan differs.
+--window_oracle` makes: the lagged decisions (every 10 steps, the last 10 steps' mean and the
+steps themselves), the window oracle's (the next 10 steps) and the oracle's (each step's own
+counts, no window), for each trace and device count the results hold, with the default options
+and with locality=False (the crossing-blind plan). --adaptive shares and capacity runs call the
+planner the same way. The earlier planner is loaded from git (`benchmarks.ab.base.load_base`).
+Exit status 1 where any plan differs.
 
 Run (from the repository root; ~12,000 calls of each planner, about 2 minutes):
 
-  python -m benchmarks.planner_replay_ab --base dce12c7
+  python -m benchmarks.ab.planner_replay_ab --base dce12c7
 """
 
 from __future__ import annotations
@@ -25,15 +25,13 @@ import tempfile
 
 import numpy as np
 
-from benchmarks.common import command, default_cost, write_result
-from benchmarks.planner_ab import _same, load_base
+from benchmarks.ab.base import load_base, same_plan
+from benchmarks.common import command, default_cost, start, write_result
 from moejax.layout import placement as placement_lib
 from moejax.placement import fsep
 from moejax.placement.policies import predict
 
-DEFAULT_COST = default_cost()
-
-DEFAULT_JSON = "benchmarks/results/planner_replay_ab.json"
+DEFAULT_JSON = "benchmarks/ab/results/planner_replay_ab.json"
 TRACES = (("default_run", (2, 4, 8)), ("drift_bursts", (8,)),
           ("synthetic_skewed", (8, 16)), ("synthetic_collapse", (8, 16)))
 OPTIONS = ({}, {"locality": False})
@@ -63,16 +61,16 @@ def compare(base, trace: str, devices: int, options: dict) -> dict:
   calls = replay_calls(counts)
   differ = 0
   for pred, samples in calls:
-    plans = [mod.place_replicas(pred, current, slots=8, src_dev_W=src, cost=DEFAULT_COST,
+    plans = [mod.place_replicas(pred, current, slots=8, src_dev_W=src, cost=default_cost(),
                                 num_devices=devices, options=mod.FsepOptions(**options),
                                 samples_stepsxWxE=samples) for mod in (base, fsep)]
-    differ += not _same(*plans)
+    differ += not same_plan(*plans)
   return {"trace": trace, "devices": devices, "options": options, "calls": len(calls),
           "different_plans": differ}
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.planner_replay_ab",
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.ab.planner_replay_ab",
                                description=__doc__.split("\n\n")[0],
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--base", required=True, help="git revision of the planner to compare with")
@@ -91,7 +89,7 @@ def main(argv=None) -> int:
   total = sum(r["calls"] for r in rows)
   differ = sum(r["different_plans"] for r in rows)
   print(f"{total} calls, {differ} different plans (this tree vs {a.base}, C=8)")
-  write_result({"benchmark": "planner_replay_ab", "command": command("planner_replay_ab", argv),
+  write_result({"benchmark": "planner_replay_ab", "command": command("ab.planner_replay_ab", argv),
                 "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 "base": a.base, "numpy": np.__version__, "slots": 8, "every": 10, "window": 10,
                 "calls": total, "different_plans": differ, "rows": rows}, a.json)
@@ -99,4 +97,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  start()
   sys.exit(main())

@@ -15,9 +15,10 @@ Three tables, each planner given the same inputs:
     is due (a cold start at step 2, then every 50 steps), and the drops of steps 150-299 as
     train.py's last line counts them.
   * time: `OnlinePlanner.propose` for the default config under pooled capacity (the SmartMoE
-    rows of `benchmarks.planner_time --trainer_only`), both planners interleaved call by call.
+    rows of `benchmarks.placement.planner_time --trainer_only`), both planners interleaved call
+    by call.
 
-  python -m benchmarks.smartmoe_ab --base aeb3d0a
+  python -m benchmarks.ab.smartmoe_ab --base aeb3d0a
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ import time
 
 import numpy as np
 
-from benchmarks.common import command, default_config, write_result
-from benchmarks.planner_ab import load_base
-from benchmarks.planner_time import trainer_config
+from benchmarks.ab.base import load_base
+from benchmarks.common import command, default_config, start, write_result
+from benchmarks.placement.planner_setup import trainer_config
 from moejax.config import num_moe_layers
 from moejax.layout import capacity, placement as placement_lib
 from moejax.placement import smartmoe
@@ -138,11 +139,11 @@ def time_trainer(base, experts, n, calls) -> dict:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.smartmoe_ab",
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.ab.smartmoe_ab",
                                description=__doc__.split("\n\n")[0])
   ap.add_argument("--base", required=True, help="git revision of the earlier planner")
   ap.add_argument("--calls", type=int, default=21, help="timed calls per planner and size")
-  ap.add_argument("--json", default="benchmarks/results/smartmoe_ab.json")
+  ap.add_argument("--json", default="benchmarks/ab/results/smartmoe_ab.json")
   a = ap.parse_args(argv)
   load_base(a.base, tempfile.mkdtemp())          # the earlier moejax.placement as base_placement
   base = importlib.import_module("base_placement.smartmoe")
@@ -167,7 +168,7 @@ def main(argv=None) -> int:
     timed.append(time_trainer(base, e, n, a.calls if e * n < 256 * 64 else max(5, a.calls // 4)))
     print(timed[-1], flush=True)
   load_after = os.getloadavg()[0]
-  write_result({"benchmark": "smartmoe_ab", "command": command("smartmoe_ab", argv),
+  write_result({"benchmark": "smartmoe_ab", "command": command("ab.smartmoe_ab", argv),
                 "base": a.base, "capacity_factor": CF, "min_gain": MIN_GAIN, "traces": traces,
                 "default_job": job, "default_job_trace": DEFAULT_JOB_TRACE, "time": timed,
                 "load_average_1min": {"before": load_before, "after": load_after}}, a.json)
@@ -175,4 +176,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  start()
   sys.exit(main())

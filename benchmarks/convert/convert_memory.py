@@ -1,6 +1,6 @@
 """Host memory of `python -m moejax.convert` against its arithmetic, at a size this machine holds.
 
-`python -m benchmarks.convert_memory [--layers 8 --d_model 512 --d_ff 1792 --vocab 32000]
+`python -m benchmarks.convert.convert_memory [--layers 8 --d_model 512 --d_ff 1792 --vocab 32000]
 [--json OUT]` builds a random Mixtral-shaped model with transformers (bfloat16, 50 MB shards),
 runs `from_hf` and `to_hf` as the user does (separate processes) and records each one's peak
 resident memory beside the arithmetic of docs/guide/start-from-a-published-model.md: the
@@ -18,7 +18,8 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.common import RESULTS, command, write_result
+from benchmarks.common import command, start, write_result
+from benchmarks.convert import RESULTS
 
 MIB = 2**20
 
@@ -39,7 +40,8 @@ def _baseline_mib() -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.convert.convert_memory",
+                                   description=__doc__.splitlines()[0])
   parser.add_argument("--layers", type=int, default=8)
   parser.add_argument("--d_model", type=int, default=512)
   parser.add_argument("--d_ff", type=int, default=1792)
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
   p_mib = params * 4 / MIB
   w_mib = args.layers * args.experts * args.d_model * args.d_ff * 4 / MIB
   result = {
-      "command": command("convert_memory", argv), "load_before": load_before,
+      "command": command("convert.convert_memory", argv), "load_before": load_before,
       "params": params, "float32_params_mib": round(p_mib, 1),
       "largest_param_mib": round(w_mib, 1), "jax_process_mib": round(base, 1),
       "from_hf_peak_mib": from_hf, "to_hf_peak_mib": to_hf,
@@ -80,4 +82,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+  start()
   main()

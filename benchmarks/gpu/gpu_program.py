@@ -11,7 +11,8 @@ the global batch is 8 sequences per GPU. `--mixtral` adds configs/mixtral_8x7b.g
 the strategy `moejax.plan` picks for that many H100s (the h100_ep_node profile).
 
 Run (from the repository root; minutes per row on a 2-core host):
-  python -m benchmarks.gpu_program --topology 1x1x8 --json benchmarks/results/gpu_program_h100.json
+  python -m benchmarks.gpu.gpu_program --topology 1x1x8 \
+      --json benchmarks/gpu/results/gpu_program_h100.json
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import os
 import time
 import traceback
 
-from benchmarks.common import RESULTS, command, stamp, write_result
+from benchmarks.common import REPO, command, stamp, start, write_result
+from benchmarks.gpu import RESULTS
 from moejax.aot import compile_train_step
 from moejax.aot.gpus import parse_topology
 from moejax.aot.summary import summarize
@@ -34,7 +36,7 @@ from moejax.strategy.cost import load_profile, predict_step
 from moejax.strategy.offline import pick_pool, rank, workload_of
 from moejax.strategy.spec import from_config
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = REPO
 GPU_GIN = os.path.join(ROOT, "configs", "gpt_moe_gpu.gin")
 MIXTRAL_GIN = os.path.join(ROOT, "configs", "mixtral_8x7b.gin")
 DENSE = ["moe.dispatch = 'dense'", "moe.kernels = 'xla'"]
@@ -121,7 +123,7 @@ def _gpus(topology: str) -> int:
 
 
 def megatron_mixtral() -> dict:
-  """Megatron-Core's published Mixtral-8x7B step on 64 H100s (benchmarks.published_mixtral)."""
+  """Megatron-Core's published Mixtral-8x7B step on 64 H100s (benchmarks.gpu.published_mixtral)."""
   with open(os.path.join(RESULTS, "published_mixtral.json")) as f:
     published = json.load(f)["published"]
   return {k: published[k] for k in ("step_s", "tflops_per_gpu", "gpus", "layout", "source")}
@@ -134,7 +136,8 @@ def mixtral_strategy(cfg: Config, gpus: int):
 
 
 def main(argv: list[str] | None = None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu.gpu_program",
+                                   description=__doc__.splitlines()[0])
   parser.add_argument("--topology", nargs="+", default=["1x1x8"])
   parser.add_argument("--gpu", default="h100")
   parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
@@ -150,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
                       help="compile without this GPU flag (its name), to see what it does")
   args = parser.parse_args(argv)
   path = args.json or os.path.join(RESULTS, f"gpu_program_{args.gpu}.json")
-  result = {"command": command("gpu_program", argv), "rows": [], "complete": False,
+  result = {"command": command("gpu.gpu_program", argv), "rows": [], "complete": False,
             "metadata": {"target": f"compile-only {args.gpu} (moejax/aot/targets), topologies "
                                    f"{' '.join(args.topology)}; no GPU used"}}
   if args.append and os.path.exists(path):
@@ -184,4 +187,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+  start()
   main()

@@ -1,8 +1,8 @@
 """The rates a schedule estimate needs, measured on the GPU it runs on: HBM bytes/s of a
 streaming elementwise pass, bf16 GEMM FLOP/s at the projection and expert shapes of the
 configs people train, and fused (cuDNN) against unfused (XLA) causal attention by head dim,
-sequence and heads, forward and forward+backward. `benchmarks.on_gpu` runs it as a step;
-`python -m benchmarks.gpu_rates` runs it alone (tiny sizes on CPU: the code path only)."""
+sequence and heads, forward and forward+backward. `benchmarks.gpu.on_gpu` runs it as a step;
+`python -m benchmarks.gpu.gpu_rates` runs it alone (tiny sizes on CPU: the code path only)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import argparse
 import json
 import statistics
 import time
+
+from benchmarks.common import start
 
 # (m, k, n): tokens x in x out. A square reference; the GPU config's projections and experts;
 # Mixtral-8x7B's attention and expert projections at 8K tokens; Qwen3-30B-A3B's at 8K tokens
@@ -106,7 +108,7 @@ def measure(tiny: bool) -> dict:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu_rates",
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu.gpu_rates",
                                description=__doc__.split("\n\n")[0])
   ap.add_argument("--tiny", action="store_true", help="tiny sizes: the code path, not rates")
   ap.add_argument("--json", help="write the rates here")
@@ -120,4 +122,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  start()
   raise SystemExit(main())

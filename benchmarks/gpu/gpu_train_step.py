@@ -3,7 +3,7 @@
 Mixtral-8x7B and a Qwen3-30B-A3B shape cut to the layers one GPU holds, at a Megatron-like
 64K tokens per optimizer step by gradient accumulation), its MoE paths and its dense-equivalent
 model timed interleaved, with model-FLOP MFU and the fastest path's whole kernel profile.
-`benchmarks.on_gpu` runs each shape in a process of its own (`train_child`)."""
+`benchmarks.gpu.on_gpu` runs each shape in a process of its own (`train_child`)."""
 
 from __future__ import annotations
 

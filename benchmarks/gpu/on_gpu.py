@@ -1,11 +1,11 @@
-"""The one command to run when a GPU is lent: `python -m benchmarks.on_gpu --budget_s 540
+"""The one command to run when a GPU is lent: `python -m benchmarks.gpu.on_gpu --budget_s 540
 --out DIR [--dry_run]`.
 
 Steps in priority order, each skipped (with the reason) when the budget left is below its
 estimate (the wall time the step took in the newest committed run, or a default), the JSON
 rewritten after every step so that a cut-off run still returns what it did:
   1. the GPU's own GpuTargetConfigProto, the target of the compile-only GPU programs;
-  2. the rates a schedule estimate needs (`benchmarks.gpu_rates`: HBM, GEMMs at the trained
+  2. the rates a schedule estimate needs (`benchmarks.gpu.gpu_rates`: HBM, GEMMs at the trained
      shapes, cuDNN and XLA attention by head dim and sequence);
   3. train-step tokens/s and MFU of each shape of `gpu_train_step.SHAPES` (Mixtral- and
      Qwen3-shaped cuts first, then the GPU config's per-GPU expert slice, then the GPU config
@@ -18,7 +18,7 @@ rewritten after every step so that a cut-off run still returns what it did:
 Files beside the JSON: the scheduled HLO of each shape's fastest path (step_hlos.json.gz)
 and their kernel tables (kernel_profiles.json.gz), which the estimate's tests read.
 `--dry_run` runs step 3 on CPU at a tiny size (the code path, not the numbers) and reports the
-others as skipped. The train-step measurement itself is `benchmarks.gpu_train_step`.
+others as skipped. The train-step measurement itself is `benchmarks.gpu.gpu_train_step`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ import sys
 import tempfile
 import time
 
-from benchmarks.gpu_train_step import (
+from benchmarks.common import start
+from benchmarks.gpu.gpu_train_step import (
   SHAPES,
   Budget,
   load_config,
@@ -109,7 +110,7 @@ def step_mock(budget: Budget, per_compile_s: float) -> list:
                      "skipped": f"budget: {budget.left():.0f} s left, a compile needs "
                                 f"~{per_compile_s:.0f} s"})
         continue
-      cmd = [sys.executable, "-m", "benchmarks.on_gpu", "--_mock", topology, name]
+      cmd = [sys.executable, "-m", "benchmarks.gpu.on_gpu", "--_mock", topology, name]
       # The child's stderr goes to a file, so that a compile cut off by the timeout still
       # says where it was (its stage lines and XLA's log).
       with tempfile.TemporaryFile("w+") as err:
@@ -155,7 +156,7 @@ def machine() -> dict:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.on_gpu", description=(
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu.on_gpu", description=(
       "Run the prepared GPU measurements within a time budget and write one JSON."))
   ap.add_argument("--budget_s", type=float, default=540,
                   help="Seconds the whole run may take; steps that would not fit are skipped.")
@@ -188,7 +189,7 @@ def main(argv=None) -> int:
   kind = re.sub(r"[^a-z0-9]+", "_", info["device_kind"].lower()).strip("_") if on_gpu else "cpu"
   from benchmarks.common import metadata
   result = {"benchmark": "on_gpu",
-            "metadata": dict(metadata(" ".join(["python -m benchmarks.on_gpu", *sys.argv[1:]])),
+            "metadata": dict(metadata(" ".join(["python -m benchmarks.gpu.on_gpu", *sys.argv[1:]])),
                              detail=info),
             "dry_run": args.dry_run, "budget_s": args.budget_s, "steps": {}}
   path = os.path.join(args.out, f"on_gpu_{kind}.json")
@@ -223,7 +224,7 @@ def main(argv=None) -> int:
 
   def rates():
     child = os.path.join(args.out, "rates.tmp.json")
-    cmd = [sys.executable, "-m", "benchmarks.gpu_rates", "--json", child]
+    cmd = [sys.executable, "-m", "benchmarks.gpu.gpu_rates", "--json", child]
     proc = subprocess.run(cmd, capture_output=True, text=True,
                           timeout=max(min(budget.left() - 5, 240), 10))
     if not os.path.exists(child):
@@ -242,7 +243,7 @@ def main(argv=None) -> int:
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "true",
            "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.92"}
     allowed = min(budget.left() - 15, cap_s)
-    cmd = [sys.executable, "-m", "benchmarks.on_gpu", "--_train", child, args.out,
+    cmd = [sys.executable, "-m", "benchmarks.gpu.on_gpu", "--_train", child, args.out,
            str(allowed), "1" if not on_gpu else "0", shape]
     try:
       proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
@@ -302,4 +303,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  start()
   sys.exit(main())

@@ -10,7 +10,7 @@ Megatron counts model FLOPs per token as 12 L d^2 [(1 + g/h + s/d) + (F/d) K 3/2
 (g/h = 8/32 query groups per head, s the sequence, F the expert width, K = 2, V the
 vocab), so 468 TFLOP/s per GPU is a step time of 256 x 4096 tokens x that / (64 x 468e12).
 
-  python -m benchmarks.published_mixtral [--json PATH]
+  python -m benchmarks.gpu.published_mixtral [--json PATH]
 
 `main`'s docstring says how.
 """
@@ -21,14 +21,14 @@ import argparse
 import dataclasses
 import os
 
-from benchmarks.common import RESULTS, command, write_result
+from benchmarks.common import REPO, command, start, write_result
+from benchmarks.gpu import RESULTS
 from moejax.frontend import parse_config
 from moejax.strategy.cost import PRESETS, predict_step
 from moejax.strategy.offline import workload_of
 from moejax.strategy.spec import Strategy
 
-CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
-                      "mixtral_8x7b.gin")
+CONFIG = os.path.join(REPO, "configs", "mixtral_8x7b.gin")
 PUBLISHED_TFLOPS = 468.0
 GPUS = 64
 QUERY_GROUPS = 8            # Mixtral's KV heads; moejax's attention is full multi-head
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
   the recomputed forward. Decision 0038's layout (data 8 x expert 8, no stages) is kept as a
   row for comparison.
   """
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.published_mixtral",
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu.published_mixtral",
                                    description=__doc__.splitlines()[0])
   parser.add_argument("--json", default=os.path.join(RESULTS, "published_mixtral.json"))
   args = parser.parse_args(argv)
@@ -124,10 +124,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{r['error']:+.0%} | {r['memory_gib']:.1f}{'' if r['fits_80gib'] else ' (over)'} | "
           + ", ".join(f"{k[:-2]} {v:.3f}" for v, k in terms[:5]) +
           f", hidden {r['terms_s']['hidden_s']:.3f} |")
-  result["command"] = command("published_mixtral", argv)
+  result["command"] = command("gpu.published_mixtral", argv)
   write_result(result, args.json)
   return 0
 
 
 if __name__ == "__main__":
+  start()
   raise SystemExit(main())

@@ -4,7 +4,7 @@ shapes ([131072, 1024] x [4, 1024, 2048], its transpose-sized twin, and the GPU 
 [16384, 768] x [32, 768, 1536]); uneven random groups. Each variant: max |out - ragged_dot|,
 median of 10 timed calls after one warm-up, TFLOP/s = 2*M*K*N / time. GPU only.
 
-  python -m benchmarks.gmm_tiles [--json benchmarks/results/gmm_tiles_h100.json]
+  python -m benchmarks.kernels.gmm_tiles [--json benchmarks/kernels/results/gmm_tiles_h100.json]
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import timing
-from benchmarks.common import RESULTS, command, write_result
+from benchmarks.common import command, start, write_result
+from benchmarks.kernels import RESULTS
 from pallas_kernels import gmm_mosaic, grouped_matmul
 from pallas_kernels.gmm import GmmTuning
 
@@ -63,12 +64,12 @@ def shape_rows(m: int, k: int, n: int, g: int, rng) -> list[dict]:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.gmm_tiles",
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.kernels.gmm_tiles",
                                description=__doc__.split("\n\n")[0])
   ap.add_argument("--json", default=os.path.join(RESULTS, "gmm_tiles_h100.json"))
   args = ap.parse_args(argv)
   if jax.devices()[0].platform != "gpu":
-    print("benchmarks.gmm_tiles times compiled GPU kernels; this host has no GPU.")
+    print("benchmarks.kernels.gmm_tiles times compiled GPU kernels; this host has no GPU.")
     return 1
   rng, rows = np.random.default_rng(0), []
   for shape in SHAPES:
@@ -77,10 +78,12 @@ def main(argv=None) -> int:
   timing.print_table(best, ["M", "K", "N", "G", "impl", "bm", "bn", "bk", "mcs", "gbn", "warps",
                             "stages", "ms", "TFLOPs", "max_err"])
   write_result({"benchmark": "grouped-matmul tilings (Mosaic GPU, Triton) vs XLA",
-                "metadata": {"note": timing.platform_note(), "command": command("gmm_tiles", argv)},
+                "metadata": {"note": timing.platform_note(),
+                             "command": command("kernels.gmm_tiles", argv)},
                 "rows": rows}, args.json)
   return 0
 
 
 if __name__ == "__main__":
+  start()
   sys.exit(main())

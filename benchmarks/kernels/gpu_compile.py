@@ -27,7 +27,8 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import RESULTS, command, ir_operations, write_result
+from benchmarks.common import REPO, command, ir_operations, start, write_result
+from benchmarks.kernels import RESULTS
 from moejax.frontend import parse_config
 from moejax.layout import capacity
 from pallas_kernels import backend as backend_lib, compat, gather, gmm as gmm_lib
@@ -35,8 +36,7 @@ from pallas_kernels.gmm import GmmTuning
 from pallas_kernels.permute import PermuteTuning
 from pallas_kernels.unpermute import CombineTuning
 
-GPU_GIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
-                       "gpt_moe_gpu.gin")
+GPU_GIN = os.path.join(REPO, "configs", "gpt_moe_gpu.gin")
 ARCH = 90                   # compute capability of the target; ptxas gets sm_90a
 ROW_SWEEP = [dict(block_rows=r, block_d=d, num_warps=w)
              for r in (32, 64) for d in (64, 128, 256) for w in (4, 8)]
@@ -247,10 +247,12 @@ def main(argv=None) -> int:
   XLA compiles the program, which this CPU host cannot load.
 
   Run (from the repository root):
-    python -m benchmarks.gpu_compile --json benchmarks/results/gpu_compile_sm90a.json
-    python -m benchmarks.gpu_compile --only gather_dot --top_k 8 --sweep
+    python -m benchmarks.kernels.gpu_compile \
+        --json benchmarks/kernels/results/gpu_compile_sm90a.json
+    python -m benchmarks.kernels.gpu_compile --only gather_dot --top_k 8 --sweep
   """
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.kernels.gpu_compile",
+                               description=__doc__.split("\n\n")[0])
   ap.add_argument("--json", default=os.path.join(RESULTS, "gpu_compile_sm90a.json"))
   ap.add_argument("--top_k", type=int, action="append",
                   help="top_k values (default: the config's and 8)")
@@ -277,7 +279,7 @@ def main(argv=None) -> int:
              "default_compiled": sum(r["compiled"] for r in defaults),
              "default_spilling": sum(bool(r["spill_bytes"]) for r in defaults)}
   print(summary)
-  write_result({"command": command("gpu_compile", argv), "target": f"sm_{ARCH}a",
+  write_result({"command": command("kernels.gpu_compile", argv), "target": f"sm_{ARCH}a",
                 "jax": jax.__version__, "triton": triton.__version__,
                 "shapes_from": "configs/gpt_moe_gpu.gin", "summary": summary, "rows": rows},
                args.json)
@@ -285,4 +287,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  start()
   sys.exit(main())

@@ -12,8 +12,8 @@ only as a smoke run; `ragged` is skipped there (XLA:CPU has no ragged_all_to_all
 host the kernels are compiled with the Triton backend, in bf16, over a tile sweep.
 
 Run (from the repository root):
-  python -m benchmarks.kernels   # -> benchmarks/results/kernels_{gpu,cpu_interpret}.json
-  python -m benchmarks.kernels --only gmm --skip_layer --json /tmp/k.json
+  python -m benchmarks.kernels.kernels   # -> kernels/results/kernels_{gpu,cpu_interpret}.json
+  python -m benchmarks.kernels.kernels --only gmm --skip_layer --json /tmp/k.json
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import timing
-from benchmarks.common import command, write_result
-from benchmarks.moe_layer import init_params, place_sharded
+from benchmarks.common import command, start, write_result
+from benchmarks.layer.moe_layer import init_params, place_sharded
 from moejax.config import MoEConfig
 from moejax.layout.tables import static_layout
 from moejax.model.mesh import AXES
@@ -211,10 +211,11 @@ def layer_times(gpu: bool, iters: int) -> list[dict]:
 def main(argv=None) -> int:
   dev = jax.devices()[0]
   gpu = dev.platform == "gpu"
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.kernels",
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.kernels.kernels",
                                description=__doc__.split("\n\n")[0])
   suffix = "" if gpu else "_interpret"
-  ap.add_argument("--json", default=f"benchmarks/results/kernels_{dev.platform}{suffix}.json")
+  ap.add_argument("--json",
+                  default=f"benchmarks/kernels/results/kernels_{dev.platform}{suffix}.json")
   ap.add_argument("--iters", type=int, default=10 if gpu else 3)
   ap.add_argument("--only", choices=KERNELS, action="append",
                   help="sweep only this kernel (repeatable); default: all")
@@ -237,7 +238,7 @@ def main(argv=None) -> int:
           "device_kind": dev.device_kind, "device_count": len(jax.devices()),
           "host_cpu_count": os.cpu_count(), "python": platform.python_version(),
           "xla_flags": os.environ.get("XLA_FLAGS", ""),
-          "command": command("kernels", argv),
+          "command": command("kernels.kernels", argv),
           "timestamp_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
       },
       "kernels": kernels, "layer": layer,
@@ -247,4 +248,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  start()
   sys.exit(main())

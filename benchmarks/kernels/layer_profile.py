@@ -4,7 +4,7 @@ the host's GPUs) per `dispatch:kernels` option, and per option the GPU kernels o
 profiled forward+backward calls (JAX's profiler, its Perfetto trace) summed by name, per call.
 XLA_FLAGS is the caller's: run it once per flag set to compare them. GPU only.
 
-  XLA_FLAGS=... python -m benchmarks.layer_profile --tag default ragged:pallas dense:xla
+  XLA_FLAGS=... python -m benchmarks.kernels.layer_profile --tag default ragged:pallas dense:xla
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import timing
-from benchmarks.common import RESULTS, command, write_result
-from benchmarks.moe_layer import init_params, place_sharded
+from benchmarks.common import command, start, write_result
+from benchmarks.kernels import RESULTS
+from benchmarks.layer.moe_layer import init_params, place_sharded
 from moejax.config import MoEConfig
 from moejax.layout.tables import static_layout
 from moejax.model.mesh import AXES
@@ -74,14 +75,14 @@ def profile(option: str, mesh, params_h, x_h, layout) -> dict:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.layer_profile",
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.kernels.layer_profile",
                                description=__doc__.split("\n\n")[0])
   ap.add_argument("options", nargs="+", help="dispatch:kernels, e.g. ragged:pallas dense:xla")
   ap.add_argument("--tag", default="default", help="names the JSON: layer_profile_<tag>.json")
   args = ap.parse_args(argv)
   devices = jax.devices()
   if devices[0].platform != "gpu":
-    print("benchmarks.layer_profile profiles GPU kernels; this host has no GPU.")
+    print("benchmarks.kernels.layer_profile profiles GPU kernels; this host has no GPU.")
     return 1
   mesh = jax.make_mesh((1, len(devices), 1), AXES, devices=devices,
                        axis_types=(jax.sharding.AxisType.Auto,) * 3)
@@ -98,10 +99,11 @@ def main(argv=None) -> int:
   write_result({"benchmark": "MoE layer GPU kernel profile",
                 "metadata": {"note": timing.platform_note(),
                              "xla_flags": os.environ.get("XLA_FLAGS", ""),
-                             "command": command("layer_profile", argv)},
+                             "command": command("kernels.layer_profile", argv)},
                 "rows": rows}, os.path.join(RESULTS, f"layer_profile_{args.tag}.json"))
   return 0
 
 
 if __name__ == "__main__":
+  start()
   sys.exit(main())

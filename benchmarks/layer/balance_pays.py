@@ -16,7 +16,7 @@ a different, timed batch's choices dropped (bisection on the counts, `moejax.lay
 the dropped fraction reported is the compiled program's own count). Timed, all policies
 interleaved step by step in rotating order:
   * the MoE layer, forward + backward, d_model 256, d_ff 1024, 2048 tokens per device
-    (as `benchmarks.fsep_vs_ep` builds it): the popularity enters through a constant input
+    (as `benchmarks.layer.fsep_vs_ep` builds it): the popularity enters through a constant input
     feature the router maps to log-popularity;
   * beside it (`--step`, on by default), a whole training step of the default model
     (configs/default.gin with E = 16, top-2, on the (1, 8, 1) mesh): the popularity enters
@@ -28,7 +28,8 @@ interleaved step by step in rotating order:
 On CPU the 8 devices share the host's cores: a ratio reflects work (rows computed and
 exchanged, fsep's restores), not network time or a GPU's speed.
 
-  python -m benchmarks.balance_pays [--quick] [--json benchmarks/results/balance_pays_cpu.json]
+  python -m benchmarks.layer.balance_pays [--quick] \
+      [--json benchmarks/layer/results/balance_pays_cpu.json]
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from benchmarks import balance_setup as setup
-from benchmarks.common import command, write_result
-from benchmarks.fsep_vs_ep import build as build_layer, check_against_reference, routed_counts
+from benchmarks.common import command, start, write_result
+from benchmarks.layer import balance_setup as setup
+from benchmarks.layer.fsep_vs_ep import build as build_layer, check_against_reference, routed_counts
 from moejax.config import Config, MoEConfig, num_moe_layers
 from moejax.frontend import DEFAULT_GIN, parse_config
 from moejax.layout.placement import static as static_placement
@@ -61,7 +62,7 @@ N = 8
 
 
 def parse_args(argv):
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.balance_pays",
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.layer.balance_pays",
                                description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true", help="seed 0 only, 4 rounds (<= 5 min)")
   ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -80,7 +81,7 @@ def parse_args(argv):
                        "hardly differ between tokens), ~0.02 gives the layer's spread")
   ap.add_argument("--step", action=argparse.BooleanOptionalAction, default=True,
                   help="also time a whole training step of the default model")
-  ap.add_argument("--json", default="benchmarks/results/balance_pays_cpu.json")
+  ap.add_argument("--json", default="benchmarks/layer/results/balance_pays_cpu.json")
   args = ap.parse_args(argv)
   if args.quick:
     args.seeds, args.rounds = args.seeds[:1], min(args.rounds, 4)
@@ -271,7 +272,7 @@ def main(argv=None) -> int:
     write_result({"rows": rows, "ratios": ratios, "per_round_ratios": per_round,
                   "args": vars(args), "wall_s": time.perf_counter() - t_start,
                   "devices": [str(d) for d in jax.devices()[:N]], "jax": jax.__version__,
-                  "command": command("balance_pays", argv),
+                  "command": command("layer.balance_pays", argv),
                   "time": datetime.datetime.now(datetime.UTC).isoformat()}, args.json)
   return 0
 
@@ -308,4 +309,5 @@ def _print(rows, ratios, per_round):
 
 
 if __name__ == "__main__":
+  start()
   sys.exit(main())

@@ -1,4 +1,4 @@
-"""The routing, plans and capacity factors of `benchmarks.balance_pays` (host side, numpy).
+"""The routing, plans and capacity factors of `benchmarks.layer.balance_pays` (host side, numpy).
 
 Expert popularity is log-normal (sigma from the flags) and stable across steps, like a trained
 gate; every policy plans on warm-up batches drawn from the same popularity and is then held

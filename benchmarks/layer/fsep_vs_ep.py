@@ -14,7 +14,7 @@ Both are timed side by side in interleaved rounds (median ms/iter). On CPU the 8
 share the host's cores: the ratio reflects work (capacity rows computed and exchanged,
 plus fsep's restore), not network time.
 
-  python -m benchmarks.fsep_vs_ep [--json benchmarks/results/fsep_vs_ep_cpu.json]
+  python -m benchmarks.layer.fsep_vs_ep [--json benchmarks/layer/results/fsep_vs_ep_cpu.json]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from benchmarks.common import command, write_result
+from benchmarks.common import command, start, write_result
 from moejax.config import Config, ModelConfig, MoEConfig
 from moejax.layout import placement as placement_lib
 from moejax.layout.tables import (
@@ -50,7 +50,7 @@ from moejax.strategy.placement_cost import of_config
 
 
 def parse_args(argv):
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.fsep_vs_ep",
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.layer.fsep_vs_ep",
                                description=__doc__.splitlines()[0])
   ap.add_argument("--experts", type=int, default=16)
   ap.add_argument("--top_k", type=int, default=2)
@@ -61,7 +61,7 @@ def parse_args(argv):
   ap.add_argument("--sigma", type=float, default=1.0, help="log-normal popularity skew")
   ap.add_argument("--steps", type=int, default=8)
   ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--json", default="benchmarks/results/fsep_vs_ep_cpu.json")
+  ap.add_argument("--json", default="benchmarks/layer/results/fsep_vs_ep_cpu.json")
   return ap.parse_args(argv)
 
 
@@ -226,10 +226,11 @@ def main(argv=None) -> int:
   if args.json:
     write_result({"rows": rows, "ratio": ratio, "planner_ms": plan_ms, "args": vars(args),
                   "devices": [str(d) for d in jax.devices()[:n]], "jax": jax.__version__,
-                  "command": command("fsep_vs_ep", argv),
+                  "command": command("layer.fsep_vs_ep", argv),
                   "time": datetime.datetime.now(datetime.UTC).isoformat()}, args.json)
   return 0
 
 
 if __name__ == "__main__":
+  start()
   sys.exit(main())

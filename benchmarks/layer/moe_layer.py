@@ -29,14 +29,14 @@ import jaxlib
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from benchmarks.common import command, write_result
+from benchmarks.common import command, start, write_result
 from moejax.config import MoEConfig
 from moejax.layout.tables import static_layout
 from moejax.model.mesh import BATCH_AXES, logical_to_spec, mesh_of_shape
 from moejax.model.moe.layer import EXPERT_PARAM_AXES, ROUTER_AXES, moe_apply
 from moejax.model.moe.reference import moe_reference
 
-DEFAULT_JSON = "benchmarks/results/moe_layer_cpu.json"
+DEFAULT_JSON = "benchmarks/layer/results/moe_layer_cpu.json"
 BALANCE_W = 0.01
 Z_W = 1e-3
 
@@ -49,7 +49,7 @@ def parse_mesh(text: str) -> tuple[int, int, int]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.moe_layer",
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.layer.moe_layer",
                                description=__doc__.split("\n\n")[0],
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--json", default=DEFAULT_JSON, help=f"output JSON (default {DEFAULT_JSON})")
@@ -128,9 +128,10 @@ def main(argv=None) -> int:
 
   Run (from the repository root):
 
-    python -m benchmarks.moe_layer
-    python -m benchmarks.moe_layer --tokens 8192 --d_model 256 --d_ff 512 --experts 8 \\
-        --top_k 2 --steps 10 --meshes 1x8x1,2x4x1,2x2x2 --json benchmarks/results/moe_layer_cpu.json
+    python -m benchmarks.layer.moe_layer
+    python -m benchmarks.layer.moe_layer --tokens 8192 --d_model 256 --d_ff 512 --experts 8 \\
+        --top_k 2 --steps 10 --meshes 1x8x1,2x4x1,2x2x2 \\
+        --json benchmarks/layer/results/moe_layer_cpu.json
   """
   args = parse_args(argv)
   devices = jax.devices()
@@ -250,7 +251,7 @@ def main(argv=None) -> int:
           "python": platform.python_version(),
           "machine": platform.machine(),
           "xla_flags": os.environ.get("XLA_FLAGS", ""),
-          "command": command("moe_layer", argv),
+          "command": command("layer.moe_layer", argv),
           "timestamp_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
           "note": ("CPU devices are faked and share the host cores: the ratio measures overhead, "
                    "not speed-up." if devices[0].platform == "cpu" else ""),
@@ -263,4 +264,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  start()
   sys.exit(main())

@@ -13,7 +13,7 @@ tokens per device, top-2, d_model 128, C = 2 slots per device:
 The last rows are arithmetic, not measured: the buffer at N = 64, top-8, 8192 tokens per
 device, d_model 4096 in bf16.
 
-  python -m benchmarks.ragged_memory [--json benchmarks/results/ragged_memory.json]
+  python -m benchmarks.layer.ragged_memory [--json benchmarks/layer/results/ragged_memory.json]
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import os
 import re
 import subprocess
 import sys
+
+from benchmarks.common import start
 
 T, K, D, F, C = 64, 2, 128, 64, 2
 FACTORS = (0.0, 2.0)
@@ -92,9 +94,9 @@ def arithmetic() -> list[dict]:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.ragged_memory",
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.layer.ragged_memory",
                                description=__doc__.splitlines()[0])
-  ap.add_argument("--json", default="benchmarks/results/ragged_memory.json")
+  ap.add_argument("--json", default="benchmarks/layer/results/ragged_memory.json")
   ap.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.child:
@@ -104,8 +106,8 @@ def main(argv=None) -> int:
   for n in (8, 64):
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}",
                JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.ragged_memory", "--child", str(n)],
-                          env=env, capture_output=True, text=True, check=True)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.layer.ragged_memory", "--child",
+                           str(n)], env=env, capture_output=True, text=True, check=True)
     rows += json.loads(proc.stdout.strip().splitlines()[-1])
   print(f"{'N':>4}{'factor':>8}{'rows':>8}{'CUDA buffer B':>15}{'CPU temp B':>14}")
   for r in rows:
@@ -118,10 +120,11 @@ def main(argv=None) -> int:
     from benchmarks.common import command, write_result
     write_result({"rows": rows, "arithmetic": arithmetic(),
                   "shapes": {"tokens": T, "top_k": K, "d_model": D, "d_ff": F, "slots": C},
-                  "command": command("ragged_memory", argv),
+                  "command": command("layer.ragged_memory", argv),
                   "time": datetime.datetime.now(datetime.UTC).isoformat()}, args.json)
   return 0
 
 
 if __name__ == "__main__":
+  start()
   sys.exit(main())

@@ -13,8 +13,8 @@ all choices each mode drops at that factor, with the layouts planned for it (the
 `capacity_factor`, as the trainer passes it). Host arithmetic
 only; no timing.
 
-  python -m benchmarks.adaptive_capacity benchmarks/traces/drift_bursts.npz --devices 8 \
-      --slots 8 --json benchmarks/results/adaptive_capacity_drift_bursts_N8.json
+  python -m benchmarks.placement.adaptive_capacity benchmarks/traces/drift_bursts.npz --devices 8 \
+      --slots 8 --json benchmarks/placement/results/adaptive_capacity_drift_bursts_N8.json
 """
 
 from __future__ import annotations
@@ -23,14 +23,12 @@ import argparse
 
 import numpy as np
 
-from benchmarks.common import command, default_cost, write_result
+from benchmarks.common import command, default_cost, start, write_result
 from moejax.layout import adaptive, capacity, placement as placement_lib
 from moejax.layout.flow import max_over_mean
 from moejax.placement.fsep import FsepOptions
 from moejax.placement.policies import get_policy, predict
 from moejax.placement.workloads import load_trace
-
-DEFAULT_COST = default_cost()
 
 RULES = ("planned", "adaptive")
 
@@ -48,7 +46,7 @@ def _steps(counts, devices, slots, every, window, factor=None):
       pred = predict(counts[:t], window)
       for layer in range(layers):
         current[layer] = place(pred[layer], static, slots=slots, src_dev_W=src,
-                               cost=DEFAULT_COST, num_devices=devices,
+                               cost=default_cost(), num_devices=devices,
                                samples_stepsxWxE=counts[max(0, t - window):t, layer],
                                options=FsepOptions(capacity_factor=factor))
     for layer in range(layers):
@@ -102,7 +100,7 @@ def summary(series: dict) -> dict:
 
 
 def main(argv=None) -> None:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.adaptive_capacity")
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.placement.adaptive_capacity")
   ap.add_argument("trace")
   ap.add_argument("--devices", type=int, default=8)
   ap.add_argument("--slots", type=int, default=8)
@@ -133,8 +131,9 @@ def main(argv=None) -> None:
     write_result({"trace": a.trace, "devices": a.devices, "slots": a.slots, "every": a.every,
                   "window": a.window, "max_drop": a.max_drop, "top_k": top_k, **res,
                   "dropped_at": {str(k): v for k, v in at.items()},
-                  "command": command("adaptive_capacity", argv)}, a.json)
+                  "command": command("placement.adaptive_capacity", argv)}, a.json)
 
 
 if __name__ == "__main__":
+  start()
   main()

@@ -10,7 +10,7 @@ either.
 
 Run (from the repository root; 8 fake CPU devices, under a minute):
 
-  python -m benchmarks.migration_bytes
+  python -m benchmarks.placement.migration_bytes
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 
-from benchmarks.common import command, default_config, write_result
+from benchmarks.common import command, default_config, start, write_result
 from moejax.aot.read import collective_summary, collectives
 from moejax.config import num_moe_layers
 from moejax.layout import migrate
@@ -31,7 +31,7 @@ from moejax.train.optim import optimizer, schedule
 from moejax.train.programs import build_program
 from moejax.train.state import init_state
 
-DEFAULT_JSON = "benchmarks/results/migration_bytes_cpu.json"
+DEFAULT_JSON = "benchmarks/placement/results/migration_bytes_cpu.json"
 MESHES = ((2, 4, 1), (1, 8, 1))        # (data, expert, model)
 
 
@@ -73,7 +73,7 @@ def measure(shape, experts: int) -> dict:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.migration_bytes",
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.placement.migration_bytes",
                                description=__doc__.split("\n\n")[0])
   ap.add_argument("--experts", type=int, default=32)
   ap.add_argument("--json", default=DEFAULT_JSON)
@@ -86,10 +86,11 @@ def main(argv=None) -> int:
           f"{r['moved_only']['bytes'] / 2**20:.2f} MiB "
           f"{sorted(r['moved_only']['collectives'])}, whole {r['whole']['bytes'] / 2**20:.2f} MiB "
           f"{sorted(r['whole']['collectives'])}", flush=True)
-  write_result({"benchmark": "migration_bytes", "command": command("migration_bytes", argv),
-                "rows": rows}, a.json)
+  write_result({"benchmark": "migration_bytes",
+                "command": command("placement.migration_bytes", argv), "rows": rows}, a.json)
   return 0
 
 
 if __name__ == "__main__":
+  start()
   sys.exit(main())

@@ -1,7 +1,7 @@
 """Planner wall time per decision, for every policy in moejax.placement.policies.POLICIES.
 
 What it measures: the wall time (time.perf_counter) of one policy call
-`policy(pred_WxE, current, slots=C, src_dev_W=..., cost=DEFAULT_COST, num_devices=N)` for one MoE
+`policy(pred_WxE, current, slots=C, src_dev_W=..., cost=default_cost(), num_devices=N)` for one MoE
 layer, as replay and the online trainer make it. The predicted load is one step of a
 lognormal synthetic trace (moejax.placement.workloads.synthetic_trace, sigma=1.0, top_k=2,
 2048 tokens per source) with sources = N (one source per device); `current` is the static
@@ -33,11 +33,12 @@ the fsep latency table.
 
 Run (from the repository root):
 
-  python -m benchmarks.planner_time
-  python -m benchmarks.planner_time --repeats 7 --json benchmarks/results/planner_time.json
-  python -m benchmarks.planner_time --fsep_only --repeats 21
-  python -m benchmarks.planner_time --trainer_only --repeats 21 \
-      --json benchmarks/results/planner_time_trainer.json
+  python -m benchmarks.placement.planner_time
+  python -m benchmarks.placement.planner_time --repeats 7 \
+      --json benchmarks/placement/results/planner_time.json
+  python -m benchmarks.placement.planner_time --fsep_only --repeats 21
+  python -m benchmarks.placement.planner_time --trainer_only --repeats 21 \
+      --json benchmarks/placement/results/planner_time_trainer.json
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ import time
 
 import numpy as np
 
-from benchmarks.common import command, default_config, default_cost, write_result
+from benchmarks.common import command, default_cost, start, write_result
+from benchmarks.placement.planner_setup import FSEP_CONFIGS, any_layout, trainer_config
 from benchmarks.timing import print_table
-from moejax.config import Config, num_moe_layers
+from moejax.config import num_moe_layers
 from moejax.layout import placement as placement_lib
 from moejax.layout.flow import flow, max_over_mean
 from moejax.layout.tables import round_robin_placement
@@ -64,25 +66,14 @@ from moejax.placement.policies import ONE_COPY_POLICIES, POLICIES, make_options
 from moejax.placement.workloads import synthetic_trace
 from moejax.train.pool import online_planner
 
-DEFAULT_COST = default_cost()
-
-DEFAULT_JSON = "benchmarks/results/planner_time.json"
+DEFAULT_JSON = "benchmarks/placement/results/planner_time.json"
 CONFIGS = ((64, 64), (64, 256), (256, 256))     # (experts E, devices N)
-FSEP_CONFIGS = ((64, 64), (64, 256), (64, 1024), (256, 4096))
 TRAINER_CONFIGS = tuple((e, n) for e in (64, 256) for n in (8, 64, 512, 4096))
 NEEDS_STATIC_BASE = ("static", "smartmoe", "shadow")
 
 
 def policy_order() -> list[str]:
   return ["static"] + sorted(p for p in POLICIES if p != "static")
-
-
-def _any_layout(experts: int, devices: int, slots: int) -> placement_lib.Placement:
-  """A valid placement for `current` where the static one cannot exist (fsep ignores it)."""
-  if experts % devices == 0:
-    return placement_lib.static(experts, devices)
-  se = (np.arange(devices * slots) % experts).astype(np.int32)
-  return placement_lib.Placement(se, 1.0 / np.bincount(se, minlength=experts)[se], devices)
 
 
 def time_policy(name: str, experts: int, devices: int, slots: int, repeats: int,
@@ -101,7 +92,7 @@ def time_policy(name: str, experts: int, devices: int, slots: int, repeats: int,
   counts = synthetic_trace(1, 1, devices, experts, kind="lognormal", seed=seed)["counts"]
   pred = counts[0, 0].astype(np.float64)
   src = placement_lib.source_devices(devices, devices)
-  current, cost, plan = _any_layout(experts, devices, c), DEFAULT_COST, POLICIES[name]
+  current, cost, plan = any_layout(experts, devices, c), default_cost(), POLICIES[name]
   if options:
     plan = functools.partial(plan, options=make_options(name, **options))
     row["options"] = options
@@ -118,18 +109,6 @@ def time_policy(name: str, experts: int, devices: int, slots: int, repeats: int,
   return {**row, "status": "ok", "ms_median": statistics.median(ms), "ms_min": min(ms),
           "ms_max": max(ms), "calls": len(ms), "replicas": int(out.replicas(experts).sum()),
           "max_over_mean": balance}
-
-
-def trainer_config(policy: str, experts: int, slots: int) -> Config:
-  """The default config with `policy` planning (SmartMoE in ep under pooled capacity, fsep
-  with `slots` per device); every other knob the trainer's default."""
-  cfg = default_config()
-  fsep = policy == "fsep"
-  moe = dataclasses.replace(cfg.moe, num_experts=experts, expert_mode="fsep" if fsep else "ep",
-                            slots_per_device=slots if fsep else 0,
-                            capacity=cfg.moe.capacity if fsep else "device")
-  return dataclasses.replace(cfg, moe=moe, planner=dataclasses.replace(cfg.planner,
-                                                                       policy=policy))
 
 
 def time_trainer_replan(policy: str, experts: int, devices: int, slots: int, repeats: int,
@@ -169,7 +148,7 @@ COLUMNS = ["policy", "experts", "devices", "slots", "status", "ms_median", "ms_m
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.planner_time",
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.placement.planner_time",
                                description=__doc__.split("\n\n")[0],
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--json", default=DEFAULT_JSON, help=f"output JSON (default {DEFAULT_JSON})")
@@ -210,7 +189,7 @@ def main(argv=None) -> int:
   print(f"1-minute load average: {load_before:.2f} before, {load_after:.2f} after "
         f"({os.cpu_count()} cores)")
   out = {"benchmark": "planner_time",
-         "command": command("planner_time", argv),
+         "command": command("placement.planner_time", argv),
          "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
          "python": platform.python_version(), "numpy": np.__version__,
          "machine": platform.machine(), "processor": platform.processor() or None,
@@ -224,4 +203,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  start()
   sys.exit(main())

@@ -27,9 +27,10 @@ the static layout's). Ratios against every1000 are taken within each repeat, the
 over repeats is reported. The 8 devices share the host's cores, so the host load (recorded
 before and after each run) moves the numbers: read the ratios, not the seconds.
 
-  python -m benchmarks.replan_overhead [--steps 40] [--repeats 3]
-  python -m benchmarks.replan_overhead --variants every1_lag1 every1_lag1_nothread \
-      --base every1_lag1_nothread --json benchmarks/results/replan_overhead_cpu_thread.json
+  python -m benchmarks.placement.replan_overhead [--steps 40] [--repeats 3]
+  python -m benchmarks.placement.replan_overhead --variants every1_lag1 every1_lag1_nothread \
+      --base every1_lag1_nothread \
+      --json benchmarks/placement/results/replan_overhead_cpu_thread.json
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ import sys
 import tempfile
 import time
 
-from benchmarks.common import RESULTS, command, default_config, load, write_result
+from benchmarks.common import command, default_config, load, start, write_result
+from benchmarks.placement import RESULTS
 
 VARIANTS = {"every1000": {"planner.every": 1000},
             "every1_lag1": {"planner.every": 1, "planner.lag": 1},
@@ -55,7 +57,7 @@ DEFAULT_JSON = os.path.join(RESULTS, "replan_overhead_cpu.json")
 
 
 def parse_args(argv):
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.replan_overhead",
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.placement.replan_overhead",
                                description=__doc__.split("\n\n")[0])
   ap.add_argument("--steps", type=int, default=40, help="steps per run")
   ap.add_argument("--warmup", type=int, default=6, help="first steps left out of the timing")
@@ -160,7 +162,7 @@ def main(argv=None) -> int:
               flush=True)
   result = {"args": vars(args), "variants": {v: VARIANTS[v] for v in args.variants},
             "rows": rows, "ratios": ratios(rows, args.variants, args.repeats, args.base),
-            "command": command("replan_overhead", argv)}
+            "command": command("placement.replan_overhead", argv)}
   for v, r in result["ratios"].items():
     print(f"{v} over {args.base}: median step {r['median_step']['median']:.3f}x, mean step "
           f"{r['mean_step']['median']:.3f}x (per repeat: "
@@ -170,4 +172,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  start()
   sys.exit(main())

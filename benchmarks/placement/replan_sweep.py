@@ -13,7 +13,7 @@ against a step's gain.
 
 Run (from the repository root; host arithmetic, about 4 minutes on the 2-core VM):
 
-  python -m benchmarks.replan_sweep
+  python -m benchmarks.placement.replan_sweep
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import time
 
 import numpy as np
 
-from benchmarks.common import command, default_config, write_result
+from benchmarks.common import command, default_config, start, write_result
 from moejax.placement.replay import replay
 from moejax.strategy.cost import load_profile
 from moejax.strategy.placement_cost import placement_cost
 
-DEFAULT_JSON = "benchmarks/results/replan_sweep_drift_bursts_N8.json"
+DEFAULT_JSON = "benchmarks/placement/results/replan_sweep_drift_bursts_N8.json"
 FIXED = (1, 10, 50, 200)
 ADAPTIVE = (10, 50, 200)          # the horizon a switch must pay back over (planner.every)
 KEYS = ("median", "p90", "p99", "switches", "experts_moved", "migrated_bytes", "migration_s",
@@ -53,7 +53,7 @@ def rows_for(counts, devices: int, slots: int, window: int, policy: str, cost) -
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.replan_sweep",
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.placement.replan_sweep",
                                description=__doc__.split("\n\n")[0])
   ap.add_argument("--trace", default="benchmarks/traces/drift_bursts.npz")
   ap.add_argument("--devices", type=int, default=8)
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
       for row in rows_for(counts, a.devices, a.slots, a.window, policy, cost):
         sweeps.append({"profile": profile, **row})
   steps, layers, sources, experts = counts.shape
-  write_result({"benchmark": "replan_sweep", "command": command("replan_sweep", argv),
+  write_result({"benchmark": "replan_sweep", "command": command("placement.replan_sweep", argv),
                 "trace": a.trace, "devices": a.devices, "slots": a.slots, "window": a.window,
                 "steps": steps, "layers": layers, "sources": sources, "experts": experts,
                 "d_model": cfg.model.d_model, "d_ff": cfg.moe.d_ff, "rows": sweeps}, a.json)
@@ -83,4 +83,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  start()
   sys.exit(main())

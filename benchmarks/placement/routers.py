@@ -6,7 +6,7 @@ Each arm is the default job's model and data (configs/default.gin: 8 fake CPU de
 and the six arms run interleaved step by step (arm order rotating each step), so machine
 load drifts hit every arm alike. Arms:
 
-  python -m benchmarks.routers [--steps 300] [--every 50] [--json PATH]
+  python -m benchmarks.placement.routers [--steps 300] [--every 50] [--json PATH]
 
 `main`'s docstring says how.
 """
@@ -25,7 +25,8 @@ import time
 import jax
 import numpy as np
 
-from benchmarks.common import RESULTS, command, write_result
+from benchmarks.common import command, start, write_result
+from benchmarks.placement import RESULTS
 from moejax.frontend import DEFAULT_GIN, parse_config
 from moejax.train import data as data_lib, metrics as metrics_lib
 from moejax.train.trainer import Trainer
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
   each step timed alone with its metrics read back). On CPU the 8 devices share the host's
   cores: tokens/s reflects work, not a GPU's speed or network time.
   """
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.routers",
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.placement.routers",
                                    description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=300)
   parser.add_argument("--every", type=int, default=50, help="re-placement period (steps)")
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
   tick = time.perf_counter()
   result = run(args.steps, args.every, args.bias_rate, args.gin_file)
   print(table(result["rows"]))
-  result.update(command=command("routers", argv), steps=args.steps, every=args.every,
+  result.update(command=command("placement.routers", argv), steps=args.steps, every=args.every,
                 bias_rate=args.bias_rate, gin_file=os.path.relpath(args.gin_file),
                 jax=jax.__version__, devices=jax.device_count(),
                 wall_s=time.perf_counter() - tick,
@@ -171,4 +172,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+  start()
   raise SystemExit(main())

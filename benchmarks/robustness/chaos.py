@@ -1,15 +1,16 @@
 """Kill soak: the default job, shortened, killed again and again, ends bit-identical.
 
-`python -m benchmarks.chaos --kills 10 [--sigterm 3]` trains the default job (configs/default.gin,
-`--steps` steps, a checkpoint every `--every`, SmartMoE re-placing every `--replan`) once without
-interruption, then once more while killing it (`kill -9`) `--kills` times and stopping it
-(SIGTERM) `--sigterm` times, each time running the same command again. Kills land at random
-steps, while a checkpoint is being written (the checkpoint's unfinished directory is seen, and
-is still there after the kill), and inside a layout migration (the child process pauses
-`--hold` seconds inside the migration call and says so with a marker file; the pause changes no
-number). At the end the final checkpoint's content digest and every metrics record (timings
-left out) must equal the uninterrupted run's, bit for bit. Prints a table and writes
-`benchmarks/results/chaos_cpu.json`: kills survived, steps recomputed, seconds lost.
+`python -m benchmarks.robustness.chaos --kills 10 [--sigterm 3]` trains the default job
+(configs/default.gin, `--steps` steps, a checkpoint every `--every`, SmartMoE re-placing every
+`--replan`) once without interruption, then once more while killing it (`kill -9`) `--kills`
+times and stopping it (SIGTERM) `--sigterm` times, each time running the same command again.
+Kills land at random steps, while a checkpoint is being written (the checkpoint's unfinished
+directory is seen, and is still there after the kill), and inside a layout migration (the child
+process pauses `--hold` seconds inside the migration call and says so with a marker file; the
+pause changes no number). At the end the final checkpoint's content digest and every metrics
+record (timings left out) must equal the uninterrupted run's, bit for bit. Prints a table and
+writes `benchmarks/robustness/results/chaos_cpu.json`: kills survived, steps recomputed, seconds
+lost.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import time
 
 import numpy as np
 
-from benchmarks.common import RESULTS, command, write_result
+from benchmarks.common import command, start, write_result
+from benchmarks.robustness import RESULTS
 
 TIMINGS = ("tokens_per_s", "planning_s", "migration_s", "seconds")   # differ between any two runs
 CHAOS_EVENTS = ("run_dir_warning", "checkpoint_warning", "preempted")   # only a killed run has
@@ -55,7 +57,8 @@ def child(marker: str, hold: float, flags: list[str]) -> int:
 
 
 class Run:
-  """One run dir and the `python -m benchmarks.chaos --child` processes that train in it."""
+  """One run dir and the `python -m benchmarks.robustness.chaos --child` processes that train
+  in it."""
 
   def __init__(self, work: str, name: str, args: argparse.Namespace):
     self.dir = os.path.join(work, name)
@@ -65,7 +68,7 @@ class Run:
                 f"checkpoint.every = {args.every}", f"planner.every = {args.replan}",
                 f"train.eval_every = {args.steps // 2}", "train.progress_bar = False",
                 *args.gin_bindings)
-    self.command = [sys.executable, "-m", "benchmarks.chaos", "--child", self.marker,
+    self.command = [sys.executable, "-m", "benchmarks.robustness.chaos", "--child", self.marker,
                     "--hold", str(args.hold), "--", *(f"--gin_bindings={b}" for b in bindings)]
     self.proc: subprocess.Popen | None = None
 
@@ -180,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
   if argv[:1] == ["--child"]:
     split = argv.index("--")
     return child(argv[1], float(argv[argv.index("--hold") + 1]), argv[split + 1:])
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.chaos",
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.robustness.chaos",
                                    description=__doc__.splitlines()[0])
   parser.add_argument("--kills", type=int, default=10, help="kill -9s")
   parser.add_argument("--sigterm", type=int, default=0, help="SIGTERM stops, besides")
@@ -230,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
       "every_step_once": steps == list(range(args.steps)),
       "layout_switches": sum(r.get("event") == "layout_switch" for r in ref_records)}
   print("\n".join(f"{k:<26} {v}" for k, v in summary.items()))
-  result = {"command": command("chaos", argv), "machine": platform.platform(),
+  result = {"command": command("robustness.chaos", argv), "machine": platform.platform(),
             "cpu_count": os.cpu_count(), "jax": _jax_version(),
             "job": {"config": "configs/default.gin", "num_steps": args.steps,
                     "checkpoint.every": args.every, "planner.every": args.replan,
@@ -254,4 +257,5 @@ def _jax_version() -> str:
 
 
 if __name__ == "__main__":
+  start()
   raise SystemExit(main())

@@ -1,8 +1,9 @@
 """Cost-model accuracy: predicted vs measured train-step time of every pool member.
 
-    python -m benchmarks.cost_model [--gin_file F] [--pool SPEC ...] [--rounds 3] [--steps 5]
+    python -m benchmarks.strategy.cost_model [--gin_file F] [--pool SPEC ...] [--rounds 3]
+        [--steps 5]
 
-    python -m benchmarks.cost_model --gin_bindings="moe.capacity = 'slot'" \
+    python -m benchmarks.strategy.cost_model --gin_bindings="moe.capacity = 'slot'" \
       --gin_bindings="moe.moe_every = 1" --pool ep/1x4x1/p2/m2/cf1.25 ...
 
 `main`'s docstring says how.
@@ -20,7 +21,8 @@ import time
 import jax
 import numpy as np
 
-from benchmarks.common import RESULTS, command, metadata, write_result
+from benchmarks.common import command, metadata, start, write_result
+from benchmarks.strategy import RESULTS
 from moejax.frontend import DEFAULT_GIN, parse_config
 from moejax.strategy import offline as plan
 from moejax.strategy.cost import PRESETS, HardwareProfile, predict_step
@@ -144,7 +146,7 @@ def refit(path: str, argv) -> int:
               "share": np.asarray(m["expert_share_LxE"])} for m in stored["members"]]
   print(f"refit of {path} ({stored_command}): {len(members)} stored step times")
   result = dict(stored, **evaluate(profile, w, members))
-  result["refit"] = {"metadata": metadata(command("cost_model", argv)),
+  result["refit"] = {"metadata": metadata(command("strategy.cost_model", argv)),
                      "mape_before": stored["mape"],
                      "note": "re-fitted and re-predicted from the stored measurements with "
                              "the cost model of this commit; no step was re-timed"}
@@ -153,7 +155,7 @@ def refit(path: str, argv) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m benchmarks.cost_model",
+  p = argparse.ArgumentParser(prog="python -m benchmarks.strategy.cost_model",
                               description=__doc__.splitlines()[0])
   p.add_argument("--gin_file", action="append", default=None)
   p.add_argument("--gin_bindings", action="append", default=[])
@@ -181,7 +183,7 @@ def main(argv=None) -> int:
      alone and the uncalibrated preset. The fit sees no pipeline or FSDP strategy, so pool
      members with stages (`ep/1x4x1/p2/m4/cf1.25`) test the bubble and stage terms; members
      differing only in M are also compared side by side (step time over the smallest M's).
-  Writes benchmarks/results/cost_model_<platform>.json (`--out` elsewhere). Default: 8 fake
+  Writes benchmarks/strategy/results/cost_model_<platform>.json (`--out` elsewhere). Default: 8 fake
   CPU devices. The pipeline run of the README:
   """
   args = _parser().parse_args(argv)
@@ -231,7 +233,7 @@ def main(argv=None) -> int:
   for i, mem in enumerate(members):
     mem["role"] = "fit" if i < len(calib) else "pool"
   result = {"device": f"{devices[0].platform} x{len(devices)} ({devices[0].device_kind})",
-            "command": command("cost_model", argv), "profile_micro": profile.to_dict(),
+            "command": command("strategy.cost_model", argv), "profile_micro": profile.to_dict(),
             "calibration_s": calib_s, **evaluate(profile, w, members),
             "rounds": args.rounds, "steps_per_round": args.steps, "jax": jax.__version__}
   write_result(result, args.out or os.path.join(RESULTS, f"cost_model_{devices[0].platform}.json"))
@@ -239,4 +241,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  start()
   raise SystemExit(main())

@@ -1,10 +1,10 @@
 """Drifting load: the online strategy switch vs every pool member held fixed, same run.
 
-    python -m benchmarks.strategy_switch [--gin_file F] [--gin_bindings B ...]
+    python -m benchmarks.strategy.strategy_switch [--gin_file F] [--gin_bindings B ...]
         [--pool SPEC ...] [--also_fixed SPEC ...] [--phases uniform:12,hot:12,uniform:12]
         [--every 2] [--horizon 0] [--fsep_every 0] [--window 2] [--fresh]
         [--max_drop 0.02] [--warmup_steps 150] [--balance_rate 0] [--repeats 1]
-        [--profile benchmarks/results/cost_model_cpu.json]
+        [--profile benchmarks/strategy/results/cost_model_cpu.json]
 
 `main`'s docstring says how.
 """
@@ -24,7 +24,8 @@ import time
 import jax
 import numpy as np
 
-from benchmarks.common import RESULTS, write_result
+from benchmarks.common import start, write_result
+from benchmarks.strategy import RESULTS
 from benchmarks.turns import Turns, side_by_side
 from moejax.config import CheckpointConfig, ConfigError
 from moejax.frontend import DEFAULT_GIN, parse_config
@@ -94,7 +95,7 @@ def resolve_profile(arg: str, tmp: str) -> tuple[str, str]:
     return path, "micro-benchmarks on this machine (moejax.calibrate)"
   with open(arg) as f:
     data = json.load(f)
-  if "profile" in data:                        # a benchmarks/cost_model.py result
+  if "profile" in data:                        # a benchmarks/strategy/cost_model.py result
     with open(path, "w") as f:
       json.dump(data["profile"], f)
     return path, f"whole-step fit from {arg}"
@@ -225,9 +226,10 @@ def main(argv=None) -> int:
   once a gate collapses; phase by phase, so long even phases do not dilute a
   member's collapse in the hot one); the fastest fixed run of all is reported too,
   with its drops.
-  Writes benchmarks/results/strategy_switch_<platform>.json.
+  Writes benchmarks/strategy/results/strategy_switch_<platform>.json.
   """
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = argparse.ArgumentParser(prog="python -m benchmarks.strategy.strategy_switch",
+                              description=__doc__.splitlines()[0])
   p.add_argument("--gin_file", action="append", default=None)
   p.add_argument("--gin_bindings", action="append", default=[])
   p.add_argument("--pool", nargs="*", default=None,
@@ -339,7 +341,8 @@ def main(argv=None) -> int:
   for label, ratios in by_round.items():
     print(f"switching / {label}: " + " ".join(f"{x:.3f}" for x in ratios) + " (per round)")
   result = {"device": f"{devices[0].platform} x{len(devices)} ({devices[0].device_kind})",
-            "command": "python -m benchmarks.strategy_switch " + " ".join(argv or sys.argv[1:]),
+            "command": ("python -m benchmarks.strategy.strategy_switch "
+                        + " ".join(argv or sys.argv[1:])),
             "profile": profile_from, "pool": pool, "also_fixed": args.also_fixed,
             "phases": args.phases,
             "every": args.every, "horizon": args.horizon, "max_drop": args.max_drop,
@@ -358,4 +361,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  start()
   raise SystemExit(main())

@@ -1,9 +1,11 @@
-"""Result families of the placement policies and their planners (host arithmetic)."""
+"""How the results of the placement policies and their planners read as tables: the families of
+results/, registered with `benchmarks.families.family`; `python -m benchmarks.render` assembles
+them."""
 
 from __future__ import annotations
 
-import json
 import os
+import statistics
 
 from benchmarks.families import Section, family, num, pct, ratio, table
 
@@ -98,29 +100,6 @@ def _planner_time(files):
                           "ms per re-plan", "calls", "file"], trainer)], head)
 
 
-@family("planner_ab", "The fsep planner against a base commit, interleaved")
-def _planner_ab(files):
-  rows = []
-  for name, d in files.items():
-    for r in d["rows"]:
-      rows.append([d["base"], r["experts"], r["devices"], "yes" if r["same_plan"] else "no",
-                   f"{r['wall_base_ms']:.2f} -> {r['wall_new_ms']:.2f}", ratio(r["wall_ratio"]),
-                   ratio(r["cpu_ratio"]), f"`{name}`"])
-  return Section(table(["base", "E", "N", "same plan", "wall ms base -> this", "wall ratio",
-                        "CPU ratio", "file"], rows))
-
-
-@family("planner_replay_ab", "Every replay planner call against a base commit")
-def _planner_replay_ab(files):
-  rows = []
-  for name, d in files.items():
-    for r in d["rows"]:
-      rows.append([d["base"], r["trace"], r["devices"], json.dumps(r["options"]) if r["options"]
-                   else "defaults", r["calls"], r["different_plans"], f"`{name}`"])
-  return Section(table(["base", "trace", "N", "options", "calls", "different plans", "file"],
-                       rows))
-
-
 @family("replan_sweep", "Fixed dyn.X against adaptive dyn.X on a trace")
 def _replan_sweep(files):
   rows, head = [], []
@@ -171,26 +150,67 @@ def _migration_bytes(files):
                           "moved-only MiB", "whole MiB", "whole / moved-only", "file"], rows)])
 
 
-@family("smartmoe", "SmartMoE under pooled capacity: plans, drops and time against a base commit")
-def _smartmoe(files):
-  lines = []
-  for name, d in files.items():      # benchmarks.smartmoe_ab
-    rows = [[r["trace"], r["experts"], r["devices"],
-             *(f"{pct(r['base'][k])} -> {pct(r['this'][k])}"
-               for k in ("planned_dropped", "realised_dropped")),
-             f"{num(r['base']['max_over_mean'])} -> {num(r['this']['max_over_mean'])}",
-             r["this"]["decisions"], f"`{name}`"] for r in d["traces"]]
-    lines += [f"Base {d['base']} -> this tree, cf {d['capacity_factor']}, a decision every 10 "
-              "steps from the last 10: drops on the window planned on and on the steps "
-              "served.", "", *table(["trace", "E", "N", "planned dropped", "realised dropped",
-                                     "max/mean", "decisions", "file"], rows), ""]
-    job = d["default_job"]
-    lines += ["The default job's decisions, as the trainer's re-planner makes them, replayed "
-              f"on a logged run, steps 150-299 dropped: base {pct(job['base'])}, this "
-              f"{pct(job['this'])}.", ""]
-    rows = [[t["experts"], t["devices"], num(t["ms_per_layer"]["base"], 1),
-             num(t["ms_per_layer"]["this"], 1), ratio(t["speedup"]), t["calls"], f"`{name}`"]
-            for t in d["time"]]
-    lines += ["The trainer's call, both planners interleaved (ms per layer decision, median):",
-              "", *table(["E", "N", "base ms", "this ms", "speedup", "calls", "file"], rows), ""]
-  return Section(lines)
+@family("routers", "Routers x placement on the default job")
+def _routers(files):
+  rows, head = [], []
+  for name, d in files.items():
+    for r in d["rows"]:
+      rows.append([r["arm"], f"{r['eval_loss']:.4f}", f"{r['realised_max_over_mean']:.3f}",
+                   pct(r["dropped_fraction"]), num(r["tokens_per_s"], 0), r["layout_switches"],
+                   f"`{name}`"])
+    by = {r["arm"]: r for r in d["rows"]}
+    if "softmax/static" in by and "softmax/smartmoe" in by:
+      head.append((f"default job, {d['steps']} steps: dropped choices, static layout vs "
+                   f"SmartMoE re-placing every {d['every']} steps (softmax router)",
+                   f"{pct(by['softmax/static']['dropped_fraction'])} vs "
+                   f"{pct(by['softmax/smartmoe']['dropped_fraction'])}", name))
+  return Section(["Eval loss after the last step; the rest over the second half of the run; "
+                  "the arms are interleaved step by step, so tokens/s is a work measure.", "",
+                  *table(["router / placement", "eval loss", "realised max/mean", "dropped",
+                          "tokens/s", "layout switches", "file"], rows)], head)
+
+
+@family("replan_overhead", "Re-planning every step: the default job's step time")
+def _replan_overhead(files):
+  lines, head = [], []
+  for name, d in files.items():
+    rows, a = [], d["args"]
+    base = a.get("base", "every1000")
+    for v, knobs in d["variants"].items():
+      runs = [r for r in d["rows"] if r["variant"] == v]
+      q = d["ratios"].get(v)
+
+      def med(key, runs=runs):
+        return statistics.median(r[key] for r in runs)
+
+      def fmt(k, q=q):
+        if not q:
+          return "1"
+        return f"{q[k]['median']:.3f}x ({', '.join(f'{x:.3f}' for x in q[k]['per_repeat'])})"
+      where = ", planned on the loop's thread" if v.endswith("_nothread") else ""
+      rows.append([v, ", ".join(f"`{k} = {x}`" for k, x in knobs.items()) + where,
+                   num(med("median_step_s")), num(med("mean_step_s")), fmt("mean_step"),
+                   fmt("median_step"), num(med("plans"), 0), num(med("planning_ms_per_plan"), 2),
+                   num(med("waited_s")), num(med("migrations"), 0),
+                   num(med("migration_ms_each"), 0), pct(med("timed_migration_share"), 1),
+                   pct(med("timed_loop_planning_share"), 1), pct(med("dropped_fraction")),
+                   pct(med("static_dropped_fraction"))])
+    loads = [r["load_before"]["1min"] for r in d["rows"]]
+    lines += [f"`{name}`: the default job, {a['steps']} steps a run, the first {a['warmup']} "
+              f"not timed, {a['repeats']} repeats interleaved; host load (1 min) "
+              f"{min(loads)}-{max(loads)}. Medians over repeats; ratios over {base} within "
+              "each repeat (per repeat in brackets). Migrating, planning on the loop: the timed "
+              "steps' share spent migrating, and planning on the loop's thread or waiting for "
+              "the planning thread. Dropped: the run's second half, against the static "
+              "layout's on the same batches.", "",
+              *table(["variant", "knobs", "median step s", "mean step s", f"mean over {base}",
+                      f"median over {base}", "re-plans", "planning ms each", "waited s",
+                      "migrations", "migration ms each", "migrating", "planning on the loop",
+                      "dropped", "static dropped"], rows),
+              ""]
+    if base == "every1000" and "every1_lag1" in d["ratios"]:
+      r = d["ratios"]["every1_lag1"]
+      head.append(("Default job, step time with `planner.every = 1` (planned on a thread, "
+                   "`planner.lag = 1`) over `every = 1000`: mean; median",
+                   f"{r['mean_step']['median']:.2f}x; {r['median_step']['median']:.2f}x", name))
+  return Section(lines[:-1], head)

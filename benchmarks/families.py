@@ -1,9 +1,8 @@
-"""How each family of `benchmarks/results/*.json` reads as a table: a family is a file-name
-prefix and one function registered with `@family(prefix, title)` that takes the family's files
-({name: JSON}) and returns a `Section` (markdown lines, and rows for the README's headline
-table). The renderers live in this package's modules, one per kind of result (MODULES, in the
-order docs/results.md shows them); `python -m benchmarks.render` assembles them. Plain JSON and
-strings, no JAX."""
+"""How each family of result files reads as a table: a family is a file-name prefix and one
+function registered with `@family(prefix, title)` that takes the family's files ({name: JSON})
+and returns a `Section` (markdown lines, and rows for the README's headline table). Each study
+folder's `tables.py` registers the families of the results beside it; `python -m
+benchmarks.render` imports them all and orders the sections. Plain JSON and strings, no JAX."""
 
 from __future__ import annotations
 
@@ -26,7 +25,6 @@ class Family:
 
 
 FAMILIES: list[Family] = []
-MODULES = ("placement", "training", "gpu")
 
 
 def family(prefix: str, title: str):
