@@ -72,7 +72,7 @@ class HardwareProfile:
 
 def load_profile(name_or_path: str) -> HardwareProfile:
   """A preset name (see PRESETS), a JSON file written by `python -m moejax.calibrate`, or a
-  `benchmarks/cost_model.py` result (its whole-step fitted `profile`)."""
+  `benchmarks/strategy/cost_model.py` result (its whole-step fitted `profile`)."""
   if name_or_path in PRESETS:
     return PRESETS[name_or_path]
   try:
@@ -89,9 +89,10 @@ def load_profile(name_or_path: str) -> HardwareProfile:
 
 # Public peak specs x a sustained fraction (0.7 for HBM, about half the per-direction link
 # bandwidth for all_to_all). Matmuls: H100 SXM's 989 TFLOP/s bf16 peak x the fractions one
-# H100 measured (benchmarks/results/gmm_tiles_h100.json, which names the jax; tokens 131072, d 1024,
-# expert width 2048): 0.65 for XLA's dense dot (635-653 TFLOP/s), 0.40 for moejax's grouped
-# kernel with its Hopper tiles (353-438). The A100 presets keep an assumed 0.5 (not measured).
+# H100 measured (benchmarks/kernels/results/gmm_tiles_h100.json, which names the jax; tokens
+# 131072, d 1024, expert width 2048): 0.65 for XLA's dense dot (635-653 TFLOP/s), 0.40 for
+# moejax's grouped kernel with its Hopper tiles (353-438). The A100 presets keep an assumed 0.5
+# (not measured).
 # "node": 8 GPUs on NVLink; "cluster": the expert all_to_all crosses nodes on InfiniBand
 # (A100: 200 Gb/s per GPU, H100: 400 Gb/s per GPU).
 _H100_DOT, _H100_GROUPED = 0.65 * 989e12, 0.40 * 989e12
