@@ -15,8 +15,9 @@ def test_flops_per_token_counts_active_experts_only():
   """Twice the experts at the same top-k and width adds only the router's FLOPs."""
   import dataclasses
   cfg = load_config(True, 1)
-  more = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, num_experts=8))
-  router = 6 * cfg.model.d_model * 4 * (cfg.model.num_layers // cfg.moe.moe_every)
+  experts = cfg.moe.num_experts
+  more = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, num_experts=2 * experts))
+  router = 6 * cfg.model.d_model * experts * (cfg.model.num_layers // cfg.moe.moe_every)
   assert flops_per_token(more) - flops_per_token(cfg) == router
 
 
