@@ -33,7 +33,7 @@ class GmmTuning:
   when interpreted.
 
   sm_90a, bf16, configs/gpt_moe_gpu.gin's up-projection forward ([32768, 768] x [4, 768, 1536]),
-  registers / spill bytes per thread from `python -m benchmarks.gpu_compile --sweep`:
+  registers / spill bytes per thread from `python -m benchmarks.kernels.gpu_compile --sweep`:
 
     block_m x block_k x block_n   warps   stages   regs / spill
     64 x 64 x 64                  4       2         93 / 0        the default (fwd, dx, dw:
@@ -45,7 +45,7 @@ class GmmTuning:
   mosaic_gpu takes block_m/k/n as JAX's ragged_dot tiles (block_m a multiple of 64; I and O
   multiples of block_k and block_n * grid_block_n); the MoE layer gives it
   gmm_mosaic.hopper_tuning, the fastest of a sweep on one H100. Triton's tiles were timed on
-  that H100 too (`benchmarks/results/gmm_tiles_h100.json`); the default stays 64 x 64 x 64.
+  that H100 too (`benchmarks/kernels/results/gmm_tiles_h100.json`); the default stays 64 x 64 x 64.
   """
   block_m: int = 64         # rows per tile (power of two)
   block_k: int = 64         # contraction tile: largest power of two <= this dividing the dim

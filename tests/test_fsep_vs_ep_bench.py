@@ -1,4 +1,4 @@
-"""benchmarks.fsep_vs_ep's layer as the balance benchmark times it: under a permuted layout
+"""benchmarks.layer.fsep_vs_ep's layer as the balance benchmark times it: under a permuted layout
 slot s computes with expert slot_expert[s]'s weights, and the check it runs before timing
 holds the layer to the single-device reference (and fails when the weights are not in slot
 order)."""
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import balance_setup as setup, fsep_vs_ep
+from benchmarks.layer import balance_setup as setup, fsep_vs_ep
 from moejax.config import MoEConfig
 from moejax.layout import placement as placement_lib
 from moejax.model.mesh import mesh_of_shape

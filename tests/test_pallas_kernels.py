@@ -6,7 +6,7 @@ whenever a CUDA or ROCm plugin and its device node are present). Every kernel is
 in bf16 against its float32 reference. The `lower_for_cuda` tests run on CPU: they lower the
 kernels (forward and backward, inside shard_map with its varying-axes check on) to Triton /
 Mosaic GPU IR for CUDA, which catches unsupported ops and shapes but compiles and runs
-nothing; `python -m benchmarks.gpu_compile` compiles that IR for sm_90a.
+nothing; `python -m benchmarks.kernels.gpu_compile` compiles that IR for sm_90a.
 """
 
 from __future__ import annotations
