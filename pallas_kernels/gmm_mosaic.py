@@ -5,7 +5,7 @@ this package supports (compat.py). It takes bf16/f16 operands of one dtype and t
 that divide the feature dims; rows past the last group are not written there, so they are
 zeroed here; its row count is padded to a multiple of 8, which its TMA tiles need
 (`ROW_ALIGN`). Its output type names no mesh axes, so inside `shard_map` it is cast to vary
-like its operands.
+like its operands. Under `vmap` (the pipeline's stages) it runs once per batch element.
 
 The weight gradient (dw) is not computed here: JAX's `transposed_ragged_dot` reads
 `jax.devices()[0].core_count` when traced, so it cannot be lowered on a host without a GPU and
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels import compat
@@ -70,12 +71,18 @@ def ragged_dot(x_rowsxin, w_Cxinxout, group_sizes_C, tuning, transpose_rhs=False
     raise ValueError(why)
   m = x_rowsxin.shape[0]
   padded_rowsxin = jnp.pad(x_rowsxin, ((0, -m % ROW_ALIGN), (0, 0)))   # padding: past every group
-  out = ragged_dot_mgpu.ragged_dot(
-      padded_rowsxin, w_Cxinxout, group_sizes=group_sizes_C.astype(jnp.int32),
-      block_m=tuning.block_m,
-      block_n=tuning.block_n, block_k=tuning.block_k,
-      max_concurrent_steps=tuning.max_concurrent_steps, grid_block_n=tuning.grid_block_n,
-      transpose_rhs=transpose_rhs)
+  # Under vmap (the pipeline's stage vmap, even of one stage) one call per batch element:
+  # Pallas's batching of this kernel hands it group sizes as a sliced ref, which it cannot
+  # take ("object of type 'TransformedRef' has no len()").
+  @jax.custom_batching.sequential_vmap
+  def kernel(x_rowsxin, w_Cxinxout, group_sizes_C):
+    return ragged_dot_mgpu.ragged_dot(
+        x_rowsxin, w_Cxinxout, group_sizes=group_sizes_C, block_m=tuning.block_m,
+        block_n=tuning.block_n, block_k=tuning.block_k,
+        max_concurrent_steps=tuning.max_concurrent_steps, grid_block_n=tuning.grid_block_n,
+        transpose_rhs=transpose_rhs)
+
+  out = kernel(padded_rowsxin, w_Cxinxout, group_sizes_C.astype(jnp.int32))
   axes = frozenset().union(*(compat.varying_axes(a)
                              for a in (x_rowsxin, w_Cxinxout, group_sizes_C)))
   out = compat.mark_varying(out[:m], axes)

@@ -11,6 +11,7 @@ nothing; `python -m benchmarks.gpu_compile` compiles that IR for sm_90a.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -225,6 +226,30 @@ def test_gmm_bf16(backend, gmm_backend):
   assert_trees_close(got, want, backend, ["out", "dx", "dw"], [i, i + o, i + m], EPS_BF16)
 
 
+@pytest.mark.parametrize("gmm_backend", ["same", "mosaic_gpu"])
+def test_gmm_under_vmap_equals_each_element(backend, gmm_backend):
+  """vmap over a leading axis (the pipeline's stages) gives each element's own gmm, values
+  and gradients; each element has its own group sizes. Mosaic GPU runs on a Hopper GPU only
+  (its lowering under vmap is checked on CPU below)."""
+  if gmm_backend == "mosaic_gpu" and not (backend == "triton" and _hopper_gpu()):
+    pytest.skip("Mosaic GPU kernels run on a Hopper GPU only")
+  rng = np.random.default_rng(5)
+  m, i, o = 37, 64, 64
+  sizes_BxC = jnp.asarray([[5, 0, 13, 9], [20, 17, 0, 0]], jnp.int32)
+  x, x32 = _bf16(rng, (2, m, i), 1 / np.sqrt(i))
+  w, w32 = _bf16(rng, (2, 4, i, o))
+  tuning = GmmTuning(block_m=gpu_block(16, backend) if gmm_backend == "same" else 64,
+                     block_k=64, block_n=64,
+                     backend=backend if gmm_backend == "same" else gmm_backend)
+  got = value_and_grads(jax.vmap(lambda x, w, s: gmm(x, w, s, tuning)),
+                        x, w, sizes_BxC)[:3]
+  for b in range(2):
+    ref = functools.partial(gmm_reference, group_sizes_C=sizes_BxC[b])
+    want = value_and_grads(ref, x32[b], w32[b])
+    assert_trees_close([g[b] for g in got], want, backend, ["out", "dx", "dw"],
+                       [i, i + o, i + m], EPS_BF16)
+
+
 # --- errors -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("call,needle", [
@@ -352,6 +377,27 @@ def test_kernels_fwd_and_bwd_lower_for_cuda_inside_shard_map(gmm_backend):
   triton, mosaic = LOWERED_CALLS[gmm_backend]
   assert (custom_calls(mlir, "__gpu$xla.gpu.triton"), custom_calls(mlir, "mosaic_gpu")) == (
       triton, mosaic)
+
+
+@pytest.mark.parametrize("gmm_backend", [pytest.param("triton", marks=pytest.mark.slow),
+                                         "mosaic_gpu"])
+def test_gmm_fwd_and_bwd_lower_for_cuda_under_vmap(gmm_backend):
+  """The pipeline runs its stages as one vmap, of one stage when train.microbatches > 1 on
+  one GPU: the grouped matmul, forward, dx and dw, must lower batched. Mosaic GPU's kernel
+  cannot take Pallas's batching (its group sizes arrive as a sliced ref: "object of type
+  'TransformedRef' has no len()"), so it runs once per batch element."""
+  bf16, i32 = jnp.bfloat16, jnp.int32
+  tuning = GmmTuning(backend=gmm_backend)
+
+  def step(x, w, sizes):
+    return jax.grad(lambda x, w: objective(gmm(x, w, sizes, tuning)), argnums=(0, 1))(x, w)
+
+  s = jax.ShapeDtypeStruct
+  for batch in (1, 2):
+    mlir = lower_for_cuda(jax.vmap(step), s((batch, 72, 128), bf16), s((batch, 4, 128, 128), bf16),
+                          s((batch, 4), i32))
+    assert custom_calls(mlir, "mosaic_gpu" if gmm_backend == "mosaic_gpu" else
+                        "__gpu$xla.gpu.triton") > 0, batch
 
 
 def test_cuda_target_is_what_lets_jax_0_11_lower_triton_without_a_gpu():
