@@ -23,6 +23,7 @@ is spent; the JSON is rewritten after every row.
 
   python -m benchmarks.gpu_gmm_sweep --json benchmarks/results/gpu_gmm_sweep_h100.json
   python -m benchmarks.gpu_gmm_sweep --tiny --json /tmp/gmm_tiny.json   # CPU: the code path
+  JAX_PLATFORMS=cpu python -m benchmarks.gpu_gmm_sweep --compile_only h100  # what builds
 `--tiny` runs tiny shapes on CPU, the Pallas kernels interpreted (this package's Mosaic GPU
 kernels in Mosaic GPU's interpreter, on jax >= 0.11): its times measure nothing.
 """
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -72,9 +74,9 @@ class Candidate:
   priority: int         # lower runs first: 0 the references and today's layer path
 
 
-def hopper(split, bm, bn, bk, steps, priority=1):
-  return Candidate("hopper", dict(split=split, block_m=bm, block_n=bn, block_k=bk,
-                                  max_concurrent_steps=steps), priority)
+def hopper(split, bm, bn, steps, priority=1, **extra):
+  return Candidate("hopper", dict(split=split, block_m=bm, block_n=bn, block_k=64,
+                                  max_concurrent_steps=steps, **extra), priority)
 
 
 def candidates(pass_: str, tiny: bool) -> list[Candidate]:
@@ -85,15 +87,16 @@ def candidates(pass_: str, tiny: bool) -> list[Candidate]:
     interp = compat.mosaic_gpu_interpret() is not None
     small = [Candidate("triton", dict(block_m=16, block_k=64, block_n=64), 0)]
     if interp and pass_ != "dw":
-      small += [hopper("n", 64, 64, 64, 2), hopper("m", 64, 64, 64, 2)]
+      small += [hopper("n", 64, 64, 2), hopper("m", 64, 64, 2)]
     if interp and pass_ == "dw":
       small += [Candidate("hopper", dict(block_m=64, block_n=64, block_k=32,
                                          max_concurrent_steps=2), 1)]
     return refs + small
-  if pass_ == "dw":       # today: Triton's tgmm at the default tiles
+  triton_today = {k: today[k] for k in ("block_m", "block_k", "block_n", "num_warps",
+                                        "num_stages")}
+  if pass_ == "dw":       # today: Triton's tgmm at the layer's Hopper tiles
     return refs + [
-        Candidate("triton", dict(block_m=64, block_k=64, block_n=64, num_warps=4,
-                                 num_stages=2), 0),
+        Candidate("triton", triton_today, 0),
         Candidate("hopper", dict(block_m=128, block_n=128, block_k=64,
                                  max_concurrent_steps=4), 1),
         Candidate("jax_mosaic_t", dict(block_m=128, block_n=128, block_k=64,
@@ -103,10 +106,14 @@ def candidates(pass_: str, tiny: bool) -> list[Candidate]:
         Candidate("triton", dict(block_m=64, block_k=128, block_n=128, num_warps=8,
                                  num_stages=3), 2)]
   keep = ("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_block_n")
+  # hopper: a CTA of 128 x 256 (split n) or 256 x 128 (split m), 4 steps in flight, each SM's
+  # tiles chained; then the same unchained (what chaining is worth), 128 x 256 as two 64-row
+  # halves, and 64 x 256 (fewer rows wasted where a tile straddles two groups).
   return refs + [
       Candidate("jax_mosaic", {k: today[k] for k in keep}, 0),
-      hopper("n", 128, 128, 64, 3), hopper("m", 128, 128, 64, 3),
-      hopper("m", 64, 256, 64, 3, priority=2), hopper("n", 128, 128, 64, 2, priority=2),
+      hopper("n", 128, 128, 4), hopper("m", 128, 128, 4),
+      hopper("n", 128, 128, 4, priority=2, chain=False), hopper("m", 64, 256, 4, priority=2),
+      hopper("n", 64, 128, 4, priority=2),
       Candidate("triton", dict(block_m=128, block_k=64, block_n=256, num_warps=8,
                                num_stages=3), 2)]
 
@@ -230,6 +237,10 @@ def measure(fn, args, want, tiny: bool) -> dict:
           "rel_err": err, "ok": None if err is None else bool(err <= TOL)}, got
 
 
+def _why(e: Exception) -> str:
+  return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+
+
 def sweep(shapes: dict, tiny: bool, budget_s: float, num_sms: int, write,
           impls=None) -> list[dict]:
   """Every (shape, pass): its candidates (of `impls`, default all) in priority order while
@@ -255,7 +266,7 @@ def sweep(shapes: dict, tiny: bool, budget_s: float, num_sms: int, write,
       result, got = measure(kernel_fn(cand, pass_, tiny, num_sms), args,
                             refs.get((name, pass_)), tiny)
     except Exception as e:   # noqa: BLE001  (a tiling that does not fit is a row, not a stop)
-      rows.append({**row, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
+      rows.append({**row, "error": _why(e)})
       write(rows)
       continue
     if cand.impl == "xla_ragged_dot":
@@ -269,6 +280,36 @@ def sweep(shapes: dict, tiny: bool, budget_s: float, num_sms: int, write,
       row["of_dense"] = dense[(name, pass_)] / result["ms"]
     rows.append(row)
     write(rows)
+  return rows
+
+
+def compile_check(shapes: dict, gpu: str, impls=None) -> list[dict]:
+  """Every candidate's timed loop compiled for a compile-only `gpu` ('h100', 'h200'; no GPU
+  here, nothing runs): its compile time, or why it does not build (e.g. SMEM it lacks)."""
+  from moejax.aot.gpus import compile_only_devices
+  device = compile_only_devices(gpu, "1x1x1")[0]
+  num_sms = compat.num_sms(device) or 132
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  rows = []
+  for name, shape in shapes.items():
+    for pass_ in PASSES:
+      structs = jax.eval_shape(functools.partial(operands, pass_, shape,
+                                                 np.ones(shape.groups, np.int32)))
+      args = [jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for v in structs]
+      for cand in candidates(pass_, False):
+        if impls is not None and cand.impl not in impls:
+          continue
+        row = {"shape": name, "pass": pass_, "impl": cand.impl, **cand.params}
+        tick = time.perf_counter()
+        try:
+          with compat.cuda_target(device.device_kind):
+            looped(kernel_fn(cand, pass_, False, num_sms)).lower(
+                jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding), *args).compile()
+          row["compile_s"] = time.perf_counter() - tick
+        except Exception as e:   # noqa: BLE001  (what does not build is the finding)
+          row["error"] = _why(e)
+        print(row, flush=True)
+        rows.append(row)
   return rows
 
 
@@ -299,14 +340,24 @@ def main(argv=None) -> int:
   ap.add_argument("--impls", default=None, help="comma-separated subset of the candidates' "
                   "impl names (xla_dense, xla_ragged_dot, hopper, jax_mosaic, jax_mosaic_t, "
                   "triton); the first two are the references")
+  ap.add_argument("--compile_only", choices=("h100", "h200"), default=None,
+                  help="no GPU: compile every candidate for a compile-only GPU of this kind "
+                  "and report what builds (JAX_PLATFORMS=cpu and the gpu_aot extra)")
   args = ap.parse_args(argv)
+  impls = set(args.impls.split(",")) | {"xla_dense", "xla_ragged_dot"} if args.impls else None
+  shapes = TINY_SHAPES if args.tiny else {
+      k: SHAPES[k] for k in (args.shapes.split(",") if args.shapes else SHAPES)}
+  if args.compile_only:
+    rows = compile_check(shapes, args.compile_only, impls)
+    bad = [r for r in rows if "error" in r]
+    print(f"{len(rows) - len(bad)} of {len(rows)} candidates build for a compile-only "
+          f"{args.compile_only.upper()}")
+    return 0
   dev = jax.devices()[0]
   if not args.tiny and dev.platform != "gpu":
     print("benchmarks.gpu_gmm_sweep times GPU kernels; this host has none (--tiny runs the "
           "code path on CPU).")
     return 1
-  shapes = TINY_SHAPES if args.tiny else {
-      k: SHAPES[k] for k in (args.shapes.split(",") if args.shapes else SHAPES)}
   num_sms = 2 if args.tiny else compat.num_sms(dev) or 132   # interpreted: 2 "SMs"
   kind = "cpu" if args.tiny else dev.device_kind.split()[1].lower()
   path = args.json or f"{RESULTS}/gpu_gmm_sweep_{kind}.json"
@@ -324,7 +375,6 @@ def main(argv=None) -> int:
     with open(path, "w") as f:
       json.dump(result, f, indent=2)
 
-  impls = set(args.impls.split(",")) | {"xla_dense", "xla_ragged_dot"} if args.impls else None
   rows = sweep(shapes, args.tiny, float("inf") if args.tiny else args.budget_s, num_sms, write,
                impls)
   result.update(rows=rows, best=best(rows))

@@ -61,8 +61,8 @@ def _swizzled(dtype, minor: int):
 
 def work_list(group_sizes_C, m: int, tile_m: int):
   """Per (row tile, group) pair, in row order: the tile, the group (C for the rows past the
-  last group) and the rows [lo, hi) of the pair; and how many pairs there are (<= the static
-  length cdiv(m, tile_m) + C)."""
+  last group) and the rows [lo, hi) of the pair; and how many pairs there are, of the C
+  groups and in all (<= the static length cdiv(m, tile_m) + C)."""
   num_groups = group_sizes_C.shape[0]
   ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes_C.astype(jnp.int32), 0)), m)
   ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])          # + the tail group
@@ -76,7 +76,7 @@ def work_list(group_sizes_C, m: int, tile_m: int):
   tile = first[group] + p - (cum - tiles)[group]
   lo = jnp.maximum(starts[group], tile * tile_m)
   hi = jnp.minimum(ends[group], (tile + 1) * tile_m)
-  return tile.astype(jnp.int32), group, lo, hi, cum[-1:].astype(jnp.int32)
+  return tile.astype(jnp.int32), group, lo, hi, cum[-2:].astype(jnp.int32)
 
 
 def _store_rows(o_smem, o_gmem, row0, lo, hi, col0, width, rows: int):
@@ -97,10 +97,15 @@ def _store_rows(o_smem, o_gmem, row0, lo, hi, col0, width, rows: int):
 
 def gmm(x_rowsxin, w_Cxinxout, group_sizes_C, *, block_m: int = 128, block_n: int = 128,
         block_k: int = 64, max_concurrent_steps: int = 4, split: str = "n",
-        transpose_rhs: bool = False, num_sms: int = 132, interpret=None):
+        transpose_rhs: bool = False, chain: bool = True, epilogue_n: int = 64,
+        num_sms: int = 132, interpret=None):
   """[rows, out] in x's dtype: row group g times w[g] (w [C, out, in] read transposed when
   `transpose_rhs`); rows past the last group are zeros. Each consumer warpgroup computes a
-  block_m x block_n tile; the CTA's is twice that along `split` ('n' or 'm')."""
+  block_m x block_n tile; the CTA's is twice that along `split` ('n' or 'm'). `chain`: one
+  SM's tiles run as one pipeline (where block_k divides `in` into a multiple of
+  max_concurrent_steps steps, which JAX's chaining needs), else a pipeline per tile. The
+  epilogue goes through SMEM `epilogue_n` columns at a time (a smaller buffer leaves room
+  for more steps in flight)."""
   plgpu = _plgpu()
   m, k = x_rowsxin.shape
   num_groups = w_Cxinxout.shape[0]
@@ -111,6 +116,8 @@ def gmm(x_rowsxin, w_Cxinxout, group_sizes_C, *, block_m: int = 128, block_n: in
   if why := gmm_unsupported(x_rowsxin, w_Cxinxout, block_m, block_n, block_k, split,
                             transpose_rhs):
     raise ValueError(why)
+  if m == 0 or num_groups == 0:
+    return jnp.zeros((m, n), dtype)
   rows = m + (-m % cta_m)
   x_rowsxin = jnp.pad(x_rowsxin, ((0, rows - m), (0, 0)))
   tile, group, lo, hi, count = work_list(group_sizes_C, m, cta_m)
@@ -118,12 +125,15 @@ def gmm(x_rowsxin, w_Cxinxout, group_sizes_C, *, block_m: int = 128, block_n: in
   ab_transforms = _swizzled(dtype, block_k)
   b_transforms = ab_transforms if transpose_rhs else _swizzled(dtype, block_n)
 
+  chained = chain and k_steps % max_concurrent_steps == 0
+  epi_n = math.gcd(block_n, epilogue_n)
+
   def body(count_ref, tile_ref, group_ref, lo_ref, hi_ref, x_gmem, w_gmem, o_gmem):
     wg = lax.axis_index("wg")
     wg_rows = pl.ds(wg * block_m, block_m) if split == "m" else slice(None)
     wg_cols = pl.ds(wg * block_n, block_n) if split == "n" else slice(None)
 
-    def pipeline_for(mma, context):
+    def pipeline_for(mma, context, state=None):
       if transpose_rhs:
         b_spec = plgpu.BlockSpec((cta_n, block_k), lambda kk: (0, kk), transforms=b_transforms)
       else:
@@ -133,7 +143,7 @@ def gmm(x_rowsxin, w_Cxinxout, group_sizes_C, *, block_m: int = 128, block_n: in
           in_specs=[plgpu.BlockSpec((cta_m, block_k), lambda kk: (0, kk),
                                     transforms=ab_transforms), b_spec],
           wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=max_concurrent_steps,
-          compute_context=context)
+          compute_context=context, pipeline_state=state)
 
     ignore = lambda *_, **__: None
     x_block = x_gmem.at[pl.ds(0, cta_m)]
@@ -143,26 +153,34 @@ def gmm(x_rowsxin, w_Cxinxout, group_sizes_C, *, block_m: int = 128, block_n: in
     @functools.partial(
         pl.run_scoped,
         allocs=pipeline_for(ignore, ignore).get_allocations(x_block, w_block),
-        o_smem=plgpu.SMEM((2, block_m, block_n), dtype),
+        o_smem=plgpu.SMEM((2, block_m, epi_n), dtype),
         collective_axes="wg")
     def _(allocs, o_smem):
-      @plgpu.nd_loop((count_ref[0] * n_tiles,), collective_axes="sm")
-      def _step(info):
-        (s,) = info.index
+      def item(s):
+        """(group, the CTA's first row, this warpgroup's column, a store of its tile's rows
+        of pair s // n_tiles) for step s."""
         p, j = lax.div(s, n_tiles), lax.rem(s, n_tiles)
-        g, row0 = group_ref[p], tile_ref[p] * cta_m
-        lo, hi = lo_ref[p], hi_ref[p]
+        row0 = tile_ref[p] * cta_m
         wg_row0 = row0 + (wg * block_m if split == "m" else 0)
         col0 = j * cta_n + (wg * block_n if split == "n" else 0)
-        wg_lo = jnp.clip(lo, wg_row0, wg_row0 + block_m)
-        wg_hi = jnp.clip(hi, wg_row0, wg_row0 + block_m)
+        wg_lo = jnp.clip(lo_ref[p], wg_row0, wg_row0 + block_m)
+        wg_hi = jnp.clip(hi_ref[p], wg_row0, wg_row0 + block_m)
         my_smem = o_smem.at[wg]
 
         def store(tile_block):
-          my_smem[...] = tile_block
-          plgpu.commit_smem()
-          _store_rows(my_smem, o_gmem, wg_row0, wg_lo, wg_hi, col0, block_n, block_m)
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          for c in range(block_n // epi_n):     # through SMEM, epi_n columns at a time
+            my_smem[...] = tile_block[:, c * epi_n:(c + 1) * epi_n]
+            plgpu.commit_smem()
+            _store_rows(my_smem, o_gmem, wg_row0, wg_lo, wg_hi, col0 + c * epi_n, epi_n,
+                        block_m)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        return group_ref[p], row0, j * cta_n, store
+
+      # The pairs of real groups first; with `chained`, a tile's pipeline hands on to the
+      # next one's (the producer loads the next tile while the consumers store this one).
+      @plgpu.nd_loop((count_ref[0] * n_tiles,), collective_axes="sm")
+      def _matmuls(info):
+        g, row0, cta_col0, store = item(info.index[0])
 
         def context(run):
           @functools.partial(pl.run_scoped, acc=plgpu.ACC((block_m, block_n), jnp.float32))
@@ -176,14 +194,32 @@ def gmm(x_rowsxin, w_Cxinxout, group_sizes_C, *, block_m: int = 128, block_n: in
           plgpu.wgmma_wait(0)
           return acc
 
-        @pl.when(g < num_groups)
-        def _():
-          w_g = w_gmem.at[g]
-          w_cols = (w_g.at[pl.ds(j * cta_n, cta_n)] if transpose_rhs
-                    else w_g.at[:, pl.ds(j * cta_n, cta_n)])
-          pipeline_for(mma, context)(x_gmem.at[pl.ds(row0, cta_m)], w_cols, allocations=allocs)
+        w_g = w_gmem.at[g]
+        w_cols = (w_g.at[pl.ds(cta_col0, cta_n)] if transpose_rhs
+                  else w_g.at[:, pl.ds(cta_col0, cta_n)])
+        def run(state):
+          pipeline_for(mma, context, state)(x_gmem.at[pl.ds(row0, cta_m)], w_cols,
+                                            allocations=allocs)
 
-        @pl.when((g == num_groups) & (wg < 2))     # the tail: zeros, by the consumers
+        if not chained:
+          run(None)
+          return
+        # START on an SM's first tile (the producer's prologue), STOP on its last (it waits
+        # for the consumers' last arrivals); an SM with one tile runs an unchained pipeline.
+        alone = info.num_local_steps == 1
+        first, last = info.local_index == 0, info.local_index == info.num_local_steps - 1
+        pl.when(alone)(lambda: run(None))
+        pl.when(~alone)(lambda: run(jnp.where(
+            first, int(plgpu.PipelinePipeline.START),
+            jnp.where(last, int(plgpu.PipelinePipeline.STOP),
+                      int(plgpu.PipelinePipeline.STEADY)))))
+
+      # Then the tail's pairs: zeros, stored by the consumers.
+      @plgpu.nd_loop(((count_ref[1] - count_ref[0]) * n_tiles,), collective_axes="sm")
+      def _tail(info):
+        _, _, _, store = item(count_ref[0] * n_tiles + info.index[0])
+
+        @pl.when(wg < 2)
         def _():
           store(jnp.zeros((block_m, block_n), dtype))
 
