@@ -1,36 +1,35 @@
 """The grouped matmuls of the MoE layer on one GPU, beside XLA's dense dot of the same FLOPs.
 
-For the expert up-projection of three models (x [rows, d] times w [C, d, f]; the gate's is
-the same shape, the down-projection's passes are these shapes with the weight the other way
-round), each of its three matmuls:
+For the expert up-projection of three models (the gate's is the same; the down-projection's
+passes are these shapes with the weight the other way round), each of its three matmuls:
   fwd  x @ w[g]                [rows, d] x [C, d, f]    -> [rows, f]
   dx   dy @ w[g]^T             [rows, f] x [C, d, f]^T  -> [rows, d]
   dw   x[g]^T @ dy[g]          [rows, d] x [rows, f]    -> [C, d, f]
-is timed for every candidate kernel and tiling: this package's Hopper kernels
-(pallas_kernels.gmm_hopper: warp-specialised gmm, tgmm), JAX's Mosaic GPU ragged dot as the
-MoE layer calls it today (gmm_mosaic), the Triton kernels, `jax.lax.ragged_dot` (XLA) and its
-transposes, and XLA's dense dot of the same FLOPs ([rows, d] x [d, f] and its transposes).
+is timed for every candidate kernel and tiling: this package's Hopper kernels (gmm_hopper),
+JAX's Mosaic GPU ragged dot as the layer calls it today (gmm_mosaic), the Triton kernels,
+`jax.lax.ragged_dot` and its transposes, and XLA's dense dot of the same FLOPs.
 Shapes (bf16, one microbatch of 2 x 4096 tokens, groups near-balanced with +-20% noise):
   mixtral     8 groups of ~2048 rows, d 4096, f 14336 (top-2 of 8192 tokens)
   qwen3       128 groups of ~512 rows, d 2048, f 768 (top-8 of 8192 tokens)
   gpu_config  32 groups of ~512 rows, d 768, f 1536 (configs/gpt_moe_gpu.gin, top-2)
-Each candidate runs inside one jit as a `lax.fori_loop` of calls (its inputs passed through
-an optimization barrier so that no call is hoisted or merged), timed at 1 and R calls: the
-time per call is the difference over R - 1, free of dispatch. Its output is checked against
-`jax.lax.ragged_dot` (or its transpose): max |got - want| / max |want|. Candidates run in
-priority order (the dense dot, the layer's current kernels, then the rest) until the budget
-is spent; the JSON is rewritten after every row.
+Each candidate runs inside one jit as a `lax.fori_loop` of calls (inputs through an
+optimization barrier, so that no call is hoisted or merged), timed at 1 and R calls: the time
+per call is the difference over R - 1, free of dispatch. Its output is checked against
+`jax.lax.ragged_dot` (or its transpose): max |got - want| / max |want|. Candidates are built
+in parallel batches and run in priority order (the references and the layer's current
+kernels first) until the budget is spent; the JSON is rewritten after every row.
 
   python -m benchmarks.gpu_gmm_sweep --json benchmarks/results/gpu_gmm_sweep_h100.json
   python -m benchmarks.gpu_gmm_sweep --tiny --json /tmp/gmm_tiny.json   # CPU: the code path
   JAX_PLATFORMS=cpu python -m benchmarks.gpu_gmm_sweep --compile_only h100  # what builds
-`--tiny` runs tiny shapes on CPU, the Pallas kernels interpreted (this package's Mosaic GPU
-kernels in Mosaic GPU's interpreter, on jax >= 0.11): its times measure nothing.
+`--tiny`: tiny shapes on CPU, the kernels interpreted (gmm_hopper's on jax >= 0.11): its
+times measure nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -38,6 +37,7 @@ import os
 import statistics
 import sys
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,8 +53,7 @@ MIN_LOOP_S = 0.02     # each timed loop runs at least this long on the device
 SLOW_CALL_S = 0.25    # a call this slow is timed at 2 calls, once
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
+class Shape(NamedTuple):
   rows: int
   groups: int
   d: int
@@ -127,30 +126,22 @@ def group_sizes(rng, shape: Shape) -> np.ndarray:
 
 
 def operands(pass_: str, shape: Shape, sizes, seed: int = 0) -> tuple:
-  k1, k2 = jax.random.split(jax.random.key(seed))
+  """fwd: x [m, d], w [C, d, f]; dx: dy [m, f], w; dw: x, dy [m, f]; outputs of O(1)."""
   m, d, f, c = shape.rows, shape.d, shape.f, shape.groups
-  bf16 = jnp.bfloat16
-  sizes = jnp.asarray(sizes)
-  if pass_ == "fwd":   # x [m, d], w [C, d, f]
-    return (jax.random.normal(k1, (m, d), bf16),
-            (jax.random.normal(k2, (c, d, f), jnp.float32) / d ** 0.5).astype(bf16), sizes)
-  if pass_ == "dx":    # dy [m, f], w [C, d, f]
-    return (jax.random.normal(k1, (m, f), bf16),
-            (jax.random.normal(k2, (c, d, f), jnp.float32) / f ** 0.5).astype(bf16), sizes)
-  return (jax.random.normal(k1, (m, d), bf16),                      # dw: x [m, d], dy [m, f]
-          (jax.random.normal(k2, (m, f), jnp.float32) / m ** 0.5).astype(bf16), sizes)
+  a, b, fan_in = {"fwd": ((m, d), (c, d, f), d), "dx": ((m, f), (c, d, f), f),
+                  "dw": ((m, d), (m, f), m)}[pass_]
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  return (jax.random.normal(k1, a, jnp.bfloat16),
+          (jax.random.normal(k2, b, jnp.float32) / fan_in ** 0.5).astype(jnp.bfloat16),
+          jnp.asarray(sizes))
 
 
 def _dense(pass_: str):
   """XLA's dense dot of the same FLOPs (the first group's weight for every row)."""
-  f32 = jnp.float32
-  if pass_ == "fwd":
-    return lambda a, b, _: jnp.dot(a, b[0], preferred_element_type=f32).astype(a.dtype)
-  if pass_ == "dx":
-    return lambda a, b, _: lax.dot_general(a, b[0], (((1,), (1,)), ((), ())),
-                                           preferred_element_type=f32).astype(a.dtype)
-  return lambda a, b, _: lax.dot_general(a, b, (((0,), (0,)), ((), ())),
-                                         preferred_element_type=f32).astype(a.dtype)
+  dims = {"fwd": (((1,), (0,)), ((), ())), "dx": (((1,), (1,)), ((), ())),
+          "dw": (((0,), (0,)), ((), ()))}[pass_]
+  return lambda a, b, _: lax.dot_general(a, b if pass_ == "dw" else b[0], dims,
+                                         preferred_element_type=jnp.float32).astype(a.dtype)
 
 
 def _ragged(pass_: str):
@@ -158,15 +149,12 @@ def _ragged(pass_: str):
   if pass_ == "fwd":
     return lambda x, w, s: lax.ragged_dot(x, w, s)
   if pass_ == "dx":
-    def dx(dy, w, s):
-      x = jax.ShapeDtypeStruct((dy.shape[0], w.shape[1]), dy.dtype)
-      return jax.linear_transpose(lambda x: lax.ragged_dot(x, w, s), x)(dy)[0]
-    return dx
-
-  def dw(x, dy, s):
-    w = jax.ShapeDtypeStruct((s.shape[0], x.shape[1], dy.shape[1]), x.dtype)
-    return jax.linear_transpose(lambda w: lax.ragged_dot(x, w, s), w)(dy)[0]
-  return dw
+    return lambda dy, w, s: jax.linear_transpose(
+        lambda x: lax.ragged_dot(x, w, s),
+        jax.ShapeDtypeStruct((dy.shape[0], w.shape[1]), dy.dtype))(dy)[0]
+  return lambda x, dy, s: jax.linear_transpose(
+      lambda w: lax.ragged_dot(x, w, s),
+      jax.ShapeDtypeStruct((s.shape[0], x.shape[1], dy.shape[1]), x.dtype))(dy)[0]
 
 
 def kernel_fn(cand: Candidate, pass_: str, tiny: bool, num_sms: int):
@@ -218,12 +206,34 @@ def _seconds(run, reps, args, repeats: int = 3) -> float:
   return statistics.median(times)
 
 
-def measure(fn, args, want, tiny: bool) -> dict:
-  """Compile, check against `want`, time per call (difference of R calls and 1)."""
-  run = looped(fn)
+def build(cand: Candidate, pass_: str, shape: Shape, tiny: bool, num_sms: int,
+          sharding=None):
+  """The candidate's timed loop, compiled (for `sharding`'s device; default JAX's):
+  (executable, seconds) or (None, why it does not build)."""
+  structs = jax.eval_shape(functools.partial(operands, pass_, shape,
+                                             np.ones(shape.groups, np.int32)))
+  args = [jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for v in structs]
   tick = time.perf_counter()
-  run = run.lower(jnp.int32(1), *args).compile()
-  compile_s = time.perf_counter() - tick
+  try:
+    exe = looped(kernel_fn(cand, pass_, tiny, num_sms)).lower(
+        jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding), *args).compile()
+  except Exception as e:   # noqa: BLE001  (a tiling that does not fit is a row, not a stop)
+    return None, _why(e)
+  return exe, time.perf_counter() - tick
+
+
+def build_all(jobs: list[tuple], threads: int) -> list[tuple]:
+  """`build` of each job, `threads` at a time (XLA's compiles, Mosaic GPU's and Triton's
+  included, run outside Python's lock; the GPU stays idle but for XLA's autotuning)."""
+  if threads <= 1:
+    return [build(*job) for job in jobs]
+  with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+    return list(pool.map(lambda job: build(*job), jobs))
+
+
+def timed(run, args, want, tiny: bool) -> tuple[dict, jax.Array]:
+  """Check `run`'s output against `want`; its time per call (the difference of R calls and
+  one, over R - 1)."""
   got = run(jnp.int32(1), *args)
   err = None if want is None else (float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)))
                                    / max(float(jnp.max(jnp.abs(want))), 1e-30))
@@ -233,83 +243,86 @@ def measure(fn, args, want, tiny: bool) -> dict:
   reps = 2 if slow else int(np.clip(MIN_LOOP_S / max(one, 1e-6), 4, 50))
   many = _seconds(run, jnp.int32(reps), args, repeats=1 if slow else 3)
   per_call = (many - one) / (reps - 1) if many > one else many / reps
-  return {"compile_s": compile_s, "ms": 1e3 * per_call, "reps": reps, "one_call_ms": 1e3 * one,
-          "rel_err": err, "ok": None if err is None else bool(err <= TOL)}, got
+  return {"ms": 1e3 * per_call, "reps": reps, "one_call_ms": 1e3 * one, "rel_err": err,
+          "ok": None if err is None else bool(err <= TOL)}, got
 
 
 def _why(e: Exception) -> str:
   return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
 
 
-def sweep(shapes: dict, tiny: bool, budget_s: float, num_sms: int, write,
-          impls=None) -> list[dict]:
-  """Every (shape, pass): its candidates (of `impls`, default all) in priority order while
-  the budget lasts."""
+def _row(name: str, pass_: str, shape: Shape, cand: Candidate) -> dict:
+  return {"shape": name, "pass": pass_, "rows": shape.rows, "groups": shape.groups,
+          "d": shape.d, "f": shape.f, "impl": cand.impl, "params": cand.params}
+
+
+def sweep(shapes: dict, tiny: bool, budget_s: float, num_sms: int, write, impls=None,
+          threads: int = 1) -> list[dict]:
+  """Every (shape, pass): its candidates (of `impls`, default all) in priority order, built
+  `threads` at a time, then run one by one; no new batch starts once `budget_s` is spent."""
   start, rows, rng = time.perf_counter(), [], np.random.default_rng(0)
   sizes = {name: group_sizes(rng, s) for name, s in shapes.items()}
   work = [(c.priority, i, name, pass_, c) for name in shapes for pass_ in PASSES
           for i, c in enumerate(candidates(pass_, tiny)) if impls is None or c.impl in impls]
   work.sort(key=lambda w: (w[0], list(shapes).index(w[2]), PASSES.index(w[3]), w[1]))
+  # Batches never mix priorities: the references run before what is checked against them.
+  batches = [[w for w in work if w[0] == p][i:i + threads]
+             for p in sorted({w[0] for w in work})
+             for i in range(0, sum(w[0] == p for w in work), threads)]
   refs, dense, inputs = {}, {}, {}
-  for _, _, name, pass_, cand in work:
-    shape = shapes[name]
-    flops = 2.0 * shape.rows * shape.d * shape.f
-    row = {"shape": name, "pass": pass_, "rows": shape.rows, "groups": shape.groups,
-           "d": shape.d, "f": shape.f, "impl": cand.impl, **cand.params}
+  for batch in batches:
     if time.perf_counter() - start > budget_s:
-      rows.append({**row, "skipped": f"budget of {budget_s:.0f} s spent"})
+      rows += [{**_row(n, p, shapes[n], c), "skipped": f"budget of {budget_s:.0f} s spent"}
+               for _, _, n, p, c in batch]
       continue
-    if (name, pass_) not in inputs:
-      inputs[(name, pass_)] = operands(pass_, shape, sizes[name])
-    args = inputs[(name, pass_)]
-    try:
-      result, got = measure(kernel_fn(cand, pass_, tiny, num_sms), args,
-                            refs.get((name, pass_)), tiny)
-    except Exception as e:   # noqa: BLE001  (a tiling that does not fit is a row, not a stop)
-      rows.append({**row, "error": _why(e)})
+    built = build_all([(c, p, shapes[n], tiny, num_sms) for _, _, n, p, c in batch], threads)
+    for (_, _, name, pass_, cand), (run, compile_s) in zip(batch, built, strict=True):
+      shape = shapes[name]
+      row = _row(name, pass_, shape, cand)
+      if run is None:
+        rows.append({**row, "error": compile_s})
+        write(rows)
+        continue
+      if (name, pass_) not in inputs:
+        inputs[(name, pass_)] = operands(pass_, shape, sizes[name])
+      write(rows + [{**row, "running": "a run cut off here stopped in this candidate"}])
+      try:
+        result, got = timed(run, inputs[(name, pass_)], refs.get((name, pass_)), tiny)
+      except Exception as e:   # noqa: BLE001  (a kernel that fails is a row, not a stop)
+        rows.append({**row, "error": _why(e)})
+        write(rows)
+        continue
+      if cand.impl == "xla_ragged_dot":
+        refs[(name, pass_)] = got.astype(jnp.float32)
+        result["rel_err"], result["ok"] = 0.0, True
+      flops = 2.0 * shape.rows * shape.d * shape.f
+      row.update(result, compile_s=compile_s, tflops=flops / (result["ms"] * 1e-3) / 1e12)
+      if cand.impl == "xla_dense":
+        dense[(name, pass_)] = result["ms"]
+        row.pop("rel_err"), row.pop("ok")
+      if (name, pass_) in dense:
+        row["of_dense"] = dense[(name, pass_)] / result["ms"]
+      rows.append(row)
       write(rows)
-      continue
-    if cand.impl == "xla_ragged_dot":
-      refs[(name, pass_)] = got.astype(jnp.float32)
-      result["rel_err"], result["ok"] = 0.0, True
-    row.update(result, tflops=flops / (result["ms"] * 1e-3) / 1e12)
-    if cand.impl == "xla_dense":
-      dense[(name, pass_)] = result["ms"]
-      row.pop("rel_err"), row.pop("ok")
-    if (name, pass_) in dense:
-      row["of_dense"] = dense[(name, pass_)] / result["ms"]
-    rows.append(row)
-    write(rows)
   return rows
 
 
-def compile_check(shapes: dict, gpu: str, impls=None) -> list[dict]:
+def compile_check(shapes: dict, gpu: str, impls=None, threads: int = 1) -> list[dict]:
   """Every candidate's timed loop compiled for a compile-only `gpu` ('h100', 'h200'; no GPU
   here, nothing runs): its compile time, or why it does not build (e.g. SMEM it lacks)."""
   from moejax.aot.gpus import compile_only_devices
   device = compile_only_devices(gpu, "1x1x1")[0]
   num_sms = compat.num_sms(device) or 132
   sharding = jax.sharding.SingleDeviceSharding(device)
-  rows = []
-  for name, shape in shapes.items():
-    for pass_ in PASSES:
-      structs = jax.eval_shape(functools.partial(operands, pass_, shape,
-                                                 np.ones(shape.groups, np.int32)))
-      args = [jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for v in structs]
-      for cand in candidates(pass_, False):
-        if impls is not None and cand.impl not in impls:
-          continue
-        row = {"shape": name, "pass": pass_, "impl": cand.impl, **cand.params}
-        tick = time.perf_counter()
-        try:
-          with compat.cuda_target(device.device_kind):
-            looped(kernel_fn(cand, pass_, False, num_sms)).lower(
-                jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding), *args).compile()
-          row["compile_s"] = time.perf_counter() - tick
-        except Exception as e:   # noqa: BLE001  (what does not build is the finding)
-          row["error"] = _why(e)
-        print(row, flush=True)
-        rows.append(row)
+  jobs = [(name, pass_, cand) for name in shapes for pass_ in PASSES
+          for cand in candidates(pass_, False) if impls is None or cand.impl in impls]
+  with compat.cuda_target(device.device_kind):   # Triton asks jax's GPU table for the kind
+    built = build_all([(c, p, shapes[n], False, num_sms, sharding) for n, p, c in jobs],
+                      threads)
+  rows = [{"shape": n, "pass": p, "impl": c.impl, "params": c.params,
+           ("error" if exe is None else "compile_s"): info}
+          for (n, p, c), (exe, info) in zip(jobs, built, strict=True)]
+  print(*rows, sep="\n")
   return rows
 
 
@@ -321,25 +334,24 @@ def best(rows: list[dict]) -> list[dict]:
           and r["impl"] not in ("xla_dense",)]
     if ok:
       top = min(ok, key=lambda r: r["ms"])
-      out.append({k: top.get(k) for k in ("shape", "pass", "impl", "ms", "tflops", "of_dense")}
-                 | {"params": {k: v for k, v in top.items() if k.startswith(("block", "max_",
-                                                                              "split", "grid",
-                                                                              "num_"))}})
+      out.append({k: top.get(k) for k in ("shape", "pass", "impl", "params", "ms", "tflops",
+                                          "of_dense")})
   return out
 
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu_gmm_sweep",
                                description=__doc__.split("\n\n")[0])
-  ap.add_argument("--json", default=None, help="default: benchmarks/results/"
-                  "gpu_gmm_sweep_<gpu>.json")
+  ap.add_argument("--json", help="default: benchmarks/results/gpu_gmm_sweep_<gpu>.json")
   ap.add_argument("--tiny", action="store_true", help="CPU, interpreted kernels, tiny shapes")
   ap.add_argument("--budget_s", type=float, default=75.0,
-                  help="start no candidate after this many seconds (one may run past it)")
+                  help="start no batch after this many seconds (one may run past it)")
   ap.add_argument("--shapes", default=None, help="comma-separated subset of " + ",".join(SHAPES))
   ap.add_argument("--impls", default=None, help="comma-separated subset of the candidates' "
                   "impl names (xla_dense, xla_ragged_dot, hopper, jax_mosaic, jax_mosaic_t, "
                   "triton); the first two are the references")
+  ap.add_argument("--compile_threads", type=int, default=8,
+                  help="candidates built at once, then timed one by one (--tiny: 1)")
   ap.add_argument("--compile_only", choices=("h100", "h200"), default=None,
                   help="no GPU: compile every candidate for a compile-only GPU of this kind "
                   "and report what builds (JAX_PLATFORMS=cpu and the gpu_aot extra)")
@@ -348,7 +360,7 @@ def main(argv=None) -> int:
   shapes = TINY_SHAPES if args.tiny else {
       k: SHAPES[k] for k in (args.shapes.split(",") if args.shapes else SHAPES)}
   if args.compile_only:
-    rows = compile_check(shapes, args.compile_only, impls)
+    rows = compile_check(shapes, args.compile_only, impls, args.compile_threads)
     bad = [r for r in rows if "error" in r]
     print(f"{len(rows) - len(bad)} of {len(rows)} candidates build for a compile-only "
           f"{args.compile_only.upper()}")
@@ -361,13 +373,10 @@ def main(argv=None) -> int:
   num_sms = 2 if args.tiny else compat.num_sms(dev) or 132   # interpreted: 2 "SMs"
   kind = "cpu" if args.tiny else dev.device_kind.split()[1].lower()
   path = args.json or f"{RESULTS}/gpu_gmm_sweep_{kind}.json"
-  result = {"benchmark": "grouped matmuls vs XLA's dense dot, fwd / dx / dw",
-            "metadata": {"command": command("gpu_gmm_sweep", argv),
-                         "note": f"jax {jax.__version__} on {dev.device_kind}; "
-                                 + ("interpreted: times measure nothing" if args.tiny else
-                                    f"{num_sms} SMs")}}
-
-  stamp(result)
+  note = "interpreted: times measure nothing" if args.tiny else f"{num_sms} SMs"
+  result = stamp({"benchmark": "grouped matmuls vs XLA's dense dot, fwd / dx / dw",
+                  "metadata": {"command": command("gpu_gmm_sweep", argv),
+                               "note": f"jax {jax.__version__} on {dev.device_kind}; {note}"}})
 
   def write(rows):        # after every row, so that a run cut off keeps what it measured
     result.update(rows=rows, best=best(rows))
@@ -376,7 +385,7 @@ def main(argv=None) -> int:
       json.dump(result, f, indent=2)
 
   rows = sweep(shapes, args.tiny, float("inf") if args.tiny else args.budget_s, num_sms, write,
-               impls)
+               impls, 1 if args.tiny else args.compile_threads)
   result.update(rows=rows, best=best(rows))
   write_result(result, path)
   for r in result["best"]:
