@@ -111,13 +111,20 @@ def cuda_target(device_kind: str = DEFAULT_TARGET):
     gpu_info.get_gpu_info.cache_clear()
 
 
-def mosaic_gpu_interpret():
-  """The `interpret` argument that runs a Mosaic GPU kernel on CPU, or None where this jax's
-  interpreter cannot run this package's Hopper kernels."""
+def mosaic_gpu_interpret(detect_races: bool = False):
+  """The `interpret` argument that runs a Mosaic GPU kernel on CPU (its threads, barriers and
+  TMA copies simulated; with `detect_races`, a happens-before race detector on), or None
+  where this jax's interpreter cannot run this package's Hopper kernels."""
   if JAX_VERSION < (0, 11):
     return None
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  return plgpu.InterpretGPUParams()
+  return plgpu.InterpretGPUParams(detect_races=detect_races)
+
+
+def mosaic_gpu_races_found() -> bool:
+  """Whether the interpreter's race detector has found a race (jax has no public name)."""
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+  return bool(interpret_pallas_call.get_races().races_found)
 
 
 # --- varying mesh axes inside shard_map --------------------------------------------------------

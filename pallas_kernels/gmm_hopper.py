@@ -97,7 +97,7 @@ def _store_rows(o_smem, o_gmem, row0, lo, hi, col0, width, rows: int):
 
 def gmm(x_rowsxin, w_Cxinxout, group_sizes_C, *, block_m: int = 128, block_n: int = 128,
         block_k: int = 64, max_concurrent_steps: int = 4, split: str = "n",
-        transpose_rhs: bool = False, chain: bool = True, epilogue_n: int = 64,
+        transpose_rhs: bool = False, chain: bool = True, epilogue_n: int = 32,
         num_sms: int = 132, interpret=None):
   """[rows, out] in x's dtype: row group g times w[g] (w [C, out, in] read transposed when
   `transpose_rhs`); rows past the last group are zeros. Each consumer warpgroup computes a
@@ -105,7 +105,8 @@ def gmm(x_rowsxin, w_Cxinxout, group_sizes_C, *, block_m: int = 128, block_n: in
   SM's tiles run as one pipeline (where block_k divides `in` into a multiple of
   max_concurrent_steps steps, which JAX's chaining needs), else a pipeline per tile. The
   epilogue goes through SMEM `epilogue_n` columns at a time (a smaller buffer leaves room
-  for more steps in flight)."""
+  for more steps in flight): a tile whose rows are all its group's through a swizzled buffer
+  in one TMA store, one shared with another group through a plain one, row by row."""
   plgpu = _plgpu()
   m, k = x_rowsxin.shape
   num_groups = w_Cxinxout.shape[0]
@@ -153,9 +154,10 @@ def gmm(x_rowsxin, w_Cxinxout, group_sizes_C, *, block_m: int = 128, block_n: in
     @functools.partial(
         pl.run_scoped,
         allocs=pipeline_for(ignore, ignore).get_allocations(x_block, w_block),
-        o_smem=plgpu.SMEM((2, block_m, epi_n), dtype),
+        swizzled_smem=plgpu.SMEM((2, block_m, epi_n), dtype, transforms=_swizzled(dtype, epi_n)),
+        plain_smem=plgpu.SMEM((2, block_m, epi_n), dtype),
         collective_axes="wg")
-    def _(allocs, o_smem):
+    def _(allocs, swizzled_smem, plain_smem):
       def item(s):
         """(group, the CTA's first row, this warpgroup's column, a store of its tile's rows
         of pair s // n_tiles) for step s."""
@@ -165,14 +167,26 @@ def gmm(x_rowsxin, w_Cxinxout, group_sizes_C, *, block_m: int = 128, block_n: in
         col0 = j * cta_n + (wg * block_n if split == "n" else 0)
         wg_lo = jnp.clip(lo_ref[p], wg_row0, wg_row0 + block_m)
         wg_hi = jnp.clip(hi_ref[p], wg_row0, wg_row0 + block_m)
-        my_smem = o_smem.at[wg]
+        swizzled, plain = swizzled_smem.at[wg], plain_smem.at[wg]
+        whole = (wg_lo == wg_row0) & (wg_hi == wg_row0 + block_m)
 
         def store(tile_block):
           for c in range(block_n // epi_n):     # through SMEM, epi_n columns at a time
-            my_smem[...] = tile_block[:, c * epi_n:(c + 1) * epi_n]
-            plgpu.commit_smem()
-            _store_rows(my_smem, o_gmem, wg_row0, wg_lo, wg_hi, col0 + c * epi_n, epi_n,
-                        block_m)
+            chunk, col = tile_block[:, c * epi_n:(c + 1) * epi_n], col0 + c * epi_n
+
+            @pl.when(whole)      # all rows: a swizzled tile (no bank conflicts), one store
+            def _(chunk=chunk, col=col):
+              swizzled[...] = chunk
+              plgpu.commit_smem()
+              plgpu.copy_smem_to_gmem(swizzled, o_gmem.at[pl.ds(wg_row0, block_m),
+                                                          pl.ds(col, epi_n)])
+
+            @pl.when(~whole)     # some rows: any row offset needs the plain layout
+            def _(chunk=chunk, col=col):
+              plain[...] = chunk
+              plgpu.commit_smem()
+              _store_rows(plain, o_gmem, wg_row0, wg_lo, wg_hi, col, epi_n, block_m)
+
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         return group_ref[p], row0, j * cta_n, store
 
