@@ -19,7 +19,8 @@ What it does that JAX's `ragged_dot_mgpu` kernel (gmm_mosaic.py) does not:
   it lowers for a compile-only GPU.
 
 A tile shared by two groups is computed once per group, each storing only its own rows (a
-ladder of power-of-two TMA stores, as JAX's kernel does): up to C - 1 extra tiles.
+ladder of power-of-two TMA stores from a plain SMEM buffer, as JAX's kernel stores every
+tile): up to C - 1 extra tiles. A tile of one group's rows is stored from a swizzled buffer.
 Everything the kernel reads is in bounds: x's rows are padded to the CTA's row tile when
 they are not a multiple of it.
 """
