@@ -48,7 +48,7 @@ def adaptive_for(cfg: PlannerConfig) -> bool:
   prefers is free, so planning after every step is what pays: a router that collapses in the
   first steps is followed within a step or two, not held on a plan of the near-uniform first
   step until the period's end. Where a switch moves weights (ep) the fixed period stays: the
-  priced rule's gain there is within the error of its migration price
+  priced rule's gain there is a wash at GPU prices and its migrations are real time
   (docs/decisions/0110)."""
   if cfg.adaptive is not None:
     return cfg.adaptive
