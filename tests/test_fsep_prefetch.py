@@ -25,6 +25,7 @@ from moejax.config import MoEConfig
 from moejax.layout.tables import from_placements
 from moejax.model.mesh import mesh_of_shape
 from moejax.model.moe.fsep_experts import restore_slot_weights
+from moejax.model.moe.harness import objective
 from moejax.model.moe.layer import moe_apply
 from moejax.model.transformer import Transformer
 from moejax.train import step as step_lib
@@ -159,7 +160,7 @@ def test_bf16_restore_equals_fp32_restore():
       slot = restore_slot_weights(stored, layout.slot_expert_LxS, mesh, dtype)
       params = {"router": p["router"], **{k: v[0] for k, v in slot.items()}}
       y, st = moe_apply(params, x, jax.tree.map(lambda a: a[0], layout), cfg, mesh)
-      return jnp.sum(jnp.sin(y) * y) + 0.1 * st.balance_loss, (y, slot)
+      return objective(y, st.balance_loss, st.z_loss), (y, slot)
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(
         make_params(3), jax.random.normal(jax.random.key(4), (8, 8, D)))
 
