@@ -128,7 +128,7 @@ class DenseMLP(nn.Module):
 
 def dense_modules(cfg: ModelConfig, remat: bool) -> tuple[type[nn.Module], type[nn.Module]]:
   """(attention, MLP) module classes of a dense block, rematerialised when `remat`: the one
-  place a block's attention is chosen."""
+  place a block's modules are chosen (by `cfg`, once the model has more than one attention)."""
   return (nn.remat(Attention), nn.remat(DenseMLP)) if remat else (Attention, DenseMLP)
 
 
