@@ -70,7 +70,7 @@ def test_fsep_restores_overlap_compute_forward_and_backward(remat):
 
 @pytest.mark.parametrize("remat", [True, False])
 def test_fsep_backward_restores_are_hidden_by_design(remat):
-  """Layer l's backward restores layer l-1's weights (moejax.model.transformer's
+  """Layer l's backward restores layer l-1's weights (moejax.model.moe.fsep_backward's
   `_prefetching_moe`): by the schedule estimate at most 10% of the backward weight restores'
   transfer time is exposed, and at least 90% of the step's collective bytes overlap compute.
   (Their transposes, the gradients' return, are `restore_gradient`: the last layer's runs

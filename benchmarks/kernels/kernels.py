@@ -32,10 +32,10 @@ import numpy as np
 
 from benchmarks import timing
 from benchmarks.common import command, start, write_result
-from benchmarks.layer.moe_layer import init_params, place_sharded
 from moejax.config import MoEConfig
 from moejax.layout.tables import static_layout
 from moejax.model.mesh import AXES
+from moejax.model.moe.harness import init_params, place_sharded
 from moejax.model.moe.layer import moe_apply
 from pallas_kernels import backend as backend_lib, grouped_matmul, permute, unpermute
 

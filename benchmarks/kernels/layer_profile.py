@@ -25,10 +25,10 @@ import numpy as np
 from benchmarks import timing
 from benchmarks.common import command, start, write_result
 from benchmarks.kernels import RESULTS
-from benchmarks.layer.moe_layer import init_params, place_sharded
 from moejax.config import MoEConfig
 from moejax.layout.tables import static_layout
 from moejax.model.mesh import AXES
+from moejax.model.moe.harness import init_params, place_sharded
 from moejax.model.moe.layer import moe_apply
 
 TOKENS, SEQ, D, F, EXPERTS = 65536, 1024, 1024, 2048, 4

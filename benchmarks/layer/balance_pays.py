@@ -47,12 +47,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks.common import command, start, write_result
 from benchmarks.layer import balance_setup as setup
-from benchmarks.layer.fsep_vs_ep import build as build_layer, check_against_reference, routed_counts
+from benchmarks.layer.fsep_vs_ep import routed_counts
 from moejax.config import Config, MoEConfig, num_moe_layers
 from moejax.frontend import DEFAULT_GIN, parse_config
 from moejax.layout.placement import static as static_placement
 from moejax.layout.tables import round_robin_placement
 from moejax.model.mesh import BATCH_AXES, mesh_of_shape
+from moejax.model.moe.harness import check_against_reference, layer_step, place_sharded
 from moejax.strategy.spec import parse as parse_spec
 from moejax.train.optim import optimizer, schedule
 from moejax.train.programs import build_program
@@ -134,14 +135,16 @@ def layer_runs(args, seed: int, mesh) -> dict:
                     expert_mode=setup.EXPERT_MODE[policy], capacity=setup.CAPACITY[policy])
     layout = setup.device_layout(policy, [p], e)
     # One step's outputs and gradients equal the single-device reference's before timing.
-    check_against_reference(setup.EXPERT_MODE[policy], cfg, mesh, layout, params, x[:N])
-    fn, dev_params = build_layer(setup.EXPERT_MODE[policy], cfg, mesh, layout, params)
-    (_, dropped), _ = jax.block_until_ready(fn(dev_params, x_dev))   # compile + warm-up
+    row = jax.tree.map(lambda a: a[0], layout)
+    check_against_reference(cfg, mesh, row, params, x[:N])
+    fn, fn_args = layer_step(cfg, mesh), place_sharded(params, x_dev, row, mesh, cfg.expert_mode)
+    (_, (_, stats)), _ = jax.block_until_ready(fn(*fn_args))   # compile + warm-up
+    dropped = np.sum(stats.dropped_W)
     predicted = setup.predicted_dropped(policy, p, counts_WxE, args.tokens_per_device, k, cf)
     if int(dropped) != predicted:
       raise RuntimeError(f"{policy}: the layer dropped {int(dropped)} choices, the capacity "
                          f"arithmetic predicted {predicted}")
-    runs[policy] = {"run": lambda fn=fn, p=dev_params: fn(p, x_dev), "capacity_factor": cf,
+    runs[policy] = {"run": lambda fn=fn, a=fn_args: fn(*a), "capacity_factor": cf,
                     "dropped_fraction": int(dropped) / counts_WxE.sum(),
                     "tokens": N * args.tokens_per_device}
   return runs

@@ -10,9 +10,10 @@ gate): token x gets a constant feature that the router maps to log(popularity).
           `fsep` planner on this routing's counts (C slots per device, replicas of hot
           experts); capacity factor = the smallest that drops nothing under that layout.
 
-Both are timed side by side in interleaved rounds (median ms/iter). On CPU the 8 devices
-share the host's cores: the ratio reflects work (capacity rows computed and exchanged,
-plus fsep's restore), not network time.
+Both are built, checked against the single-device reference (at a factor that drops
+nothing) and timed side by side in interleaved rounds (median ms/iter) by the layer's harness
+(moejax.model.moe.harness). On CPU the 8 devices share the host's cores: the ratio reflects
+work (capacity rows computed and exchanged, plus fsep's restore), not network time.
 
   python -m benchmarks.layer.fsep_vs_ep [--json benchmarks/layer/results/fsep_vs_ep_cpu.json]
 """
@@ -20,16 +21,13 @@ plus fsep's restore), not network time.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import statistics
 import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks.common import command, start, write_result
 from moejax.config import Config, ModelConfig, MoEConfig
@@ -40,11 +38,14 @@ from moejax.layout.tables import (
   static_layout,
   to_placements,
 )
-from moejax.model.mesh import BATCH_AXES, logical_to_spec, mesh_of_shape
+from moejax.model.mesh import mesh_of_shape
 from moejax.model.moe import dispatch
-from moejax.model.moe.fsep_experts import FSEP_PARAM_AXES, restore_slot_weights
-from moejax.model.moe.layer import EXPERT_PARAM_AXES, ROUTER_AXES, moe_apply
-from moejax.model.moe.reference import moe_reference
+from moejax.model.moe.harness import (
+  check_against_reference,
+  interleaved_times,
+  layer_step,
+  place_sharded,
+)
 from moejax.placement.policies import get_policy
 from moejax.strategy.placement_cost import of_config
 
@@ -96,79 +97,6 @@ def needed_capacity_factor(slot_counts_WxS, tokens, top_k):
   return float(cf)
 
 
-def build(mode, cfg, mesh, layout, params):
-  """(jitted fwd + bwd of the layer's loss, its params on the mesh) for expert mode `mode`
-  and a one-layer `layout`; `params` in expert order. In ep a slot owns its weights, so slot
-  s gets expert `slot_expert[s]`'s; fsep restores them by the same table."""
-  rep = NamedSharding(mesh, P())
-  row = jax.device_put(jax.tree.map(lambda a: a[0], layout), rep)
-  if mode == "ep":
-    specs = {k: logical_to_spec(v) for k, v in EXPERT_PARAM_AXES.items()}
-    slot_expert = np.asarray(layout.slot_expert_LxS[0])
-    p = {k: jax.device_put(np.asarray(params[k])[slot_expert], NamedSharding(mesh, specs[k]))
-         for k in specs}
-  else:
-    specs = {k: logical_to_spec(v[1:]) for k, v in FSEP_PARAM_AXES.items()}
-    p = {k: jax.device_put(params[k], NamedSharding(mesh, specs[k])) for k in specs}
-  p["router"] = jax.device_put(params["router"], NamedSharding(mesh, logical_to_spec(ROUTER_AXES)))
-  slot_expert = jax.device_put(layout.slot_expert_LxS, rep)
-
-  def loss(p, x):
-    if mode == "ep":
-      slot_p = p
-    else:
-      w = restore_slot_weights({k: p[k][None] for k in FSEP_PARAM_AXES}, slot_expert, mesh)
-      slot_p = {"router": p["router"], **{k: v[0] for k, v in w.items()}}
-    y, st = moe_apply(slot_p, x, row, cfg, mesh)
-    return _objective(y, st.balance_loss), jnp.sum(st.dropped_W)
-
-  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)), p
-
-
-def _objective(y, balance_loss):
-  return 0.5 * jnp.mean(y * y) + 0.01 * balance_loss
-
-
-def expert_order(mode, grads, layout):
-  """The layer's parameter gradients in expert order (ep's are per slot)."""
-  out = {k: np.asarray(v) for k, v in grads.items()}
-  if mode == "ep":
-    order = np.argsort(np.asarray(layout.slot_expert_LxS[0]), kind="stable")
-    out.update({k: v[order] for k, v in out.items() if k != "router"})
-  return out
-
-
-def check_against_reference(mode, cfg, mesh, layout, params, x):
-  """Runs one fwd + bwd of the layer (built as `build` builds it) on `x` with a capacity
-  factor at which nothing drops, and compares the loss, the input gradient and every
-  parameter gradient with the single-device reference; raises on a difference."""
-  slots = layout.slot_expert_LxS.shape[1]
-  buffers = slots if cfg.capacity == "slot" else mesh.shape["expert"]     # per source
-  dropless = float(buffers)           # every buffer holds all of a source's T x K choices
-  fn, dev_params = build(mode, dataclasses.replace(cfg, capacity_factor=dropless), mesh,
-                         layout, params)
-  x_dev = jax.device_put(x, NamedSharding(mesh, P(BATCH_AXES)))
-  (loss, dropped), (g_params, g_x) = jax.device_get(fn(dev_params, x_dev))
-  if int(dropped):
-    raise RuntimeError(f"{mode}: the check dropped {int(dropped)} choices at factor {dropless}")
-
-  def ref_loss(p, x):
-    y, _, balance, _ = moe_reference(p, x, cfg.top_k, cfg.normalize_top_k)
-    return _objective(y, balance)
-
-  with jax.default_device(jax.devices("cpu")[0]):
-    ref, (ref_p, ref_x) = jax.device_get(jax.value_and_grad(ref_loss, argnums=(0, 1))(
-        jax.tree.map(jnp.asarray, params), jnp.asarray(x)))
-  got = expert_order(mode, g_params, layout)
-  pairs = [("loss", loss, ref), ("x", g_x, ref_x)] + [(k, got[k], ref_p[k]) for k in ref_p]
-  for name, a, b in pairs:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    scale = float(np.abs(b).max()) or 1.0
-    if not np.allclose(a, b, rtol=1e-4, atol=1e-5 * scale):
-      raise RuntimeError(f"{mode}: {name} differs from the single-device reference by "
-                         f"{float(np.abs(a - b).max()):.3g} (scale {scale:.3g})")
-
-
 def main(argv=None) -> int:
   args = parse_args(argv)
   n = 8
@@ -196,21 +124,18 @@ def main(argv=None) -> int:
   fsep_loads = placement_lib.split_loads(to_placements(fsep_layout, n)[0], counts)
   fsep_cf = needed_capacity_factor(fsep_loads, tokens, args.top_k)
 
-  x_dev = jax.device_put(x, NamedSharding(mesh, P(BATCH_AXES)))
   runs = {}
   for mode, layout, cf in (("ep", ep_layout, ep_cf), ("fsep", fsep_layout, fsep_cf)):
     cfg = MoEConfig(num_experts=args.experts, top_k=args.top_k, capacity_factor=cf,
                     d_ff=args.d_ff, expert_mode=mode)
-    check_against_reference(mode, cfg, mesh, layout, params, x[:n])
-    fn, p = build(mode, cfg, mesh, layout, params)
-    (_, dropped), _ = jax.block_until_ready(fn(p, x_dev))     # compile + warm-up
-    runs[mode] = {"fn": fn, "p": p, "cf": cf, "dropped": int(dropped), "times": []}
-  for i in range(args.steps):
-    for mode in (("ep", "fsep") if i % 2 == 0 else ("fsep", "ep")):
-      r = runs[mode]
-      t0 = time.perf_counter()
-      jax.block_until_ready(r["fn"](r["p"], x_dev))
-      r["times"].append(time.perf_counter() - t0)
+    layout_row = jax.tree.map(lambda a: a[0], layout)
+    check_against_reference(cfg, mesh, layout_row, params, x[:n])
+    call = (layer_step(cfg, mesh), place_sharded(params, x, layout_row, mesh, mode))
+    (_, (_, stats)), _ = jax.block_until_ready(call[0](*call[1]))     # compile + warm-up
+    runs[mode] = {"call": call, "cf": cf, "dropped": int(np.sum(stats.dropped_W))}
+  times = interleaved_times({mode: r["call"] for mode, r in runs.items()}, args.steps)
+  for mode, r in runs.items():
+    r["times"] = times[mode]
 
   rows = []
   print(f"{'mode':<6} {'capacity factor':>15} {'dropped':>8} {'ms/iter':>9} {'tokens/s':>10}")

@@ -9,6 +9,8 @@ gradients taken with respect to both the parameters and the input tokens, for
     mesh of 8 devices: route, fixed-capacity dispatch, all_to_all over the expert axis,
     per-slot SwiGLU, all_to_all back, combine.
 
+Both are built by the layer's harness (moejax.model.moe.harness), on its objective.
+
 `main`'s docstring says how.
 """
 
@@ -27,18 +29,20 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks.common import command, start, write_result
 from moejax.config import MoEConfig
 from moejax.layout.tables import static_layout
-from moejax.model.mesh import BATCH_AXES, logical_to_spec, mesh_of_shape
-from moejax.model.moe.layer import EXPERT_PARAM_AXES, ROUTER_AXES, moe_apply
-from moejax.model.moe.reference import moe_reference
+from moejax.model.mesh import mesh_of_shape
+from moejax.model.moe.harness import (
+  init_params,
+  interleaved_times,
+  layer_step,
+  place_sharded,
+  reference_step,
+)
 
 DEFAULT_JSON = "benchmarks/layer/results/moe_layer_cpu.json"
-BALANCE_W = 0.01
-Z_W = 1e-3
 
 
 def parse_mesh(text: str) -> tuple[int, int, int]:
@@ -71,46 +75,6 @@ def parse_args(argv=None) -> argparse.Namespace:
   if args.steps < 1:
     ap.error("--steps must be >= 1.")
   return args
-
-
-def init_params(key, d_model: int, d_ff: int, num_experts: int) -> dict:
-  """Same initialisers as MoELayer; expert weights in expert-id (= static slot) order."""
-  kr, kg, ku, kd = jax.random.split(key, 4)
-  normal = lambda k, shape, std: std * jax.random.normal(k, shape, jnp.float32)
-  return {
-      "router": normal(kr, (d_model, num_experts), 0.02),
-      "w_gate": normal(kg, (num_experts, d_model, d_ff), d_model ** -0.5),
-      "w_up": normal(ku, (num_experts, d_model, d_ff), d_model ** -0.5),
-      "w_down": normal(kd, (num_experts, d_ff, d_model), d_ff ** -0.5),
-  }
-
-
-def _loss(y, balance_loss, z_loss):
-  return 0.5 * jnp.mean(jnp.square(y.astype(jnp.float32))) + BALANCE_W * balance_loss \
-      + Z_W * z_loss
-
-
-def reference_step(cfg: MoEConfig):
-  def loss_fn(params, x):
-    y, _, bal, z = moe_reference(params, x, cfg.top_k, cfg.normalize_top_k)
-    return _loss(y, bal, z), (y, jnp.zeros((), jnp.int32))
-  return jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True))
-
-
-def sharded_step(cfg: MoEConfig, mesh):
-  def loss_fn(params, x, layout_row):
-    y, stats = moe_apply(params, x, layout_row, cfg, mesh)
-    return _loss(y, stats.balance_loss, stats.z_loss), (y, jnp.sum(stats.dropped_W))
-  return jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True))
-
-
-def place_sharded(params: dict, x, layout_row, mesh):
-  specs = {k: logical_to_spec(v) for k, v in EXPERT_PARAM_AXES.items()}
-  specs["router"] = logical_to_spec(ROUTER_AXES)
-  p = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
-  x = jax.device_put(x, NamedSharding(mesh, P(BATCH_AXES)))
-  slot = jax.device_put(layout_row, NamedSharding(mesh, P()))
-  return p, x, slot
 
 
 def main(argv=None) -> int:
@@ -169,10 +133,8 @@ def main(argv=None) -> int:
             f"over expert={shape[1]} / model={shape[2]}")
       continue
     mesh = mesh_of_shape(shape)
-    layout = static_layout(1, args.experts, shape[1])
-    configs[name] = (sharded_step(cfg, mesh), place_sharded(params_h, x_h,
-                                                            jax.tree.map(lambda a: a[0], layout),
-                                                            mesh),
+    layout_row = jax.tree.map(lambda a: a[0], static_layout(1, args.experts, shape[1]))
+    configs[name] = (layer_step(cfg, mesh), place_sharded(params_h, x_h, layout_row, mesh),
                      {"mesh": name, "kind": "sharded"})
 
   # Warm-up: compile ahead of time, then one untimed run whose outputs give the dropped
@@ -184,8 +146,9 @@ def main(argv=None) -> int:
     compiled = fn.lower(*fargs).compile()
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    (loss, (y, dropped)), _ = jax.block_until_ready(compiled(*fargs))
+    (loss, (y, aux)), _ = jax.block_until_ready(compiled(*fargs))
     first_s = time.perf_counter() - t0
+    dropped = 0 if name == "reference" else int(np.sum(aux.dropped_W))   # aux: counts, stats
     configs[name] = (compiled, fargs, meta)
     y = np.asarray(y)
     if name == "reference":
@@ -202,14 +165,7 @@ def main(argv=None) -> int:
 
   # Interleaved timing: each round runs every configuration once, order rotated per round.
   names = list(configs)
-  times: dict[str, list[float]] = {n: [] for n in names}
-  for step in range(args.steps):
-    shift = step % len(names)
-    for name in names[shift:] + names[:shift]:
-      fn, fargs, _ = configs[name]
-      t0 = time.perf_counter()
-      jax.block_until_ready(fn(*fargs))
-      times[name].append(time.perf_counter() - t0)
+  times = interleaved_times({n: configs[n][:2] for n in names}, args.steps)
 
   cfg_str = (f"T={args.tokens} (B={batch},L={args.seq_len}) D={args.d_model} F={args.d_ff} "
              f"E={args.experts} k={args.top_k} cf={args.capacity_factor}")
