@@ -9,18 +9,19 @@ import, found by importing until nothing was missing:
   pip install --no-deps maxtext==0.2.5 aqtp==0.9.0 qwix==0.1.8 tokamax==0.0.17 \\
       pathwaysutils==0.1.13 fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 \\
       pydantic-core==2.50.5 typing-inspection==0.4.5 annotated-types==0.8.0 \\
-      opentelemetry-api==1.45.2 uvicorn==0.54.0 immutabledict==4.3.1 fire==0.7.1 \\
-      termcolor==3.3.0 einshape==1.0 omegaconf==2.4.0 grain==0.2.18 portpicker==1.6.0 \\
-      array-record==0.8.6 drjax==0.2.1 \\
-      jinja2 markupsafe requests urllib3 certifi jaxtyping wadler-lindig six regex \\
-      safetensors 'transformers>=5.17' huggingface-hub httpx httpcore cloudpickle pyyaml \\
-      annotated-doc anyio h11
+      opentelemetry-api==1.45.2 uvicorn==0.54.0 immutabledict==4.3.1 einshape==1.0 \\
+      omegaconf==2.4.0 grain==0.2.18 portpicker==1.6.0 array-record==0.8.6 drjax==0.2.1 \\
+      jinja2 markupsafe requests urllib3 certifi idna click jaxtyping wadler-lindig regex \\
+      safetensors 'transformers>=5.17' huggingface-hub httpx httpcore filelock cloudpickle \\
+      pyyaml annotated-doc anyio h11
 
-The GPU image already holds the second group (its transformers 5.17.0 works). tokamax imports
-xprof (a 32 MB wheel) only for its profiling benchmark helper; without xprof an empty module
-stands in for it (`_stub_xprof`), so a GPU machine without network needs the first group
-only: 22 wheels, 25.7 MB (`python -m benchmarks.peer_maxtext --print_wheels DIR` prints the
-pip download command for cp312 manylinux x86_64 and the install command).
+moejax's own dependencies (jax 0.11, flax, orbax, tensorboardX, ...) are taken as there. The
+GPU image already holds the second group (its transformers 5.17.0 works). tokamax imports
+xprof (a 32 MB wheel, which would also pull fire and termcolor) only for its profiling
+benchmark helper; without xprof an empty module stands in for it (`_stub_xprof`), so a GPU
+machine without network needs the first group only: 20 wheels, 25.6 MB.
+`python -m benchmarks.peer_maxtext --print_wheels DIR` prints the pip command that downloads
+them for CPython 3.12 on manylinux x86_64, and the one that installs them.
 
 The layer's config is built as MaxText's own tests build it: `pyconfig.initialize` over its
 base.yml, with the fields RoutedMoE reads set to our layer's shape and options
@@ -51,15 +52,15 @@ PEER_WHEELS = (
     "maxtext==0.2.5", "aqtp==0.9.0", "qwix==0.1.8", "tokamax==0.0.17",
     "pathwaysutils==0.1.13", "fastapi==0.165.0", "starlette==1.10.0", "pydantic==2.14.4",
     "pydantic-core==2.50.5", "typing-inspection==0.4.5", "annotated-types==0.8.0",
-    "opentelemetry-api==1.45.2", "uvicorn==0.54.0", "immutabledict==4.3.1", "fire==0.7.1",
-    "termcolor==3.3.0", "einshape==1.0", "omegaconf==2.4.0", "grain==0.2.18",
-    "portpicker==1.6.0", "array-record==0.8.6", "drjax==0.2.1",
+    "opentelemetry-api==1.45.2", "uvicorn==0.54.0", "immutabledict==4.3.1", "einshape==1.0",
+    "omegaconf==2.4.0", "grain==0.2.18", "portpicker==1.6.0", "array-record==0.8.6",
+    "drjax==0.2.1",
 )
-PEER_WHEELS_BYTES = 25_740_463      # their total, measured when the list was pinned
+PEER_WHEELS_BYTES = 25_616_841      # their total, measured when the list was pinned
 GPU_IMAGE_HAS = (
-    "jinja2", "markupsafe", "requests", "urllib3", "certifi", "jaxtyping", "wadler-lindig",
-    "six", "regex", "safetensors", "transformers>=5.17", "huggingface-hub", "httpx", "httpcore",
-    "cloudpickle", "pyyaml", "annotated-doc", "anyio", "h11",
+    "jinja2", "markupsafe", "requests", "urllib3", "certifi", "idna", "click", "jaxtyping",
+    "wadler-lindig", "regex", "safetensors", "transformers>=5.17", "huggingface-hub", "httpx",
+    "httpcore", "filelock", "cloudpickle", "pyyaml", "annotated-doc", "anyio", "h11",
 )
 # grain's wheel is tagged manylinux_2_24/2_28, the other compiled ones manylinux2014 (2_17).
 WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",

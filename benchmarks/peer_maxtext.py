@@ -331,6 +331,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict | None:
   args = parse_args(argv)
+  start = time.perf_counter()
   if args.print_wheels:
     print(peer.download_command(args.print_wheels))
     print(peer.install_command(args.print_wheels))
@@ -361,6 +362,7 @@ def main(argv=None) -> dict | None:
       mesh = run_mesh(args, cfg, mt, devices, tokens, platform, out_dir)
       result["meshes"][str(devices)] = mesh
       print_mesh(devices, mesh)
+  result["wall_s"] = time.perf_counter() - start   # what a GPU run's budget must allow
   write_result(result, args.json or os.path.join(RESULTS, f"peer_maxtext_{platform}.json"))
   return result
 
