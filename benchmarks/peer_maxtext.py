@@ -312,7 +312,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                   help="Compute dtype of both layers (default: the config's, bfloat16).")
   ap.add_argument("--seed", type=int, default=0, help="Seed of weights and tokens.")
   ap.add_argument("--json", default="",
-                  help="Output JSON (default: benchmarks/results/peer_maxtext_PLATFORM.json).")
+                  help="Output JSON (default: benchmarks/results/peer_maxtext_cpu.json, or "
+                       "_gpu.json on a GPU).")
   ap.add_argument("--print_wheels", metavar="DIR", default="",
                   help="Print the pip commands that fetch MaxText's wheels into DIR and "
                        "install them, and exit.")
