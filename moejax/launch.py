@@ -15,7 +15,9 @@ def parser() -> ArgumentParser:
   p = ArgumentParser(
       prog="python -m moejax.launch", usage="python -m moejax.launch [options] -- command ...",
       description="Starts P processes of one multi-process JAX job on this machine, connected "
-                  "over loopback, and prefixes each output line with its process index.")
+                  "over loopback; passes their output on as it comes, each line (and each "
+                  "progress-bar redraw) prefixed with its process index, and if one fails, "
+                  "stops the others and names it with its exit code or signal.")
   p.add_argument("--processes", "-n", type=int, default=2,
                       help="How many processes to start (default 2).")
   p.add_argument("--devices_per_process", "-d", type=int, default=None,

@@ -1,6 +1,7 @@
 """`python -m moejax.plan`: the offline stage; ranks every strategy for a config on a hardware
-profile, picks a small pool and prints a summary: the best strategy, the pool and why, and the
-`train.py` command that trains it; `--all` adds the table of every strategy (library:
+profile, picks a small pool and prints a summary: the best strategy, the pool and why, the
+`train.py` command that trains it as planned (switching included) and how to launch it on the
+devices planned for; `--all` adds the table of every strategy (library:
 `moejax.strategy.offline`)."""
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ def parser() -> ArgumentParser:
                  help="A gin binding such as 'moe.num_experts = 16' (repeatable).")
   p.add_argument("--profile", default="h100_node",
                  help=f"The hardware profile: a preset ({', '.join(sorted(PRESETS))}), a JSON "
-                      "written by `python -m moejax.calibrate`, or a benchmarks/cost_model.py "
-                      "result (its fitted profile).")
+                      "written by `python -m moejax.calibrate`, or a "
+                      "benchmarks/strategy/cost_model.py result (its fitted profile).")
   p.add_argument("--devices", type=int, default=8,
                  help="The number of devices to plan for (default 8).")
   p.add_argument("--pool", type=int, default=4,
@@ -59,13 +60,18 @@ def parser() -> ArgumentParser:
                       "shares instead of even ones.")
   p.add_argument("--trace_steps", type=int, default=10,
                  help="How many of the trace's last steps make the observed load (default 10).")
+  p.add_argument("--every", type=int, default=50,
+                 help="How often, in steps, the trained run considers switching pool members: "
+                      "strategy.every in the printed command (default 50).")
+  p.add_argument("--gpus_per_host", type=int, default=8,
+                 help="GPUs per host, for the printed multi-host launch line (default 8).")
   p.add_argument("--json", default=None,
                  help="Also write every row and the pool to this JSON file.")
   p.add_argument("--all", action="store_true",
                  help="Print the table of every strategy ranked, after the summary.")
   p.add_argument("--verify", type=int, default=0, metavar="K",
                  help="Compile the top K candidates with XLA:GPU for the profile's GPU and "
-                      "--devices (no GPU needed; the gpu_aot extra) and print XLA's memory "
+                      "--devices (no GPU needed; the gpu-aot extra) and print XLA's memory "
                       "and the schedule's step estimate beside the predictions.")
   return p
 
@@ -90,6 +96,42 @@ def why(rows: list, pool: list, max_drop: float, regimes) -> list[str]:
   return lines
 
 
+def on_cpu(profile) -> bool:
+  """The profile prices fake CPU devices (the `cpu` preset, or one calibrated on CPU)."""
+  return profile.name == "cpu" or ":cpu" in profile.name
+
+
+def train_command(gin_files: list[str], user_bindings: list[str], pool: list, args, cfg,
+                  cpu: bool) -> str:
+  """The train.py command that trains `pool` as planned: the pool, its pipeline, the
+  switching period and the profile the switcher and the planner price with; on CPU as many
+  fake devices as were planned for."""
+  files = " ".join(f"--gin_file={shlex.quote(os.path.relpath(f))}" for f in gin_files)
+  bindings = [*user_bindings, *train_bindings(pool)]
+  if len(pool) > 1:
+    bindings.append(f"strategy.every = {args.every}")
+  bindings.append(f"strategy.profile = {args.profile!r}")
+  if cpu and cfg.mesh.host_device_count != args.devices:
+    bindings.append(f"mesh.host_device_count = {args.devices}")
+  return f"python train.py {files} " + " ".join(f'--gin_bindings="{b}"' for b in bindings)
+
+
+def launch_line(devices: int, cpu: bool, per_host: int) -> str:
+  """How to start the printed command on `devices` devices: one process per host, each with
+  all its GPUs (docs/guide/multi-host.md); on CPU one process faking them, or several."""
+  if cpu:
+    split = f" -d {devices // 2}" if devices % 2 == 0 else ""
+    return (f"launch: that command on this host's CPU ({devices} fake devices in one process); "
+            f"as 2 processes: python -m moejax.launch -n 2{split} -- followed by it")
+  if devices <= per_host:
+    return f"launch: that command on one host with {devices} GPUs"
+  hosts = -(-devices // per_host)
+  return (f"launch on {devices} GPUs, {hosts} hosts of up to {per_host}: srun --nodes={hosts} "
+          f"--ntasks-per-node=1 --gpus-per-node={per_host} followed by that command; without "
+          f"SLURM, that command on each host with JAX_COORDINATOR_ADDRESS=HOST0:PORT "
+          f"JAX_NUM_PROCESSES={hosts} JAX_PROCESS_ID=0..{hosts - 1} (docs/guide/multi-host.md)")
+
+
 def main(argv: list[str] | None = None) -> int:
   args = parser().parse_args(argv)
   gin_files = args.gin_file or [DEFAULT_GIN]
@@ -109,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
       raise ConfigError(f"--dispersion={dispersion} must be >= 1 (1 = independent tokens).")
     if args.devices < 1:
       raise ConfigError(f"--devices={args.devices} must be >= 1.")
+    if args.every < 1 or args.gpus_per_host < 1:
+      raise ConfigError(f"--every={args.every} and --gpus_per_host={args.gpus_per_host} must "
+                        "be >= 1.")
     rank_kwargs = dict(regimes=regimes, dispersion=dispersion, observed_LxE=observed)
     rows = rank(cfg, profile, args.devices, **rank_kwargs)
   except ConfigError as e:
@@ -135,10 +180,9 @@ def main(argv: list[str] | None = None) -> int:
   print("why (the pool covers the load regimes; with strategy.every > 0 the trainer switches "
         "among its members as the load changes):")
   print("\n".join(why(rows, pool, args.max_drop, regimes)))
-  files = " ".join(f"--gin_file={shlex.quote(os.path.relpath(f))}" for f in gin_files)
-  bindings = [*args.gin_bindings, *train_bindings(pool)]
-  print(f"train with: python train.py {files} " +
-        " ".join(f'--gin_bindings="{b}"' for b in bindings))
+  command = train_command(gin_files, args.gin_bindings, pool, args, cfg, on_cpu(profile))
+  print(f"train with: {command}")
+  print(launch_line(args.devices, on_cpu(profile), args.gpus_per_host))
   if args.all:
     print(table(rows, regimes))
   if args.json:

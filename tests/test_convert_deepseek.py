@@ -37,6 +37,7 @@ from moejax.model.mesh import mesh_of_shape, replicated  # noqa: E402
 from moejax.model.transformer import Transformer  # noqa: E402
 from moejax.train import step as step_lib  # noqa: E402
 from moejax.train.checkpoint import Checkpointer  # noqa: E402
+from moejax.train.loss import cross_entropy  # noqa: E402
 from moejax.train.optim import optimizer, schedule  # noqa: E402
 from moejax.train.programs import initial_layout  # noqa: E402
 from moejax.train.state import init_state, state_shardings  # noqa: E402
@@ -181,8 +182,9 @@ def test_logits_and_gradients_equal_transformers(variant, mode, tmp_path_factory
   x = tokens()
 
   def ce(p):
-    logits, stats = model.apply({"params": p}, x, biased)
-    return step_lib.cross_entropy(logits[:, :-1], x[:, 1:]), (logits, stats)
+    out, stats = model.apply({"params": p}, x, biased)
+    logits = (out[0] if cfg.model.mtp_depth else out).logits()
+    return cross_entropy(logits[:, :-1], x[:, 1:]), (logits, stats)
 
   (_, (logits, stats)), grads = jax.jit(jax.value_and_grad(ce, has_aux=True))(state.params)
   assert int(jnp.sum(stats.dropped_W)) == 0
@@ -198,7 +200,7 @@ def test_logits_and_gradients_equal_transformers(variant, mode, tmp_path_factory
         f"{float(np.abs(np.asarray(logits) - want).max()):.3g} at max |logit| "
         f"{float(np.abs(want).max()):.3g}")
   grads = to_canonical(grads, layout) if mode == "ep" else convert_tree(grads, "fsep", "ep")
-  grads.pop("mtp", None)      # the plain forward never runs the multi-token module
+  grads.pop("mtp", None)      # the multi-token head is not in this loss
   want_grads = hf_grads(hf_model, x, cfg, jax.tree.map(np.shape, grads))
   assert_trees_close(grads, want_grads, 2 * n + 2 * BATCH * SEQ)
   worst = max(jax.tree.leaves(jax.tree.map(

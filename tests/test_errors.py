@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -178,6 +180,33 @@ def test_vocab_smaller_than_data(tmp_path):
   assert_one_line(e, "token ids up to 300", "model.vocab_size=256", "model.vocab_size >= 301")
 
 
+def test_a_converted_model_without_data_path_stops_and_one_from_scratch_is_warned(tmp_path):
+  """data.path left out (an easy slip): the data is the byte corpus. A model with another
+  vocabulary from train.init_from's weights stops before anything compiles; one trained from
+  scratch is told that its other ids never occur."""
+  init = tmp_path / "converted"
+  (init / "hf").mkdir(parents=True)
+  (init / "hf" / "tokenizer.json").write_text("{}")
+  model = ModelConfig(vocab_size=512, d_model=32, num_layers=2, num_heads=2, d_ff=64,
+                      max_seq_len=32)
+  data = DataConfig(seq_len=32, global_batch_size=8, max_corpus_bytes=200_000)
+  cfg = tiny_config(tmp_path, model=model, data=data, train=TrainConfig(
+      run_dir=str(tmp_path / "run"), init_from=str(init), num_steps=1, progress_bar=False))
+  with pytest.raises(ConfigError) as e:
+    Trainer(cfg)
+  assert_one_line(e, "data.path is unset", "byte corpus (vocab_size=256)",
+                  "model.vocab_size=512", f"train.init_from={str(init)!r}",
+                  f"--tokenizer {init / 'hf' / 'tokenizer.json'}")
+  assert not (tmp_path / "run").exists()
+  scratch = tiny_config(tmp_path, model=model, data=data)
+  note = data_lib.byte_corpus_mismatch(scratch)   # what the trainer logs as a warning
+  assert note.startswith("data.path is unset: training on the built-in byte corpus"), note
+  assert "(vocab_size=256)" in note and "model.vocab_size=512" in note, note
+  for fine in (dataclasses.replace(scratch, model=dataclasses.replace(model, vocab_size=256)),
+               dataclasses.replace(cfg, data=dataclasses.replace(data, path="d.bin"))):
+    assert data_lib.byte_corpus_mismatch(fine) is None
+
+
 # --- gin / CLI ----------------------------------------------------------------------------------
 
 def test_unknown_gin_parameter():
@@ -232,7 +261,7 @@ def test_cli_bad_input_exits_2_with_one_line(args, needle):
   proc = subprocess.run([sys.executable, "train.py", *args], cwd=REPO_ROOT, capture_output=True,
                         text=True, timeout=120)
   assert proc.returncode == 2, (proc.stdout, proc.stderr)
-  lines = proc.stderr.splitlines()
+  lines = _our_lines(proc.stderr)
   assert len(lines) == 1, proc.stderr
   assert lines[0].startswith("error:") and needle in lines[0]
   assert "Traceback" not in proc.stderr
@@ -302,9 +331,18 @@ def _cli(*args, cwd=REPO_ROOT) -> subprocess.CompletedProcess:
                         timeout=300, env=env)
 
 
+# What XLA's C++ logging prints at JAX's start-up where its CUDA plugin is installed on a
+# host without a GPU ("Could not find cuda drivers"), JAX_PLATFORMS=cpu or not: not ours.
+_XLA_LOG = re.compile(r"^(WARNING: All log messages before absl::InitializeLog|[IWE]\d{4} )")
+
+
+def _our_lines(stderr: str) -> list[str]:
+  return [line for line in stderr.splitlines() if line.strip() and not _XLA_LOG.match(line)]
+
+
 def _one_error_line(proc, needle: str) -> None:
   assert proc.returncode == 2, (proc.stdout, proc.stderr)
-  lines = [line for line in proc.stderr.splitlines() if line.strip()]
+  lines = _our_lines(proc.stderr)
   assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
 
 

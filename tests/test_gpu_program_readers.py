@@ -87,8 +87,8 @@ def test_custom_calls_named_by_their_triton_kernel():
 def test_estimate_hides_the_async_exchange_behind_the_matmul():
   rates = est_lib.Rates.for_gpu("h100", "1x1x8")
   e = est_lib.estimate(parse(HLO), rates=rates)
-  matmul = est_lib.LAUNCH_S + max(2 * 512**3 / rates.flops_per_s,
-                                  3 * 512 * 512 * 2 / rates.hbm_bytes_per_s)
+  matmul = max(2 * 512**3 / rates.flops_per_s, 3 * 512 * 512 * 2 / rates.hbm_bytes_per_s,
+               rates.gpu.kernel_s.value)
   a2a = est_lib.collective_s("all-to-all", A2A_BYTES, "replica_groups={{0,1,2,3,4,5,6,7}}",
                              rates)
   # Per iteration the exchange runs beside the matmul; what it takes longer is exposed.
@@ -96,7 +96,11 @@ def test_estimate_hides_the_async_exchange_behind_the_matmul():
   assert e.exposed_by["restore_forward"] == pytest.approx(3 * max(a2a - matmul, 0.0))
   assert e.exposed_by["all-reduce"] == pytest.approx(e.comm_by["all-reduce"])   # synchronous
   assert e.exposed_by["all-gather"] == pytest.approx(e.comm_by["all-gather"])   # nothing between
-  assert e.step_s == pytest.approx(e.compute_s + e.exposed_comm_s)
+  # The step: kernels, the exposed communication, and the GPU's idle time (per step and
+  # per loop iteration).
+  idle = rates.gpu.step_idle_s.value + 3 * rates.gpu.iteration_idle_s.value
+  assert e.by_category["idle"] == pytest.approx(idle)
+  assert e.step_s == pytest.approx(e.compute_s + e.exposed_comm_s + idle)
 
 
 def test_estimate_splits_compute_by_model_part():

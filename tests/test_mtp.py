@@ -56,7 +56,8 @@ def mtp_reference(params, h_BxQxD, next_BxQ, after_next_BxQ1, model_cfg, moe_cfg
 def reference_loss(params, model, batch_BxQ1, layout, model_cfg, moe_cfg):
   """The main model's loss (its own path) plus the reference module's weighted terms."""
   inputs = batch_BxQ1[:, :-1]
-  h, stats = model.apply({"params": params}, inputs, layout, hidden=True)
+  (head, _), stats = model.apply({"params": params}, inputs, layout)
+  h = head.h_BxQxD
   logits = h @ params["unembed"]
   ce = cross_entropy(logits, batch_BxQ1[:, 1:])
   mtp_ce, bal, z = mtp_reference(params, h, batch_BxQ1[:, 1:], batch_BxQ1[:, 2:], model_cfg,

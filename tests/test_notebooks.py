@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 
 import pytest
 
@@ -26,6 +27,18 @@ def test_there_are_notebooks_and_they_hold_no_outputs():
     code = [c for c in nb["cells"] if c["cell_type"] == "code"]
     assert code and all(not c["outputs"] and c["execution_count"] is None for c in code), path
     assert "xla_force_host_platform_device_count=8" in "".join(code[0]["source"]), path
+
+
+def test_every_markdown_cell_opens_with_a_heading_that_renders():
+  """A markdown cell is shown as Markdown: its first line is a `#` heading, not a leftover
+  cell marker such as `md` before it (which shows the `#` as text)."""
+  for path in NOTEBOOKS:
+    with open(path) as f:
+      cells = [c for c in json.load(f)["cells"] if c["cell_type"] == "markdown"]
+    assert cells, path
+    for cell in cells:
+      first = "".join(cell["source"]).splitlines()[0]
+      assert re.fullmatch(r"#{1,6} \S.*", first), f"{os.path.basename(path)}: {first!r}"
 
 
 @pytest.mark.slow

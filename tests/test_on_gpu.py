@@ -8,15 +8,16 @@ import sys
 
 import pytest
 
-from benchmarks.gpu_train_step import flops_per_token, load_config
+from benchmarks.gpu.gpu_train_step import flops_per_token, load_config
 
 
 def test_flops_per_token_counts_active_experts_only():
   """Twice the experts at the same top-k and width adds only the router's FLOPs."""
   import dataclasses
   cfg = load_config(True, 1)
-  more = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, num_experts=8))
-  router = 6 * cfg.model.d_model * 4 * (cfg.model.num_layers // cfg.moe.moe_every)
+  experts = cfg.moe.num_experts
+  more = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, num_experts=2 * experts))
+  router = 6 * cfg.model.d_model * experts * (cfg.model.num_layers // cfg.moe.moe_every)
   assert flops_per_token(more) - flops_per_token(cfg) == router
 
 
@@ -24,7 +25,7 @@ def test_flops_per_token_counts_active_experts_only():
 def test_dry_run_reports_every_step(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["JAX_PLATFORMS"] = "cpu"
-  proc = subprocess.run([sys.executable, "-m", "benchmarks.on_gpu", "--dry_run", "--budget_s",
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu.on_gpu", "--dry_run", "--budget_s",
                          "900", "--out", str(tmp_path)], capture_output=True, text=True,
                         env=env, timeout=1200)
   assert proc.returncode == 0, proc.stderr[-2000:]
@@ -43,3 +44,20 @@ def test_dry_run_reports_every_step(tmp_path):
   ablations = {r["path"] for r in steps["train_steps"]["ablations"]}
   assert any(p.endswith("plain loss") for p in ablations)
   assert (tmp_path / "best_step_hlo.txt.gz").exists()   # the fastest path's scheduled HLO
+
+
+def test_flops_per_token_counts_grouped_kv_heads_and_head_dim():
+  """Mixtral's cut (GQA 32/8 of dim 128): q and o are d x 4096 each, k and v d x 1024 each;
+  Qwen3's (head dim 128 x 32 heads = 4096, twice d_model): the scores span H x Dh, not d."""
+  import dataclasses
+  cfg = load_config(False, 1, "mixtral_2l")
+  fewer_kv = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_kv_heads=4))
+  d, layers = cfg.model.d_model, cfg.model.num_layers
+  assert flops_per_token(cfg) - flops_per_token(fewer_kv) == 6 * layers * 2 * d * 4 * 128
+  qwen = load_config(False, 1, "qwen3_4l")
+  m = qwen.model
+  wider = dataclasses.replace(qwen, model=dataclasses.replace(m, head_dim=2 * m.head_dim))
+  width = m.num_heads * m.head_dim
+  extra = m.num_layers * (6 * (2 * m.d_model * width + 2 * m.d_model * m.num_kv_heads *
+                                m.head_dim) + 6 * qwen.data.seq_len * width)
+  assert flops_per_token(wider) - flops_per_token(qwen) == extra

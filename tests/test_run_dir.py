@@ -284,6 +284,27 @@ def test_a_run_stopped_before_its_first_checkpoint_starts_over_without_asking(tm
   assert history.earlier_run(str(tmp_path), every=10) == "metrics.jsonl up to step 20"
 
 
+def test_a_rerun_with_no_checkpoint_yet_says_so(tmp_path, monkeypatch, caplog):
+  """A 30-step run killed at step 24 with checkpoint.every = 100 saved nothing: its rerun
+  starts at step 0 and says why, before anything compiles (the build is left out here)."""
+  from moejax.train.trainer import Trainer
+  from tests.run_config import tiny_config
+
+  run_dir = tmp_path / "run"
+  monkeypatch.setattr(Trainer, "_build", lambda self, *args: None)
+  with caplog.at_level("INFO", logger="moejax"):
+    Trainer(tiny_config(run_dir, num_steps=30, every=100)).close()
+  assert not [r for r in caplog.records if "no checkpoint" in r.getMessage()]   # a first start
+  _earlier_metrics(run_dir, steps=25)
+  caplog.clear()
+  with caplog.at_level("INFO", logger="moejax"):
+    Trainer(tiny_config(run_dir, num_steps=30, every=100)).close()
+  said = [r.getMessage() for r in caplog.records if "no checkpoint" in r.getMessage()]
+  assert said == [f"starting at step 0: no checkpoint in {run_dir / 'checkpoints'} yet (an "
+                  "earlier start reached step 24; the first save is at step 100, "
+                  "checkpoint.every), so its steps are redone"], caplog.records
+
+
 def test_metrics_of_redone_steps_are_kept_aside(tmp_path):
   """A resume from step 3 redoes steps 3 and 4: their old records move to
   metrics.redone.jsonl, the ones before stay, the torn last line goes."""

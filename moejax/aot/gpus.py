@@ -5,7 +5,7 @@ compiles against (SM count, shared memory, registers, HBM size and bandwidth, co
 capability, CUDA runtime and cuDNN versions). `compile_only_devices` turns one into a
 topology of devices that can be compiled for but hold no data: "1x1x8" is one host of 8 GPUs,
 "8x1x8" eight such hosts (the fields are slices x hosts per slice x devices per host).
-The rates beside each target are the published peaks the schedule estimate uses.
+What a GPU sustains (the estimates' rates) is moejax.strategy.hardware's table.
 """
 
 from __future__ import annotations
@@ -13,42 +13,39 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import os
 import pathlib
+import re
 
 from moejax.config import ConfigError
 
 TARGETS = pathlib.Path(__file__).resolve().parent / "targets"
 
 
+# The targets (moejax/aot/targets/NAME.txtpb); the *_real_* files are dumps of real GPUs kept
+# beside them, which this jax may not parse.
+GPUS = ("h100", "h200")
+
+
 @dataclasses.dataclass(frozen=True)
 class Gpu:
   name: str
   memory_bytes: float            # device memory XLA may use (the target's device_memory_size)
-  bf16_flops_per_s: float        # dense bf16 tensor-core peak
-  hbm_bytes_per_s: float         # HBM peak
-  nvlink_bytes_per_s: float      # NVLink, one direction, per GPU (within a host)
-  fabric_bytes_per_s: float      # the inter-host network per GPU (one 400 Gb/s NIC each)
-
-
-# NVIDIA's datasheets (SXM parts): 989 TFLOP/s dense bf16; HBM3 3.35 TB/s (H100),
-# HBM3e 4.8 TB/s (H200); NVLink 4 900 GB/s both directions (450 per direction); one
-# ConnectX-7 400 Gb/s (50 GB/s) NIC per GPU in DGX/HGX nodes.
-GPUS = {
-    "h100": Gpu("h100", 85520809984, 989e12, 3.35e12, 450e9, 50e9),
-    "h200": Gpu("h200", 150754820096, 989e12, 4.8e12, 450e9, 50e9),
-}
-
-
-def gpu(name: str) -> Gpu:
-  if name not in GPUS:
-    raise ConfigError(f"gpu={name!r} has no compile target; use one of {sorted(GPUS)} "
-                      f"(or add moejax/aot/targets/{name}.txtpb and a GPUS entry).")
-  return GPUS[name]
 
 
 def target_config(name: str) -> str:
   """The target's GpuTargetConfigProto text."""
-  return (TARGETS / f"{gpu(name).name}.txtpb").read_text()
+  if name not in GPUS:
+    raise ConfigError(f"gpu={name!r} has no compile target; use one of {list(GPUS)} (or add "
+                      f"moejax/aot/targets/{name}.txtpb and name it in moejax.aot.gpus.GPUS).")
+  return (TARGETS / f"{name}.txtpb").read_text()
+
+
+@functools.cache
+def gpu(name: str) -> Gpu:
+  """GPU `name` as its target describes it."""
+  memory = re.search(r"device_memory_size:\s*(\d+)", target_config(name))
+  return Gpu(name, float(memory.group(1)))
 
 
 def has_cuda_plugin() -> str | None:
@@ -57,7 +54,7 @@ def has_cuda_plugin() -> str | None:
       importlib.util.find_spec("jax_plugins.xla_cuda12") or
       importlib.util.find_spec("jax_plugins.xla_cuda13")):
     return None
-  return "JAX's CUDA plugin is not installed: pip install -e '.[gpu_aot]'"
+  return "JAX's CUDA plugin is not installed: pip install -e '.[gpu-aot]'"
 
 
 def parse_topology(topology: str) -> tuple[int, int, int]:
@@ -69,6 +66,18 @@ def parse_topology(topology: str) -> tuple[int, int, int]:
   return slices, hosts, per_host
 
 
+def cpu_unless_chosen() -> None:
+  """On a host without a GPU, JAX starts on CPU unless the user chose platforms
+  (JAX_PLATFORMS): compile-only devices need no GPU platform, and JAX's CUDA plugin, started
+  where there is no GPU (or other CUDA libraries), fails, and takes the compile-only topology
+  with it. No effect once JAX's backends have started."""
+  import jax
+
+  if (not os.environ.get("JAX_PLATFORMS") and not jax.config.jax_platforms and
+          not os.path.exists("/dev/nvidiactl")):
+    jax.config.update("jax_platforms", "cpu")
+
+
 @functools.cache
 def compile_only_devices(name: str = "h100", topology: str = "1x1x8") -> tuple:
   """The devices of `topology` of GPU `name`, compile-only (no data can be put on them)."""
@@ -77,8 +86,13 @@ def compile_only_devices(name: str = "h100", topology: str = "1x1x8") -> tuple:
   parse_topology(topology)
   if why := has_cuda_plugin():
     raise ConfigError(why)
-  desc = topologies.get_topology_desc(platform="cuda", target_config=target_config(name),
-                                      topology=topology)
+  cpu_unless_chosen()
+  try:
+    desc = topologies.get_topology_desc(platform="cuda", target_config=target_config(name),
+                                        topology=topology)
+  except NotImplementedError as e:   # the CUDA plugin failed when JAX started
+    raise ConfigError(f"no compile-only CUDA topology ({e}): JAX started its CUDA plugin, which "
+                      "failed on this host; set JAX_PLATFORMS=cpu before JAX starts.") from None
   return tuple(desc.devices)
 
 

@@ -102,8 +102,8 @@ class Module:
     while stack:
       comp = stack.pop()
       for ins in self.computations[comp]:
-        if ins.opcode in ("fusion", "reduce", "all-reduce-start", "all-reduce", "sort",
-                          "scatter", "map", "reduce-window", "select-and-scatter",
+        if ins.opcode in ("fusion", "fusion-start", "reduce", "all-reduce-start", "all-reduce",
+                          "sort", "scatter", "map", "reduce-window", "select-and-scatter",
                           "reduce-scatter"):
           continue                                    # computations of one kernel
         trip = ins.trip_count() if ins.opcode == "while" else 1

@@ -43,7 +43,8 @@ class Collective:
     return "transpose(" in self.op_name
 
 
-def _kind(ins: Instr, module: Module) -> str | None:
+def collective_kind(ins: Instr, module: Module) -> str | None:
+  """The collective an instruction starts or runs (an async wrapper's inner one), else None."""
   op = ins.opcode.removesuffix("-start")
   if op in KINDS:
     return op
@@ -112,7 +113,7 @@ def collectives(module: Module | str) -> list[Collective]:
     instrs = module.computations[comp]
     position = {ins.name: i for i, ins in enumerate(instrs)}
     for i, ins in enumerate(instrs):
-      kind = _kind(ins, module)
+      kind = collective_kind(ins, module)
       if kind is None:
         continue
       between, size = [], ins.bytes()

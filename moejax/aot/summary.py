@@ -1,4 +1,4 @@
-"""One compiled GPU program in numbers: the row `benchmarks.gpu_program` writes and
+"""One compiled GPU program in numbers: the row `benchmarks.gpu.gpu_program` writes and
 `moejax.plan --verify` prints."""
 
 from __future__ import annotations
@@ -32,6 +32,6 @@ def summarize(gp: GpuProgram) -> dict:
       "exposed_comm_s": est.exposed_comm_s, "step_s": est.step_s,
       "compute_s": est.compute_s, "comm_s": est.comm_s,
       "comm_s_by": est.comm_by, "exposed_s_by": est.exposed_by,
-      "compute_s_by": est.compute_by,
+      "compute_s_by": est.compute_by, "step_s_by_category": est.by_category,
       "kernels": read.kernels(module), "attention": gp.attention,
   }

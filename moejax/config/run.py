@@ -23,6 +23,9 @@ class DataConfig:
   seed: int = 0
 
 
+BF16_MOMENT_MAX_BETA = 0.99   # 1 - beta >= 2^-7: two rounding steps of a bfloat16 moment
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
   learning_rate: float = 3e-3
@@ -33,6 +36,23 @@ class OptimConfig:
   b2: float = 0.95
   grad_clip_norm: float = 1.0
   decay_steps: int = 0   # cosine horizon; 0: train.num_steps at the start (saved, kept on resume)
+  # Adam's mu and nu: "float32", or "bfloat16" (half their memory and optimizer bytes; the
+  # moments are updated in float32 and rounded when stored).
+  moments_dtype: str = "float32"
+
+  def validate(self) -> None:
+    if self.moments_dtype not in ("float32", "bfloat16"):
+      raise ConfigError(f"optim.moments_dtype={self.moments_dtype!r} is not supported; use "
+                        "'float32' or 'bfloat16'.")
+    # bfloat16 keeps 8 significant bits: a moment's per-step change of (1 - b) of itself is
+    # lost to rounding once it falls under about 2^-8, and the moment stops following the
+    # gradients.
+    if self.moments_dtype == "bfloat16" and max(self.b1, self.b2) > BF16_MOMENT_MAX_BETA:
+      raise ConfigError(
+          f"optim.moments_dtype='bfloat16' with optim.b1={self.b1}, optim.b2={self.b2}: a "
+          f"bfloat16 moment cannot follow an update of (1 - beta) < "
+          f"{1 - BF16_MOMENT_MAX_BETA:.2g} of itself; use betas <= {BF16_MOMENT_MAX_BETA} or "
+          "optim.moments_dtype = 'float32'.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +98,10 @@ class PlannerConfig:
   fsep_plan_for: str = "spread"   # fsep: plan for the window's spread, or "mean" (its mean load)
   fsep_locality: bool = True      # fsep: each device's own tokens to its own replica first
   # Consider a re-plan after every finished step and switch a layer when its predicted compute
-  # gain over `every` steps (fsep_every under fsep) beats the migration of what moves.
-  adaptive: bool = False
+  # gain over `every` steps (fsep_every under fsep) beats the migration of what moves. None:
+  # the expert mode's default, on where a switch moves no weights (fsep: every better plan
+  # pays), off where it moves weights and Adam moments (ep: the fixed period).
+  adaptive: bool | None = None
 
   def validate(self, expert_mode: str = "ep") -> None:
     allowed = {"ep": ("static", "smartmoe"), "fsep": ("static", "fsep")}[expert_mode]
@@ -93,9 +115,10 @@ class PlannerConfig:
                         "every >= 0, fsep_every >= 0, window >= 1, min_gain >= 0.")
     if not isinstance(self.fresh, bool):
       raise ConfigError(f"planner.fresh={self.fresh!r} must be True or False.")
-    if not isinstance(self.adaptive, bool):
-      raise ConfigError(f"planner.adaptive={self.adaptive!r} must be True or False; True "
-                        "prices every step's re-plan against its migration.")
+    if self.adaptive is not None and not isinstance(self.adaptive, bool):
+      raise ConfigError(f"planner.adaptive={self.adaptive!r} must be True, False or None (the "
+                        "expert mode's default); True prices every step's re-plan against its "
+                        "migration.")
     if isinstance(self.lag, bool) or not isinstance(self.lag, int) or self.lag < 0:
       raise ConfigError(f"planner.lag={self.lag!r} must be an integer >= 0 (0 applies a re-plan "
                         "at once; 1 plans it while the next step trains).")
@@ -155,6 +178,7 @@ class Config:
       check_field_types(field.name, getattr(self, field.name))
     check_ranges(self)
     self.moe.validate()
+    self.optim.validate()
     self.planner.validate(self.moe.expert_mode)
     self.strategy.validate()
     self.model.validate(self.moe)

@@ -4,8 +4,7 @@
 needs) and `meta.json` says how they were made; `data.path` = that directory trains on them
 (moejax.train.data reads the format). Input is streamed in chunks, so memory stays bounded
 whatever the input's size. A package rather than one module: the shell, the input stream and
-the tokenizers are three concerns, and moejax/ keeps at most 8 top-level modules
-(docs/decisions/0031).
+the tokenizers are three concerns (docs/decisions/0031).
 """
 
 from moejax.prepare_data.encoders import ByteEncoder, HFEncoder, load_encoder, train_bpe

@@ -9,7 +9,9 @@ environment describes more than one process:
   (`mpirun`, `OMPI_COMM_WORLD_SIZE` > 1); `MOEJAX_DISTRIBUTED=1` forces detection for the
   other clusters JAX knows, `MOEJAX_DISTRIBUTED=0` turns all of this off.
 
-On CPU, cross-process collectives go through gloo, so the same path runs on one machine.
+On CPU, cross-process collectives go through gloo, so the same path runs on one machine; the
+lines Gloo prints to stdout for every communicator that reached all its peers are left out
+(`moejax.runtime.streams`), as the launcher leaves them out.
 """
 
 from __future__ import annotations
@@ -83,6 +85,10 @@ def maybe_initialize(env=None) -> bool:
 
   if jax.distributed.is_initialized():
     return True
+  from moejax.runtime import streams, xla_flags
+
+  if xla_flags.platform_before_init(os.environ, xla_flags.installed_jax_plugins()) == "cpu":
+    streams.filter_own_stdout()   # Gloo's "connected" lines, as the launcher leaves them out
   # Harmless off CPU; on CPU it makes cross-process collectives work at all.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   try:

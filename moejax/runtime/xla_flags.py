@@ -4,7 +4,10 @@ XLA reads XLA_FLAGS once, when JAX creates its first backend, so the choice is m
 environment and the installed JAX plugins, without asking JAX which devices exist:
 
   cpu  `--xla_force_host_platform_device_count=N` (N = mesh.host_device_count > 1): N fake
-       devices for the mesh, as the tests and benchmarks use.
+       devices for the mesh, as the tests and benchmarks use. In a run of P processes
+       (JAX_NUM_PROCESSES, moejax.runtime.distributed) each fakes N / P when P divides N, so
+       the mesh has N devices however many processes share it, as under
+       `python -m moejax.launch -n P -d N/P`.
   gpu  XLA's latency-hiding scheduler, so that collectives (the MoE all-to-alls, the
        gradient all-reduces) are scheduled to overlap independent compute, up to four at
        once; ragged_all_to_all decomposed (see GPU_FLAGS).
@@ -19,7 +22,8 @@ import importlib.util
 import pkgutil
 from collections.abc import Iterable, Mapping
 
-__all__ = ["GPU_FLAGS", "default_xla_flags", "installed_jax_plugins", "platform_before_init"]
+__all__ = ["GPU_FLAGS", "default_xla_flags", "installed_jax_plugins", "platform_before_init",
+           "process_count"]
 
 # Names as XLA's debug_options_flags.cc registers them; XLA aborts at start-up on an unknown
 # flag, and tests/test_gpu_config.py starts JAX with these to check the installed jaxlib.
@@ -64,12 +68,26 @@ def platform_before_init(env: Mapping[str, str], plugins: Iterable[str]) -> str:
   return "gpu" if gpu else "cpu"
 
 
+def process_count(env: Mapping[str, str]) -> int:
+  """P of an explicit multi-process run (`JAX_NUM_PROCESSES` beside the coordinator's address
+  and a process id), else 1. Bad values count as 1 here: moejax.runtime.distributed stops on
+  them with one line."""
+  names = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+  if env.get("MOEJAX_DISTRIBUTED") == "0" or not all(n in env for n in names):
+    return 1
+  count = env["JAX_NUM_PROCESSES"].strip()
+  return int(count) if count.isdigit() and int(count) > 0 else 1
+
+
 def default_xla_flags(env: Mapping[str, str], platform: str,
                       host_device_count: int) -> str | None:
   """The XLA_FLAGS to set for `platform`, or None: the user set XLA_FLAGS, or none is needed.
   On GPU the host-device flag is kept when asked for (it only affects the CPU platform)."""
   if "XLA_FLAGS" in env:
     return None
+  processes = process_count(env)
+  if platform == "cpu" and processes > 1 and host_device_count % processes == 0:
+    host_device_count //= processes   # the mesh's devices, shared by the processes
   flags = []
   if host_device_count > 1:
     flags.append(f"--xla_force_host_platform_device_count={host_device_count}")

@@ -4,7 +4,8 @@ The step time comes from FLOPs (matmuls), bytes touched (elementwise work), and 
 every collective (token all_to_all, FSEP restore, gradient and tensor-parallel reductions),
 given the expected expert load: dense dispatch computes its fixed capacity and drops what
 overflows it; ragged dispatch computes the busiest device's rows. Presets come from public
-specs; `python -m moejax.calibrate` fits a profile to the current machine by micro-benchmarks.
+specs and measurements (the GPUs': moejax.strategy.hardware's table, with sources);
+`python -m moejax.calibrate` fits a profile to the current machine by micro-benchmarks.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from moejax.config import ConfigError
 from moejax.layout import capacity
 from moejax.placement.fsep import dhondt_counts
 from moejax.strategy import calls, stages
+from moejax.strategy.hardware import GPU_RATES
 from moejax.strategy.memory import (
   FP32,
   activation_bytes,
@@ -72,7 +74,7 @@ class HardwareProfile:
 
 def load_profile(name_or_path: str) -> HardwareProfile:
   """A preset name (see PRESETS), a JSON file written by `python -m moejax.calibrate`, or a
-  `benchmarks/cost_model.py` result (its whole-step fitted `profile`)."""
+  `benchmarks/strategy/cost_model.py` result (its whole-step fitted `profile`)."""
   if name_or_path in PRESETS:
     return PRESETS[name_or_path]
   try:
@@ -87,31 +89,38 @@ def load_profile(name_or_path: str) -> HardwareProfile:
                       "`python -m moejax.calibrate --out profile.json`.") from None
 
 
-# Public peak specs x a sustained fraction (0.7 for HBM, about half the per-direction link
-# bandwidth for all_to_all). Matmuls: H100 SXM's 989 TFLOP/s bf16 peak x the fractions one
-# H100 measured (benchmarks/results/gmm_tiles_h100.json, which names the jax; tokens 131072, d 1024,
-# expert width 2048): 0.65 for XLA's dense dot (635-653 TFLOP/s), 0.40 for moejax's grouped
-# kernel with its Hopper tiles (353-438). The A100 presets keep an assumed 0.5 (not measured).
-# "node": 8 GPUs on NVLink; "cluster": the expert all_to_all crosses nodes on InfiniBand
-# (A100: 200 Gb/s per GPU, H100: 400 Gb/s per GPU).
-_H100_DOT, _H100_GROUPED = 0.65 * 989e12, 0.40 * 989e12
+# The H100 presets read moejax.strategy.hardware's table (each rate with its source): the
+# sustained dense-dot and grouped-kernel rates and the HBM rate measured on one H100, the
+# collective rates and latencies of its links. "node": 8 GPUs on NVLink; "cluster": the
+# expert all_to_all crosses nodes on the network. The A100 presets keep assumed rates
+# (0.5 of the 312 TFLOP/s peak, 0.7 of HBM; A100: 200 Gb/s per GPU across nodes).
+_H100 = GPU_RATES["h100"]
+_H100_DOT, _H100_GROUPED = _H100.gemm_flops_per_s.value, _H100.grouped_flops_per_s.value
+_H100_HBM = _H100.hbm_bytes_per_s.value
+_NODE, _CLUSTER = _H100.node, _H100.cluster
 PRESETS = {
     "a100_node": HardwareProfile("a100_node", 156e12, 1.4e12, 120e9, 150e9, 25e-6, 2e-3,
                                  80 * 2**30, overlap_param_comm=True),
     "a100_cluster": HardwareProfile("a100_cluster", 156e12, 1.4e12, 20e9, 40e9, 40e-6, 2e-3,
                                     80 * 2**30, overlap_param_comm=True),
-    "h100_node": HardwareProfile("h100_node", _H100_DOT, 2.3e12, 200e9, 250e9, 20e-6, 1.5e-3,
+    "h100_node": HardwareProfile("h100_node", _H100_DOT, _H100_HBM, _NODE.a2a_bytes_per_s.value,
+                                 _NODE.reduce_bytes_per_s.value, _NODE.latency_s.value, 1.5e-3,
                                  80 * 2**30, overlap_param_comm=True,
                                  grouped_flops_per_s=_H100_GROUPED),
-    "h100_cluster": HardwareProfile("h100_cluster", _H100_DOT, 2.3e12, 40e9, 80e9, 30e-6,
+    "h100_cluster": HardwareProfile("h100_cluster", _H100_DOT, _H100_HBM,
+                                    _CLUSTER.a2a_bytes_per_s.value,
+                                    _CLUSTER.reduce_bytes_per_s.value, _CLUSTER.latency_s.value,
                                     1.5e-3, 80 * 2**30, overlap_param_comm=True,
                                     grouped_flops_per_s=_H100_GROUPED),
     # Nodes of 8 H100s with the expert axis inside a node (NVLink all_to_all, as h100_node)
-    # and the data and stage axes across nodes (InfiniBand gradient reduce and stage sends,
-    # as h100_cluster's reduce and all_to_all rates).
-    "h100_ep_node": HardwareProfile("h100_ep_node", _H100_DOT, 2.3e12, 200e9, 80e9, 30e-6,
+    # and the data and stage axes across nodes (the network's gradient reduce and stage
+    # sends, as h100_cluster's reduce and all_to_all rates).
+    "h100_ep_node": HardwareProfile("h100_ep_node", _H100_DOT, _H100_HBM,
+                                    _NODE.a2a_bytes_per_s.value,
+                                    _CLUSTER.reduce_bytes_per_s.value, _CLUSTER.latency_s.value,
                                     1.5e-3, 80 * 2**30, overlap_param_comm=True,
-                                    p2p_bytes_per_s=40e9, grouped_flops_per_s=_H100_GROUPED),
+                                    p2p_bytes_per_s=_CLUSTER.a2a_bytes_per_s.value,
+                                    grouped_flops_per_s=_H100_GROUPED),
     # Uncalibrated guess for fake CPU devices (2 cores); run `python -m moejax.calibrate`.
     "cpu": HardwareProfile("cpu", 30e9, 5e9, 2e9, 2e9, 50e-6, 5e-3, 8 * 2**30, 2.0),
 }

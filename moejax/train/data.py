@@ -176,6 +176,28 @@ def resolve_vocab(cfg: Config, data_vocab: int) -> Config:
   return cfg
 
 
+def byte_corpus_mismatch(cfg: Config) -> str | None:
+  """With data.path unset the data is the built-in byte corpus (256 ids). A model of another
+  vocabulary whose weights come from train.init_from (a converted model) has nothing to learn
+  from it: a ConfigError. A model from scratch does learn (its other ids never occur): the
+  warning to give, naming both vocabularies. None when the two agree."""
+  vocab = cfg.model.vocab_size
+  if cfg.data.path is not None or vocab in (0, BYTE_VOCAB):
+    return None
+  if cfg.train.init_from:
+    tokenizer = os.path.join(cfg.train.init_from, "hf", "tokenizer.json")
+    if not os.path.isfile(tokenizer):
+      tokenizer = "the model's tokenizer.json"
+    raise ConfigError(f"data.path is unset, so the data is the built-in byte corpus (vocab_size="
+                      f"{BYTE_VOCAB}), but model.vocab_size={vocab} is the vocabulary of the "
+                      f"weights of train.init_from={cfg.train.init_from!r}; set data.path to "
+                      "text prepared with its tokenizer (python -m moejax.prepare_data "
+                      f"--tokenizer {tokenizer}).")
+  return (f"data.path is unset: training on the built-in byte corpus (vocab_size={BYTE_VOCAB}) "
+          f"with model.vocab_size={vocab}, so ids {BYTE_VOCAB}..{vocab - 1} never occur; set "
+          "data.path to your prepared data, or model.vocab_size = 0 to take the corpus's")
+
+
 def declared_vocab(cfg: DataConfig) -> int | None:
   """The vocab size the data names without being read (None: a token file's largest id)."""
   if cfg.path is None:

@@ -16,7 +16,7 @@ from moejax.config import Config, ConfigError
 from moejax.train.lock import LOCK_NAME
 
 __all__ = ["TRAINING_FIELDS", "decay_steps", "earlier_run", "move_aside", "training_changes",
-           "training_fields"]
+           "training_fields", "unsaved_start"]
 
 # Fields a resume may change (unlike the model's), but not silently.
 TRAINING_FIELDS = (("data", "global_batch_size"), ("data", "seq_len"), ("moe", "top_k"),
@@ -87,6 +87,19 @@ def earlier_run(run_dir: str, every: int) -> str | None:
   if os.path.isdir(damaged) and os.listdir(damaged):
     found.append(f"damaged checkpoints in {damaged}")
   return " and ".join(found) or None
+
+
+def unsaved_start(run_dir: str, every: int) -> str | None:
+  """The line for a start at step 0 over an earlier start that saved no checkpoint (stopped
+  before step `every`, or before its first step): there is nothing to resume, its steps are
+  redone. None when the run dir holds no earlier start."""
+  last = _last_step(os.path.join(run_dir, METRICS))
+  if last is None and not os.path.exists(os.path.join(run_dir, "config.json")):
+    return None
+  reached = "no step" if last is None else f"step {last}"
+  return (f"starting at step 0: no checkpoint in {os.path.join(run_dir, 'checkpoints')} yet "
+          f"(an earlier start reached {reached}; the first save is at step {every}, "
+          "checkpoint.every), so its steps are redone")
 
 
 def refuse_fresh_start(run_dir: str, what: str) -> ConfigError:

@@ -1,11 +1,13 @@
 """The language-model loss: mean next-token cross-entropy, plain or tiled.
 
-`cross_entropy` takes the [B, Q, vocab] logits. `tiled_cross_entropy` takes the final hidden
-states and the unembedding and never holds more than one tile of logits: it scans the
-sequence in tiles of `chunk` positions, keeps one log-sum-exp per token for the backward
-pass, and recomputes each tile's logits there (its own VJP). The [B, Q, vocab] fp32 logits and
-their gradient are most of a large-vocabulary step's temporary memory (GPT-2's 50,304
-classes: 13 GB per 65,536 tokens, twice).
+The loss takes the model's head whole (moejax.model.transformer.Head: the final-normed hidden
+states and the unembedding), never a parameter by name; `head_loss` picks the variant from the
+config when the step is built. `cross_entropy` takes the [B, Q, vocab] logits.
+`tiled_cross_entropy` takes the final hidden states and the unembedding and never holds more
+than one tile of logits: it scans the sequence in tiles of `chunk` positions, keeps one
+log-sum-exp per token for the backward pass, and recomputes each tile's logits there (its own
+VJP). The [B, Q, vocab] fp32 logits and their gradient are most of a large-vocabulary step's
+temporary memory (GPT-2's 50,304 classes: 13 GB per 65,536 tokens, twice).
 
 Dtype policy: the tile's matmuls take `compute_dtype` operands (the model's dtype) with fp32
 accumulation; log-sum-exp, the loss and the unembedding's gradient are fp32.
@@ -14,9 +16,23 @@ accumulation; log-sum-exp, the loss and the unembedding's gradient are fp32.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+
+from moejax.config import ModelConfig
+from moejax.model.transformer import Head
+
+
+def head_loss(cfg: ModelConfig) -> Callable[[Head, jax.Array], jax.Array]:
+  """ce(head, targets_BxQ): `tiled_cross_entropy` when `model.loss_chunk` > 0 (the logits one
+  tile of positions at a time, matmuls in the model's dtype), else `cross_entropy` of the
+  head's logits."""
+  if cfg.loss_chunk:
+    return lambda head, targets_BxQ: tiled_cross_entropy(
+        head.h_BxQxD, head.w_Dxvocab, targets_BxQ, cfg.loss_chunk, jnp.dtype(cfg.dtype))
+  return lambda head, targets_BxQ: cross_entropy(head.logits(), targets_BxQ)
 
 
 def cross_entropy(logits_BxQxvocab: jax.Array, targets_BxQ: jax.Array) -> jax.Array:

@@ -154,8 +154,12 @@ def build_program(cfg: Config, strategy: Strategy, tx: optax.GradientTransformat
     model = Pipelined(model, cfg.train.microbatches, cfg.train.virtual_stages)
   layout_sh = replicated(mesh)
   layout = start_layout(cfg, mesh.shape["expert"])
-  if mesh.devices.flat[0].client.runtime_type != "compile_only_runtime":
-    layout = jax.device_put(layout, layout_sh)   # compile-only devices hold no data
+  if mesh.devices.flat[0].client.runtime_type != "compile_only_runtime":   # those hold no data
+    # Each process puts its own shards: a device_put onto other processes' devices asks every
+    # process for the same value, which a mocked GPU topology's processes cannot answer (the
+    # start layout is the same on every process by construction).
+    layout = jax.tree.map(lambda a: jax.make_array_from_callback(
+        a.shape, layout_sh, lambda index, a=a: a[index]), layout)
   b, length = cfg.data.global_batch_size, cfg.data.seq_len
   shardings = state_shardings(model, tx, mesh, layout, b, length,
                               param_rules(cfg.mesh.fsdp, cfg.mesh.stage > 1))

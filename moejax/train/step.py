@@ -9,35 +9,29 @@ import optax
 
 from moejax.config import MoEConfig
 from moejax.layout.tables import Layout
-from moejax.train.loss import cross_entropy, tiled_cross_entropy
+from moejax.train.loss import head_loss
 from moejax.train.state import TrainState
 
 
 def loss_fn(params, model: nn.Module, moe_cfg: MoEConfig, batch_BxQ1: jax.Array,
             layout: Layout):
   inputs, targets = batch_BxQ1[:, :-1], batch_BxQ1[:, 1:]
-  model_cfg = model.cfg          # a Transformer's, or the one a Pipelined runs
-  # multi-token prediction (moejax.model.mtp): position i also predicts t_{i+2} from t_{i+1}
-  mtp = {"mtp_tokens_BxQ": targets} if model_cfg.mtp_depth else {}
-  if model_cfg.loss_chunk:     # the logits one tile of positions at a time
-    out, stats = model.apply({"params": params}, inputs, layout, hidden=True, **mtp)
-    ce_of = lambda h, t: tiled_cross_entropy(h, params["unembed"], t, model_cfg.loss_chunk,
-                                             jnp.dtype(model_cfg.dtype))
+  model_cfg = model.cfg      # a Transformer's, or a Pipelined's
+  if model_cfg.mtp_depth:    # position i also predicts t_{i+2} from t_{i+1} (moejax.model.mtp)
+    (head, mtp), stats = model.apply({"params": params}, inputs, layout,
+                                     next_tokens_BxQ=targets)
   else:
-    out, stats = model.apply({"params": params}, inputs, layout, **mtp)
-    ce_of = cross_entropy
-  out, mtp_out = out if mtp else (out, None)
-  ce = ce_of(out, targets)
+    (head, stats), mtp = model.apply({"params": params}, inputs, layout), None
+  ce_of = head_loss(model_cfg)
+  ce = ce_of(head, targets)
   balance = jnp.sum(stats.balance_loss)
   z = jnp.sum(stats.z_loss)
-  extra = {}
-  if mtp:   # the last position has no token after next
-    mtp_h, mtp_balance, mtp_z = mtp_out
-    extra["mtp_ce"] = ce_of(mtp_h[:, :-1], batch_BxQ1[:, 2:])
-    balance, z = balance + mtp_balance, z + mtp_z
+  extra, ce_total = {}, ce
+  if mtp is not None:   # the last position has no token after next
+    extra["mtp_ce"] = ce_of(mtp.head._replace(h_BxQxD=mtp.head.h_BxQxD[:, :-1]),
+                            batch_BxQ1[:, 2:])
     ce_total = ce + model_cfg.mtp_loss_weight * extra["mtp_ce"]
-  else:
-    ce_total = ce
+    balance, z = balance + mtp.balance_loss, z + mtp.z_loss
   loss = ce_total + moe_cfg.balance_loss_weight * balance + moe_cfg.z_loss_weight * z
   return loss, {"ce": ce, **extra, "balance_loss_L": stats.balance_loss, "z_loss_L": stats.z_loss,
                 "counts_LxWxE": stats.counts_WxE, "dropped_LxW": stats.dropped_W,

@@ -53,6 +53,8 @@ class Trainer:
     try:
       train_tokens, val_tokens, data_vocab = data_lib.load_tokens(cfg.validate().data)
       cfg = data_lib.resolve_vocab(cfg, data_vocab).validate()
+      if (note := data_lib.byte_corpus_mismatch(cfg)) and jax.process_index() == 0:
+        log.warning("warning: %s", note)
       self.checkpointer = Checkpointer(cfg.train.run_dir, cfg.checkpoint)
       self.cfg = cfg = self._check_run_dir(cfg)   # before compiling anything
       if not skip_if_finished:
@@ -79,6 +81,9 @@ class Trainer:
       if earlier and not cfg.train.restart:
         raise history_lib.refuse_fresh_start(cfg.train.run_dir, earlier)
       self.aside = earlier
+      unsaved = history_lib.unsaved_start(cfg.train.run_dir, cfg.checkpoint.every)
+      if unsaved and not earlier and jax.process_index() == 0:
+        log.info("%s", unsaved)
     decay, self.schedule_note = history_lib.decay_steps(cfg, saved)
     # Nothing to train: `run` says so at once, without building (compiling) anything.
     self.finished_step = saved["step"] if saved and saved["step"] >= cfg.train.num_steps \
