@@ -1,4 +1,4 @@
-"""The MaxText peer study (benchmarks.peer_maxtext): our rows run without MaxText, the wheels
+"""The MaxText peer study (benchmarks.peer.peer_maxtext): our rows run without MaxText, the wheels
 it needs on a GPU machine are pinned and fit what a run can carry, and where MaxText is
 installed each of its CPU paths computes what our layer computes at the same drops."""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from benchmarks import maxtext_layer as peer, peer_maxtext as study
+from benchmarks.peer import maxtext_layer as peer, peer_maxtext as study
 
 CARRY_BYTES = 64 * 2**20   # what a GPU run can carry beside the repository (about 7 MB)
 

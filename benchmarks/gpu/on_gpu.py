@@ -7,14 +7,18 @@ rewritten after every step so that a cut-off run still returns what it did:
   1. the GPU's own GpuTargetConfigProto, the target of the compile-only GPU programs;
   2. the rates a schedule estimate needs (`benchmarks.gpu.gpu_rates`: HBM, GEMMs at the trained
      shapes, cuDNN and XLA attention by head dim and sequence);
-  3. train-step tokens/s and MFU of each shape of `gpu_train_step.SHAPES` (Mixtral- and
-     Qwen3-shaped cuts first, then the GPU config's per-GPU expert slice, then the GPU config
-     with every path and its ablations), through the trainer's own `build_program`, MoE paths
-     and the dense-equivalent interleaved, and the fastest path's whole kernel profile;
-  4. the kernels' tests on the GPU (pass/fail per test);
-  5. the GPU config's train step compiled for 8 and 64 GPUs with `jax_mock_gpu_topology`
+  3. train-step tokens/s and MFU of the Mixtral- and Qwen3-shaped cuts of
+     `gpu_train_step.SHAPES`, through the trainer's own `build_program`, MoE paths and the
+     dense-equivalent interleaved, the fastest path's whole kernel profile, then its levers;
+  4. the peer: MaxText's MoE layer beside ours (`benchmarks.peer.peer_maxtext`, with the
+     wheels carried in `.peer_wheels/`);
+  5. the grouped matmul's sweep against the dense dot (`benchmarks.kernels.gpu_gmm_sweep`);
+  6. the GPU config's per-GPU expert slice, then the GPU config with every path and its
+     ablations;
+  7. the kernels' tests on the GPU (pass/fail per test);
+  8. the GPU config's train step compiled for 8 and 64 GPUs with `jax_mock_gpu_topology`
      (autotuned), its memory and collectives;
-  6. the schedule estimate (moejax.aot) of each measured program beside its measured step.
+  9. the schedule estimate (moejax.aot) of each measured program beside its measured step.
 Files beside the JSON: the scheduled HLO of each shape's fastest path (step_hlos.json.gz)
 and their kernel tables (kernel_profiles.json.gz), which the estimate's tests read.
 `--dry_run` runs step 3 on CPU at a tiny size (the code path, not the numbers) and reports the
@@ -24,6 +28,7 @@ others as skipped. The train-step measurement itself is `benchmarks.gpu.gpu_trai
 from __future__ import annotations
 
 import argparse
+import glob
 import gzip
 import json
 import os
@@ -33,7 +38,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.common import start
+from benchmarks.common import REPO, start
 from benchmarks.gpu.gpu_train_step import (
   SHAPES,
   Budget,
@@ -126,6 +131,65 @@ def step_mock(budget: Budget, per_compile_s: float) -> list:
           row["stderr_tail"] = err.read()[-1500:]
       rows.append({"topology": topology, "strategy": name, **row})
   return rows
+
+
+PEER_WHEELS = ".peer_wheels"   # python -m benchmarks.peer.peer_maxtext --print_wheels DIR
+
+
+def step_peer(out: str, timeout: float) -> dict:
+  """MaxText's MoE layer beside ours on this GPU (benchmarks.peer.peer_maxtext), in a process
+  of its own with the MaxText wheels carried in `PEER_WHEELS` (the GPU machine has no
+  network) installed into a folder of their own."""
+  wheels = os.path.join(REPO, PEER_WHEELS)
+  if not os.path.isdir(wheels):
+    return {"skipped": f"no {PEER_WHEELS}/: run `python -m benchmarks.peer.peer_maxtext "
+                       f"--print_wheels {PEER_WHEELS}` where pip reaches PyPI, and carry it"}
+  site = tempfile.mkdtemp(prefix="peer_site_")
+  install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                            "--no-index", "--no-compile", "--target", site,
+                            *sorted(glob.glob(os.path.join(wheels, "*.whl")))],
+                           capture_output=True, text=True)
+  if install.returncode:
+    return {"error": f"installing the MaxText wheels: {install.stderr[-800:]}"}
+  path = os.path.join(out, "peer_maxtext_gpu.json")
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+      [site, REPO, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+  env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
+  try:
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.peer.peer_maxtext", "--json", path],
+                          capture_output=True, text=True, env=env, timeout=timeout)
+  except subprocess.TimeoutExpired:
+    return {"error": f"timed out after {timeout:.0f} s"}
+  if not os.path.exists(path):
+    return {"error": f"exit {proc.returncode}: {proc.stderr[-1500:]}"}
+  with open(path) as f:
+    got = json.load(f)
+  return {"file": os.path.basename(path), "summary": {
+      devices: mesh.get("summary") for devices, mesh in got.get("meshes", {}).items()}}
+
+
+def step_gmm_sweep(out: str, budget_s: float) -> dict:
+  """The grouped matmul's fwd / dx / dw against the dense dot at the trained expert shapes
+  (benchmarks.kernels.gpu_gmm_sweep), within `budget_s`."""
+  path = os.path.join(out, "gpu_gmm_sweep.json")
+  try:
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.kernels.gpu_gmm_sweep",
+                           "--budget_s", str(int(budget_s)), "--json", path],
+                          capture_output=True, text=True, timeout=budget_s + 90)
+  except subprocess.TimeoutExpired:
+    proc = None
+  if not os.path.exists(path):
+    return {"error": "timed out" if proc is None else
+            f"exit {proc.returncode}: {proc.stderr[-1500:]}"}
+  with open(path) as f:
+    rows = json.load(f).get("rows", [])
+  best = {}
+  for r in rows:
+    if r.get("ok") and r.get("of_dense") and r["impl"] != "xla_dense":
+      key = f"{r.get('shape', '')} {r['pass']}"
+      if key not in best or r["of_dense"] > best[key]["of_dense"]:
+        best[key] = {"impl": r["impl"], "of_dense": r["of_dense"]}
+  return {"file": os.path.basename(path), "rows": len(rows), "best_of_dense": best}
 
 
 def _last_wall_s() -> dict:
@@ -279,12 +343,20 @@ def main(argv=None) -> int:
     return result
 
   # (shape, the step's name in the JSON, default estimate s, cap s): the shapes people train
-  # first; "train_steps" keeps the GPU config's earlier name.
-  order = (("mixtral_2l", "train_mixtral_2l", 200, 240), ("qwen3_4l", "train_qwen3_4l", 200, 240),
-           ("gpu_config_ep8_slice", "train_gpu_config_ep8_slice", 100, 150),
-           ("gpu_config", "train_steps", 150, 300))
+  # first, then the peer and the grouped matmul's sweep, then the GPU config's own rows
+  # ("train_steps" keeps its earlier name).
+  order = (("mixtral_2l", "train_mixtral_2l", 200, 200), ("qwen3_4l", "train_qwen3_4l", 200, 200))
   for shape, step, default_s, cap_s in order:
     assert shape in SHAPES
+    record(step, lambda shape=shape, cap_s=cap_s: train(shape, cap_s),
+           30 if not on_gpu else need(step, default_s), needs_gpu=False)
+  record("peer_maxtext", lambda: step_peer(args.out, min(150, budget.left() - 10)),
+         need("peer_maxtext", 90))
+  record("gmm_sweep", lambda: step_gmm_sweep(args.out, min(90, budget.left() - 30)),
+         need("gmm_sweep", 110))
+  for shape, step, default_s, cap_s in (
+      ("gpu_config_ep8_slice", "train_gpu_config_ep8_slice", 100, 150),
+      ("gpu_config", "train_steps", 150, 300)):
     record(step, lambda shape=shape, cap_s=cap_s: train(shape, cap_s),
            30 if not on_gpu else need(step, default_s), needs_gpu=False)
   # time-boxed so that what follows keeps its minutes

@@ -1,4 +1,4 @@
-"""MaxText's MoE layer (`maxtext.layers.moe.RoutedMoE`) for `benchmarks.peer_maxtext`: how to
+"""MaxText's MoE layer (`maxtext.layers.moe.RoutedMoE`) for `benchmarks.peer.peer_maxtext`: how to
 install it, its paths, and each path built with our weights and compiled.
 
 Install (optional; Python >= 3.12 and jax >= 0.11.1, which tokamax requires). MaxText's wheel
@@ -20,7 +20,7 @@ GPU image already holds the second group (its transformers 5.17.0 works). tokama
 xprof (a 32 MB wheel, which would also pull fire and termcolor) only for its profiling
 benchmark helper; without xprof an empty module stands in for it (`_stub_xprof`), so a GPU
 machine without network needs the first group only: 20 wheels, 25.6 MB.
-`python -m benchmarks.peer_maxtext --print_wheels DIR` prints the pip command that downloads
+`python -m benchmarks.peer.peer_maxtext --print_wheels DIR` prints the pip command that downloads
 them for CPython 3.12 on manylinux x86_64, and the one that installs them.
 
 The layer's config is built as MaxText's own tests build it: `pyconfig.initialize` over its

@@ -13,7 +13,7 @@ What runs, per mesh (CPU: 8 fake devices, then 1; GPU: one device):
     On CPU moe.kernels='xla' (Pallas on CPU is its interpreter, whose time says nothing), and
     jax.lax.ragged_all_to_all, which XLA:CPU lacks, is moejax's all_to_all emulation (as in
     the tests) for both layers. On a GPU both layers run under train.py's XLA flags.
-  MaxText (benchmarks.maxtext_layer: its install, config and mesh; expert parallelism over
+  MaxText (benchmarks.peer.maxtext_layer: its install, config and mesh; expert parallelism over
   the mesh, float32 gate logits, load_balance_loss_weight = our balance weight):
     maxtext/dense_capacity  sparse_matmul=False at our capacity factor: one-hot dispatch and
                             combine einsums, drops past capacity.
@@ -45,12 +45,12 @@ ours faster). Without MaxText importable our rows still run and the JSON says wh
 
 Run from the repository root with MaxText's Python (install: benchmarks/maxtext_layer.py):
 
-  python -m benchmarks.peer_maxtext              # CPU: GPU-config shapes, 64 tokens/device
-  python -m benchmarks.peer_maxtext --tiny       # the code path in seconds (the test's)
-  python -m benchmarks.peer_maxtext --no_peer    # ours only
+  python -m benchmarks.peer.peer_maxtext              # CPU: GPU-config shapes, 64 tokens/device
+  python -m benchmarks.peer.peer_maxtext --tiny       # the code path in seconds (the test's)
+  python -m benchmarks.peer.peer_maxtext --no_peer    # ours only
   # one GPU, about a minute: the GPU config's layer at 8192 tokens per device
   pip install --no-deps --no-index WHEEL_DIR/*.whl && \\
-      python -m benchmarks.peer_maxtext --json $OUT/peer_maxtext_gpu.json
+      python -m benchmarks.peer.peer_maxtext --json $OUT/peer_maxtext_gpu.json
 """
 
 from __future__ import annotations
@@ -63,31 +63,32 @@ import statistics
 import tempfile
 import time
 
-from moejax.runtime import xla_flags  # stdlib only: safe before jax starts
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-# Before jax starts: on a GPU, train.py's XLA flags (the ragged all-to-all decomposed, the
-# latency-hiding scheduler), which both layers then run under; without a GPU, the CPU platform
-# (a CUDA plugin installed on a host without a GPU fails JAX's start-up otherwise).
-if "JAX_PLATFORMS" not in os.environ and not any(
-    os.path.exists(n) for n in ("/dev/nvidiactl", "/dev/kfd")):
-  os.environ["JAX_PLATFORMS"] = "cpu"
-if xla_flags.platform_before_init(os.environ, xla_flags.installed_jax_plugins()) == "gpu":
-  _have = os.environ.get("XLA_FLAGS", "").split()
-  os.environ["XLA_FLAGS"] = " ".join(_have + [f for f in xla_flags.GPU_FLAGS if f not in _have])
+from benchmarks.common import REPO, command, start, write_result
+from benchmarks.peer import RESULTS, maxtext_layer as peer
+from moejax.layout.tables import static_layout
+from moejax.model.mesh import BATCH_AXES, logical_to_spec, mesh_of_shape
+from moejax.model.moe.layer import EXPERT_PARAM_AXES, ROUTER_AXES, moe_apply
+from moejax.runtime import xla_flags
 
-import jax  # noqa: E402  (after the flags above)
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+GIN = os.path.join(REPO, "configs", "gpt_moe_gpu.gin")
 
-from benchmarks import maxtext_layer as peer  # noqa: E402
-from benchmarks.common import RESULTS, command, write_result  # noqa: E402
-from moejax.layout.tables import static_layout  # noqa: E402
-from moejax.model.mesh import BATCH_AXES, logical_to_spec, mesh_of_shape  # noqa: E402
-from moejax.model.moe.layer import EXPERT_PARAM_AXES, ROUTER_AXES, moe_apply  # noqa: E402
 
-GIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
-                   "gpt_moe_gpu.gin")
+def platform_flags() -> None:
+  """Before JAX starts its backends: on a GPU, train.py's XLA flags (the ragged all-to-all
+  decomposed, the latency-hiding scheduler), which both layers then run under; without a GPU,
+  the CPU platform (a CUDA plugin installed on a host without a GPU fails JAX's start-up
+  otherwise)."""
+  if "JAX_PLATFORMS" not in os.environ and not any(
+      os.path.exists(n) for n in ("/dev/nvidiactl", "/dev/kfd")):
+    os.environ["JAX_PLATFORMS"] = "cpu"
+  if xla_flags.platform_before_init(os.environ, xla_flags.installed_jax_plugins()) == "gpu":
+    have = os.environ.get("XLA_FLAGS", "").split()
+    os.environ["XLA_FLAGS"] = " ".join(have + [f for f in xla_flags.GPU_FLAGS if f not in have])
 # |a - b| / |b| allowed between the layers, by compute dtype. bf16: 2^-8 relative through
 # three matmuls, MaxText's gate weights rounded to bf16; the expert-weight gradients go through
 # two more matmuls of rounded operands. float32: summation order only.
@@ -293,7 +294,7 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.peer_maxtext",
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.peer.peer_maxtext",
                                description=__doc__.split("\n\n")[0],
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--shape", choices=sorted(SHAPES), default="gpu",
@@ -312,7 +313,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                   help="Compute dtype of both layers (default: the config's, bfloat16).")
   ap.add_argument("--seed", type=int, default=0, help="Seed of weights and tokens.")
   ap.add_argument("--json", default="",
-                  help="Output JSON (default: benchmarks/results/peer_maxtext_cpu.json, or "
+                  help="Output JSON (default: benchmarks/peer/results/peer_maxtext_cpu.json, or "
                        "_gpu.json on a GPU).")
   ap.add_argument("--print_wheels", metavar="DIR", default="",
                   help="Print the pip commands that fetch MaxText's wheels into DIR and "
@@ -350,7 +351,7 @@ def main(argv=None) -> dict | None:
     print(f"MaxText rows left out: {why}")
   result = {
       "benchmark": "peer_maxtext: MaxText's RoutedMoE paths beside moejax's MoE layer",
-      "command": command("peer_maxtext", argv),
+      "command": command("peer.peer_maxtext", argv),
       "shape": {"name": args.shape, "what": shape.what, "d_model": cfg.model.d_model,
                 "num_experts": cfg.moe.num_experts, "d_ff": cfg.moe.d_ff,
                 "top_k": cfg.moe.top_k, "capacity_factor": cfg.moe.capacity_factor,
@@ -386,4 +387,6 @@ def print_mesh(devices: int, mesh: dict) -> None:
 
 
 if __name__ == "__main__":
+  start()
+  platform_flags()   # on a GPU, adds train.py's flags to start()'s (host devices only)
   main()
