@@ -1,8 +1,8 @@
 """Multi-token prediction (moejax.model.mtp, one extra depth): the train step's loss equals a
 reference written from DeepSeek-V3's definition (h'_i = W [norm(emb(t_{i+1})); norm(h_i)],
 one block, a final norm, the shared unembedding, the cross-entropy of t_{i+2} where there is
-one, weighted), loss and gradients, on a mesh; off by default; with stages it stops with one
-line."""
+one, weighted), loss and gradients, on a mesh; off by default; with stages or microbatches
+it stops with one line."""
 
 from __future__ import annotations
 
@@ -94,10 +94,13 @@ def test_mtp_loss_equals_its_definition(model_cfg):
   assert not np.any(grads["mtp"]["router_bias"])    # held as converted, not trained
 
 
-def test_mtp_is_off_by_default_and_refuses_stages():
+def test_mtp_is_off_by_default_and_refuses_stages_and_microbatches():
+  """Stages, or microbatches on one stage: both run the model as moejax.model.pipeline."""
   assert ModelConfig().mtp_depth == 0
-  cfg = Config(mesh=MeshConfig(data=1, expert=2, stage=2, host_device_count=4),
-               model=dataclasses.replace(MODEL, num_layers=4),
-               moe=MOE, train=dataclasses.replace(Config().train, microbatches=2))
-  with pytest.raises(ConfigError, match="model.mtp_depth=1 runs without pipeline stages"):
-    cfg.validate()
+  for stage in (2, 1):
+    cfg = Config(mesh=MeshConfig(data=1, expert=2, stage=stage, host_device_count=2 * stage),
+                 model=dataclasses.replace(MODEL, num_layers=4),
+                 moe=MOE, train=dataclasses.replace(Config().train, microbatches=2))
+    with pytest.raises(ConfigError, match=rf"model.mtp_depth=1 runs without pipeline stages "
+                       rf"or microbatches \(mesh.stage={stage}, train.microbatches=2\)"):
+      cfg.validate()
