@@ -33,11 +33,11 @@ def _combine_bwd(res, dy_TxD):
   num_tokens, top_k = gate_TxK.shape
   dgate_TxK = jnp.einsum("tkd,td->tk", _picked(out_rowsxD, row_TxK).astype(jnp.float32),
                          dy_TxD).astype(gate_TxK.dtype)
-  choice_U = inverse_rows(row_TxK, out_rowsxD.shape[0])         # T * K: an empty row
+  choice_rows = inverse_rows(row_TxK, out_rowsxD.shape[0])         # T * K: an empty row
   gate_ext = jnp.concatenate([gate_TxK.reshape(-1), jnp.zeros((1,), gate_TxK.dtype)])
   dy_ext = jnp.concatenate([dy_TxD, jnp.zeros((1, dy_TxD.shape[1]), dy_TxD.dtype)])
-  token_U = jnp.where(choice_U < num_tokens * top_k, choice_U // top_k, num_tokens)
-  dout = gate_ext[choice_U][:, None].astype(jnp.float32) * dy_ext[token_U].astype(jnp.float32)
+  token_rows = jnp.where(choice_rows < num_tokens * top_k, choice_rows // top_k, num_tokens)
+  dout = gate_ext[choice_rows][:, None].astype(jnp.float32) * dy_ext[token_rows].astype(jnp.float32)
   return (cotangent_of(dout.astype(out_rowsxD.dtype), out_rowsxD), None,
           cotangent_of(dgate_TxK, gate_TxK))
 

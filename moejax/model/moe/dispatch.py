@@ -88,10 +88,10 @@ def _permute_rows_fwd(x_TxD, token_rows, rows_TxK):
   return gather_rows(x_TxD, token_rows), (rows_TxK, x_TxD[:0])
 
 
-def _permute_rows_bwd(res, dout_UxD):
+def _permute_rows_bwd(res, dout_rowsxD):
   rows_TxK, like_x = res
-  num_rows = dout_UxD.shape[0]
-  dout_ext = jnp.concatenate([dout_UxD, jnp.zeros((1, dout_UxD.shape[1]), dout_UxD.dtype)])
+  num_rows = dout_rowsxD.shape[0]
+  dout_ext = jnp.concatenate([dout_rowsxD, jnp.zeros((1, dout_rowsxD.shape[1]), dout_rowsxD.dtype)])
   picked_TxKxD = dout_ext[jnp.where(rows_TxK >= 0, rows_TxK, num_rows)]
   dx = jnp.sum(picked_TxKxD, axis=1, dtype=jnp.float32).astype(like_x.dtype)
   return cotangent_of(dx, like_x), None, None
