@@ -223,8 +223,8 @@ def _build(mt, cfg, devices, params_h, x_h, ct_h, platform, path, placed, out_di
     graph, params, rest = nnx.split(layer, nnx.Param, ...)
     if placed is None:   # one placed copy of the weights and tokens serves every path
       params.replace_by_pure_dict({"gate": {"kernel": params_h["router"]},
-                                   "wi_0": params_h["w_gate"], "wi_1": params_h["w_up"],
-                                   "wo": params_h["w_down"]})
+                                   **{theirs: params_h[ours]
+                                      for ours, theirs in MAXTEXT_EXPERT_NAMES.items()}})
       shardings = nn.logical_to_mesh_sharding(nnx.get_partition_spec(params), mesh, rules)
       act = nn.logical_to_mesh_sharding(
           P("activation_batch", "activation_length", "activation_embed"), mesh, rules)
@@ -266,7 +266,10 @@ def capacity_drops(nnx, graph, params, rest, x) -> int:
   return int(count(params, rest, x))
 
 
+# our expert weights -> MaxText's names for them
+MAXTEXT_EXPERT_NAMES = {"w_gate": "wi_0", "w_up": "wi_1", "w_down": "wo"}
+
+
 def expert_grads(grads) -> dict:
   """MaxText's expert-weight gradients under our names."""
-  g = grads[0]
-  return {"w_gate": g["wi_0"][...], "w_up": g["wi_1"][...], "w_down": g["wo"][...]}
+  return {ours: grads[0][theirs][...] for ours, theirs in MAXTEXT_EXPERT_NAMES.items()}
