@@ -209,6 +209,16 @@ class ModelConfig:
   mtp_depth: int = 0
   mtp_loss_weight: float = 0.3
 
+  def fsdp_dims(self) -> dict[str, int]:
+    """The widths FSDP splits over `data` (mesh.FSDP_RULES): d_model, and MLA's latents,
+    the first dim of its per-head up-projections."""
+    dims = {"model.d_model": self.d_model}
+    if self.kv_lora_rank:
+      dims["model.kv_lora_rank"] = self.kv_lora_rank
+      if self.q_lora_rank:
+        dims["model.q_lora_rank"] = self.q_lora_rank
+    return dims
+
   def validate_latent(self) -> None:
     """MLA's widths, RoPE scaling and multi-token prediction."""
     mla = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")

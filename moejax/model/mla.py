@@ -10,7 +10,8 @@ factor under `model.rope_scaling = 'yarn'` (moejax.model.rope).
 
 Training computes the expanded keys and values (no latent cache: there is no decoding here).
 Heads are sharded over `model` like the other attentions; the latents and the shared rotary
-key are replicated over it.
+key are replicated over it. Under FSDP the up-projections from the latents, which have no
+d_model dim, split their latent dim over `data` (the `latent` logical axis).
 
 cuDNN's fused kernel (`model.attention = 'cudnn'`) takes queries, keys and values of one head
 dim through `jax.nn.dot_product_attention`, so the values are padded with zeros to the query's
@@ -41,12 +42,13 @@ def cudnn_max_head_dim(device) -> int:
 
 
 class LatentNorm(nn.Module):
-  """RMSNorm of a latent (its scale replicated over the mesh)."""
+  """RMSNorm of a latent (its scale split over `data` under FSDP, like the latent's
+  up-projection, replicated otherwise)."""
   eps: float
 
   @nn.compact
   def __call__(self, x):
-    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, (None,)),
+    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("latent",)),
                        (x.shape[-1],), jnp.float32)
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
@@ -61,12 +63,15 @@ def _param(mod: nn.Module, name: str, axes, shape, fan_in: int):
 def xla_attention(q_BxQxheadsxqk, k_BxQxheadsxqk, v_BxQxheadsxv,
                   scale: float) -> jax.Array:
   """Causal softmax attention whose values may be narrower than the keys: float32 scores and
-  softmax, the weights cast to the values' dtype."""
+  softmax, the weights cast to the values' dtype. The causal mask is added as a [Q, Q] bias:
+  with a `where` over the scores, XLA held its predicate and fill broadcast to
+  [B, heads, Q, Q] through the whole step (40 GiB a GPU at DeepSeek-V3's 128 heads and 4
+  sequences of 4K); an add's backward reads neither."""
   logits = jnp.einsum("bqhj,bkhj->bhqk", q_BxQxheadsxqk, k_BxQxheadsxqk,
                       preferred_element_type=jnp.float32) * scale
   length = q_BxQxheadsxqk.shape[1]
   causal = jnp.tril(jnp.ones((length, length), jnp.bool_))
-  logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
+  logits = logits + jnp.where(causal, 0.0, jnp.finfo(jnp.float32).min).astype(jnp.float32)
   probs = jax.nn.softmax(logits, axis=-1).astype(v_BxQxheadsxv.dtype)
   return jnp.einsum("bhqk,bkhv->bqhv", probs, v_BxQxheadsxv)
 
@@ -96,7 +101,7 @@ class MLAttention(nn.Module):
     heads = ("heads", "head_dim")
     if rank_q:
       wq_a = _param(self, "wq_a", ("embed", None), (d, rank_q), d)
-      wq_b = _param(self, "wq_b", (None,) + heads, (rank_q, h, nope + rot), rank_q)
+      wq_b = _param(self, "wq_b", ("latent",) + heads, (rank_q, h, nope + rot), rank_q)
       c_q = LatentNorm(cfg.norm_eps, name="q_norm")(x @ wq_a.astype(dtype))
       q_BxQxheadsxqk = jnp.einsum("bqr,rhj->bqhj", c_q, wq_b.astype(dtype))
     else:
@@ -104,7 +109,7 @@ class MLAttention(nn.Module):
       q_BxQxheadsxqk = jnp.einsum("bqd,dhj->bqhj", x, wq.astype(dtype))
     # one projection to the latent and the shared rotary key, as DeepSeek stores it
     wkv_a = _param(self, "wkv_a", ("embed", None), (d, rank_kv + rot), d)
-    wkv_b = _param(self, "wkv_b", (None,) + heads, (rank_kv, h, nope + vdim), rank_kv)
+    wkv_b = _param(self, "wkv_b", ("latent",) + heads, (rank_kv, h, nope + vdim), rank_kv)
     wo = _param(self, "wo", heads + ("embed",), (h, vdim, d), h * vdim)
     latent_BxQxrank = x @ wkv_a.astype(dtype)
     c_kv = LatentNorm(cfg.norm_eps, name="kv_norm")(latent_BxQxrank[..., :rank_kv])
