@@ -17,7 +17,7 @@ import pytest
 
 from moejax.config import ConfigError, ModelConfig, MoEConfig
 from moejax.model import rope as rope_lib
-from moejax.model.mla import MLAttention
+from moejax.model.mla import MLAttention, xla_attention
 from tests.numerics import assert_close
 
 B, Q = 2, 16
@@ -103,6 +103,23 @@ def test_mla_equals_its_definition(q_lora_rank, scaling):
   # output (H * V)
   n = 2 * cfg.d_model + cfg.q_lora_rank + cfg.kv_lora_rank + 24 + Q + cfg.num_heads * 12
   assert_close(got, want, n)
+
+
+def test_causal_mask_keeps_only_the_softmaxs_residuals():
+  """XLA's attention keeps two [B, heads, Q, Q] residuals for its backward (the softmax's
+  scores and weights), none for the causal mask, which a `where` would add (its predicate
+  and fill, which XLA held live through a whole 671B step); masked or not, the outputs equal
+  the `where`'s."""
+  h, j, v_dim = 3, 6, 4
+  q, k = (jax.random.normal(jax.random.key(i), (B, Q, h, j)) for i in (1, 2))
+  v = jax.random.normal(jax.random.key(3), (B, Q, h, v_dim))
+  out, vjp = jax.vjp(lambda *a: xla_attention(*a, 0.3), q, k, v)
+  square = [leaf for leaf in jax.tree.leaves(vjp) if getattr(leaf, "shape", ())[-2:] == (Q, Q)]
+  assert [leaf.dtype for leaf in square] == [jnp.float32, jnp.float32], square
+  logits = jnp.einsum("bqhj,bkhj->bhqk", q, k) * 0.3
+  logits = jnp.where(jnp.tril(jnp.ones((Q, Q), jnp.bool_)), logits, jnp.finfo(jnp.float32).min)
+  want = jnp.einsum("bhqk,bkhv->bqhv", jax.nn.softmax(logits, axis=-1), v)
+  np.testing.assert_array_equal(out, want)
 
 
 def test_yarn_frequencies_and_factors():
