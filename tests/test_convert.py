@@ -247,7 +247,8 @@ def test_unsupported_config_is_one_line(tmp_path):
   hf = tmp_path / "hf"
   hf.mkdir()
   (hf / "config.json").write_text(json.dumps({"model_type": "llama"}))
-  with pytest.raises(ConfigError, match="model_type='llama'; moejax converts mixtral"):
+  with pytest.raises(ConfigError,
+                     match="model_type='llama'; moejax converts deepseek_v3, kimi_k2, mixtral"):
     from_hf(str(hf), str(tmp_path / "run"))
   (hf / "config.json").write_text(json.dumps({"model_type": "mixtral", "sliding_window": 4096,
                                               "hidden_act": "silu"}))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import pytest
 
@@ -43,11 +45,19 @@ def _step_parts(fsdp: bool):
   return state, float(loss), grads, compiled.as_text()
 
 
-def test_fsdp_shards_every_state_leaf_over_data():
+# Multi-head latent attention's up-projections and latent norms have no embed dim: FSDP
+# splits their latent dim instead.
+MLA_MODEL = dataclasses.replace(TINY_MODEL, kv_lora_rank=8, q_lora_rank=8, qk_nope_head_dim=4,
+                                qk_rope_head_dim=4, v_head_dim=6)
+
+
+@pytest.mark.parametrize("model_cfg", [TINY_MODEL, MLA_MODEL], ids=["mha", "mla"])
+def test_fsdp_shards_every_state_leaf_over_data(model_cfg):
   """Shapes only (no compile): with FSDP every parameter and Adam moment has its embed dim
-  over `data`, so on 2x4x1 a device holds half the train state it holds without."""
+  (or MLA's latent dim) over `data`, so on 2x4x1 a device holds half the train state it
+  holds without."""
   mesh = mesh_of_shape(SHAPE)
-  model = Transformer(TINY_MODEL, TINY_MOE, mesh)
+  model = Transformer(model_cfg, TINY_MOE, mesh)
   layout = initial_layout(TINY_MOE, 2, SHAPE[1])
   tx = optimizer(OptimConfig(), 10)
   shapes = jax.eval_shape(lambda: init_state(model, tx, None, layout, BATCH, SEQ, 0))

@@ -66,6 +66,7 @@ class LayerCase:
   gate: str = "softmax"
   fsep_shares: str = "planned"
   pallas_backend: str = "auto"
+  n_group: int = 1       # > 1: group-limited routing, the best half of the groups
 
   def modes(self) -> dict:
     """(knob, value) pairs this case runs, in the coverage test's terms."""
@@ -78,12 +79,14 @@ class LayerCase:
     modes["mesh.model"] = "1" if self.shape[2] == 1 else ">1"
     modes["moe.exchange_chunks"] = "1" if self.exchange_chunks == 1 else ">1"
     modes["mesh.stage"] = "1"
+    modes["moe.n_group"] = "1" if self.n_group == 1 else ">1"
     return modes
 
   def __str__(self) -> str:
     extra = [f"k{self.exchange_chunks}"] if self.exchange_chunks > 1 else []
     extra += [self.gate] if self.gate != "softmax" else []
     extra += [self.fsep_shares] if self.expert_mode == "fsep" else []
+    extra += [f"g{self.n_group}"] if self.n_group > 1 else []
     return "-".join([self.expert_mode, self.capacity, self.dispatch, self.kernels,
                      "x".join(map(str, self.shape))] + extra)
 
@@ -91,14 +94,15 @@ class LayerCase:
 LAYER_CASES = [
     LayerCase("ep", "slot", "dense", "xla", (2, 4, 1), exchange_chunks=2),
     LayerCase("ep", "slot", "dense", "pallas", (2, 2, 2), pallas_backend="interpret"),
-    LayerCase("ep", "device", "dense", "xla", (2, 4, 1), exchange_chunks=2, gate="sigmoid"),
+    LayerCase("ep", "device", "dense", "xla", (2, 4, 1), exchange_chunks=2, gate="sigmoid",
+              n_group=4),
     LayerCase("ep", "slot", "ragged", "xla", (1, 8, 1)),
     LayerCase("fsep", "slot", "dense", "xla", (1, 4, 2)),
     LayerCase("fsep", "device", "dense", "pallas", (2, 4, 1), fsep_shares="adaptive"),
     # fsep's pooled buffer through the XLA kernels: the static-tile SwiGLU over its slots
     LayerCase("fsep", "device", "dense", "xla", (1, 8, 1)),
     LayerCase("fsep", "slot", "ragged", "pallas", (1, 4, 2), exchange_chunks=2,
-              fsep_shares="adaptive", gate="sigmoid"),
+              fsep_shares="adaptive", gate="sigmoid", n_group=2),
 ]
 
 
@@ -127,7 +131,8 @@ def test_layer_mode_matches_reference(case, request):
                   expert_mode=case.expert_mode, capacity=case.capacity, dispatch=case.dispatch,
                   kernels=case.kernels, pallas_backend=case.pallas_backend,
                   exchange_chunks=case.exchange_chunks, gate=case.gate,
-                  fsep_shares=case.fsep_shares, ragged_buffer_factor=0.0)
+                  fsep_shares=case.fsep_shares, ragged_buffer_factor=0.0,
+                  n_group=case.n_group, topk_group=max(1, case.n_group // 2))
   cfg.validate()
   # ep: expert e's weights in its slot of the layout, gradients mapped back to expert order
   run = run_against_reference(cfg, mesh, make_params(3),
@@ -148,6 +153,8 @@ MODEL_MODES = {
         {"mesh.stage": ">1", "expert_mode": "fsep", "capacity": "device"},
     "test_migrated_layer_matches_reference": {"migration": "ep"},
     "test_ep_checkpoint_resumes_in_fsep_mode_and_back": {"resume": "ep<->fsep"},
+    "test_latent_attention_model_matches_one_device":
+        {"model.kv_lora_rank": ">0", "moe.n_group": ">1", "mesh.model": ">1", "gate": "sigmoid"},
 }
 # Two MoE layers (no dense blocks) at d = 16: the smallest model these paths run through.
 MODEL = ModelConfig(d_model=16, num_layers=2, num_heads=2, d_ff=16, max_seq_len=16)
@@ -160,6 +167,31 @@ def test_pipeline_two_stages_matches_one_device():
   vmap over stages the layer builds without shard_map's varying-axes check."""
   moe = dataclasses.replace(FSEP_MOE, capacity="device", slots_per_device=0)  # 4 (8 on one)
   check_pipeline(MODEL, moe, (1, 4, 1), stages=2, micro=2)
+
+
+# DeepSeek-V3's blocks in small: a dense first layer, multi-head latent attention with the
+# low-rank query and YaRN, a sigmoid router limited to 2 of 4 expert groups, a shared expert.
+MLA_MODEL = dataclasses.replace(
+    MODEL, num_layers=3, kv_lora_rank=8, q_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4,
+    v_head_dim=6, rope_scaling="yarn", rope_factor=2.0, rope_original_max_len=8,
+    rope_mscale=1.0, rope_mscale_all_dim=1.0)
+DS_MOE = dataclasses.replace(EP_MOE, first_dense=1, gate="sigmoid", route_scale=2.5,
+                             n_group=4, topk_group=2, num_shared_experts=1, shared_d_ff=8)
+
+
+def test_latent_attention_model_matches_one_device():
+  """The model with MLA (heads over `model`) and group-limited routing on 1 x 4 x 2 gives the
+  one-device model's loss, expert counts and gradients."""
+  ref_loss, ref_grads, ref_aux, _ = model_loss_and_grads((1, 1, 1), MLA_MODEL, DS_MOE)
+  loss, grads, aux, _ = model_loss_and_grads((1, 4, 2), MLA_MODEL, DS_MOE)
+  loss_len, grad_len = model_lengths(MLA_MODEL, DS_MOE)
+  latent = 2 * (MLA_MODEL.kv_lora_rank + MLA_MODEL.q_lora_rank)   # the latents' dots and norms
+  assert int(np.sum(aux["dropped_LxW"])) == 0
+  np.testing.assert_array_equal(np.asarray(aux["counts_LxWxE"]).sum(1),
+                                np.asarray(ref_aux["counts_LxWxE"]).sum(1))
+  assert_close(loss, ref_loss, loss_len + latent, err_msg="loss")
+  assert_trees_close(grads, ref_grads, grad_len + 2 * latent)
+  assert all(np.abs(g).max() > 0 for g in jax.tree.leaves(grads)), "a gradient is all zero"
 
 
 def _model_value_and_grad(model, moe_cfg):
@@ -246,8 +278,10 @@ def test_ep_checkpoint_resumes_in_fsep_mode_and_back(tmp_path):
 
 
 # The numeric knobs whose values take another path: F sharded over `model`, the exchange in
-# pieces, layer groups on pipeline stages; plus the two state moves.
+# pieces, layer groups on pipeline stages, routing by expert groups, latent attention (the
+# default's attention runs in every other case); plus the two state moves.
 NUMERIC_MODES = {"mesh.model": ("1", ">1"), "moe.exchange_chunks": ("1", ">1"),
+                 "moe.n_group": ("1", ">1"), "model.kv_lora_rank": (">0",),
                  "mesh.stage": ("1", ">1"), "migration": ("ep",), "resume": ("ep<->fsep",)}
 # Values no CPU can run; their kernels compile in the GPU tests (test_pallas_kernels.py).
 GPU_ONLY = {("pallas_backend", "triton"), ("pallas_backend", "mosaic_gpu")}
@@ -267,6 +301,7 @@ SPECIAL = [
     ({"dispatch": "ragged", "moe.exchange_chunks": ">1"}, "ragged buffers per piece"),
     ({"mesh.stage": ">1", "expert_mode": "fsep"}, "replica split vmapped over stages"),
     ({"mesh.stage": ">1", "capacity": "device"}, "pooled capacity vmapped over stages"),
+    ({"moe.n_group": ">1", "expert_mode": "fsep"}, "groups chosen before the replica split"),
 ]
 
 

@@ -1,4 +1,5 @@
-"""The optimizer: Adam's moments in bfloat16 follow the float32 ones, in optax's state tree."""
+"""The optimizer: Adam's moments in bfloat16 follow the float32 ones, in optax's state tree;
+weight decay spares norm scales and routing biases in both."""
 
 import jax
 import jax.numpy as jnp
@@ -55,3 +56,17 @@ def test_bfloat16_moments_refuse_a_beta_they_cannot_follow():
     OptimConfig(moments_dtype="bfloat16", b2=0.999).validate()
   with pytest.raises(ConfigError, match="optim.moments_dtype='float16' is not supported"):
     OptimConfig(moments_dtype="float16").validate()
+
+
+@pytest.mark.parametrize("moments_dtype", ["float32", "bfloat16"])
+def test_weight_decay_spares_norm_scales_and_routing_biases(moments_dtype):
+  """With zero gradients only weight decay moves a parameter: a matrix shrinks, an RMSNorm
+  scale and a routing bias held as a parameter (the multi-token module's) stay as they are."""
+  cfg = OptimConfig(weight_decay=0.1, warmup_steps=1, moments_dtype=moments_dtype)
+  tx = optim.optimizer(cfg, 10)
+  params = {"w": jnp.ones((4, 4)), "scale": jnp.ones((4,)), "router_bias": jnp.full((8,), 0.5)}
+  updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+  new = optax.apply_updates(params, updates)
+  assert float(jnp.max(new["w"])) < 1.0
+  np.testing.assert_array_equal(new["scale"], params["scale"])
+  np.testing.assert_array_equal(new["router_bias"], params["router_bias"])

@@ -118,9 +118,10 @@ def test_reorder_state_moves_layer_leaves_and_their_moments_only():
   np.testing.assert_array_equal(back["params"]["layers"]["w"], np.arange(4))
 
 
-def test_param_rules_override_only_embed_and_layers():
+def test_param_rules_override_only_embed_latent_and_layers():
   assert param_rules() == RULES
   both = dict(param_rules(fsdp=True, stage=True))
-  assert both["embed"] == "data" and both["layers"] == "stage"
-  assert {k: v for k, v in both.items() if k not in ("embed", "layers")} == {
-      k: v for k, v in RULES if k not in ("embed", "layers")}
+  assert both["embed"] == both["latent"] == "data" and both["layers"] == "stage"
+  overridden = ("embed", "latent", "layers")
+  assert {k: v for k, v in both.items() if k not in overridden} == {
+      k: v for k, v in RULES if k not in overridden}

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.config import MoEConfig
+from moejax.config import ConfigError, MoEConfig
 from moejax.layout.tables import from_slot_expert, static_layout
 from moejax.model.mesh import mesh_of_shape
 from moejax.model.moe.harness import reference_loss, run_against_reference
@@ -168,3 +168,50 @@ def test_relayout_changes_device_limited_routing_without_compiling():
     chosen_devices = device_of_E[np.asarray(choices(x, hosts))]
     assert np.all(chosen_devices.max(1) == chosen_devices.min(1))
   assert not np.array_equal(counts["static"], counts["moved"])
+
+
+def brute_force_group_limited(choice_TxE, groups, topk_groups, k):
+  """DeepSeek-V3's rule written out per token: each group's score is the sum of its two best
+  choice scores; the `topk_groups` best groups; the k best experts among theirs."""
+  per = choice_TxE.shape[1] // groups
+  out = []
+  for scores in choice_TxE:
+    group_score = [sum(sorted(scores[g * per:(g + 1) * per])[-2:]) for g in range(groups)]
+    kept = sorted(range(groups), key=lambda g: -group_score[g])[:topk_groups]
+    allowed = [e for e in range(len(scores)) if e // per in kept]
+    out.append(sorted(allowed, key=lambda e: -scores[e])[:k])
+  return np.array(out)
+
+
+@pytest.mark.parametrize("groups,topk_groups,k", [(4, 1, 2), (4, 2, 3), (2, 1, 2)])
+def test_group_limited_routing_equals_brute_force(groups, topk_groups, k):
+  """The experts of each token's best groups only (by the sum of a group's two best biased
+  scores), the gates its unbiased scores of them; the limit binds on these tokens."""
+  rng = np.random.default_rng(2)
+  x = jnp.asarray(rng.normal(size=(T, D)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(D, E)), jnp.float32)
+  bias = jnp.asarray(rng.normal(size=E) * 0.05, jnp.float32)
+  per = E // groups
+  for gate in ("softmax", "sigmoid"):
+    r = route(x, w, k, normalize_top_k=True, bias_E=bias, gate=gate, route_scale=2.5,
+              num_groups=groups, topk_groups=topk_groups)
+    scores = np.asarray(jax.nn.softmax(x @ w) if gate == "softmax" else jax.nn.sigmoid(x @ w))
+    want = brute_force_group_limited(scores + np.asarray(bias), groups, topk_groups, k)
+    np.testing.assert_array_equal(np.sort(np.asarray(r.expert_TxK), 1), np.sort(want, 1))
+    picked = np.take_along_axis(scores, np.asarray(r.expert_TxK), 1)
+    assert_close(r.gate_TxK, 2.5 * picked / picked.sum(1, keepdims=True), D + E)
+    assert max(len(set(e // per)) for e in np.asarray(r.expert_TxK)) <= topk_groups
+    free = route(x, w, k, normalize_top_k=True, bias_E=bias, gate=gate).expert_TxK
+    assert max(len(set(e // per)) for e in np.asarray(free)) > topk_groups
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(n_group=3), "n_group=3 must divide"), (dict(n_group=8), "groups of 2 or more"),
+    (dict(n_group=4, topk_group=5), "topk_group=5"), (dict(n_group=0), "n_group=0"),
+    (dict(n_group=4, topk_group=1, top_k=3), "topk_group >= 2"),
+    (dict(n_group=2, device_limit=2), "use one limit")])
+def test_group_settings_are_checked(change, match):
+  cfg = MoEConfig(**{**dict(num_experts=E, top_k=2, d_ff=F), **change})
+  with pytest.raises(ConfigError, match=match) as e:
+    cfg.validate()
+  assert "\n" not in str(e.value)

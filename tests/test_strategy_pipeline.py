@@ -126,6 +126,10 @@ def test_why_invalid_names_pipeline_reasons():
   d_model = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, d_model=132,
                                                                num_heads=2))
   assert "fsdp needs model.d_model=132" in why_invalid(parse("ep/8x1x1/cf1/fsdp"), d_model)
+  latent = dataclasses.replace(CFG, model=dataclasses.replace(
+      CFG.model, kv_lora_rank=12, q_lora_rank=16, qk_nope_head_dim=4, qk_rope_head_dim=4,
+      v_head_dim=4))
+  assert "fsdp needs model.kv_lora_rank=12" in why_invalid(parse("ep/8x1x1/cf1/fsdp"), latent)
   circular = parse("ep/1x4x1/p2/v2/m4/cf1")
   if hasattr(CFG.train, "virtual_stages"):        # a build with the circular schedule
     assert circular.apply(CFG).train.virtual_stages == 2

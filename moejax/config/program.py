@@ -99,6 +99,12 @@ class MoEConfig:
   # Device-limited routing: a token picks its device_limit best devices under the current
   # layout (by the best biased score each hosts), then its top-k among their experts (0: off).
   device_limit: int = 0
+  # Group-limited routing (DeepSeek-V3's): the experts cut into n_group groups of contiguous
+  # ids; a token picks its topk_group groups by the sum of each group's two best biased
+  # scores, then its top-k among their experts (1: no groups). The planners keep a group's
+  # experts on its own devices (moejax.placement.groups).
+  n_group: int = 1
+  topk_group: int = 1
   first_dense: int = 0            # dense (non-MoE) first layers before the scanned groups
   # Each MoE layer replaced by one dense SwiGLU of width top_k * d_ff (the active FLOPs of
   # its k experts, no routing or exchange): the baseline that MoE overhead is measured against.
@@ -136,6 +142,25 @@ class MoEConfig:
     for name in ("num_shared_experts", "shared_d_ff", "device_limit", "first_dense"):
       if getattr(self, name) < 0:
         raise ConfigError(f"moe.{name}={getattr(self, name)} must be >= 0 (0: off).")
+    self.validate_groups()
+
+  def validate_groups(self) -> None:
+    g, tg, e = self.n_group, self.topk_group, self.num_experts
+    if g < 1 or not 1 <= tg <= g:
+      raise ConfigError(f"moe.n_group={g}, moe.topk_group={tg}: need n_group >= 1 and topk_group "
+                        "in [1, n_group] (n_group = 1: no groups).")
+    if g == 1:
+      return
+    if e % g or e // g < 2:
+      raise ConfigError(f"moe.n_group={g} must divide moe.num_experts={e} into groups of 2 or "
+                        "more experts (a group scores its two best); use a divisor of "
+                        f"{e} up to {e // 2}.")
+    if tg * (e // g) < self.top_k:
+      raise ConfigError(f"moe.topk_group={tg} groups of {e // g} experts hold fewer than "
+                        f"moe.top_k={self.top_k}; use topk_group >= {-(-self.top_k // (e // g))}.")
+    if self.device_limit:
+      raise ConfigError(f"moe.device_limit={self.device_limit} with moe.n_group={g}: use one "
+                        "limit (n_group for DeepSeek-V3's groups, device_limit for V2's devices).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +184,66 @@ class ModelConfig:
   # Positions per tile of the tiled cross-entropy (moejax.train.loss): the [tokens, vocab]
   # logits are never held whole; 0: plain logits (fine for small vocabularies).
   loss_chunk: int = 0
+  # Multi-head latent attention (DeepSeek-V2/V3, moejax.model.mla) when kv_lora_rank > 0:
+  # keys and values expanded from one RMS-normed latent of this width per token; each head's
+  # query and key a non-rotary part (qk_nope_head_dim) and a rotary one (qk_rope_head_dim,
+  # the key's shared by every head); values of v_head_dim. head_dim and num_kv_heads unused.
+  kv_lora_rank: int = 0
+  q_lora_rank: int = 0            # MLA: the query through an RMS-normed latent this wide (0: not)
+  qk_nope_head_dim: int = 0
+  qk_rope_head_dim: int = 0
+  v_head_dim: int = 0
+  # RoPE scaling: "none" or "yarn" (YaRN, MLA only: frequencies past rope_original_max_len
+  # interpolated by rope_factor between the beta_fast and beta_slow rotations; the attention
+  # scaled by the mscale terms as transformers' DeepSeek-V3 does; 0: the term is absent).
+  rope_scaling: str = "none"
+  rope_factor: float = 1.0
+  rope_original_max_len: int = 0   # 0: max_seq_len
+  rope_beta_fast: float = 32.0
+  rope_beta_slow: float = 1.0
+  rope_mscale: float = 0.0
+  rope_mscale_all_dim: float = 0.0
+  # Multi-token prediction (DeepSeek-V3, moejax.model.mtp): 1 adds a module predicting the
+  # token after next from the final hidden state and the next token's embedding, its
+  # cross-entropy weighted by mtp_loss_weight in the loss (0: off).
+  mtp_depth: int = 0
+  mtp_loss_weight: float = 0.3
+
+  def fsdp_dims(self) -> dict[str, int]:
+    """The widths FSDP splits over `data` (mesh.FSDP_RULES): d_model, and MLA's latents,
+    the first dim of its per-head up-projections."""
+    dims = {"model.d_model": self.d_model}
+    if self.kv_lora_rank:
+      dims["model.kv_lora_rank"] = self.kv_lora_rank
+      if self.q_lora_rank:
+        dims["model.q_lora_rank"] = self.q_lora_rank
+    return dims
+
+  def validate_latent(self) -> None:
+    """MLA's widths, RoPE scaling and multi-token prediction."""
+    mla = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    if self.kv_lora_rank < 0 or any(getattr(self, n) < 0 for n in mla):
+      raise ConfigError(f"model.kv_lora_rank={self.kv_lora_rank} and the MLA widths "
+                        f"{ {n: getattr(self, n) for n in mla} } must be >= 0.")
+    if self.kv_lora_rank and (min(self.qk_nope_head_dim, self.v_head_dim) < 1 or
+                              self.qk_rope_head_dim < 2 or self.qk_rope_head_dim % 2):
+      raise ConfigError(f"model.kv_lora_rank={self.kv_lora_rank} (MLA) needs qk_nope_head_dim="
+                        f"{self.qk_nope_head_dim} and v_head_dim={self.v_head_dim} >= 1 and an "
+                        f"even qk_rope_head_dim={self.qk_rope_head_dim}; e.g. DeepSeek-V3's "
+                        "128, 128 and 64.")
+    if self.rope_scaling not in ("none", "yarn"):
+      raise ConfigError(f"model.rope_scaling={self.rope_scaling!r} is not supported; use 'none' "
+                        "or 'yarn'.")
+    if self.rope_scaling == "yarn" and not self.kv_lora_rank:
+      raise ConfigError("model.rope_scaling='yarn' is computed by multi-head latent attention "
+                        "only; set model.kv_lora_rank > 0 or model.rope_scaling = 'none'.")
+    if self.rope_scaling == "yarn" and (self.rope_factor <= 0 or self.rope_original_max_len < 0):
+      raise ConfigError(f"model.rope_factor={self.rope_factor} must be > 0 and model."
+                        f"rope_original_max_len={self.rope_original_max_len} >= 0.")
+    if self.mtp_depth not in (0, 1) or self.mtp_loss_weight < 0:
+      raise ConfigError(f"model.mtp_depth={self.mtp_depth}, model.mtp_loss_weight="
+                        f"{self.mtp_loss_weight}: moejax predicts one extra token (depth 0 or "
+                        "1) with a weight >= 0; e.g. 1 and 0.3 (DeepSeek-V3's first phase).")
 
   def validate(self, moe: MoEConfig) -> None:
     if self.vocab_size < 0:
@@ -178,9 +263,11 @@ class ModelConfig:
     if self.dtype not in ("float32", "bfloat16", "float16"):
       raise ConfigError(f"model.dtype={self.dtype!r} is not supported; use 'float32', "
                         "'bfloat16' or 'float16'.")
+    self.validate_latent()
     head_dim, kv = self.head_dim or self.d_model // self.num_heads, self.num_kv_heads or 1
-    if (not self.head_dim and self.d_model % self.num_heads) or head_dim % 2 or min(
-        self.head_dim, self.num_kv_heads) < 0 or self.num_heads % kv:
+    bad_heads = ((not self.head_dim and self.d_model % self.num_heads) or head_dim % 2 or
+                 min(self.head_dim, self.num_kv_heads) < 0 or self.num_heads % kv)
+    if bad_heads and not self.kv_lora_rank:   # MLA's heads have their own widths
       raise ConfigError(
           f"model.d_model={self.d_model}, num_heads={self.num_heads}, num_kv_heads="
           f"{self.num_kv_heads}, head_dim={self.head_dim}: need num_kv_heads dividing num_heads "

@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints in and out: Mixtral, Qwen3-MoE and OLMoE (`moejax.convert.families`).
+"""Hugging Face checkpoints in and out: Mixtral, Qwen3-MoE, OLMoE (`moejax.convert.families`)
+and the DeepSeek-V3 architecture (`moejax.convert.deepseek`).
 
 `from_hf` (moejax.convert.hf_in) writes a weights-only step-0 checkpoint and the gin config of
 the model; a run starts from it with `train.init_from`. `to_hf` (moejax.convert.hf_out) writes

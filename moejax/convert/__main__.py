@@ -16,6 +16,7 @@ import sys
 import time
 
 from moejax.config import ConfigError
+from moejax.convert import families
 from moejax.runtime.cli import ArgumentParser, fail
 
 DEFAULT_MESH = (1, 8, 1)
@@ -75,14 +76,19 @@ def parser() -> ArgumentParser:
                   "transformers loads.")
   out.add_argument("run_dir", help="A run dir that trained, or one that from_hf wrote.")
   out.add_argument("out_dir", help="The directory to write the safetensors into.")
-  out.add_argument("--family", help="The family to write, mixtral, qwen3_moe or olmoe "
-                                    "(default: the converted model's own).")
+  out.add_argument("--family", help=f"The family to write, {_family_names()} (default: the "
+                                    "converted model's own).")
   out.add_argument("--dtype", help="The tensors' dtype (default: the converted config's, else "
                                    "float32).")
   out.add_argument("--max_shard_gib", type=float, default=5.0,
                    help="The largest shard in GiB; past it the weights go into several shards "
                         "(default 5).")
   return p
+
+
+def _family_names() -> str:
+  *rest, last = sorted(families.FAMILIES)
+  return f"{', '.join(rest)} or {last}"
 
 
 def _check_hf_dir(hf_dir: str) -> None:

@@ -1,9 +1,11 @@
 """The Hugging Face model families moejax reads and writes: config keys and tensor names.
 
-Each family is a decoder of pre-norm blocks (RMSNorm, RoPE attention, a softmax top-k MoE of
-SwiGLU experts in every layer) with untied embeddings; they differ in tensor names, where the
-QK-norm sits and whether the k gates are renormalised. `moe_config` maps a `config.json` onto
-moejax's config fields and refuses (one line) what moejax does not compute the same way.
+Mixtral, Qwen3-MoE and OLMoE are decoders of pre-norm blocks (RMSNorm, RoPE attention, a
+softmax top-k MoE of SwiGLU experts in every layer) with untied embeddings; they differ in
+tensor names, where the QK-norm sits and whether the k gates are renormalised. The
+DeepSeek-V3 architecture (DeepSeek-V3, Kimi K2, Moonlight) has its own module
+(moejax.convert.deepseek). `moe_config` maps a `config.json` onto moejax's config fields and
+refuses (one line) what moejax does not compute the same way.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from moejax.config import ConfigError
+from moejax.convert import deepseek
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +35,13 @@ FAMILIES = {f.model_type: f for f in (
            "num_experts", "moe_intermediate_size", "head", "norm_topk_prob"),
     Family("olmoe", "OlmoeForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"),
            "num_experts", "intermediate_size", "proj", "norm_topk_prob"),
-)}
+) + tuple(Family(kind, "DeepseekV3ForCausalLM", "mlp", ("gate_proj", "up_proj", "down_proj"),
+                 "n_routed_experts", "moe_intermediate_size", "none", "norm_topk_prob")
+          for kind in deepseek.TYPES)}
+
+
+def is_deepseek(fam: Family) -> bool:
+  return fam.model_type in deepseek.TYPES
 
 
 def family_of(hf: dict) -> Family:
@@ -74,9 +83,12 @@ def _refuse_unsupported(hf: dict) -> None:
                       "sequences, or convert another model.")
 
 
-def moe_config(hf: dict) -> tuple[dict, dict]:
-  """(model fields, moe fields) of moejax for a config.json (dicts of field -> value)."""
+def moe_config(hf: dict, mtp: bool = False) -> tuple[dict, dict]:
+  """(model fields, moe fields) of moejax for a config.json (dicts of field -> value); `mtp`:
+  the checkpoint holds a multi-token prediction layer (DeepSeek-V3's)."""
   fam = family_of(hf)
+  if is_deepseek(fam):
+    return deepseek.moe_config(hf, mtp)
   _refuse_unsupported(hf)
   d, heads = hf["hidden_size"], hf["num_attention_heads"]
   head_dim = hf.get("head_dim") or d // heads
@@ -105,6 +117,8 @@ def moe_config(hf: dict) -> tuple[dict, dict]:
 def hf_config(fam: Family, model, moe, dtype: str, template: dict | None = None) -> dict:
   """A config.json for moejax's `model` / `moe` configs (ModelConfig, MoEConfig): `template`
   (the converted model's own config.json) with the shape fields set, or the family's keys."""
+  if is_deepseek(fam):
+    return deepseek.hf_config(model, moe, dtype, template)
   out = dict(template or {})
   head_dim = model.head_dim or model.d_model // model.num_heads
   out.update({
@@ -128,9 +142,13 @@ def hf_config(fam: Family, model, moe, dtype: str, template: dict | None = None)
   return out
 
 
-def tensor_names(fam: Family, num_layers: int, num_experts: int) -> dict[str, tuple]:
+def tensor_names(fam: Family, num_layers: int, num_experts: int, model=None, moe=None,
+                 interleave: bool = True) -> dict[str, tuple]:
   """{HF tensor name: (moejax leaf, index, how)}: the leaf is a canonical (ep, expert-id order)
-  param path, `index` the layer (and expert) it fills, `how` the reshape rule (see `to_leaf`)."""
+  param path, `index` the layer (and expert) it fills, `how` the reshape rule (see `to_leaf`).
+  DeepSeek-V3's names need the `model` and `moe` configs and the rotary layout."""
+  if is_deepseek(fam):
+    return deepseek.tensor_names(model, moe, interleave)
   names = {"model.embed_tokens.weight": (("embed",), (), "copy"),
            "lm_head.weight": (("unembed",), (), "T"),
            "model.norm.weight": (("ln_final", "scale"), (), "copy")}
@@ -157,6 +175,8 @@ def tensor_names(fam: Family, num_layers: int, num_experts: int) -> dict[str, tu
 
 def to_leaf(x, how: str, shape: tuple):
   """An HF tensor (numpy, [out, in]) -> the moejax slice of `shape` it fills."""
+  if isinstance(how, tuple):           # a rotary permutation (DeepSeek's pairs -> halves)
+    return deepseek.to_leaf(x, how, shape)
   if how == "copy":
     return x
   if how == "T":
@@ -170,7 +190,10 @@ def to_leaf(x, how: str, shape: tuple):
 
 
 def from_leaf(y, how: str):
-  """Inverse of `to_leaf`: a moejax slice -> the HF tensor."""
+  """Inverse of `to_leaf`: a moejax slice -> the HF tensor ('dup:HOW': a copy, by HOW)."""
+  if isinstance(how, tuple):
+    return deepseek.from_leaf(y, how)
+  how = how.removeprefix("dup:")
   if how == "copy":
     return y
   if how == "T":

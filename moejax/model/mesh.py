@@ -19,6 +19,7 @@ RULES: tuple[tuple[str, object], ...] = (
     ("batch", BATCH_AXES),
     ("length", None),
     ("embed", None),
+    ("latent", None),                      # MLA's query and key/value latents
     ("vocab", "model"),
     ("heads", "model"),
     ("head_dim", None),
@@ -31,10 +32,11 @@ RULES: tuple[tuple[str, object], ...] = (
 
 
 # The parameter rules' overrides (moejax.train.state), applied to RULES and nowhere else.
-# FSDP (ZeRO-3): every parameter's embed dim over `data`, so a parameter and its Adam moments
-# hold 1/data of it on each device; XLA's SPMD partitioner all-gathers it where it is used and
-# reduce-scatters its gradient. Activations keep RULES: their batch dim already uses `data`.
-FSDP_RULES = (("embed", "data"),)
+# FSDP (ZeRO-3): every parameter's embed dim over `data` (MLA's up-projections, which have
+# none, their latent dim), so a parameter and its Adam moments hold 1/data of it on each
+# device; XLA's SPMD partitioner all-gathers it where it is used and reduce-scatters its
+# gradient. Activations keep RULES: their batch dim already uses `data`.
+FSDP_RULES = (("embed", "data"), ("latent", "data"))
 # Pipeline: the scanned layer-group axis over `stage`, whole groups per stage.
 STAGE_RULES = (("layers", "stage"),)
 

@@ -26,23 +26,28 @@ from jax.sharding import Mesh, NamedSharding
 
 from moejax.config import ModelConfig, MoEConfig, num_moe_layers
 from moejax.layout.tables import Layout
+from moejax.model import mla
 from moejax.model.mesh import logical_to_spec
 from moejax.model.moe import fsep_backward
 from moejax.model.moe.fsep_experts import FsepExperts, restore_layer
 from moejax.model.moe.layer import MoELayer, MoEStats, no_moe_stats
+from moejax.model.mtp import MultiTokenPrediction
 
 
 def resolve_attention(cfg: ModelConfig, mesh: Mesh) -> ModelConfig:
   """`cfg` with `attention = 'auto'` replaced by the implementation for `mesh`'s devices:
   cuDNN's fused kernel on GPU where its constraints hold, XLA's attention elsewhere (also on
-  compile-only GPU devices, where XLA finds no cuDNN to build the fused kernel with)."""
+  compile-only GPU devices, where XLA finds no cuDNN to build the fused kernel with). MLA's
+  head is its query/key width (moejax.model.mla)."""
   if cfg.attention != "auto":
     return cfg
   device = mesh.devices.flat[0]
-  head_dim = cfg.head_dim or cfg.d_model // cfg.num_heads
+  head_dim = (mla.qk_head_dim(cfg) if cfg.kv_lora_rank else
+              cfg.head_dim or cfg.d_model // cfg.num_heads)
   fused = (device.platform in ("gpu", "cuda") and
            device.client.runtime_type != "compile_only_runtime" and
-           cfg.dtype in ("bfloat16", "float16") and head_dim % 8 == 0 and head_dim <= 128)
+           cfg.dtype in ("bfloat16", "float16") and head_dim % 8 == 0 and
+           head_dim <= mla.cudnn_max_head_dim(device))
   return dataclasses.replace(cfg, attention="cudnn" if fused else "xla")
 
 
@@ -126,10 +131,16 @@ class DenseMLP(nn.Module):
     return h @ w_down.astype(dtype)
 
 
+def attention_class(cfg: ModelConfig) -> type[nn.Module]:
+  """Multi-head latent attention where model.kv_lora_rank > 0, else (grouped) multi-head."""
+  return mla.MLAttention if cfg.kv_lora_rank else Attention
+
+
 def dense_modules(cfg: ModelConfig, remat: bool) -> tuple[type[nn.Module], type[nn.Module]]:
   """(attention, MLP) module classes of a dense block, rematerialised when `remat`: the one
-  place a block's modules are chosen (by `cfg`, once the model has more than one attention)."""
-  return (nn.remat(Attention), nn.remat(DenseMLP)) if remat else (Attention, DenseMLP)
+  place a block's modules are chosen (the attention by `attention_class`)."""
+  attention = attention_class(cfg)
+  return (nn.remat(attention), nn.remat(DenseMLP)) if remat else (attention, DenseMLP)
 
 
 def dense_block(x_BxQxD, ln_attn, attn, ln_mlp, mlp, act: NamedSharding) -> jax.Array:
@@ -216,6 +227,14 @@ class Head(NamedTuple):
     return jnp.einsum("bqd,dv->bqv", self.h_BxQxD.astype(jnp.float32), self.w_Dxvocab)
 
 
+class MtpHead(NamedTuple):
+  """The multi-token head's output (model.mtp_depth = 1): position i's `Head` predicts the
+  token after its next one; the losses of its block's MoE layer, for the loss to add."""
+  head: Head
+  balance_loss: jax.Array
+  z_loss: jax.Array
+
+
 class GroupParams(NamedTuple):
   """The layer groups' parameters, every leaf [G, ...] in the params' layer order."""
   layers: dict                   # the scanned LayerGroup's
@@ -227,8 +246,10 @@ class Transformer(nn.Module):
   `embed` (the token embedding and the dense first blocks), `groups` (the scanned layer
   groups) and `head` (the final norm and the unembedding); `layer_group` and `group_params`
   hand out one group's module and the groups' parameters to a caller that schedules the
-  groups itself. Parameter paths: `embed`, `first_{attn,mlp,ln_attn,ln_mlp}_{i}`, `layers`
-  (every leaf [G, ...]), `fsep_experts` (fsep), `ln_final`, `unembed`."""
+  groups itself. With `model.mtp_depth` = 1 a fourth part, `mtp_head` beside `head`, and the
+  output is ((Head, MtpHead), MoEStats). Parameter paths: `embed`,
+  `first_{attn,mlp,ln_attn,ln_mlp}_{i}`, `layers` (every leaf [G, ...]), `fsep_experts`
+  (fsep), `ln_final`, `unembed`, `mtp` (multi-token prediction)."""
   cfg: ModelConfig
   moe_cfg: MoEConfig
   mesh: Mesh
@@ -257,6 +278,9 @@ class Transformer(nn.Module):
     self.ln_final = RMSNorm(cfg.norm_eps)
     self.unembedding = _dense(("embed", "vocab"), (cfg.d_model, cfg.vocab_size), cfg.d_model,
                               self, "unembed")
+    if cfg.mtp_depth:   # its block's modules as the others', the whole block rematerialised
+      mtp = nn.remat(MultiTokenPrediction) if cfg.remat else MultiTokenPrediction
+      self.mtp = mtp(cfg, moe_cfg, self.mesh, RMSNorm, *dense_modules(cfg, False))
 
   def embed(self, tokens_BxQ: jax.Array) -> jax.Array:
     """x_BxQxD: the token embedding, then the `moe.first_dense` dense first blocks."""
@@ -285,9 +309,26 @@ class Transformer(nn.Module):
     """The final norm on x, and the unembedding."""
     return Head(self.ln_final(x_BxQxD), self.unembedding)
 
-  def __call__(self, tokens_BxQ: jax.Array, layout: Layout) -> tuple[Head, MoEStats]:
+  def mtp_head(self, x_BxQxD: jax.Array, next_tokens_BxQ: jax.Array) -> MtpHead:
+    """Multi-token prediction (moejax.model.mtp): the final norm on the groups' x and the
+    shared embedding of each position's next token through the module's block; its `Head`
+    (the shared unembedding) predicts the token after next."""
+    next_BxQxD = self.embedding[next_tokens_BxQ].astype(jnp.dtype(self.cfg.dtype))
+    next_BxQxD = jax.lax.with_sharding_constraint(next_BxQxD, _activations(self.mesh))
+    h_BxQxD, balance_loss, z_loss = self.mtp(self.ln_final(x_BxQxD), next_BxQxD)
+    return MtpHead(Head(h_BxQxD, self.unembedding), balance_loss, z_loss)
+
+  def __call__(self, tokens_BxQ: jax.Array, layout: Layout,
+               next_tokens_BxQ: jax.Array | None = None):
+    """(Head, stats); with `model.mtp_depth` = 1, ((Head, MtpHead), stats), the multi-token
+    head fed `next_tokens_BxQ` (each position's next token: the loss's targets; by default
+    the tokens shifted by one, the last standing in for the unknown one after it)."""
     x_BxQxD, stats = self.groups(self.embed(tokens_BxQ), layout)
-    return self.head(x_BxQxD), stats
+    if not self.cfg.mtp_depth:
+      return self.head(x_BxQxD), stats
+    if next_tokens_BxQ is None:
+      next_tokens_BxQ = jnp.concatenate([tokens_BxQ[:, 1:], tokens_BxQ[:, -1:]], axis=1)
+    return (self.head(x_BxQxD), self.mtp_head(x_BxQxD, next_tokens_BxQ)), stats
 
   def layer_group(self, backward: str) -> LayerGroup:
     """One layer group's module (unbound; parameters: one [G, ...] row of `group_params`),

@@ -14,6 +14,7 @@ expert-axis device first.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 from typing import NamedTuple
 
@@ -22,7 +23,7 @@ import numpy as np
 from moejax.config import PlannerConfig
 from moejax.layout.flow import max_over_mean
 from moejax.layout.placement import Placement
-from moejax.placement import policies, pricing
+from moejax.placement import groups, policies, pricing
 from moejax.placement.fsep.score import column_sums
 
 
@@ -80,17 +81,21 @@ def _config_options(cfg: PlannerConfig, capacity_factor: float | None, capacity:
 
 class OnlinePlanner:
   def __init__(self, cfg: PlannerConfig, num_devices: int, cost: policies.CostModel,
-               capacity_factor: float | None = None, capacity: str = "slot"):
+               capacity_factor: float | None = None, capacity: str = "slot",
+               num_groups: int = 1):
     """`cost`: the run's (moejax.strategy.placement_cost); `capacity_factor`: the dense
     dispatch's, so fsep plans count drops and keeps its own pairs' buffers (None for the
     dropless ragged dispatch); `capacity`: its mode (moe.capacity), 'device' makes smartmoe
-    score placements by pooled drops."""
+    score placements by pooled drops; `num_groups`: moe.n_group, whose groups smartmoe keeps
+    on their own devices (moejax.placement.groups)."""
     self.cfg = cfg
     self.adaptive = adaptive_for(cfg)
     self.capacity_factor = capacity_factor
     self.num_devices = num_devices
     self.cost = cost
     self.policy = policies.get_policy(cfg.policy)
+    if cfg.policy == "smartmoe" and num_groups > 1:
+      self.policy = functools.partial(groups.place_permutation, num_groups=num_groups)
     given = _config_options(cfg, capacity_factor, capacity)
     self.options = policies.make_options(cfg.policy, **given)
     # The window's steps, oldest first. An entry is never changed in place, so a `snapshot`

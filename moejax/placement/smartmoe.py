@@ -268,10 +268,12 @@ def place_permutation(pred_WxE: np.ndarray, current: placement_lib.Placement, *,
                       slots: int | None = None, src_dev_W: np.ndarray | None = None,
                       cost: CostModel | None = None, num_devices: int | None = None,
                       options: SmartMoEOptions = SmartMoEOptions(),
-                      samples_stepsxWxE: np.ndarray | None = None) -> placement_lib.Placement:
+                      samples_stepsxWxE: np.ndarray | None = None,
+                      cap_stepsxW: np.ndarray | None = None) -> placement_lib.Placement:
   """A permutation of the experts, E/N per device, for the summed load (see the module doc);
   the shared keywords other than `current` (and `samples_stepsxWxE` under pooled capacity) are
-  not needed."""
+  not needed. `cap_stepsxW`: the pooled buffers' rows per (step, source) (None: the factor's
+  share of the samples' choices; a planner of some of the experts passes the whole layer's)."""
   min_gain = options.min_gain
   load_E = np.asarray(pred_WxE, np.float64).sum(0)
   num_experts, n = len(load_E), current.num_devices
@@ -291,7 +293,8 @@ def place_permutation(pred_WxE: np.ndarray, current: placement_lib.Placement, *,
   if options.pooled_capacity_factor > 0 and samples_stepsxWxE is not None:
     samples = np.asarray(samples_stepsxWxE, np.float64)
     # A source's buffer to each device holds cf x its balanced share of its choices.
-    cap_stepsxW = np.ceil(options.pooled_capacity_factor * samples.sum(-1) / n)
+    if cap_stepsxW is None:
+      cap_stepsxW = np.ceil(options.pooled_capacity_factor * samples.sum(-1) / n)
     drops = _Drops(samples, n, cap_stepsxW)
     score = drops.of
     best = min((local, reshuffle, static_dev_E, cur_dev_E), key=score)

@@ -147,6 +147,21 @@ class Workload:
   loss_chunk: int = 0            # model.loss_chunk: positions of logits per loss tile (0: all)
   attention_scores: bool = True  # XLA's attention materialises [B, H, Q, Q] (cuDNN's: none)
   ragged_buffer_factor: float = 2.0   # moe.ragged_buffer_factor: the ragged receive buffer
+  # Per layer, the attention's projection parameters (0: multi-head's 4 d^2) and per token the
+  # heads' q.k plus value widths (0: 2 d); multi-head latent attention sets both.
+  attention_params: int = 0
+  attention_width: int = 0
+
+  @property
+  def attention(self) -> int:
+    """One layer's attention parameters with its two RMSNorms (2 d)."""
+    return (self.attention_params or 4 * self.d_model * self.d_model) + 2 * self.d_model
+
+  @property
+  def residual_width(self) -> int:
+    """Per token and layer, the residuals a layer keeps: 20 d with multi-head attention's
+    q, k, v and output (4 d) replaced by twice the heads' widths."""
+    return 16 * self.d_model + 2 * (self.attention_width or 2 * self.d_model)
 
   @property
   def moe_layers(self) -> int:
@@ -157,7 +172,7 @@ class Workload:
     """Everything but the expert FFNs (replicated over data and expert)."""
     d = self.d_model
     dense_mlps = self.num_layers - self.moe_layers
-    return (2 * self.vocab_size * d + self.num_layers * (4 * d * d + 2 * d) +
+    return (2 * self.vocab_size * d + self.num_layers * self.attention +
             dense_mlps * 3 * d * self.d_ff + self.moe_layers * d * self.num_experts +
             self.moe_layers * 3 * d * self.shared_d_ff)
 
@@ -276,8 +291,9 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
   runs = moe_layers * mb * stretch                 # MoE layer runs per device (every tick)
   recompute = 4 / 3 if w.remat else 1.0            # remat runs the forward twice
 
-  attn_flops = 2 * 2 * w.seq_len * d / 2           # causal QK^T and AV per token
-  first = w.first_dense * (4 * d * d + 2 * d + 3 * d * w.d_ff)   # on every stage, no bubble
+  # causal QK^T and AV per token, over the heads' widths (multi-head: d each)
+  attn_flops = 2 * w.seq_len * (w.attention_width or 2 * d) / 2
+  first = w.first_dense * (w.attention + 3 * d * w.d_ff)   # on every stage, no bubble
   layer_dense = w.dense_params - 2 * w.vocab_size * d - first      # split over the stages
   dense_flops = ((6 * tokens * layer_dense / p + 3 * tokens * (layers - w.first_dense) *
                   attn_flops) / m * stretch * recompute + 6 * tokens * w.vocab_size * d / m +
@@ -346,7 +362,8 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
                        groups=round(moe_layers), remat=w.remat, microbatches=mb,
                        stretch=stretch, heads=w.num_heads, seq_len=w.seq_len,
                        attention_scores=w.attention_scores, loss_chunk=w.loss_chunk,
-                       remat_blocks=strategy.expert_mode == "fsep"))
+                       remat_blocks=strategy.expert_mode == "fsep",
+                       residual_width=w.residual_width))
   cs, ms = profile.compute_scale, profile.comm_scale
   return StepCost(compute_s * cs, expert_s * cs, memory_s * cs, a2a_s * ms, restore_s * ms,
                   reduce_s * ms, tp_s * profile.tp_scale, profile.overhead_s,

@@ -95,13 +95,14 @@ def activation_terms(tokens: float, d_model: int, num_layers: int, vocab_size: i
                      groups: int = 0, remat: bool = False, microbatches: int = 1,
                      stretch: float = 1.0, heads: int = 0, seq_len: int = 0,
                      attention_scores: bool = False, loss_chunk: int = 0,
-                     remat_blocks: bool = False) -> dict:
+                     remat_blocks: bool = False, residual_width: float = 0.0) -> dict:
   """The activation memory of a step, in named parts: `kept` (saved by the forward pass for
   the backward, live through the whole backward pass), `work` (one layer group's backward:
   what its recomputed forward saves, and its gradients) and `loss` (the loss's backward).
   The last two are live at different times; the peak holds the larger one (`activation_bytes`).
 
-  Per token and layer the residuals are ~20 values of width D, plus 6 per expert row (summed
+  Per token and layer the residuals are ~20 values of width D (`residual_width`, where the
+  attention's differ: multi-head latent attention's), plus 6 per expert row (summed
   over MoE layers; ragged dispatch: its fixed receive buffer's rows, `capacity.ragged_rows`).
   `num_layers`, `groups` (scanned layer groups) and `expert_rows` are this device's (a
   pipeline stage's). A pipelined step is one scan over ticks whose autodiff keeps every
@@ -117,6 +118,7 @@ def activation_terms(tokens: float, d_model: int, num_layers: int, vocab_size: i
   scores = attention_score_bytes(tokens, heads, seq_len, act_bytes, model_shards) if (
       attention_scores and heads and seq_len) else 0.0
   rows_per_layer = expert_rows / max(groups, 1)
+  per_token = residual_width or 20 * d_model
   if remat and groups:
     layers_per_group = num_layers / groups
     if remat_blocks:
@@ -125,10 +127,10 @@ def activation_terms(tokens: float, d_model: int, num_layers: int, vocab_size: i
     else:
       kept = tokens * d_model * groups * stretch * act_bytes  # group inputs: not split over `model`
       live_scores = layers_per_group
-    work = ((20 * tokens * d_model * layers_per_group + 6 * rows_per_layer * d_model) *
+    work = ((per_token * tokens * layers_per_group + 6 * rows_per_layer * d_model) *
             act_bytes / model_shards + (live_scores + 1) * scores) / microbatches
   else:
-    kept = ((20 * tokens * d_model * num_layers + 6 * expert_rows * d_model) * act_bytes /
+    kept = ((per_token * tokens * num_layers + 6 * expert_rows * d_model) * act_bytes /
             model_shards + num_layers * scores) * stretch
     work = scores / microbatches
   if microbatches > 1:

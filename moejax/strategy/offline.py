@@ -54,7 +54,20 @@ def workload_of(cfg: Config) -> Workload:
                   shared_d_ff=moe.num_shared_experts * (moe.shared_d_ff or moe.d_ff),
                   remat=m.remat, loss_chunk=m.loss_chunk,
                   attention_scores=m.attention != "cudnn",
-                  ragged_buffer_factor=moe.ragged_buffer_factor)
+                  ragged_buffer_factor=moe.ragged_buffer_factor, **_latent(m))
+
+
+def _latent(m) -> dict:
+  """Multi-head latent attention's projection parameters and head widths (moejax.model.mla)."""
+  if not m.kv_lora_rank:
+    return {}
+  d, h, qk = m.d_model, m.num_heads, m.qk_nope_head_dim + m.qk_rope_head_dim
+  query = (d * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * h * qk if m.q_lora_rank else
+           d * h * qk)
+  keys = (d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank +
+          m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim))
+  return {"attention_params": query + keys + h * m.v_head_dim * d,
+          "attention_width": h * (qk + m.v_head_dim)}
 
 
 @dataclasses.dataclass

@@ -183,8 +183,9 @@ def why_invalid(s: Strategy, cfg: Config) -> str | None:
       return f"fsep needs moe.d_ff={moe.d_ff} divisible by expert*model={n * mm}"
   if s.dispatch not in _DISPATCH:
     return f"dispatch {s.dispatch!r} unknown"
-  if s.fsdp and m.d_model % s.data:
-    return f"fsdp needs model.d_model={m.d_model} divisible by data axis {s.data}"
+  for name, size in m.fsdp_dims().items() if s.fsdp else ():
+    if size % s.data:
+      return f"fsdp needs {name}={size} divisible by data axis {s.data}"
   if s.virtual > 1 and not _schedule_fields(cfg, s.virtual):
     return f"v{s.virtual} needs the circular schedule (train.virtual_stages), not in this build"
   if why := microbatch_split_error(cfg.data.global_batch_size, s.microbatches, s.data * n):

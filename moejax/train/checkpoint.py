@@ -50,8 +50,11 @@ BIAS = "router_bias_LxE"   # the train state's field that checkpoints before 202
 MODEL_FIELDS = (("model", "vocab_size"), ("model", "d_model"), ("model", "num_layers"),
                 ("model", "num_heads"), ("model", "num_kv_heads"), ("model", "head_dim"),
                 ("model", "qk_norm"), ("model", "d_ff"), ("model", "max_seq_len"),
-                ("moe", "num_experts"), ("moe", "d_ff"), ("moe", "moe_every"),
-                ("moe", "first_dense"), ("moe", "num_shared_experts"), ("moe", "shared_d_ff"))
+                ("model", "kv_lora_rank"), ("model", "q_lora_rank"), ("model", "v_head_dim"),
+                ("model", "qk_nope_head_dim"), ("model", "qk_rope_head_dim"),
+                ("model", "mtp_depth"), ("moe", "num_experts"), ("moe", "d_ff"),
+                ("moe", "moe_every"), ("moe", "first_dense"), ("moe", "num_shared_experts"),
+                ("moe", "shared_d_ff"))
 
 
 def model_fields(cfg: Config) -> dict[str, int | str]:
@@ -271,9 +274,10 @@ class Checkpointer:
     like = state_like.replace(opt_state=None) if weights_only else state_like
     return self.restore(like, layout_like, expert_mode, step=step)
 
-  def read_params(self, step: int | None = None) -> tuple[dict, dict]:
+  def read_params(self, step: int | None = None, bias: bool = False) -> tuple[dict, dict]:
     """(params in canonical ep paths and expert-id order, on one device; the step's meta) of
-    `step` (default: the latest), the optimizer state left unread; digests checked."""
+    `step` (default: the latest), the optimizer state left unread; digests checked. `bias`:
+    the router bias too, as params[BIAS] (where the checkpoint holds one)."""
     step = self.latest_step() if step is None else step
     if step is None:
       raise CheckpointError(f"{self.directory} holds no checkpoint to read.")
@@ -290,6 +294,8 @@ class Checkpointer:
     meta = dict(self._mngr.restore(step, args=ocp.args.Composite(
         meta=ocp.args.JsonRestore()))["meta"])
     target = {"state": {"params": params}}
+    if bias and (m := saved["state"].get(BIAS)) is not None:
+      target["state"][BIAS] = jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=one)
     with ocp.PyTreeCheckpointer() as reader:
       item = reader.restore(os.path.join(self.directory, str(step), "state"),
                             args=ocp.args.PyTreeRestore(
@@ -301,7 +307,8 @@ class Checkpointer:
       raise CheckpointError(f"checkpoint {self.directory}/{step}: {bad[0]} differs from its "
                             "digest; the files are damaged.")
     src_mode = "fsep" if "fsep_experts" in item["state"]["params"] else "ep"
-    return convert_tree(item["state"]["params"], src_mode, "ep"), meta
+    out = convert_tree(item["state"]["params"], src_mode, "ep")
+    return (dict(out, **{BIAS: item["state"][BIAS]}) if BIAS in item["state"] else out), meta
 
   def _read(self, step: int, state_like: Any, layout_like: Layout, expert_mode: str) -> Restored:
     saved = _saved_arrays(self._mngr, step)

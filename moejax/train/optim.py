@@ -22,8 +22,9 @@ def schedule(cfg: OptimConfig, num_steps: int) -> optax.Schedule:
 
 def optimizer(cfg: OptimConfig, num_steps: int) -> optax.GradientTransformation:
   def decay_mask(params):   # no decay on RMSNorm scales (which are [layers, D] when scanned)
+    # nor on a routing bias held as a parameter (the multi-token module's: no gradient)
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: getattr(path[-1], "key", None) != "scale", params)
+        lambda path, _: getattr(path[-1], "key", None) not in ("scale", "router_bias"), params)
   lr = schedule(cfg, num_steps)
   if cfg.moments_dtype == "float32":
     adamw = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,

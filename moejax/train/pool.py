@@ -42,7 +42,8 @@ def online_planner(cfg: Config, num_devices: int) -> OnlinePlanner:
   """The layout re-planner of a program with config `cfg` and `num_devices` on its expert
   axis: the config's policy and options, the dense dispatch's capacity, the run's cost."""
   return OnlinePlanner(cfg.planner, num_devices, placement_cost_of(cfg),
-                       capacity_factor=_dense_capacity(cfg.moe), capacity=cfg.moe.capacity)
+                       capacity_factor=_dense_capacity(cfg.moe), capacity=cfg.moe.capacity,
+                       num_groups=cfg.moe.n_group)
 
 
 class StrategyPool:

@@ -190,10 +190,11 @@ def _check_split(cfg: Config, mesh: Mesh) -> None:
     raise ConfigError(f"{heads} key/value heads (model.num_kv_heads, 0: model.num_heads) do "
                       f"not split over mesh.model={mesh.shape['model']}; use a model axis "
                       f"dividing {heads}.")
-  if cfg.mesh.fsdp and cfg.model.d_model % mesh.shape["data"]:
-    raise ConfigError(f"mesh.fsdp shards every parameter's d_model={cfg.model.d_model} over "
-                      f"data={mesh.shape['data']} devices, which does not divide it; set "
-                      "mesh.fsdp = False or a data axis dividing model.d_model.")
+  for name, size in cfg.model.fsdp_dims().items() if cfg.mesh.fsdp else ():
+    if size % mesh.shape["data"]:
+      raise ConfigError(f"mesh.fsdp shards parameters' {name}={size} over data="
+                        f"{mesh.shape['data']} devices, which does not divide it; set "
+                        f"mesh.fsdp = False or a data axis dividing {name}.")
 
 
 def _move(state: TrainState, src_layout: Layout, dst_layout: Layout, *, src_mode: str,

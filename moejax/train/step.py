@@ -16,12 +16,24 @@ from moejax.train.state import TrainState
 def loss_fn(params, model: nn.Module, moe_cfg: MoEConfig, batch_BxQ1: jax.Array,
             layout: Layout):
   inputs, targets = batch_BxQ1[:, :-1], batch_BxQ1[:, 1:]
-  head, stats = model.apply({"params": params}, inputs, layout)
-  ce = head_loss(model.cfg)(head, targets)     # model.cfg: a Transformer's, or a Pipelined's
+  model_cfg = model.cfg      # a Transformer's, or a Pipelined's
+  if model_cfg.mtp_depth:    # position i also predicts t_{i+2} from t_{i+1} (moejax.model.mtp)
+    (head, mtp), stats = model.apply({"params": params}, inputs, layout,
+                                     next_tokens_BxQ=targets)
+  else:
+    (head, stats), mtp = model.apply({"params": params}, inputs, layout), None
+  ce_of = head_loss(model_cfg)
+  ce = ce_of(head, targets)
   balance = jnp.sum(stats.balance_loss)
   z = jnp.sum(stats.z_loss)
-  loss = ce + moe_cfg.balance_loss_weight * balance + moe_cfg.z_loss_weight * z
-  return loss, {"ce": ce, "balance_loss_L": stats.balance_loss, "z_loss_L": stats.z_loss,
+  extra, ce_total = {}, ce
+  if mtp is not None:   # the last position has no token after next
+    extra["mtp_ce"] = ce_of(mtp.head._replace(h_BxQxD=mtp.head.h_BxQxD[:, :-1]),
+                            batch_BxQ1[:, 2:])
+    ce_total = ce + model_cfg.mtp_loss_weight * extra["mtp_ce"]
+    balance, z = balance + mtp.balance_loss, z + mtp.z_loss
+  loss = ce_total + moe_cfg.balance_loss_weight * balance + moe_cfg.z_loss_weight * z
+  return loss, {"ce": ce, **extra, "balance_loss_L": stats.balance_loss, "z_loss_L": stats.z_loss,
                 "counts_LxWxE": stats.counts_WxE, "dropped_LxW": stats.dropped_W,
                 "slot_counts_LxWxS": stats.slot_counts_WxS,
                 # after capacity: rows each device computed per source, and its drops

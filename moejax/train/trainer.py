@@ -170,8 +170,9 @@ class Trainer:
     return restored.step
 
   def init_weights(self) -> None:
-    """`train.init_from`: that run dir's latest weights, in this run's strategy and layout;
-    the optimizer state, the step and the router bias stay those of a fresh run."""
+    """`train.init_from`: that run dir's latest weights and their routing bias (a converted
+    DeepSeek-V3's chooses experts with it), in this run's strategy and layout; the optimizer
+    state and the step stay those of a fresh run."""
     cfg = self.cfg
     source = Checkpointer(cfg.train.init_from, cfg.checkpoint)
     try:
@@ -180,7 +181,8 @@ class Trainer:
                                         self.pool.program.expert_mode)
     finally:
       source.close()
-    state = self.state.replace(params=restored.state.params)
+    state = self.state.replace(params=restored.state.params,
+                               router_bias_LxE=restored.state.router_bias_LxE)
     self.state = self.pool.program.canonical_state(state, back=True)
     self.pool.set_layout(self.pool.active, restored.layout)
     if self.is_main:
@@ -367,7 +369,7 @@ class Trainer:
     record = {
         "step": step, "loss": float(m["loss"]), "ce": float(m["ce"]),
         "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]), "tokens_per_s": tokens_per_s,
-        "skipped": bool(m["skipped"]),
+        "skipped": bool(m["skipped"]), **({"mtp_ce": float(m["mtp_ce"])} if "mtp_ce" in m else {}),
         "moe": metrics_lib.moe_layer_records(m, prog.mesh.shape["expert"]),
         "strategy": prog.strategy.spec,
     }

@@ -80,10 +80,12 @@ def layer_loss(cfg: MoEConfig, mesh: Mesh) -> Callable:
 
 def reference_loss(cfg: MoEConfig, **reference_kwargs) -> Callable:
   """loss(params, x_BxQxD) -> (objective, (y, counts_E)) of `moe_reference` routing as `cfg`
-  does; `reference_kwargs` (bias_E, keep_TxK, hosts_ExN, device_limit) as moe_reference's."""
+  does (its gate, scale and expert groups); `reference_kwargs` (bias_E, keep_TxK, hosts_ExN,
+  device_limit) as moe_reference's."""
   def loss(params, x_BxQxD):
     y, counts, balance, z = moe_reference(params, x_BxQxD, cfg.top_k, cfg.normalize_top_k,
                                           gate=cfg.gate, route_scale=cfg.route_scale,
+                                          num_groups=cfg.n_group, topk_groups=cfg.topk_group,
                                           **reference_kwargs)
     return objective(y, balance, z), (y, counts)
   return loss

@@ -196,7 +196,8 @@ def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
     r = route(x_TxD, w_router, cfg.top_k, normalize_top_k=cfg.normalize_top_k,
               token_axes=BATCH_AXES, bias_E=bias, gate=cfg.gate, route_scale=cfg.route_scale,
               seq_len=length, hosts_ExN=hosting_devices(expert_slots, num_dev, slots),
-              device_limit=cfg.device_limit)
+              device_limit=cfg.device_limit, num_groups=cfg.n_group,
+              topk_groups=cfg.topk_group)
     slot_TK = pick_slots(r.expert_TxK.reshape(-1), expert_slots, expert_parts, local_parts, slots)
     y_TxD, dropped, slot_counts, kept = pipeline(x_TxD, slot_TK, r.gate_TxK,
                                                  (w_gate, w_up, w_down), ops, num_dev, slots,

@@ -16,8 +16,8 @@ def moe_reference(params: dict, x_BxQxD: jax.Array, top_k: int, normalize_top_k:
                   bias_E: jax.Array | None = None, keep_TxK: jax.Array | None = None,
                   **route_kwargs):
   """Returns (y_BxQxD, counts_E, balance_loss, z_loss); `bias_E` and `route_kwargs` (gate,
-  route_scale, hosts_ExN, device_limit) as in `route`; `keep_TxK` (bool, optional) drops the
-  choices it marks False (a capacity rule's outcome)."""
+  route_scale, hosts_ExN, device_limit, num_groups, topk_groups) as in `route`; `keep_TxK`
+  (bool, optional) drops the choices it marks False (a capacity rule's outcome)."""
   d_model = x_BxQxD.shape[-1]
   x_TxD = x_BxQxD.reshape(-1, d_model).astype(jnp.float32)
   r = route(x_TxD, params["router"], top_k, normalize_top_k=normalize_top_k, bias_E=bias_E,

@@ -7,6 +7,10 @@ reduced across them, so the sharded layer equals the single-device reference.
 Two gates (`moe.gate`): "softmax" scores with the switch balance loss over the batch, and
 "sigmoid" scores (DeepSeek-V3) with a sequence-wise balance loss. Either way a bias added to
 the scores chooses the experts and the gates are the unbiased scores of the chosen ones.
+
+Two limits narrow the choice before the top-k: by expert groups (`group_mask`, DeepSeek-V3's
+group-limited routing over contiguous expert ids) or by the devices of the current layout
+(`device_mask`, DeepSeek-V2's device-limited routing).
 """
 
 from __future__ import annotations
@@ -41,6 +45,18 @@ def device_mask(choice_TxE: jax.Array, hosts_ExN: jax.Array, device_limit: int) 
   return jnp.any(hosts_ExN.T[device_Txlimit], axis=1)
 
 
+def group_mask(choice_TxE: jax.Array, num_groups: int, topk_groups: int) -> jax.Array:
+  """bool [T, E]: the experts of each token's `topk_groups` best groups, the E experts cut
+  into `num_groups` groups of contiguous ids and a group scoring the sum of its two best
+  `choice_TxE` (DeepSeek-V3's group-limited routing; its groups are its nodes)."""
+  num_tokens, num_experts = choice_TxE.shape
+  per_group = num_experts // num_groups
+  top2_Txgroupsx2, _ = jax.lax.top_k(choice_TxE.reshape(num_tokens, num_groups, per_group), 2)
+  _, group_Txtopk = jax.lax.top_k(jnp.sum(top2_Txgroupsx2, axis=-1), topk_groups)
+  allowed_Txgroups = jnp.any(jax.nn.one_hot(group_Txtopk, num_groups, dtype=jnp.bool_), axis=1)
+  return jnp.repeat(allowed_Txgroups, per_group, axis=1)
+
+
 def _scores(logits_TxE: jax.Array, gate: str) -> jax.Array:
   if gate == "sigmoid":
     return jax.nn.sigmoid(logits_TxE)
@@ -67,22 +83,28 @@ def _balance_loss(gate, scores_TxE, counts_TxE, top_k, seq_len, token_axes):
 def route(x_TxD: jax.Array, w_router_DxE: jax.Array, top_k: int, *, normalize_top_k: bool,
           token_axes: Sequence[str] = (), bias_E: jax.Array | None = None,
           gate: str = "softmax", route_scale: float = 1.0, seq_len: int = 0,
-          hosts_ExN: jax.Array | None = None, device_limit: int = 0) -> Routing:
+          hosts_ExN: jax.Array | None = None, device_limit: int = 0, num_groups: int = 1,
+          topk_groups: int = 1) -> Routing:
   """`bias_E` (score units) is added to the scores for the *choice* of experts only; the
   gates stay the unbiased scores (aux-loss-free balancing, or load injection). A zero bias
   chooses exactly as no bias. `seq_len`: tokens per sequence for the sigmoid gate's
   sequence-wise loss (0: this device's tokens are one sequence). `hosts_ExN` with
-  `device_limit` = M > 0: choose among the experts of the token's M best devices only."""
+  `device_limit` = M > 0: choose among the experts of the token's M best devices only.
+  `num_groups` > 1: choose among the experts of the token's `topk_groups` best groups only."""
   num_tokens = x_TxD.shape[0]
   num_experts = w_router_DxE.shape[1]
   logits_TxE = jnp.dot(x_TxD.astype(jnp.float32), w_router_DxE.astype(jnp.float32))
   scores_TxE = _scores(logits_TxE, gate)
-  if bias_E is None and not device_limit:
+  grouped = num_groups > 1 and topk_groups < num_groups
+  if bias_E is None and not device_limit and not grouped:
     gate_TxK, expert_TxK = jax.lax.top_k(scores_TxE, top_k)
   else:
     choice_TxE = jax.lax.stop_gradient(scores_TxE)
     if bias_E is not None:
       choice_TxE = choice_TxE + jax.lax.stop_gradient(bias_E)
+    if grouped:
+      allowed_TxE = group_mask(choice_TxE, num_groups, topk_groups)
+      choice_TxE = jnp.where(allowed_TxE, choice_TxE, -jnp.inf)
     if device_limit:
       allowed_TxE = device_mask(choice_TxE, hosts_ExN, device_limit)
       choice_TxE = jnp.where(allowed_TxE, choice_TxE, -jnp.inf)
