@@ -124,7 +124,17 @@ def _eos_ids(hf_dir: str) -> tuple[int, ...]:
 
 def run_tokenizer(cfg: Config, run_dir: str, path: str | None = None) -> Tokenizer:
   """The tokenizer of the run: `path` if given; a converted model's own (RUN_DIR/hf); the one
-  its prepared data directory was made with; bytes where its data is byte-level."""
+  its prepared data directory was made with; bytes where its data is byte-level. Its ids must
+  be the model's (a model's vocabulary may be padded past them)."""
+  tokenizer = _find_tokenizer(cfg, run_dir, path)
+  if tokenizer.vocab_size > cfg.model.vocab_size:
+    raise ConfigError(f"the tokenizer {tokenizer.name} has {tokenizer.vocab_size} ids but the "
+                      f"run's model.vocab_size={cfg.model.vocab_size}; give the tokenizer the "
+                      "run's data was encoded with (--tokenizer).")
+  return tokenizer
+
+
+def _find_tokenizer(cfg: Config, run_dir: str, path: str | None) -> Tokenizer:
   hf_dir = os.path.join(run_dir, HF_DIR)
   if path is not None:
     if not os.path.isfile(path):
