@@ -71,8 +71,8 @@ def test_a_seed_gives_the_same_bytes_and_another_seed_others(trained, generator)
 def test_a_batch_continues_each_prompt_as_alone(generator):
   """Prompts of different lengths share the prefill (right-padded, the padding masked) and the
   decode steps (each row at its own position)."""
-  prompts = ["import os\n", "def f(x):\n    return", "#"]
-  sampling = generation.Sampling(max_new_tokens=12)   # greedy
+  prompts = ["x = 1\n", "def f(x): ret", "#"]   # all within one prefill width, one compile
+  sampling = generation.Sampling(max_new_tokens=16)   # greedy
   together = generator.complete(prompts, BYTES, sampling)
   alone = [generator.complete([p], BYTES, sampling)[0] for p in prompts]
   assert [c.ids for c in together] == [c.ids for c in alone]
@@ -153,15 +153,17 @@ def test_cached_logits_equal_one_full_forward_pass(case):
 
 def test_sampling_cuts():
   logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
-  keys = [jax.random.key(i) for i in range(200)]
-  draw = lambda **kw: {int(generation.sample(logits, k, kw.get("t", 1.0), kw.get("k", 0),
-                                             kw.get("p", 1.0))[0]) for k in keys}
+  keys = jax.random.split(jax.random.key(0), 200)
+  many = jax.jit(jax.vmap(lambda key, t, k, p: generation.sample(logits, key, t, k, p)[0],
+                          in_axes=(0, None, None, None)))
+  draw = lambda t=1.0, k=0, p=1.0: set(np.asarray(many(keys, t, k, p)).tolist())
   assert draw() == {0, 1, 2, 3}
   assert draw(k=2) == {0, 1}
   assert draw(p=0.8) == {0, 1}           # 0.5 short of 0.8, 0.5 + 0.3 reaches it
   assert draw(p=0.81) == {0, 1, 2}
   assert draw(k=3, p=0.6) == {0, 1}      # top-p over the top-k's renormalised mass
   assert draw(t=0.0) == {0}
+  assert draw(t=0.02) == {0}            # sharpened: the likeliest (odds e^-25 a draw)
 
 
 @pytest.mark.parametrize("argv, where, fix", [

@@ -186,7 +186,7 @@ class Generator:
     self.expert_devices = prog.mesh.shape["expert"]
     layout = step_lib.biased_layout(layout, state.router_bias_LxE)   # routes as trained
     params = decode.decode_params(state.params, layout, prog.expert_mode)
-    self.where = prog.strategy.spec
+    self.where = f"the run's mesh ({prog.strategy.spec})"
     if _fits_one_device(params, devices[0]):
       params, layout = jax.device_put((params, layout), devices[0])
       self.where = "one device"
