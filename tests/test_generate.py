@@ -78,6 +78,16 @@ def test_a_batch_continues_each_prompt_as_alone(generator):
   assert [c.ids for c in together] == [c.ids for c in alone]
 
 
+def test_the_runs_mesh_continues_as_one_device(trained, generator):
+  """Weights left on the run's 2 x 4 x 1 mesh: XLA partitions the same program, same tokens."""
+  on_mesh = generation.Generator(generate_cli.run_config(trained), trained, one_device=False)
+  assert on_mesh.where == "the run's mesh (ep/2x4x1/cf1.25)"
+  sampling = generation.Sampling(temperature=1.0, max_new_tokens=16, seed=1)
+  prompts = ["x = 1\n", "def f(x): ret"]
+  assert ([c.ids for c in on_mesh.complete(prompts, BYTES, sampling)] ==
+          [c.ids for c in generator.complete(prompts, BYTES, sampling)])
+
+
 def test_the_cli_prints_each_prompt_and_its_continuation(trained, tmp_path, capsys):
   prompts = tmp_path / "prompts.txt"
   prompts.write_text("def \n\nclass A:\n")

@@ -179,7 +179,9 @@ def _fits_one_device(tree, device) -> bool:
 class Generator:
   """A run's latest intact checkpoint, ready to decode (`complete`, `generate_ids`)."""
 
-  def __init__(self, cfg: Config, run_dir: str, devices=None):
+  def __init__(self, cfg: Config, run_dir: str, devices=None, one_device: bool | None = None):
+    """`one_device` None: one device where the weights fit, else the run's mesh; True or
+    False: that."""
     devices = list(jax.devices() if devices is None else devices)
     prog, state, layout, self.step, self.warnings = evaluation.restore(cfg, run_dir, devices)
     self.cfg = prog.cfg
@@ -187,7 +189,7 @@ class Generator:
     layout = step_lib.biased_layout(layout, state.router_bias_LxE)   # routes as trained
     params = decode.decode_params(state.params, layout, prog.expert_mode)
     self.where = f"the run's mesh ({prog.strategy.spec})"
-    if _fits_one_device(params, devices[0]):
+    if one_device if one_device is not None else _fits_one_device(params, devices[0]):
       params, layout = jax.device_put((params, layout), devices[0])
       self.where = "one device"
     self.params, self.layout = params, layout
