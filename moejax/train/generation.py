@@ -3,8 +3,8 @@ temperature / top-k / top-p sampling with a seed, and the decode loop over the m
 cache (`moejax.model.decode`).
 
 The checkpoint is read as `moejax.train.evaluation` reads it (the caller holds the run dir's
-lock), then decoded on one device where the weights and the cache fit in its memory, else left
-on the run's mesh, where XLA partitions the same program over the weights' shardings. One
+lock), then decoded on one device where the weights fit in three quarters of its memory, else
+left on the run's mesh, where XLA partitions the same program over the weights' shardings. One
 jitted program prefills the batch of prompts (right-padded to a multiple of 16 tokens, each
 row's padding masked and then overwritten by its own tokens) and runs the decode step under
 `lax.while_loop` until every row has its `max_new_tokens` or an end-of-sequence token; the
@@ -98,6 +98,13 @@ class Tokenizer:
       return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
     return self.hf.decode([int(i) for i in ids], skip_special_tokens=True)
 
+  def continuation(self, prompt_ids, ids) -> str:
+    """The text `ids` add after the prompt: decoded together with it, as a decoder may join
+    tokens across the boundary (a word-start marker's space, a UTF-8 character split in two),
+    less the prompt's own text."""
+    whole, prompt = self.decode(list(prompt_ids) + list(ids)), self.decode(prompt_ids)
+    return whole[len(prompt):] if whole.startswith(prompt) else self.decode(ids)
+
 
 def _hf_tokenizer(path: str, eos_ids: tuple[int, ...] = ()) -> Tokenizer:
   from tokenizers import Tokenizer as HFTokenizer
@@ -159,7 +166,7 @@ class Completion:
   prompt: str
   prompt_ids: list[int]
   ids: list[int]           # the sampled tokens, an end-of-sequence token excluded
-  text: str
+  text: str                # the continuation (`Tokenizer.continuation`)
   stopped: bool            # ended at an end-of-sequence token before max_new_tokens
 
 
@@ -241,8 +248,8 @@ class Generator:
     done = []
     for text, prompt_ids, row in zip(prompts, ids, out.tolist()):
       stop = next((i for i, t in enumerate(row) if t in tokenizer.eos_ids), len(row))
-      done.append(Completion(text, prompt_ids, row[:stop], tokenizer.decode(row[:stop]),
-                             stop < len(row)))
+      done.append(Completion(text, prompt_ids, row[:stop],
+                             tokenizer.continuation(prompt_ids, row[:stop]), stop < len(row)))
     return done
 
 
