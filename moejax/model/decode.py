@@ -41,7 +41,7 @@ from moejax.model.transformer import DenseMLP, Head, RMSNorm
 
 class DecodeParams(NamedTuple):
   """The parameters decoding reads, expert weights in expert-id order."""
-  embed_Vxd: jax.Array
+  embed_vocabxD: jax.Array
   first: tuple                 # each dense first block's {ln_attn, attn, ln_mlp, mlp}
   layers: dict                 # the scanned layer groups' parameters, every leaf [G, ...]
   experts: dict | None         # {w_gate, w_up, w_down} [G, E, ...] (None: dense_equivalent)
@@ -237,7 +237,7 @@ def forward(dp: DecodeParams, tokens_BxQ: jax.Array, start_B: jax.Array, cache: 
   expert-axis size it placed experts over (read only by device-limited routing)."""
   dtype = jnp.dtype(cfg.dtype)
   positions_BxQ = start_B[:, None] + jnp.arange(tokens_BxQ.shape[1])[None, :]
-  x_BxQxD = dp.embed_Vxd[tokens_BxQ].astype(dtype)
+  x_BxQxD = dp.embed_vocabxD[tokens_BxQ].astype(dtype)
   first = []
   for block, block_cache in zip(dp.first, cache.first):
     x_BxQxD, block_cache = _dense_block(cfg, block, x_BxQxD, positions_BxQ, block_cache)

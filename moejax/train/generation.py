@@ -63,24 +63,24 @@ class Sampling:
     return self
 
 
-def sample(logits_BxV: jax.Array, key: jax.Array, temperature, top_k, top_p) -> jax.Array:
+def sample(logits_Bxvocab: jax.Array, key: jax.Array, temperature, top_k, top_p) -> jax.Array:
   """int32 [B]: one token per row (the knobs may be traced: one compile serves them all)."""
-  logits_BxV = logits_BxV.astype(jnp.float32)
-  greedy_B = jnp.argmax(logits_BxV, axis=-1)
-  scaled_BxV = logits_BxV / jnp.maximum(temperature, 1e-6)
-  sorted_BxV = -jnp.sort(-scaled_BxV, axis=-1)   # descending
-  vocab = logits_BxV.shape[-1]
-  kth_Bx1 = jnp.take(sorted_BxV, jnp.clip(top_k - 1, 0, vocab - 1), axis=-1)[:, None]
-  cut_BxV = jnp.where(top_k > 0, scaled_BxV < kth_Bx1, False)
-  scaled_BxV = jnp.where(cut_BxV, -jnp.inf, scaled_BxV)
-  sorted_BxV = jnp.where(jnp.arange(vocab) < jnp.where(top_k > 0, top_k, vocab), sorted_BxV,
+  logits_Bxvocab = logits_Bxvocab.astype(jnp.float32)
+  greedy_B = jnp.argmax(logits_Bxvocab, axis=-1)
+  scaled_Bxvocab = logits_Bxvocab / jnp.maximum(temperature, 1e-6)
+  sorted_Bxvocab = -jnp.sort(-scaled_Bxvocab, axis=-1)   # descending
+  vocab = logits_Bxvocab.shape[-1]
+  kth_Bx1 = jnp.take(sorted_Bxvocab, jnp.clip(top_k - 1, 0, vocab - 1), axis=-1)[:, None]
+  cut_Bxvocab = jnp.where(top_k > 0, scaled_Bxvocab < kth_Bx1, False)
+  scaled_Bxvocab = jnp.where(cut_Bxvocab, -jnp.inf, scaled_Bxvocab)
+  sorted_Bxvocab = jnp.where(jnp.arange(vocab) < jnp.where(top_k > 0, top_k, vocab), sorted_Bxvocab,
                          -jnp.inf)
-  probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
+  probs_Bxvocab = jax.nn.softmax(sorted_Bxvocab, axis=-1)
   # keep a token while the mass before it is short of top_p (the first is always kept)
-  kept_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV < top_p
-  floor_Bx1 = jnp.min(jnp.where(kept_BxV, sorted_BxV, jnp.inf), axis=-1, keepdims=True)
-  scaled_BxV = jnp.where(scaled_BxV < floor_Bx1, -jnp.inf, scaled_BxV)
-  sampled_B = jax.random.categorical(key, scaled_BxV, axis=-1)
+  kept_Bxvocab = jnp.cumsum(probs_Bxvocab, axis=-1) - probs_Bxvocab < top_p
+  floor_Bx1 = jnp.min(jnp.where(kept_Bxvocab, sorted_Bxvocab, jnp.inf), axis=-1, keepdims=True)
+  scaled_Bxvocab = jnp.where(scaled_Bxvocab < floor_Bx1, -jnp.inf, scaled_Bxvocab)
+  sampled_B = jax.random.categorical(key, scaled_Bxvocab, axis=-1)
   return jnp.where(temperature > 0, sampled_B, greedy_B).astype(jnp.int32)
 
 
@@ -224,13 +224,13 @@ class Generator:
                         "give the run's own tokenizer (--tokenizer).")
     width = _round_up(max(len(p) for p in prompts), PROMPT_ROUND)
     cache_len = _round_up(width + sampling.max_new_tokens, CACHE_ROUND)
-    prompt_BxP = np.zeros((len(prompts), width), np.int32)
+    prompt_BxQ = np.zeros((len(prompts), width), np.int32)
     for row, p in enumerate(prompts):
-      prompt_BxP[row, :len(p)] = p
+      prompt_BxQ[row, :len(p)] = p
     length_B = np.array([len(p) for p in prompts], np.int32)
     eos = np.array(eos_ids or (-1,), np.int32)
     out = self._program(sampling.max_new_tokens, cache_len)(
-        self.params, self.layout, prompt_BxP, length_B, jax.random.key(sampling.seed),
+        self.params, self.layout, prompt_BxQ, length_B, jax.random.key(sampling.seed),
         np.float32(sampling.temperature), np.int32(sampling.top_k),
         np.float32(sampling.top_p), np.int32(vocab_limit or vocab), eos)
     return np.asarray(jax.device_get(out))
@@ -253,23 +253,24 @@ class Generator:
     return done
 
 
-def _generate(params, layout, prompt_BxP, length_B, key, temperature, top_k, top_p,
+def _generate(params, layout, prompt_BxQ, length_B, key, temperature, top_k, top_p,
               vocab_limit, eos_N, *, cfg: Config, expert_devices: int, max_new: int,
               cache_len: int):
   """Prefill, then the decode step under `lax.while_loop`: int32 [B, max_new]."""
   model, moe = cfg.model, cfg.moe
-  batch = prompt_BxP.shape[0]
+  batch = prompt_BxQ.shape[0]
   rows_B = jnp.arange(batch)
 
   def next_token(h_BxD, i):
-    logits_BxV = decode.logits(params, h_BxD[:, None])[:, 0]
-    logits_BxV = jnp.where(jnp.arange(logits_BxV.shape[-1]) < vocab_limit, logits_BxV, -jnp.inf)
-    return sample(logits_BxV, jax.random.fold_in(key, i), temperature, top_k, top_p)
+    logits_Bxvocab = decode.logits(params, h_BxD[:, None])[:, 0]
+    known_vocab = jnp.arange(logits_Bxvocab.shape[-1]) < vocab_limit
+    logits_Bxvocab = jnp.where(known_vocab, logits_Bxvocab, -jnp.inf)
+    return sample(logits_Bxvocab, jax.random.fold_in(key, i), temperature, top_k, top_p)
 
   cache = decode.empty_cache(model, moe, batch, cache_len)
-  h_BxPxD, cache = decode.forward(params, prompt_BxP, jnp.zeros_like(length_B), cache, layout,
+  h_BxQxD, cache = decode.forward(params, prompt_BxQ, jnp.zeros_like(length_B), cache, layout,
                                   model, moe, expert_devices)
-  token_B = next_token(h_BxPxD[rows_B, length_B - 1], 0)
+  token_B = next_token(h_BxQxD[rows_B, length_B - 1], 0)
   out_BxN = jnp.zeros((batch, max_new), jnp.int32).at[:, 0].set(token_B)
   done_B = jnp.isin(token_B, eos_N)
 

@@ -28,13 +28,13 @@ def dropless_experts(x_TxD: jax.Array, expert_TxK: jax.Array, gate_TxK: jax.Arra
   through its weights once (rows grouped by expert, a stable sort: ties keep token order)."""
   num_tokens, top_k = expert_TxK.shape
   num_experts = w_gate_ExDxffn.shape[0]
-  expert_U = expert_TxK.reshape(-1)                      # U = T * K choices, token-major
-  order_U = jnp.argsort(expert_U, stable=True)
-  sizes_E = jnp.bincount(expert_U, length=num_experts).astype(jnp.int32)
-  rows_UxD = x_TxD[order_U // top_k]
-  y_UxD = swiglu_grouped(rows_UxD, sizes_E, w_gate_ExDxffn, w_up_ExDxffn, w_down_ExffnxD,
+  expert_TK = expert_TxK.reshape(-1)                      # the T * K choices, token-major
+  order_TK = jnp.argsort(expert_TK, stable=True)
+  sizes_E = jnp.bincount(expert_TK, length=num_experts).astype(jnp.int32)
+  rows_TKxD = x_TxD[order_TK // top_k]
+  y_TKxD = swiglu_grouped(rows_TKxD, sizes_E, w_gate_ExDxffn, w_up_ExDxffn, w_down_ExffnxD,
                          _ragged_dot, dtype)
-  back_UxD = jnp.zeros_like(y_UxD).at[order_U].set(y_UxD)   # to (token, k) order
-  y_TxD = jnp.einsum("tkd,tk->td", back_UxD.reshape(num_tokens, top_k, -1).astype(jnp.float32),
+  back_TKxD = jnp.zeros_like(y_TKxD).at[order_TK].set(y_TKxD)   # to (token, k) order
+  y_TxD = jnp.einsum("tkd,tk->td", back_TKxD.reshape(num_tokens, top_k, -1).astype(jnp.float32),
                      gate_TxK.astype(jnp.float32))
   return y_TxD.astype(x_TxD.dtype)
