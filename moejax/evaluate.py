@@ -70,7 +70,8 @@ def run_config(run_dir: str) -> Config:
   return Config(**parts)
 
 
-def _with_mesh(cfg: Config, text: str) -> Config:
+def with_mesh(cfg: Config, text: str) -> Config:
+  """`cfg` on the data,expert,model sizes of --mesh `text` (its strategy pool dropped)."""
   try:
     sizes = tuple(int(p) for p in text.split(","))
   except ValueError:
@@ -82,18 +83,18 @@ def _with_mesh(cfg: Config, text: str) -> Config:
   return dataclasses.replace(cfg, mesh=mesh, strategy=dataclasses.replace(cfg.strategy, pool=()))
 
 
-def _set_xla_flags(cfg: Config) -> None:
+def set_xla_flags(cfg: Config, command: str = "evaluate") -> None:
   """As train.py: with no XLA_FLAGS, the CPU devices the run's mesh needs (said on stderr:
   stdout carries the result)."""
   platform = xla_flags.platform_before_init(os.environ, xla_flags.installed_jax_plugins())
   flags = xla_flags.default_xla_flags(os.environ, platform, cfg.mesh.host_device_count)
   if flags is not None:
     os.environ["XLA_FLAGS"] = flags
-    print(f"XLA_FLAGS={flags} (evaluate's default for {platform}; set XLA_FLAGS to replace it)",
+    print(f"XLA_FLAGS={flags} ({command}'s default for {platform}; set XLA_FLAGS to replace it)",
           file=sys.stderr, flush=True)
 
 
-def _devices(cfg: Config) -> list:
+def mesh_devices(cfg: Config) -> list:
   """The first devices, as many as --mesh asks for (a host with more evaluates on fewer)."""
   import jax
 
@@ -121,9 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.data is not None:
       cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=args.data))
     if args.mesh is not None:
-      cfg = _with_mesh(cfg, args.mesh)
+      cfg = with_mesh(cfg, args.mesh)
     cfg = cfg.validate()
-    _set_xla_flags(cfg)
+    set_xla_flags(cfg)
     from moejax.train import evaluation  # imports jax: after XLA_FLAGS is settled
     from moejax.train.lock import RunDirLock
 
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
       tokens = evaluation.split_tokens(cfg, args.split)
       result = evaluation.evaluate(cfg, args.run_dir, tokens, args.batches, args.split,
-                                   devices=_devices(cfg) if args.mesh else None,
+                                   devices=mesh_devices(cfg) if args.mesh else None,
                                    progress=sys.stderr.isatty())
       for warning in result.warnings:
         print(f"warning: {warning}", file=sys.stderr)

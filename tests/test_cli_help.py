@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from moejax import calibrate, evaluate, launch, plan, replay, report
+from moejax import calibrate, evaluate, generate, launch, plan, replay, report
 from moejax.convert import __main__ as convert
 from moejax.prepare_data import __main__ as prepare_data
 
@@ -23,7 +23,7 @@ COMMANDS = {"python train.py": train, "python -m moejax.plan": plan,
             "python -m moejax.report": report, "python -m moejax.replay": replay,
             "python -m moejax.launch": launch, "python -m moejax.calibrate": calibrate,
             "python -m moejax.prepare_data": prepare_data, "python -m moejax.convert": convert,
-            "python -m moejax.evaluate": evaluate}
+            "python -m moejax.evaluate": evaluate, "python -m moejax.generate": generate}
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))

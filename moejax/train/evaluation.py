@@ -28,7 +28,7 @@ from moejax.train.checkpoint import Checkpointer, model_fields
 from moejax.train.optim import optimizer, schedule
 from moejax.train.programs import Program, build_program
 
-__all__ = ["Evaluation", "evaluate", "split_tokens"]
+__all__ = ["Evaluation", "evaluate", "restore", "split_tokens"]
 
 SPLITS = ("val", "train")
 _SUMMED = ("counts_LxWxE", "dropped_LxW", "slot_counts_LxWxS", "received_LxWxN", "overflow_LxW")
@@ -84,12 +84,15 @@ def _program(cfg: Config, devices):
                        compile_now=False), tx
 
 
-def _restore(prog: Program, tx, run_dir: str, cfg: Config):
-  """(state, layout, step, warnings) of the latest intact checkpoint: a trained state, or
-  the weights `python -m moejax.convert from_hf` wrote."""
+def restore(cfg: Config, run_dir: str, devices) -> tuple[Program, object, object, int, list[str]]:
+  """(program, state, layout, step, warnings) of `run_dir`'s latest intact checkpoint in the
+  run's strategy on `devices`: a trained state, or the weights `python -m moejax.convert
+  from_hf` wrote (then no optimizer state). The state's layer groups are in the canonical
+  order checkpoints hold (`prog.layer_order` gives the program's)."""
+  prog, tx = _program(cfg, devices)
   if not os.path.isdir(os.path.join(run_dir, "checkpoints")):
     raise ConfigError(f"{run_dir} holds no checkpoint yet (checkpoint.every="
-                      f"{cfg.checkpoint.every}); evaluate once the run has saved one.")
+                      f"{cfg.checkpoint.every}); try again once the run has saved one.")
   ckpt = Checkpointer(run_dir, cfg.checkpoint)
   try:
     ckpt.check_model(model_fields(cfg))
@@ -102,9 +105,8 @@ def _restore(prog: Program, tx, run_dir: str, cfg: Config):
     ckpt.close()
   if restored is None:
     raise ConfigError(f"{run_dir} holds no checkpoint yet (checkpoint.every={cfg.checkpoint.every}"
-                      "); evaluate once the run has saved one.")
-  state = layer_order.reorder_state(restored.state, prog.layer_order)
-  return state, restored.layout, restored.step, restored.warnings
+                      "); try again once the run has saved one.")
+  return prog, restored.state, restored.layout, restored.step, restored.warnings
 
 
 def evaluate(cfg: Config, run_dir: str, tokens: np.ndarray, batches: int = 0, split: str = "val",
@@ -113,8 +115,8 @@ def evaluate(cfg: Config, run_dir: str, tokens: np.ndarray, batches: int = 0, sp
   batches the trainer's evaluation reads (0: every whole batch of the split, each window
   once)."""
   devices = list(jax.devices() if devices is None else devices)
-  prog, tx = _program(cfg, devices)
-  state, layout, step, warnings = _restore(prog, tx, run_dir, cfg)
+  prog, state, layout, step, warnings = restore(cfg, run_dir, devices)
+  state = layer_order.reorder_state(state, prog.layer_order)
   seed = cfg.data.seed + (1 if split == "val" else 0)   # the trainer's val_loader's
   rows = data_lib.process_rows(prog.batch_sharding, cfg.data.global_batch_size,
                                cfg.data.seq_len + 1)
