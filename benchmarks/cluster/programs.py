@@ -25,6 +25,7 @@ import time
 from benchmarks.common import REPO
 from moejax.aot import work
 from moejax.aot.estimate import Rates, estimate, kernel
+from moejax.aot.gpus import gpu as gpu_info
 from moejax.aot.hlo import parse
 from moejax.config import Config
 from moejax.frontend import parse_config
@@ -121,7 +122,6 @@ def compile_row(spec: Spec, gpu: str = "h100", hlo_dir: str | None = None) -> di
   module = parse(gp.hlo)
   est = estimate(module, gpu, spec.topology)
   peak = gp.memory["argument"] + gp.memory["temp"] + gp.memory["output"] - gp.memory["alias"]
-  from moejax.aot.gpus import gpu as gpu_info
   row.update(
       compiled=True, strategy=gp.program.cfg and _spec_text(gp), attention=gp.attention,
       lower_s=round(gp.lower_s, 1), compile_s=round(gp.compile_s, 1),
@@ -174,6 +174,26 @@ class Cache:
       os.replace(self.path + ".tmp", self.path)
 
 
+def interpolate(lo: dict, hi: dict, f_lo: float, f_hi: float, factor: float) -> dict:
+  """A program row at `factor` between two compiled ones: every number linear between them
+  (the step, the grouped matmul, each collective's time and exposure, the peak)."""
+  w = (factor - f_lo) / (f_hi - f_lo)
+
+  def mix(a, b):
+    if isinstance(a, dict):
+      return {k: mix(a.get(k, 0.0), b.get(k, 0.0)) for k in set(a) | set(b)}
+    if isinstance(a, bool) or not isinstance(a, (int, float)):
+      return b
+    return a + w * (b - a)
+
+  keys = ("step_s", "compute_s", "comm_s", "exposed_comm_s", "by_category", "comm_by",
+          "exposed_by", "compute_by", "grouped_matmul", "peak_bytes")
+  out = {k: mix(lo[k], hi[k]) for k in keys}
+  out.update(compiled=True, fits=out["peak_bytes"] <= gpu_info(lo["gpu"]).memory_bytes,
+             interpolated=[f_lo, f_hi])
+  return out
+
+
 def busiest_step(row: dict, busiest_over_mean: float, factor: float) -> dict:
   """The step of program `row` when the busiest device computes `busiest_over_mean` times the
   balanced rows (T*K) and its buffer holds `factor` times them: the grouped matmul's time
@@ -181,5 +201,5 @@ def busiest_step(row: dict, busiest_over_mean: float, factor: float) -> dict:
   exchange with the compute is the compiled one's)."""
   grouped = row["grouped_matmul"]["seconds"]
   fill = min(1.0, busiest_over_mean / factor)
-  return {"step_s": row["step_s"] - grouped * (1.0 - fill), "grouped_matmul_s": grouped * fill,
-          "buffer_fill": fill}
+  return {"scaled_step_s": row["step_s"] - grouped * (1.0 - fill),
+          "grouped_matmul_s": grouped * fill, "buffer_fill": fill}

@@ -83,11 +83,18 @@ def static_loads(counts_SxLxWxE: np.ndarray, devices: int) -> np.ndarray:
   return totals[..., np.maximum(p.slot_expert, 0)].reshape(*totals.shape[:2], devices, -1).sum(-1)
 
 
+def busiest(series_SxL: np.ndarray, factor: float) -> float:
+  """The busiest device's rows over the mean, averaged over steps x layers, when its buffer
+  holds `factor` times the mean (a step waits for each layer's busiest device)."""
+  return float(np.minimum(np.asarray(series_SxL), factor).mean())
+
+
 def replay_policy(cfg: Config, policy: str, counts_SxLxWxE: np.ndarray,
                   devices: int) -> dict:
   """The policy on the routing: `capacity_factor` (dense: the smallest with <= 1% dropped;
-  ragged: the receive buffer's factor), `busiest_over_mean` (mean over steps x layers of the
-  busiest device's rows over the mean, after the buffer caps them), the planner's
+  ragged: the receive buffer's factor), `series` (each step's and layer's busiest device's
+  routed rows over the mean), `busiest_over_mean` (`busiest` of it at that factor), the
+  planner's
   `planner_ms_per_layer` (mean decision), `decisions`, `switches`, `migration_s` and
   `migrated_bytes` over the replay, and the replay's max/mean percentiles."""
   counts = np.asarray(counts_SxLxWxE)
@@ -98,9 +105,9 @@ def replay_policy(cfg: Config, policy: str, counts_SxLxWxE: np.ndarray,
     loads = static_loads(counts, devices)
     factor = ragged_factor(loads, choices)
     rows = math.ceil(factor * choices)
-    busiest = np.minimum(loads.max(-1), rows) / loads.mean(-1)
     mm = loads.max(-1) / loads.mean(-1)
-    return {"capacity_factor": factor, "busiest_over_mean": float(busiest.mean()),
+    return {"capacity_factor": factor, "busiest_over_mean": busiest(mm, rows / choices),
+            "series": mm,
             "max_over_mean_median": float(np.median(mm)), "max_over_mean_p99":
             float(np.percentile(mm, 99)), "planner_ms_per_layer": None, "decisions": 0,
             "switches": 0, "migration_s": 0.0, "migrated_bytes": 0, "steps": steps,
@@ -115,8 +122,8 @@ def replay_policy(cfg: Config, policy: str, counts_SxLxWxE: np.ndarray,
              adaptive=pcfg.planner.adaptive)
   factor = r["needed_capacity_factor"][CAPACITY]
   series = np.asarray(r["series"])                              # [S, L] max/mean, routed
-  return {"capacity_factor": factor, "busiest_over_mean": float(np.minimum(series,
-                                                                           factor).mean()),
+  return {"capacity_factor": factor, "busiest_over_mean": busiest(series, factor),
+          "series": series,
           "max_over_mean_median": r["median"], "max_over_mean_p99": r["p99"],
           "planner_ms_per_layer": r["planner_ms_mean"] if planner.active else None,
           "planner_ms_max": r["planner_ms_max"] if planner.active else None,

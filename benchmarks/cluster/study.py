@@ -15,12 +15,14 @@ under uniform routing) and the speedup over static EP on the same routing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import time
 
 from benchmarks.cluster import programs, replays, routing
 from benchmarks.common import RESULTS, command, stamp, write_result
+from moejax.strategy.hardware import GPU_RATES
 
 # model -> GPU counts (topologies: hosts of 8 GPUs, `moejax.aot.gpus`).
 GPUS = {"mixtral_8x7b": (8, 64), "qwen3_30b_a3b": (8, 64, 256)}
@@ -54,84 +56,137 @@ def priced(step_s: float, rp: dict, model_layers: int) -> dict:
   per_layer_step = rp["migration_s"] / (rp["steps"] * rp["layers"])
   return {"replan_s": replan_s, "replan_exposed_s": exposed,
           "migration_s": per_layer_step * model_layers,
-          "migrated_bytes": rp["migrated_bytes"] / (rp["steps"] * rp["layers"]) * model_layers}
+          "migrated_bytes_all_devices": rp["migrated_bytes"] / (rp["steps"] * rp["layers"]) *
+          model_layers}
 
 
-def ragged_exchange(cfg, counts_per_device: float, n_e: int, per_host: int = PER_HOST) -> dict:
-  """Bytes a device sends in the ragged dispatch's exchanges per step (dispatch and combine,
-  forward, the remat's forward and the backward: 6 per layer, of the rows leaving the device),
-  and their time at the rate XLA's own ragged_all_to_all reached (openxla/xla#33386, 8 x B200:
-  2% of NVLink inside a node, the NIC's rate across nodes), applied to NVLink 4's 450 GB/s."""
-  leaving = counts_per_device * (n_e - 1) / n_e
-  row = cfg.model.d_model * 2
-  layers = cfg.model.num_layers
-  sent = 6 * leaving * row * layers
-  rate = 0.02 * 450e9 if n_e <= per_host else 40e9
-  return {"sent_bytes": sent, "native_rate_bytes_per_s": rate, "native_s": sent / rate}
+def ragged_exchange(cfg, choices_per_device: float, n_e: int, exposed_s: float,
+                    per_host: int = PER_HOST) -> dict:
+  """The ragged dispatch's exchange three ways, per step: as compiled (train.py's GPU flags
+  decompose `ragged_all_to_all` into a dense all-to-all whose every peer chunk is padded to
+  the whole buffer: `exposed_s`, what the program waits for); the rows that leave each device
+  (6 exchanges a layer: dispatch and combine, forward, the remat's forward, backward) at the
+  rate XLA's own ragged_all_to_all reached in openxla/xla#33386 (8 x B200: 2% of NVLink inside
+  a node, the NIC's rate across nodes; applied to NVLink 4's 450 GB/s); and the same rows at
+  the all-to-all rate of `moejax.strategy.hardware` (an all-to-all-v as fast as NCCL's
+  all-to-all)."""
+  link = GPU_RATES["h100"].node if n_e <= per_host else GPU_RATES["h100"].cluster
+  leaving = choices_per_device * (n_e - 1) / n_e
+  sent = 6 * leaving * cfg.model.d_model * 2 * cfg.model.num_layers
+  native = 0.02 * 450e9 if n_e <= per_host else link.a2a_bytes_per_s.value
+  return {"sent_bytes": sent, "compiled_exposed_s": exposed_s,
+          "native_rate_bytes_per_s": native, "native_s": sent / native,
+          "all_to_all_v_s": sent / link.a2a_bytes_per_s.value}
+
+
+def program_at(cache: programs.Cache, spec: programs.Spec, top: float, hlo_dir, log) -> dict:
+  """`spec`'s program row at its factor: compiled at 1.0 and at `top` (the largest factor a
+  routing needs of this kind), linear between them (every buffer-sized term is linear in the
+  factor: the grouped matmul's rows, the exchange's bytes, the buffer's elementwise passes)."""
+  lo = cache.get(dataclasses.replace(spec, factor=1.0), hlo_dir=hlo_dir, log=log)
+  if spec.factor == 1.0 or top == 1.0:
+    return {**lo, "programs": [dataclasses.replace(spec, factor=1.0).key()]}
+  hi = cache.get(dataclasses.replace(spec, factor=top), hlo_dir=hlo_dir, log=log)
+  keys = [dataclasses.replace(spec, factor=f).key() for f in (1.0, top)]
+  if not (lo["compiled"] and hi["compiled"]):
+    return {"compiled": False, "error": lo.get("error") or hi.get("error"), "programs": keys}
+  return {**programs.interpolate(lo, hi, 1.0, top, spec.factor), "programs": keys}
+
+
+ORDER = (("mixtral_8x7b", 64), ("qwen3_30b_a3b", 64), ("qwen3_30b_a3b", 256),
+         ("mixtral_8x7b", 8), ("qwen3_30b_a3b", 8))
 
 
 def run(models, gpus_by_model, routings, policies, cache: programs.Cache, grid: float,
-        steps: int | None, layers: int = 0, hlo_dir: str | None = None, log=print) -> dict:
-  rows, replay_rows, denominators, base_keys = [], {}, {}, set()
-  for model in models:
-    for n in gpus_by_model[model]:
-      topo = topology(n)
-      cfg = programs.config(programs.Spec(model, topo, "ep", 1.0, layers, fsdp(model, n)))
-      n_e = cfg.mesh.expert
-      k, e = cfg.moe.top_k, cfg.moe.num_experts
-      tokens = cfg.data.seq_len * programs.SEQUENCES_PER_GPU
-      base = programs.Spec(model, topo, "ep", 1.0, layers, fsdp(model, n))
-      den = cache.get(base, hlo_dir=hlo_dir, log=log)
-      base_keys.add(base.key())
-      if not den["compiled"]:
-        log(f"no force-balanced program for {model} at {n} GPUs: {den['error']}")
+        steps: int | None, layers: int = 0, hlo_dir: str | None = None, log=print,
+        done=None) -> dict:
+  """The study's rows (module doc); `done(result)` is called after each (model, GPU count)
+  with the rows so far."""
+  rows, replay_rows, denominators = [], {}, {}
+  cases = [(m, n) for m, n in ORDER if m in models and n in gpus_by_model[m]]
+  cases += [(m, n) for m in models for n in gpus_by_model[m] if (m, n) not in cases]
+  for model, n in cases:
+    topo = topology(n)
+    base = programs.Spec(model, topo, "ep", 1.0, layers, fsdp(model, n))
+    cfg = programs.config(base)
+    n_e = cfg.mesh.expert
+    k, e = cfg.moe.top_k, cfg.moe.num_experts
+    tokens = cfg.data.seq_len * programs.SEQUENCES_PER_GPU
+    for name in routings:                  # the planners first: they say which buffers
+      key = f"{model}/{n_e}/{name}"
+      if key in replay_rows:
         continue
-      denominators[f"{model}/{n}"] = den["step_s"]
-      by_routing = {}
-      for name in routings:
-        key = f"{model}/{n_e}/{name}"
-        counts = routing.routing(name, e, n_e, tokens * k, k, steps)
-        if key not in replay_rows:
-          replay_rows[key] = {"skew": routing.skew(counts), "policies": {}}
-          for policy in policies:
-            tick = time.perf_counter()
-            rp = replays.replay_policy(cfg, policy, counts, n_e)
-            rp["replay_s"] = round(time.perf_counter() - tick, 1)
-            replay_rows[key]["policies"][policy] = rp
-            log(f"replayed {key} {policy}: factor {rp['capacity_factor']:.3f}, busiest "
-                f"{rp['busiest_over_mean']:.3f} ({rp['replay_s']} s)")
-        for policy in policies:
-          rp = replay_rows[key]["policies"][policy]
-          factor = on_grid(rp["capacity_factor"], grid)
-          spec = programs.Spec(model, topo, programs.KIND_OF_POLICY[policy], factor, layers,
-                               fsdp(model, n))
-          prog = cache.get(spec, hlo_dir=hlo_dir, log=log)
-          row = {"model": model, "gpus": n, "topology": topo, "expert_axis": n_e,
-                 "routing": name, "policy": policy, "needed_factor": rp["capacity_factor"],
-                 "factor": factor, "program": spec.key()}
-          if not prog["compiled"]:
-            rows.append({**row, "error": prog["error"]})
-            continue
-          scaled = programs.busiest_step(prog, rp["busiest_over_mean"], factor)
-          paid = priced(scaled["step_s"], rp, cfg.model.num_layers)
-          step = scaled["step_s"] + paid["replan_exposed_s"] + paid["migration_s"]
-          row.update(busiest_over_mean=rp["busiest_over_mean"], program_step_s=prog["step_s"],
-                     **scaled, **{f"paid_{k}": v for k, v in paid.items()}, step_s=step,
-                     tokens_per_s=n * tokens / step, fits=prog["fits"],
-                     peak_gib=prog["peak_bytes"] / 2 ** 30)
-          if policy == "ragged":
-            row["ragged_exchange"] = ragged_exchange(cfg, tokens * k, n_e)
-            row["ragged_exchange"]["compiled_all_to_all_s"] = prog["comm_by"].get(
-                "all-to-all", 0.0)
-          row["fraction_of_balanced"] = den["step_s"] / step
-          by_routing.setdefault(name, {})[policy] = row
-          rows.append(row)
-      for got in by_routing.values():
-        static = got.get("static")
-        for row in got.values():
-          row["speedup_over_static"] = static["step_s"] / row["step_s"] if static else None
-  return {"rows": rows, "replays": replay_rows, "denominators": denominators,
-          "base": base_keys}
+      counts = routing.routing(name, e, n_e, tokens * k, k, steps)
+      replay_rows[key] = {"skew": routing.skew(counts), "policies": {}}
+      for policy in policies:
+        tick = time.perf_counter()
+        rp = replays.replay_policy(cfg, policy, counts, n_e)
+        rp["replay_s"] = round(time.perf_counter() - tick, 1)
+        replay_rows[key]["policies"][policy] = rp
+        log(f"replayed {key} {policy}: factor {rp['capacity_factor']:.3f}, busiest "
+            f"{rp['busiest_over_mean']:.3f} ({rp['replay_s']} s)")
+    need = {(name, p): on_grid(replay_rows[f"{model}/{n_e}/{name}"]["policies"][p]
+                               ["capacity_factor"], grid) for name in routings for p in policies}
+    top = {}
+    for (_, p), f in need.items():
+      kind = programs.KIND_OF_POLICY[p]
+      top[kind] = max(top.get(kind, 1.0), f)
+    den = cache.get(base, hlo_dir=hlo_dir, log=log)
+    if not den["compiled"]:
+      log(f"no force-balanced program for {model} at {n} GPUs: {den['error']}")
+      continue
+    denominators[f"{model}/{n}"] = {"step_s": den["step_s"], "program": base.key()}
+    by_routing = {}
+    for name in routings:
+      for policy in policies:
+        rp = replay_rows[f"{model}/{n_e}/{name}"]["policies"][policy]
+        factor = need[name, policy]
+        kind = programs.KIND_OF_POLICY[policy]
+        prog = program_at(cache, dataclasses.replace(base, kind=kind, factor=factor),
+                          top[kind], hlo_dir, log)
+        row = {"model": model, "gpus": n, "topology": topo, "expert_axis": n_e,
+               "routing": name, "policy": policy, "needed_factor": rp["capacity_factor"],
+               "factor": factor, "programs": prog["programs"]}
+        if not prog["compiled"]:
+          rows.append({**row, "error": prog["error"]})
+          continue
+        load = replays.busiest(rp["series"], factor)     # the buffer caps the busiest rows
+        scaled = programs.busiest_step(prog, load, factor)
+        paid = priced(scaled["scaled_step_s"], rp, cfg.model.num_layers)
+        step = scaled["scaled_step_s"] + paid["replan_exposed_s"] + paid["migration_s"]
+        row.update(busiest_over_mean=load, program_step_s=prog["step_s"],
+                   **scaled, **{f"paid_{k}": v for k, v in paid.items()}, step_s=step,
+                   tokens_per_s=n * tokens / step, fits=prog["fits"],
+                   peak_gib=prog["peak_bytes"] / 2 ** 30,
+                   fraction_of_balanced=den["step_s"] / step)
+        if policy == "ragged":
+          x = ragged_exchange(cfg, tokens * k, n_e, prog["exposed_by"].get("all-to-all", 0.0))
+          for way in ("native", "all_to_all_v"):
+            alt = step - x["compiled_exposed_s"] + x[f"{way}_s"]
+            x[f"{way}_step_s"] = alt
+            x[f"{way}_fraction_of_balanced"] = den["step_s"] / alt
+          row["ragged_exchange"] = x
+        by_routing.setdefault(name, {})[policy] = row
+        rows.append(row)
+    for got in by_routing.values():
+      static = got.get("static")
+      for row in got.values():
+        row["speedup_over_static"] = static["step_s"] / row["step_s"] if static else None
+        if "ragged_exchange" in row and static:
+          for way in ("native", "all_to_all_v"):
+            row["ragged_exchange"][f"{way}_speedup_over_static"] = (
+                static["step_s"] / row["ragged_exchange"][f"{way}_step_s"])
+    if done is not None:
+      done(_result(rows, replay_rows, denominators))
+  return _result(rows, replay_rows, denominators)
+
+
+def _result(rows, replay_rows, denominators) -> dict:
+  """The rows, the replays without their per-step series, the denominators."""
+  replays_out = {key: {**got, "policies": {p: {k: v for k, v in rp.items() if k != "series"}
+                                           for p, rp in got["policies"].items()}}
+                 for key, got in replay_rows.items()}
+  return {"rows": list(rows), "replays": replays_out, "denominators": dict(denominators)}
 
 
 def published_mixtral() -> dict:
@@ -177,22 +232,28 @@ def main(argv: list[str] | None = None) -> int:
   gpus_by_model = {m: tuple(args.gpus) if args.gpus else GPUS[m] for m in args.models}
   tick = time.perf_counter()
   cache = programs.Cache(args.cache)
-  out = run(args.models, gpus_by_model, args.routings, args.policies, cache, args.grid,
-            args.steps, args.layers, args.hlo_dir)
-  out.update(command=command("cluster", argv), grid=args.grid, wall_s=time.perf_counter() - tick,
-             published=published_mixtral())
+
+  def finish(out: dict, complete: bool) -> dict:
+    used = {k for r in out["rows"] for k in r["programs"]}
+    used |= {d["program"] for d in out["denominators"].values()}
+    out.update(command=command("cluster", argv), grid=args.grid, complete=complete,
+               wall_s=time.perf_counter() - tick, published=published_mixtral(),
+               programs={k: v for k, v in cache.rows.items() if k in used})
+    if args.json:
+      stamp(out)
+      out["metadata"]["machine"]["device"] = (
+          f"compile-only H100s (XLA:GPU, jax-cuda12-plugin {_plugin()}) on this CPU host; "
+          "replays and planner times on this host")
+      write_result(out, args.json, restamp=False)
+    return out
+
+  out = finish(run(args.models, gpus_by_model, args.routings, args.policies, cache, args.grid,
+                   args.steps, args.layers, args.hlo_dir,
+                   done=lambda partial: finish(partial, False)), True)
   for r in out["rows"]:
     if "step_s" in r:
       print(f"{r['model']:<14}{r['gpus']:>4} {r['routing']:<17}{r['policy']:<14}"
             f"cf {r['needed_factor']:.3f}->{r['factor']:.3f} step {r['step_s']:.3f} s "
             f"{r['tokens_per_s']:>10,.0f} tok/s  {r['fraction_of_balanced']:.3f} of balanced  "
             f"{r['speedup_over_static'] or 0:.2f}x static")
-  used = {r["program"] for r in out["rows"]}
-  out["programs"] = {k: v for k, v in cache.rows.items() if k in used or k in out.pop("base")}
-  if args.json:
-    stamp(out)
-    out["metadata"]["machine"]["device"] = (
-        f"compile-only H100s (XLA:GPU, jax-cuda12-plugin {_plugin()}) on this CPU host; replays "
-        "and planner times on this host")
-    write_result(out, args.json, restamp=False)
   return 0
