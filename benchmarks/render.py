@@ -17,11 +17,12 @@ import os
 import sys
 
 from benchmarks.common import METADATA_FIELDS, REPO, RESULTS
-from benchmarks.families import (  # noqa: F401 (gpu, placement, training register families)
+from benchmarks.families import (  # noqa: F401 (cluster, gpu, placement, training register families)
     FAMILIES,
     MODULES,
     Family,
     Section,
+    cluster,
     gpu,
     placement,
     table,

@@ -82,8 +82,8 @@ def test_factors_round_up_to_the_grid():
 
 def test_busiest_device_scales_only_the_grouped_matmul():
   row = {"step_s": 10.0, "grouped_matmul": {"seconds": 4.0, "rows": 1000}}
-  assert programs.busiest_step(row, 1.0, 2.0)["step_s"] == pytest.approx(8.0)
-  assert programs.busiest_step(row, 2.5, 2.0)["step_s"] == pytest.approx(10.0)
+  assert programs.busiest_step(row, 1.0, 2.0)["scaled_step_s"] == pytest.approx(8.0)
+  assert programs.busiest_step(row, 2.5, 2.0)["scaled_step_s"] == pytest.approx(10.0)
 
 
 def test_replan_is_paid_beyond_the_step_in_flight():

@@ -83,6 +83,14 @@ KIND_BINDINGS = {
 }
 
 
+def run_config(spec: Spec) -> Config:
+  """The config a run of `spec`'s model at its topology starts from: the study's bindings,
+  the model's own capacity factor (its gin's, else the trainer's default), which the
+  planners are told."""
+  return parse_config([MODELS[spec.model]], bindings(spec.model, spec.topology, spec.layers,
+                                                     spec.fsdp))
+
+
 def config(spec: Spec) -> Config:
   factor = (f"moe.ragged_buffer_factor = {spec.factor!r}" if spec.kind == "ragged" else
             f"moe.capacity_factor = {spec.factor!r}")

@@ -108,7 +108,7 @@ def run(models, gpus_by_model, routings, policies, cache: programs.Cache, grid: 
   for model, n in cases:
     topo = topology(n)
     base = programs.Spec(model, topo, "ep", 1.0, layers, fsdp(model, n))
-    cfg = programs.config(base)
+    cfg = programs.run_config(base)
     n_e = cfg.mesh.expert
     k, e = cfg.moe.top_k, cfg.moe.num_experts
     tokens = cfg.data.seq_len * programs.SEQUENCES_PER_GPU

@@ -26,7 +26,7 @@ class Family:
 
 
 FAMILIES: list[Family] = []
-MODULES = ("placement", "training", "gpu")
+MODULES = ("placement", "training", "gpu", "cluster")
 
 
 def family(prefix: str, title: str):
