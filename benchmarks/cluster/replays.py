@@ -20,6 +20,7 @@ import numpy as np
 
 from moejax.config import Config
 from moejax.layout import placement as placement_lib
+from moejax.layout.tables import round_robin_placement
 from moejax.placement.buffers import MAX_DROPPED
 from moejax.placement.replay import replay
 from moejax.strategy.cost import load_profile
@@ -83,6 +84,34 @@ def static_loads(counts_SxLxWxE: np.ndarray, devices: int) -> np.ndarray:
   return totals[..., np.maximum(p.slot_expert, 0)].reshape(*totals.shape[:2], devices, -1).sum(-1)
 
 
+def decision_time(cfg: Config, policy: str, counts_SxLxWxE: np.ndarray, devices: int,
+                  repeats: int = 3) -> dict:
+  """One re-plan as the trainer makes it (`OnlinePlanner.propose` of every layer of the
+  routing, after `planner.window` observed steps, from the start layout), timed `repeats`
+  times: the median per layer in CPU seconds of this process (`time.process_time`: on a
+  shared host the wall time counts the other processes' turns) and in wall seconds."""
+  import time
+
+  pcfg = policy_config(cfg, policy, devices)
+  planner = online_planner(pcfg, devices)
+  if not planner.active:
+    return {"cpu_ms_per_layer": None, "wall_ms_per_layer": None}
+  counts = np.asarray(counts_SxLxWxE)
+  for step in counts[:pcfg.planner.window]:
+    planner.observe(step)
+  experts, layers = counts.shape[-1], counts.shape[1]
+  start = (placement_lib.static(experts, devices) if POLICIES[policy][0] == "ep" else
+           round_robin_placement(experts, devices, fsep_slots(pcfg, devices)))
+  cpu, wall = [], []
+  for _ in range(repeats):
+    c0, w0 = time.process_time(), time.perf_counter()
+    planner.propose([start] * layers)
+    cpu.append((time.process_time() - c0) / layers)
+    wall.append((time.perf_counter() - w0) / layers)
+  return {"cpu_ms_per_layer": 1e3 * float(np.median(cpu)),
+          "wall_ms_per_layer": 1e3 * float(np.median(wall)), "repeats": repeats}
+
+
 def busiest(series_SxL: np.ndarray, factor: float) -> float:
   """The busiest device's rows over the mean, averaged over steps x layers, when its buffer
   holds `factor` times the mean (a step waits for each layer's busiest device)."""
@@ -122,8 +151,9 @@ def replay_policy(cfg: Config, policy: str, counts_SxLxWxE: np.ndarray,
              adaptive=pcfg.planner.adaptive)
   factor = r["needed_capacity_factor"][CAPACITY]
   series = np.asarray(r["series"])                              # [S, L] max/mean, routed
+  timed = decision_time(cfg, policy, counts, devices) if planner.active else {}
   return {"capacity_factor": factor, "busiest_over_mean": busiest(series, factor),
-          "series": series,
+          "series": series, "decision": timed,
           "max_over_mean_median": r["median"], "max_over_mean_p99": r["p99"],
           "planner_ms_per_layer": r["planner_ms_mean"] if planner.active else None,
           "planner_ms_max": r["planner_ms_max"] if planner.active else None,

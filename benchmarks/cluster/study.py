@@ -47,11 +47,15 @@ def fsdp(model: str, n: int) -> bool:
 
 
 def priced(step_s: float, rp: dict, model_layers: int) -> dict:
-  """What the trainer pays per step beside the program: the re-plan time beyond the step in
+  """What the trainer pays per step beside the program: the re-plan time (the planner's CPU
+  time per layer decision, `replays.decision_time`, times the model's layers) beyond the step in
   flight (the loop plans on its thread while the previous step runs: it reads step t-2's
   counts after dispatching t-1), once per `every` steps; the ep migrations (weights and both
   Adam moments, on the device), spread over the replay's steps."""
-  replan_s = (rp["planner_ms_per_layer"] or 0.0) * 1e-3 * model_layers
+  per_layer_ms = (rp.get("decision") or {}).get("cpu_ms_per_layer")
+  if per_layer_ms is None:
+    per_layer_ms = rp["planner_ms_per_layer"] or 0.0
+  replan_s = per_layer_ms * 1e-3 * model_layers
   exposed = max(0.0, replan_s - step_s) / rp["every"] if rp.get("every") else 0.0
   per_layer_step = rp["migration_s"] / (rp["steps"] * rp["layers"])
   return {"replan_s": replan_s, "replan_exposed_s": exposed,
