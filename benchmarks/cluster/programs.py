@@ -33,7 +33,7 @@ from moejax.frontend import parse_config
 MODELS = {"mixtral_8x7b": os.path.join(REPO, "configs", "mixtral_8x7b.gin"),
           "qwen3_30b_a3b": os.path.join(REPO, "configs", "qwen3_moe.gin")}
 SEQUENCES_PER_GPU = 4          # Megatron-Core's Mixtral-8x7B run: 256 x 4096 on 64 H100s
-KINDS = ("ep", "fsep_planned", "fsep_adaptive", "ragged")
+KINDS = ("ep", "fsep_planned", "fsep_adaptive", "ragged", "ep_einsum")
 KIND_OF_POLICY = {"static": "ep", "smartmoe": "ep", "fsep_planned": "fsep_planned",
                   "fsep_adaptive": "fsep_adaptive", "ragged": "ragged"}
 
@@ -80,6 +80,10 @@ KIND_BINDINGS = {
     "fsep_adaptive": ["moe.dispatch = 'dense'", "moe.expert_mode = 'fsep'",
                       "moe.fsep_shares = 'adaptive'"],
     "ragged": ["moe.dispatch = 'ragged'"],
+    # Static EP's other program: per-(source, slot) buffers through XLA's batched einsum (a
+    # cuBLAS GEMM per slot, over the whole buffer), for the force-balanced comparison with
+    # Megatron-Core.
+    "ep_einsum": ["moe.dispatch = 'dense'", "moe.kernels = 'xla'", "moe.capacity = 'slot'"],
 }
 
 
