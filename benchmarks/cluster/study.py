@@ -233,12 +233,13 @@ def main(argv: list[str] | None = None) -> int:
                        "every program it used)")
   ap.add_argument("--hlo_dir", default=None)
   ap.add_argument("--smoke", action="store_true",
-                  help="8 GPUs, Mixtral-8x7B, 2 layers, static and fsep_planned, the own trace")
+                  help="8 GPUs, Mixtral-8x7B, 2 layers, static and fsep_planned, uniform and "
+                       "drift_bursts")
   ap.add_argument("--json", default=None)
   args = ap.parse_args(argv)
   if args.smoke:
     args.models, args.gpus, args.layers = ["mixtral_8x7b"], [8], args.layers or 2
-    args.policies, args.routings = ["static", "fsep_planned"], ["uniform", "default_run"]
+    args.policies, args.routings = ["static", "fsep_planned"], ["uniform", "drift_bursts"]
     args.steps = args.steps or 60
   gpus_by_model = {m: tuple(args.gpus) if args.gpus else GPUS[m] for m in args.models}
   tick = time.perf_counter()
