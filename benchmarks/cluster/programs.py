@@ -179,8 +179,12 @@ class Cache:
     return self.rows[key]
 
   def save(self) -> None:
+    """Writes the rows, with any another process added to the file meanwhile."""
     if self.path:
       os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+      if os.path.exists(self.path):
+        with open(self.path) as f:
+          self.rows = {**json.load(f), **self.rows}
       with open(self.path + ".tmp", "w") as f:
         json.dump(self.rows, f)
       os.replace(self.path + ".tmp", self.path)

@@ -127,3 +127,25 @@ def _cluster_cpu(files):
                  "force-balanced (uniform, factor 1.0) throughput, geomean over seeds",
                  ", ".join(f"{p} {v['fraction_of_balanced']:.2f}" for p, v in g.items()), name))
   return Section(lines[:-1], head)
+
+
+@family("cluster_layers", "The cluster study's programs scaled per layer")
+def _cluster_layers(files):
+  lines = []
+  for name, d in files.items():
+    rows = []
+    for r in d["rows"]:
+      ext = r.get("extrapolated") or {}
+      cut = "; ".join(f"{k} layers {v['step_s']:.3f} s ({'fits' if v['fits'] else 'does not fit'})"
+                      for k, v in r["cut"].items() if v.get("step_s") is not None)
+      rows.append([MODEL_NAMES[r["model"]], r["topology"], r["kind"], cut,
+                   _f(ext.get("step_s"), 3), _f(ext.get("per_layer_s"), 4),
+                   f"{r['full']['step_s']:.3f} ({'fits' if r['full']['fits'] else 'does not fit'})",
+                   _f(r.get("extrapolated_over_full"), 3)])
+    lines += [f"`{name}`: each program compiled at {' and '.join(map(str, d['depths']))} layers, "
+              "its schedule estimate extrapolated linearly to the model's depth, beside the "
+              "program compiled at full depth (where that does not fit the GPU, XLA's "
+              "scheduler stops overlapping its collectives).", "",
+              *table(["model", "topology", "kind", "cut depths", "extrapolated step s",
+                      "per layer s", "full depth step s", "extrapolated / full"], rows), ""]
+  return Section(lines[:-1])
