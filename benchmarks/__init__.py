@@ -1,11 +1,7 @@
-"""Benchmarks, each run from the repository root as `python -m benchmarks.NAME --help`.
-
-Importing this package fakes 8 host CPU devices before any benchmark imports jax (unless the
-caller set XLA_FLAGS), so every benchmark sees the mesh the tests use. On a GPU machine the
-flag only affects the host platform.
-"""
-
-import os
-
-if "XLA_FLAGS" not in os.environ:
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+"""The lab: studies that measure moejax, grouped in folders by the question they answer, each
+run from the repository root as `python -m benchmarks.FOLDER.STUDY --help`, its results in
+FOLDER/results/ and a README that says the question, the commands and the decisions it feeds.
+The modules here are what every study shares: `common` (start, stamp, write), `timing`,
+`turns`, `families` (the registry of result tables) and `render` (the one renderer).
+docs/guide/tools-and-benchmarks.md lists every study. Importing any of it runs nothing: a
+runnable study fakes its CPU devices in its entry (`common.start`)."""

@@ -1,12 +1,15 @@
-"""What every benchmark does the same way: where results go, how they are written (stamped
-with the metadata that says what ran where: `metadata()`), how a lowered module's operations
-are walked. `python -m benchmarks.common stamp FILE --command CMD` stamps a result that a tool
-outside benchmarks/ wrote (e.g. `moejax.replay --json`)."""
+"""What every study does the same way: how a runnable starts (`start`: the fake devices, the
+commit), how results are written (stamped with the metadata that says what ran where:
+`metadata()`), the default run's config and cost model, how a lowered module's operations are
+walked. `python -m benchmarks.common stamp FILE --command CMD` stamps a result that a tool
+outside benchmarks/ wrote (e.g. `moejax.replay --json`). Importing it runs nothing: no git, no
+JAX, no environment change."""
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib.metadata
 import json
 import os
@@ -15,7 +18,21 @@ import shlex
 import subprocess
 import sys
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+BENCHMARKS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(BENCHMARKS)
+
+
+def start() -> None:
+  """What a runnable study does first, in its `if __name__ == "__main__":` block. Fakes 8 host
+  CPU devices unless the caller set XLA_FLAGS, so that every study sees the mesh the tests use:
+  JAX reads the flag when it starts its backends (the first device query, not `import jax`), so
+  this runs before `main`, and nothing a study does at import may start them (the studies' test
+  checks). On a GPU machine the flag only affects the host platform. Then notes the commit the
+  run started from: the code it imported, not whatever is checked out when a long run ends."""
+  global _started_at
+  if "XLA_FLAGS" not in os.environ:
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  _started_at = commit()
 
 
 def default_config(bindings: list[str] | None = None):
@@ -24,6 +41,7 @@ def default_config(bindings: list[str] | None = None):
   return parse_config([DEFAULT_GIN], list(bindings or []))
 
 
+@functools.cache
 def default_cost():
   """The placement cost model of the default run: its model on its hardware profile."""
   from moejax.strategy.placement_cost import of_config
@@ -38,7 +56,6 @@ def command(name: str, argv: list[str] | None = None) -> str:
 
 # The fields every committed result carries under "metadata" (tests/test_results_render.py).
 METADATA_FIELDS = ("command", "commit", "date", "machine", "load")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _git(*args: str) -> str | None:
@@ -50,12 +67,13 @@ def _git(*args: str) -> str | None:
 
 
 def commit() -> str:
-  """HEAD's short hash, with `-dirty` when tracked code outside benchmarks/results differs."""
+  """HEAD's short hash, with `-dirty` when tracked code outside the studies' results/
+  differs."""
   head = _git("rev-parse", "--short=12", "HEAD")
   if head is None:
     return "unknown (not run from a git checkout)"
   dirty = _git("status", "--porcelain", "--untracked-files=no", "--", ".",
-               ":(exclude)benchmarks/results")
+               ":(exclude,glob)benchmarks/*/results/**")
   return head + ("-dirty" if dirty else "")
 
 
@@ -94,14 +112,15 @@ def load() -> dict:
           "cores": os.cpu_count()}
 
 
-# The code a run imported, not whatever is checked out when a long run ends.
-_COMMIT_AT_IMPORT = commit()
+# The commit `start` noted; None in a process that did not start as a study (a test, a tool).
+_started_at: str | None = None
 
 
 def metadata(cmd: str) -> dict:
-  """command, commit, date, machine and load of a result written now by `cmd`."""
+  """command, commit (the one the run started from, else HEAD now), date, machine and load of
+  a result written now by `cmd`."""
   now = datetime.datetime.now(datetime.UTC).replace(microsecond=0)
-  return {"command": cmd, "commit": _COMMIT_AT_IMPORT, "date": now.isoformat(),
+  return {"command": cmd, "commit": _started_at or commit(), "date": now.isoformat(),
           "machine": machine(), "load": load()}
 
 

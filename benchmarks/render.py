@@ -1,38 +1,42 @@
-"""Renders the committed results: `docs/results.md` (one section per family of
-`benchmarks/results/*.json`, a table each, then the files' metadata) and the README's headline
-table between its `<!-- results:begin -->` and `<!-- results:end -->` markers.
+"""Renders the committed results: `docs/results.md` (one section per family of the studies'
+`benchmarks/*/results/*.json`, a table each, then the files' metadata) and the README's
+headline table between its `<!-- results:begin -->` and `<!-- results:end -->` markers.
 
   python -m benchmarks.render            # rewrite both
   python -m benchmarks.render --check    # exit 1 if either differs from a fresh render
 
-Each family's table comes from one registered function in `benchmarks/families/`. Files
-named in SUPERSEDED are listed with the decision that holds their figures, never rendered."""
+Each family's table comes from one registered function in its study folder's `tables.py`;
+SECTIONS orders them. Files named in SUPERSEDED are listed with the decision that holds their
+figures, never rendered."""
 
 from __future__ import annotations
 
 import argparse
 import glob
+import importlib
 import json
 import os
 import sys
 
-from benchmarks.common import METADATA_FIELDS, REPO, RESULTS
-from benchmarks.families import (  # noqa: F401 (cluster, gpu, placement, training register families)
-    FAMILIES,
-    MODULES,
-    Family,
-    Section,
-    cluster,
-    gpu,
-    placement,
-    table,
-    training,
-)
+from benchmarks.common import BENCHMARKS, METADATA_FIELDS, REPO
+from benchmarks.families import FAMILIES, Family, Section, table
 
 RESULTS_MD = os.path.join(REPO, "docs", "results.md")
 README = os.path.join(REPO, "README.md")
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 DECISIONS = "decisions"   # relative to docs/results.md
+
+# The sections of docs/results.md (and rows of the README's table) in the order they show, by
+# family prefix: placement and its planners, the trainer on CPU devices, then the GPU, then
+# balance on a GPU cluster (and its CPU counterpart).
+SECTIONS = (
+    "replay_", "adaptive_capacity", "planner_time", "planner_ab", "planner_replay_ab",
+    "replan_sweep", "migration_bytes", "smartmoe",
+    "balance_pays", "fsep_vs_ep", "moe_layer", "cost_model", "strategy_switch", "routers",
+    "published_mixtral", "chaos", "ragged_memory", "convert_memory", "replan_overhead",
+    "kernels_", "gmm_tiles", "layer_profile", "train_step", "gpu_compile", "on_gpu",
+    "gpu_program", "gpu_levers", "peer_maxtext", "cluster_h100", "cluster_cpu", "cluster_layers",
+)
 
 # Files whose figures a later run replaced: the decision that did so keeps them.
 SUPERSEDED = {
@@ -72,11 +76,37 @@ def provenance(files: dict[str, dict]) -> list[str]:
   return ["", *table(["file", "command", "commit", "date (UTC)", "machine", "load"], rows)]
 
 
-def load_results(directory: str = RESULTS) -> dict[str, dict]:
+def studies() -> list[str]:
+  """The study folders: the packages directly under benchmarks/."""
+  return sorted(os.path.basename(os.path.dirname(p))
+                for p in glob.glob(os.path.join(BENCHMARKS, "*", "__init__.py")))
+
+
+def load_tables() -> None:
+  """Imports every study folder's `tables.py`, which registers its families."""
+  for study in studies():
+    if os.path.exists(os.path.join(BENCHMARKS, study, "tables.py")):
+      importlib.import_module(f"benchmarks.{study}.tables")
+
+
+def result_paths() -> dict[str, str]:
+  """{file name: its path from the repository root} of every committed result: each study's
+  results/ folder. Names are unique across studies (the docs cite results by name)."""
+  out: dict[str, str] = {}
+  for path in sorted(glob.glob(os.path.join(BENCHMARKS, "*", "results", "*.json"))):
+    name = os.path.basename(path)
+    if name in out:
+      raise SystemExit(f"{name} is in both {out[name]} and {os.path.relpath(path, REPO)}: "
+                       "rename one (the docs cite results by file name)")
+    out[name] = os.path.relpath(path, REPO)
+  return dict(sorted(out.items()))
+
+
+def load_results() -> dict[str, dict]:
   out = {}
-  for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
-    with open(path) as f:
-      out[os.path.basename(path)] = json.load(f)
+  for name, path in result_paths().items():
+    with open(os.path.join(REPO, path)) as f:
+      out[name] = json.load(f)
   return out
 
 
@@ -87,6 +117,7 @@ def missing_metadata(results: dict[str, dict]) -> list[str]:
 
 
 def family_of(name: str) -> Family | None:
+  load_tables()
   matches = [f for f in FAMILIES if name.startswith(f.prefix)]
   return max(matches, key=lambda f: len(f.prefix)) if matches else None
 
@@ -95,19 +126,23 @@ def sections(results: dict[str, dict]) -> list[tuple[Family, dict[str, dict], Se
   groups: dict[str, dict[str, dict]] = {}
   unknown = [n for n in results if n not in SUPERSEDED and family_of(n) is None]
   if unknown:
-    raise SystemExit(f"no renderer for {', '.join(unknown)}: register one in "
-                     "benchmarks/render.py with @family(prefix, title)")
+    raise SystemExit(f"no renderer for {', '.join(unknown)}: register one in its study's "
+                     "tables.py with @family(prefix, title)")
   for name, d in results.items():
     if name not in SUPERSEDED:
       groups.setdefault(family_of(name).prefix, {})[name] = d
-  ordered = sorted(FAMILIES, key=lambda f: MODULES.index(f.render.__module__.split(".")[-1]))
+  unordered = [f.prefix for f in FAMILIES if f.prefix not in SECTIONS]
+  if unordered:
+    raise SystemExit(f"families {', '.join(unordered)} have no place in benchmarks/render.py's "
+                     "SECTIONS: add their prefixes where their sections should show")
+  ordered = sorted(FAMILIES, key=lambda f: SECTIONS.index(f.prefix))
   return [(f, groups[f.prefix], f.render(groups[f.prefix])) for f in ordered
           if f.prefix in groups]
 
 
 def render_results_md(results: dict[str, dict]) -> str:
   lines = ["# Results", "",
-           "Rendered by `python -m benchmarks.render` from `benchmarks/results/*.json`: edit "
+           "Rendered by `python -m benchmarks.render` from `benchmarks/*/results/*.json`: edit "
            "the JSON or the renderer, not this file. Each section ends with its files' "
            "command, commit, date, machine and load. On the 8 fake CPU devices the devices "
            "share the host's cores, so times measure work (rows computed, bytes moved), not "
@@ -123,11 +158,11 @@ def render_results_md(results: dict[str, dict]) -> str:
 
 
 def render_headline(results: dict[str, dict]) -> str:
-  rows = []
+  rows, paths = [], result_paths()
   for _, files, sec in sections(results):
     for what, value, name in sec.headline:
       rows.append([what, value, machine_short(files[name]["metadata"]),
-                   f"[`{name}`](benchmarks/results/{name})"])
+                   f"[`{name}`]({paths[name]})"])
   return "\n".join(table(["result", "value", "machine", "from"], rows))
 
 

@@ -1,6 +1,6 @@
 """Side-by-side runs: threads that take turns, one step each (`python -m
-benchmarks.strategy_switch` times each run over its own turns). A library for benchmarks, not
-a benchmark itself."""
+benchmarks.strategy.strategy_switch` times each run over its own turns). A library for the
+studies, not a study itself."""
 
 from __future__ import annotations
 

@@ -41,8 +41,8 @@ def parser() -> ArgumentParser:
                  help="A gin binding such as 'moe.num_experts = 16' (repeatable).")
   p.add_argument("--profile", default="h100_node",
                  help=f"The hardware profile: a preset ({', '.join(sorted(PRESETS))}), a JSON "
-                      "written by `python -m moejax.calibrate`, or a benchmarks/cost_model.py "
-                      "result (its fitted profile).")
+                      "written by `python -m moejax.calibrate`, or a "
+                      "benchmarks/strategy/cost_model.py result (its fitted profile).")
   p.add_argument("--devices", type=int, default=8,
                  help="The number of devices to plan for (default 8).")
   p.add_argument("--pool", type=int, default=4,

@@ -1,6 +1,6 @@
-"""`python -m moejax.workloads --out T.npz --kind lognormal|zipf|collapse|drift_bursts`: writes a
-synthetic routing trace and prints its step-to-step statistics (library:
-`moejax.placement.workloads`, `moejax.placement.drift`).
+"""`python -m moejax.workloads --out T.npz --kind KIND` (lognormal, zipf, collapse,
+early_collapse, drift_bursts): writes a synthetic routing trace and prints its step-to-step
+statistics (library: `moejax.placement.workloads`, `moejax.placement.drift`).
 
   python -m moejax.workloads --out benchmarks/traces/drift_bursts.npz --kind drift_bursts \
       --steps 600
@@ -30,6 +30,8 @@ def main(argv=None) -> None:
   ap.add_argument("--zipf_a", type=float, default=1.1)
   ap.add_argument("--corr", type=float, default=0.8)
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--collapse_steps", type=int, default=3,
+                  help="early_collapse: steps from near-uniform routing to fully collapsed")
   ap.add_argument("--burst_rate", type=float, default=0.01,
                   help="drift_bursts: chance per step and layer that a burst starts")
   a = ap.parse_args(argv)
@@ -40,7 +42,8 @@ def main(argv=None) -> None:
                                  seed=a.seed)
     else:
       trace = synthetic_trace(a.steps, a.layers, a.sources, a.experts, a.top_k,
-                              a.tokens_per_source, a.kind, a.sigma, a.zipf_a, a.corr, a.seed)
+                              a.tokens_per_source, a.kind, a.sigma, a.zipf_a, a.corr, a.seed,
+                              collapse_steps=a.collapse_steps)
   except ConfigError as e:
     raise SystemExit(f"error: {e}") from None
   save_trace(a.out, trace)

@@ -11,9 +11,10 @@ Backends (a kernel's tuning dataclass names one; resolved when the program is bu
   this package are written for it: row gathers by a vector of indices, masked loads and
   stores, ``tl.dot`` tiles. Deprecated by JAX, still present in the releases compat.py
   supports.
-* ``"mosaic_gpu"``: Hopper (sm_90). Only the grouped matmul's forward and dx have this path
-  (JAX's own Mosaic GPU ragged-dot kernel, ``jax.experimental.pallas.ops.gpu``); its dw and
-  the row gathers keep the Triton lowering (see gmm_mosaic.py).
+* ``"mosaic_gpu"``: Hopper (sm_90). Only the grouped matmul has this path: its forward and
+  dx on JAX's own Mosaic GPU ragged-dot kernel (``jax.experimental.pallas.ops.gpu``) or this
+  package's (gmm_hopper.py), its dw on Triton or gmm_hopper's; the row gathers keep the
+  Triton lowering (see gmm_mosaic.py).
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ what it needs to know about NVIDIA GPUs it has not been handed.
   table lacks (H800, H20, L40S) known here too, so a name is enough on a CPU host.
 * The varying-axes type of an output inside `shard_map` (`varying_axes`, `out_struct`,
   `mark_varying`): jax >= 0.10 calls it `manual_axis_type`, earlier releases `vma`.
+* Mosaic GPU's interpreter on CPU (`mosaic_gpu_interpret`): jax >= 0.11 runs this package's
+  Hopper kernels in it; jax 0.10's cannot read an SMEM tile transposed (a wgmma operand).
 * What these releases cannot check or batch in the MoE layer (`checks_varying_axes`,
   `rerestores_fsep`): the layer and the pipeline ask here rather than name a release.
 """
@@ -107,6 +109,22 @@ def cuda_target(device_kind: str = DEFAULT_TARGET):
       gpu_info.registry.pop(k, None)
     gpu_info.registry.update(saved)
     gpu_info.get_gpu_info.cache_clear()
+
+
+def mosaic_gpu_interpret(detect_races: bool = False):
+  """The `interpret` argument that runs a Mosaic GPU kernel on CPU (its threads, barriers and
+  TMA copies simulated; with `detect_races`, a happens-before race detector on), or None
+  where this jax's interpreter cannot run this package's Hopper kernels."""
+  if JAX_VERSION < (0, 11):
+    return None
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  return plgpu.InterpretGPUParams(detect_races=detect_races)
+
+
+def mosaic_gpu_races_found() -> bool:
+  """Whether the interpreter's race detector has found a race (jax has no public name)."""
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+  return bool(interpret_pallas_call.get_races().races_found)
 
 
 # --- varying mesh axes inside shard_map --------------------------------------------------------

@@ -33,7 +33,7 @@ class GmmTuning:
   when interpreted.
 
   sm_90a, bf16, configs/gpt_moe_gpu.gin's up-projection forward ([32768, 768] x [4, 768, 1536]),
-  registers / spill bytes per thread from `python -m benchmarks.gpu_compile --sweep`:
+  registers / spill bytes per thread from `python -m benchmarks.kernels.gpu_compile --sweep`:
 
     block_m x block_k x block_n   warps   stages   regs / spill
     64 x 64 x 64                  4       2         93 / 0        the default (fwd, dx, dw:
@@ -43,9 +43,11 @@ class GmmTuning:
     128 x 32 x 128                4       2        255 / 456      spills
     128 x 32 x 128                8       2        163 / 0
   mosaic_gpu takes block_m/k/n as JAX's ragged_dot tiles (block_m a multiple of 64; I and O
-  multiples of block_k and block_n * grid_block_n); the MoE layer gives it
-  gmm_mosaic.hopper_tuning, the fastest of a sweep on one H100. Triton's tiles were timed on
-  that H100 too (`benchmarks/results/gmm_tiles_h100.json`); the default stays 64 x 64 x 64.
+  multiples of block_k and block_n * grid_block_n), or with mosaic_kernel='hopper' as each
+  consumer warpgroup's tile of gmm_hopper.gmm (and with mosaic_dw, gmm_hopper.tgmm's); the
+  MoE layer gives it gmm_mosaic.hopper_tuning, the fastest of a sweep on one H100. Triton's
+  tiles were timed on that H100 too (`benchmarks/kernels/results/gmm_tiles_h100.json`); the default
+  stays 64 x 64 x 64.
   """
   block_m: int = 64         # rows per tile (power of two)
   block_k: int = 64         # contraction tile: largest power of two <= this dividing the dim
@@ -53,9 +55,13 @@ class GmmTuning:
   num_warps: int = 4
   num_stages: int = 2
   backend: str = "auto"     # see pallas_kernels.backend
-  # mosaic_gpu only (JAX's Hopper ragged-dot kernels):
+  # mosaic_gpu only (Hopper; see gmm_mosaic.py):
   max_concurrent_steps: int = 4
-  grid_block_n: int = 1
+  grid_block_n: int = 1     # 'jax' only: column tiles per program
+  mosaic_kernel: str = "jax"   # fwd and dx: 'jax' (JAX's ragged dot) or 'hopper' (gmm_hopper)
+  split: str = "n"          # 'hopper': the CTA's two warpgroups split the tile's cols or rows
+  mosaic_dw: bool = False   # dw on gmm_hopper.tgmm rather than Triton's tgmm
+  num_sms: int = 132        # 'hopper' and mosaic_dw: the persistent grid (the GPU's SMs)
 
 
 def gmm_reference(x_rowsxin, w_Cxinxout, group_sizes_C):

@@ -49,7 +49,9 @@ def _gmm(x, w, sizes, tuning, transpose_rhs):
 
 def _tgmm(x, dy, sizes, tuning, out_dtype):
   backend = backend_lib.resolve(tuning.backend)
-  if backend == "mosaic_gpu":     # dw stays on Triton: see gmm_mosaic's docstring
+  if backend == "mosaic_gpu" and tuning.mosaic_dw:
+    return gmm_mosaic.tgmm(x, dy, sizes, tuning, out_dtype)
+  if backend == "mosaic_gpu":     # dw on Triton unless mosaic_dw: see gmm_mosaic's docstring
     backend = "triton"
   return tgmm_call(x, dy, sizes, tuning, backend, out_dtype)
 

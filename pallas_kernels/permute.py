@@ -25,7 +25,8 @@ class PermuteTuning:
   """Tiles of both gathers (forward: 1 index column; backward: K columns, K tiles in flight).
 
   sm_90a, bf16, configs/gpt_moe_gpu.gin's shapes (T = 8192, D = 768), registers / spill bytes
-  per thread from `python -m benchmarks.gpu_compile` (benchmarks/results/gpu_compile_sm90a.json):
+  per thread from `python -m benchmarks.kernels.gpu_compile`
+  (benchmarks/kernels/results/gpu_compile_sm90a.json):
 
     block_rows x block_d  warps   backward top_k 8    note
     64 x 256              4       255 / 2984         spills: the old default

@@ -27,7 +27,7 @@ class CombineTuning:
   by its own, smaller `dot_block_d`.
 
   sm_90a, bf16, configs/gpt_moe_gpu.gin's shapes (T = 8192, D = 768), top_k 8, registers /
-  spill bytes per thread from `python -m benchmarks.gpu_compile`:
+  spill bytes per thread from `python -m benchmarks.kernels.gpu_compile`:
 
     block_rows x block_d  warps   combine fwd    gather-dot (d gate)
     64 x 256              4       255 / 2624     255 / 2520            the old default

@@ -1,4 +1,6 @@
-"""The MoE layer's comparison with the single-device reference, shared by its tests."""
+"""What the MoE layer's tests share beyond the harness (moejax.model.moe.harness): their sizes,
+the reduction lengths their tolerances scale with, random layouts, numpy oracles of the drop
+rules, and the whole-model and pipeline set-ups."""
 
 from __future__ import annotations
 
@@ -13,9 +15,7 @@ from moejax.config import OptimConfig, num_moe_layers
 from moejax.layout import placement as placement_lib
 from moejax.model import layer_order
 from moejax.model.mesh import mesh_of_shape, param_rules
-from moejax.model.moe.fsep_experts import restore_slot_weights
-from moejax.model.moe.layer import moe_apply
-from moejax.model.moe.reference import moe_reference
+from moejax.model.moe.harness import init_params
 from moejax.model.pipeline import Pipelined
 from moejax.model.transformer import Transformer
 from moejax.strategy import stages as stage_cost
@@ -52,8 +52,8 @@ def cached_setup(shape, model_cfg=SMALL_MODEL, moe_cfg=SMALL_MOE):
 
 # float32 reduction lengths along each compared value's path, for tests/numerics.py's
 # tolerances. The layer tests run 8 x 8 tokens: y = the router's dot over D, the experts' over
-# D then F; the loss sums y's TOKENS x D values; gradients go back through F and D and the
-# weights' sums over their tokens' top-2 rows.
+# D then F; the harness's objective sums y's TOKENS x D squares; gradients go back through F
+# and D and the weights' sums over their tokens' top-2 rows.
 TOKENS = 64
 Y_LEN = 2 * D + F
 LOSS_LEN = Y_LEN + TOKENS * D
@@ -77,32 +77,9 @@ def row(layout, layer=0):
 
 
 def make_params(seed=0):
-  k = jax.random.split(jax.random.key(seed), 4)
-  return {
-      "router": jax.random.normal(k[0], (D, E)),
-      "w_gate": jax.random.normal(k[1], (E, D, F)) / np.sqrt(D),
-      "w_up": jax.random.normal(k[2], (E, D, F)) / np.sqrt(D),
-      "w_down": jax.random.normal(k[3], (E, F, D)) / np.sqrt(F),
-  }
-
-
-def objective(y, bal, z):
-  # A non-trivial function of the output so every gradient path is exercised.
-  return jnp.sum(jnp.sin(y) * y) + 0.1 * bal + 0.01 * z
-
-
-def sharded_value_and_grad(params, x, layout_row, cfg, mesh):
-  def f(p, x):
-    y, st = moe_apply(p, x, layout_row, cfg, mesh)
-    return objective(y, st.balance_loss, st.z_loss), (y, st)
-  return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(params, x)
-
-
-def reference_value_and_grad(params, x, top_k):
-  def f(p, x):
-    y, counts, bal, z = moe_reference(p, x, top_k)
-    return objective(y, bal, z), (y, counts)
-  return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(params, x)
+  """The layer tests' parameters (E, D, F above), expert-id order; a router of unit scale
+  routes decisively, so that no choice is a near tie between experts."""
+  return init_params(jax.random.key(seed), D, F, E, router_std=1.0)
 
 
 def random_placement(rng, num_devices, slots, num_experts=E):
@@ -133,16 +110,6 @@ def with_local(placement, rng):
                                           rng.integers(1, placement_lib.SHARE_PARTS, len(pick))))
   return placement_lib.Placement(placement.slot_expert, placement.share,
                                  placement.num_devices, "split", parts / placement_lib.SHARE_PARTS)
-
-
-def fsep_value_and_grad_fn(cfg, mesh):
-  def f(p, x, layout):
-    fsep = {k: p[k][None] for k in ("w_gate", "w_up", "w_down")}
-    slot = restore_slot_weights(fsep, layout.slot_expert_LxS, mesh)
-    slot_params = {"router": p["router"], **{k: v[0] for k, v in slot.items()}}
-    y, st = moe_apply(slot_params, x, jax.tree.map(lambda a: a[0], layout), cfg, mesh)
-    return jnp.sum(jnp.sin(y) * y) + 0.1 * st.balance_loss + 0.01 * st.z_loss, (y, st)
-  return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
 
 
 FSEP_MOE = dataclasses.replace(SMALL_MOE, expert_mode="fsep", slots_per_device=4)

@@ -1,7 +1,7 @@
-"""benchmarks.balance_pays's host side at tiny shapes: plans from warm-up batches, the smallest
-factors that keep a different batch's drops <= 1%, and the ratios it reports. (The benchmark
-itself stops when a compiled layer's drops differ from the prediction checked here; compiling
-its four layer programs would take this suite past its time budget.)"""
+"""benchmarks.layer.balance_pays's host side at tiny shapes: plans from warm-up batches, the
+smallest factors that keep a different batch's drops <= 1%, and the ratios it reports. (The
+benchmark itself stops when a compiled layer's drops differ from the prediction checked here;
+compiling its four layer programs would take this suite past its time budget.)"""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks import balance_pays, balance_setup as setup
-from benchmarks.fsep_vs_ep import routed_counts
+from benchmarks.layer import balance_pays, balance_setup as setup
+from benchmarks.layer.fsep_vs_ep import routed_counts
 from moejax.layout import capacity
 
 N, E, K, D, TOKENS = 8, 16, 2, 64, 256

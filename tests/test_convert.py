@@ -29,6 +29,7 @@ from moejax.model.mesh import mesh_of_shape, replicated  # noqa: E402
 from moejax.model.transformer import Transformer  # noqa: E402
 from moejax.train import step as step_lib  # noqa: E402
 from moejax.train.checkpoint import Checkpointer  # noqa: E402
+from moejax.train.loss import cross_entropy  # noqa: E402
 from moejax.train.optim import optimizer, schedule  # noqa: E402
 from moejax.train.programs import initial_layout  # noqa: E402
 from moejax.train.state import init_state, state_shardings  # noqa: E402
@@ -142,8 +143,9 @@ def test_logits_equal_reference(family, mode, tmp_path_factory, tmp_path):
   x = tokens()
 
   def ce(p):
-    logits, stats = model.apply({"params": p}, x, new)
-    return step_lib.cross_entropy(logits[:, :-1], x[:, 1:]), (logits, stats)
+    head, stats = model.apply({"params": p}, x, new)
+    logits = head.logits()
+    return cross_entropy(logits[:, :-1], x[:, 1:]), (logits, stats)
 
   (_, (logits, stats)), grads = jax.jit(jax.value_and_grad(ce, has_aux=True))(params)
   assert int(jnp.sum(stats.dropped_W)) == 0

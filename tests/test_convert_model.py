@@ -40,8 +40,8 @@ def test_grouped_heads_equal_repeated_heads():
   # "proj" QK-norm: the mean square over repeated heads is the one over the k/v heads
   attn["k_norm"] = {"scale": np.repeat(attn["k_norm"]["scale"], 2, axis=1)}
   repeated = dict(params, layers=dict(params["layers"], attn_moe=attn))
-  want, _ = jax.jit(mha.apply)({"params": repeated}, x, layout)
-  got, _ = jax.jit(model.apply)({"params": params}, x, layout)
+  want = jax.jit(mha.apply)({"params": repeated}, x, layout)[0].logits()
+  got = jax.jit(model.apply)({"params": params}, x, layout)[0].logits()
   assert got.shape == (BATCH, SEQ, GQA.vocab_size)
   assert_close(got, want, 8 * GQA.d_model)
 

@@ -15,6 +15,7 @@ from moejax.config import ConfigError, MoEConfig
 from moejax.layout import capacity
 from moejax.layout.tables import static_layout
 from moejax.model.mesh import mesh_of_shape
+from moejax.model.moe.harness import run_against_reference
 from moejax.model.moe.layer import moe_apply
 from moejax.model.moe.route import route
 from tests import hlo as hlo_lib
@@ -26,9 +27,7 @@ from tests.moe_helpers import (
   E,
   F,
   make_params,
-  reference_value_and_grad,
   row,
-  sharded_value_and_grad,
 )
 from tests.numerics import assert_close, assert_trees_close
 
@@ -48,13 +47,11 @@ def _setup(cf, capacity_mode, chunks, seed=3):
 @pytest.mark.parametrize("capacity_mode", capacity.MODES)
 def test_chunks_equal_the_reference_when_nothing_drops(capacity_mode):
   mesh, layout, cfg, x = _setup(8.0, capacity_mode, 2)
-  params = make_params(4)       # identity layout: slot order is expert order
-  (loss, (y, st)), grads = sharded_value_and_grad(params, x, layout, cfg, mesh)
-  (ref_loss, (ref_y, _)), ref_grads = reference_value_and_grad(params, x, 2)
-  assert int(np.sum(st.dropped_W)) == 0
-  assert_close(y, ref_y, Y_LEN, err_msg="y")
-  assert_close(loss, ref_loss, LOSS_LEN, err_msg="loss")
-  assert_trees_close(grads, ref_grads, GRAD_LEN)
+  run = run_against_reference(cfg, mesh, make_params(4), x, layout)
+  assert run.dropped == 0
+  assert_close(run.y, run.ref_y, Y_LEN, err_msg="y")
+  assert_close(run.loss, run.ref_loss, LOSS_LEN, err_msg="loss")
+  assert_trees_close(run.grads, run.ref_grads, GRAD_LEN)
 
 
 @pytest.mark.slow   # with the fresh venv's install, over the 8-minute budget

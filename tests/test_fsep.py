@@ -14,8 +14,8 @@ from moejax.layout.placement import SHARE_PARTS
 from moejax.layout.tables import from_placements, round_robin_layout
 from moejax.model.mesh import logical_to_spec, mesh_of_shape
 from moejax.model.moe.fsep_experts import FSEP_PARAM_AXES, restore_slot_weights
+from moejax.model.moe.harness import layer_step, reference_step
 from moejax.model.moe.layer import moe_apply
-from moejax.model.moe.reference import moe_reference
 from moejax.model.moe.replicas import rank_within_expert
 from moejax.train.programs import CompileCounter
 from tests.helpers import tokens
@@ -29,10 +29,10 @@ from tests.moe_helpers import (
   E,
   F,
   fsep_loss_and_grad,
-  fsep_value_and_grad_fn,
   make_params,
   model_lengths,
   random_placement,
+  row,
   with_local,
 )
 from tests.numerics import assert_close, assert_trees_close
@@ -86,15 +86,6 @@ def local_first_slots(expert_TK: jax.Array, counts_NxE: jax.Array, device: jax.A
   return jnp.where(rank_TK < take_TK, local_slot_E[expert_TK], remote_TK).astype(jnp.int32)
 
 
-def _reference_objective(p, x):
-  y, counts, bal, z = moe_reference(p, x, 2)
-  return jnp.sum(jnp.sin(y) * y) + 0.1 * bal + 0.01 * z, (y, counts)
-
-
-reference_value_and_grad = jax.jit(jax.value_and_grad(_reference_objective, argnums=(0, 1),
-                                                      has_aux=True))
-
-
 @pytest.mark.parametrize("shape,slots", [((1, 8, 1), 2), ((2, 4, 1), 4)],
                          ids=["1x8x1", "2x4x1"])
 @pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
@@ -105,7 +96,7 @@ def test_fsep_layer_matches_reference_for_random_replicated_layouts(shape, slots
                   expert_mode="fsep")
   rng = np.random.default_rng(0)
   rep = NamedSharding(mesh, P())
-  fsep_value_and_grad = fsep_value_and_grad_fn(cfg, mesh)
+  fsep_value_and_grad, reference_value_and_grad = layer_step(cfg, mesh), reference_step(cfg)
   for i in range(LAYOUTS):
     params = make_params(i)
     x = jax.random.normal(jax.random.key(100 + i), (8, 8, D))
@@ -113,7 +104,7 @@ def test_fsep_layer_matches_reference_for_random_replicated_layouts(shape, slots
     if i % 2:                                   # per-source shares: kept parts first
       placement = with_local(placement, rng)
     layout = jax.device_put(from_placements([placement], E, n), rep)
-    (loss, (y, st)), grads = fsep_value_and_grad(params, x, layout)
+    (loss, (y, st)), grads = fsep_value_and_grad(params, x, row(layout))
     (ref_loss, (ref_y, ref_counts)), ref_grads = reference_value_and_grad(params, x)
     assert int(np.sum(st.dropped_W)) == 0
     np.testing.assert_array_equal(np.asarray(st.counts_WxE).sum(0), np.asarray(ref_counts))

@@ -18,7 +18,7 @@ from moejax.layout.flow import flow
 from moejax.layout.placement import SHARE_PARTS
 from moejax.layout.tables import from_placements
 from moejax.model.mesh import mesh_of_shape
-from moejax.model.moe.reference import moe_reference
+from moejax.model.moe.harness import layer_step, reference_step
 from moejax.model.moe.replicas import adaptive_slots
 from moejax.train.programs import CompileCounter
 from tests.moe_helpers import (
@@ -28,9 +28,9 @@ from tests.moe_helpers import (
   D,
   E,
   F,
-  fsep_value_and_grad_fn,
   make_params,
   random_placement,
+  row,
 )
 from tests.numerics import assert_close, assert_trees_close
 
@@ -181,11 +181,6 @@ def test_in_graph_levelling_matches_host_on_large_counts():
   np.testing.assert_array_equal(np.asarray(dev), host)
 
 
-def _reference(p, x):
-  y, counts, bal, z = moe_reference(p, x, 2)
-  return jnp.sum(jnp.sin(y) * y) + 0.1 * bal + 0.01 * z, (y, counts)
-
-
 @pytest.mark.slow   # 75-130 s on the 2-core VM under load: .ci/run's slow pass
 def test_adaptive_fsep_layer_matches_reference_and_relayout_compiles_nothing():
   """fsep with adaptive shares on (2, 4, 1) equals the one-device reference, outputs and
@@ -195,8 +190,7 @@ def test_adaptive_fsep_layer_matches_reference_and_relayout_compiles_nothing():
   mesh = mesh_of_shape((2, 4, 1))
   cfg = MoEConfig(num_experts=E, top_k=2, capacity_factor=16.0, d_ff=F, expert_mode="fsep",
                   fsep_shares="adaptive")
-  f = fsep_value_and_grad_fn(cfg, mesh)
-  ref = jax.jit(jax.value_and_grad(_reference, argnums=(0, 1), has_aux=True))
+  f, ref = layer_step(cfg, mesh), reference_step(cfg)
   rng = np.random.default_rng(11)
   rep = NamedSharding(mesh, P())
   for i in range(3):
@@ -204,7 +198,7 @@ def test_adaptive_fsep_layer_matches_reference_and_relayout_compiles_nothing():
     x = jax.random.normal(jax.random.key(200 + i), (8, 8, D))
     layout = jax.device_put(from_placements([random_placement(rng, 4, 4)], E, 4), rep)
     with CompileCounter() as compiles:
-      (loss, (y, st)), grads = f(params, x, layout)
+      (loss, (y, st)), grads = f(params, x, row(layout))
     assert i == 0 or compiles.count == 0, f"layout {i} compiled {compiles.count} programs"
     (ref_loss, (ref_y, ref_counts)), ref_grads = ref(params, x)
     assert int(np.sum(st.dropped_W)) == 0

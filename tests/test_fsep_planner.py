@@ -343,7 +343,7 @@ def test_fsep_beats_static_and_smartmoe_on_committed_traces(trace):
       assert ours[stat] < theirs[stat], (trace, other, stat, ours[stat], theirs[stat])
   # Balanced on what it planned for: the window's recent median shares (spread.recent_center;
   # replay's predicted_median is taken on the window mean). Planner time is a benchmark's
-  # claim (benchmarks.planner_time), not a timed assert on a shared machine.
+  # claim (benchmarks.placement.planner_time), not a timed assert on a shared machine.
   counts = load_trace(TRACES / f"{trace}.npz")["counts"]
   src = placement_lib.source_devices(counts.shape[2], 8)
   planned = []

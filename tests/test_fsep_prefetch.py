@@ -25,6 +25,7 @@ from moejax.config import MoEConfig
 from moejax.layout.tables import from_placements
 from moejax.model.mesh import mesh_of_shape
 from moejax.model.moe.fsep_experts import restore_slot_weights
+from moejax.model.moe.harness import objective
 from moejax.model.moe.layer import moe_apply
 from moejax.model.transformer import Transformer
 from moejax.train import step as step_lib
@@ -159,7 +160,7 @@ def test_bf16_restore_equals_fp32_restore():
       slot = restore_slot_weights(stored, layout.slot_expert_LxS, mesh, dtype)
       params = {"router": p["router"], **{k: v[0] for k, v in slot.items()}}
       y, st = moe_apply(params, x, jax.tree.map(lambda a: a[0], layout), cfg, mesh)
-      return jnp.sum(jnp.sin(y) * y) + 0.1 * st.balance_loss, (y, slot)
+      return objective(y, st.balance_loss, st.z_loss), (y, slot)
     return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(
         make_params(3), jax.random.normal(jax.random.key(4), (8, 8, D)))
 
@@ -193,16 +194,16 @@ def test_fsep_remat_equals_no_remat():
 @pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_backward_prefetch_equals_plain_autodiff(monkeypatch):
   """The backward pass's weights come through the layer scan's cotangent channel, restored
-  one layer ahead (moejax.model.transformer: `_prefetching_moe`, `_seed_backward_restore`):
+  one layer ahead (moejax.model.moe.fsep_backward: `_prefetching_moe`, `close_channel`):
   loss and gradients equal plain autodiff through the forward's restored weights (both
   replaced by identities), on the whole-model test's program and params."""
-  from moejax.model import transformer
+  from moejax.model.moe import fsep_backward
 
   f, params, layout = fsep_loss_and_grad(SHAPE, SLOTS)
   (ref_loss, _), ref_grads = f(params, batch_BxQ1=tokens(), layout=layout)
-  monkeypatch.setattr(transformer, "_prefetching_moe", lambda moe: (
+  monkeypatch.setattr(fsep_backward, "_prefetching_moe", lambda moe: (
       lambda mdl, x, layout, weights, channel, *rest: (mdl(x, layout, weights), channel)))
-  monkeypatch.setattr(transformer, "_seed_backward_restore", lambda mesh, dtype: (
+  monkeypatch.setattr(fsep_backward, "_seed_backward_restore", lambda mesh, dtype: (
       lambda x, *rest: x))
   model = Transformer(SMALL_MODEL, FSEP_MOE, mesh_of_shape(SHAPE))
   plain = jax.jit(jax.value_and_grad(

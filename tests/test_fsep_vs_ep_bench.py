@@ -1,18 +1,20 @@
-"""benchmarks.fsep_vs_ep's layer as the balance benchmark times it: under a permuted layout
-slot s computes with expert slot_expert[s]'s weights, and the check it runs before timing
-holds the layer to the single-device reference (and fails when the weights are not in slot
-order)."""
+"""The layer as benchmarks.layer.fsep_vs_ep and balance_pays time it (the harness's placement):
+under a permuted layout slot s computes with expert slot_expert[s]'s weights, and the check
+they run before timing (moejax.model.moe.harness.check_against_reference) holds the layer to
+the single-device reference (and fails when the weights are not in slot order)."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import balance_setup as setup, fsep_vs_ep
+from benchmarks.layer import balance_setup as setup
 from moejax.config import MoEConfig
 from moejax.layout import placement as placement_lib
 from moejax.model.mesh import mesh_of_shape
+from moejax.model.moe.harness import check_against_reference
 
 N, E, K, D, F = 8, 16, 2, 16, 32
 
@@ -33,9 +35,9 @@ def test_a_permuted_ep_layout_matches_the_reference_and_a_wrong_order_does_not()
   layout = setup.device_layout("smartmoe", [perm], E)
   cfg = MoEConfig(num_experts=E, top_k=K, d_ff=F, capacity="device")
   mesh = mesh_of_shape((1, N, 1))
-  fsep_vs_ep.check_against_reference("ep", cfg, mesh, layout, params, x)
+  check_against_reference(cfg, mesh, jax.tree.map(lambda a: a[0], layout), params, x)
   # Weights in expert order while the router sends expert e's rows to e's slot in the
   # permutation: each slot computes with another expert's weights.
   wrong = layout.replace(slot_expert_LxS=jnp.arange(E, dtype=jnp.int32)[None])
   with pytest.raises(RuntimeError, match="differs from the single-device reference"):
-    fsep_vs_ep.check_against_reference("ep", cfg, mesh, wrong, params, x)
+    check_against_reference(cfg, mesh, jax.tree.map(lambda a: a[0], wrong), params, x)

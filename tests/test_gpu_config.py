@@ -229,3 +229,29 @@ def test_gpu_config_train_step_lowers_for_cuda_with_ragged_all_to_all(as_if_gpu)
   assert any(g == all_devices and t == f"tensor<{d}x{e}xf32>" for g, t in reduces), reduces
   # The Pallas kernels are Triton calls.
   assert lowered.as_text().count("__gpu$xla.gpu.triton") > 0
+
+
+@pytest.mark.slow   # ~20-40 s: a train step lowered; the kernels' own vmap test is in the fast set
+def test_microbatched_qwen3_step_lowers_for_cuda_with_mosaic_gpu(monkeypatch):
+  """`train.microbatches > 1` runs the model through the pipeline's stage vmap (one stage on
+  one GPU); on Hopper the grouped matmul is Mosaic GPU's, which Pallas cannot batch ("object
+  of type 'TransformedRef' has no len()", seen on an H200). configs/qwen3_moe.gin's choices,
+  tiny, on one device, lowered for CUDA as a Hopper GPU's program."""
+  if why := _cuda_lowering_error():
+    pytest.skip(f"this jaxlib cannot lower for CUDA: {why}")
+  monkeypatch.setattr(ragged, "check_platform", lambda platform: None)
+  monkeypatch.setattr(layer_lib, "ops_for", lambda kernels, platform, capability, *args:
+                      ops_for(kernels, "gpu", "9.0", *args))
+  cfg = parse_config([str(REPO_ROOT / "configs" / "qwen3_moe.gin")], [
+      "model.vocab_size = 256", "model.d_model = 128", "model.num_layers = 2",
+      "model.num_heads = 2", "model.num_kv_heads = 1", "model.head_dim = 64",
+      "model.max_seq_len = 32", "moe.num_experts = 8", "moe.d_ff = 128", "data.seq_len = 32",
+      "data.global_batch_size = 4", "train.microbatches = 2", "mesh.expert = 1"])
+  tx, lr = optimizer(cfg.optim, 10), schedule(cfg.optim, 10)
+  prog = build_program(cfg, from_config(cfg, 1), tx, lr, jax.devices()[:1], compile_now=False)
+  batch = jax.ShapeDtypeStruct((cfg.data.global_batch_size, cfg.data.seq_len + 1), "int32",
+                               sharding=prog.batch_sharding)
+  with compat.cuda_target():
+    lowered = prog.train_step.trace(prog.abstract_state(tx), batch,
+                                    prog.abstract_layout()).lower(lowering_platforms=("cuda",))
+  assert lowered.as_text().count("mosaic_gpu") > 0

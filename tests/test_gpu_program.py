@@ -1,5 +1,5 @@
 """The program XLA:GPU compiles for 8 H100s, read on this CPU host (moejax.aot; the
-`gpu-aot` extra): configs/gpt_moe_gpu.gin at its own sizes (benchmarks.gpu_program's
+`gpu-aot` extra): configs/gpt_moe_gpu.gin at its own sizes (benchmarks.gpu.gpu_program's
 families), compiled for a compile-only topology with the flags train.py sets on GPU. At the
 config's sizes a compile takes no longer than at tiny ones (30-110 s on a loaded 2-core
 host: the op count, not the sizes, sets it), and the memory model is checked where its
@@ -41,7 +41,7 @@ def _compiled(family: str, bindings: tuple[str, ...] = (), flags: tuple[str, ...
 
 @functools.cache
 def _compile(family: str, bindings: tuple[str, ...], flags: tuple[str, ...]):
-  from benchmarks.gpu_program import family_config
+  from benchmarks.gpu.gpu_program import family_config
   from moejax.aot import compile_train_step
 
   cfg = family_config(family, "1x1x8", list(bindings))
@@ -70,7 +70,7 @@ def test_fsep_restores_overlap_compute_forward_and_backward(remat):
 
 @pytest.mark.parametrize("remat", [True, False])
 def test_fsep_backward_restores_are_hidden_by_design(remat):
-  """Layer l's backward restores layer l-1's weights (moejax.model.transformer's
+  """Layer l's backward restores layer l-1's weights (moejax.model.moe.fsep_backward's
   `_prefetching_moe`): by the schedule estimate at most 10% of the backward weight restores'
   transfer time is exposed, and at least 90% of the step's collective bytes overlap compute.
   (Their transposes, the gradients' return, are `restore_gradient`: the last layer's runs
@@ -125,7 +125,7 @@ def test_ragged_pallas_custom_calls_are_the_layers_kernels():
   assert read.kernels(_compiled("ep_pooled").hlo) == {}
 
 
-# The model's peak / XLA's (benchmarks/results/gpu_program_h100.json, 8 GPUs): ep_slot 1.01,
+# The model's peak / XLA's (benchmarks/gpu/results/gpu_program_h100.json, 8 GPUs): ep_slot 1.01,
 # ep_pooled 0.96, fsep 1.04, fsdp 0.98, ep_chunks2 1.04, p2_m4 0.92, ep_ragged_pallas 0.86
 # (decision 0099). For ragged, XLA's temp heap is 1.05 GB larger than the buffers its
 # live-range analysis finds live at the peak (6.40 GB in all; the model: 6.42 GB).
@@ -136,7 +136,7 @@ _PACKING = pytest.mark.xfail(reason="XLA's heap is 1.05 GB over the 6.40 GB live
 @pytest.mark.parametrize("family", [pytest.param("ep_ragged_pallas", marks=_PACKING),
                                     "ep_pooled", "fsep_planned", "fsdp", "ep_chunks2", "p2_m4"])
 def test_memory_model_within_ten_percent_of_xla(family):
-  from benchmarks.gpu_program import model_predictions
+  from benchmarks.gpu.gpu_program import model_predictions
   from moejax.aot.summary import peak_bytes
 
   gp = _compiled(family)

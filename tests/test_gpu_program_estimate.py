@@ -1,6 +1,6 @@
 """The schedule estimate (moejax.aot.estimate) against measured GPU steps, category by
 category, and the FLOP count of every GEMM kernel XLA:GPU emits. No CUDA plugin needed: the
-committed scheduled HLO and kernel tables of an H200 run (benchmarks.on_gpu) are read as
+committed scheduled HLO and kernel tables of an H200 run (benchmarks.gpu.on_gpu) are read as
 text.
 
 The H200 rates of moejax.strategy.hardware were read off these same four kernel tables (one
@@ -24,7 +24,7 @@ from moejax.aot.hlo import parse
 from moejax.strategy.hardware import GPU_RATES, Rate
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "benchmarks" / "gpu" / "results"
 H200_RUN = RESULTS / "on_gpu_h200.json"
 H200_PROFILES = RESULTS / "on_gpu_h200" / "kernel_profiles.json.gz"
 H200_HLOS = RESULTS / "on_gpu_h200" / "step_hlos.json.gz"
@@ -269,5 +269,6 @@ def test_every_rate_names_its_source():
   for gpu in GPU_RATES.values():
     sources = [r.source for r in gpu.rates().values()] + [a.source for a in gpu.attention]
     assert all(len(s) > 10 for s in sources), gpu.name
-    for path in {p for s in sources for p in re.findall(r"benchmarks/results/[\w./]+\w", s)}:
+    named = r"benchmarks/(?:\w+/)?results/[\w./]+\w"
+    for path in {p for s in sources for p in re.findall(named, s)}:
       assert (ROOT / path).exists(), f"{gpu.name} names {path}, which does not exist"

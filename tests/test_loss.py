@@ -53,7 +53,7 @@ def test_tiled_bf16_close_to_fp32():
 
 def test_train_loss_tiled_equals_plain():
   """The train step's loss and gradients with model.loss_chunk set equal those of the plain
-  logits, through the model's hidden-state output and its unembedding parameter."""
+  logits: the same head (final hidden states and unembedding), two losses."""
   mesh, model, tx, layout, _, state = tiny_setup((2, 4, 1))
   tiled = type(model)(dataclasses.replace(TINY_MODEL, loss_chunk=6), TINY_MOE, mesh)
   batch = tokens()

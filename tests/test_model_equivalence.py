@@ -72,7 +72,7 @@ def test_train_step_matches_one_device():
 def test_model_is_causal():
   """Changing token j leaves the logits of every position before j unchanged."""
   _, model, _, layout, _, state = cached_setup((2, 4, 1), TINY_MODEL, TINY_MOE)
-  apply = jax.jit(lambda p, t: model.apply({"params": p}, t, layout)[0])
+  apply = jax.jit(lambda p, t: model.apply({"params": p}, t, layout)[0].logits())
   toks = tokens()[:, :-1]
   j = 9
   other = toks.at[:, j].set((toks[:, j] + 7) % 256)

@@ -23,8 +23,12 @@ from moejax.layout import convert, migrate, placement as placement_lib
 from moejax.layout.leaves import EXPERT_WEIGHTS
 from moejax.layout.tables import from_placements, from_slot_expert
 from moejax.model.mesh import mesh_of_shape
-from moejax.model.moe.layer import moe_apply
-from moejax.model.moe.reference import moe_reference
+from moejax.model.moe.harness import (
+  expert_order,
+  layer_step,
+  reference_step,
+  run_against_reference,
+)
 from moejax.train import step as step_lib
 from moejax.train.checkpoint import Checkpointer
 from tests.helpers import tokens
@@ -38,14 +42,11 @@ from tests.moe_helpers import (
   F,
   cached_setup,
   check_pipeline,
-  fsep_value_and_grad_fn,
   make_params,
   model_lengths,
   model_loss_and_grads,
-  objective,
   random_placement,
   row,
-  sharded_value_and_grad,
   with_local,
 )
 from tests.numerics import assert_close, assert_trees_close
@@ -101,23 +102,6 @@ LAYER_CASES = [
 ]
 
 
-def _ep_value_and_grad_fn(cfg, mesh, slot_expert):
-  """The layer on slot-ordered weights taken from canonical ones: gradients come back in
-  canonical order, comparable with the reference's."""
-  def f(p, x, layout):
-    slot_p = {"router": p["router"], **{k: p[k][slot_expert] for k in EXPERT_WEIGHTS}}
-    y, st = moe_apply(slot_p, x, jax.tree.map(lambda a: a[0], layout), cfg, mesh)
-    return objective(y, st.balance_loss, st.z_loss), (y, st)
-  return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
-
-
-def _reference_value_and_grad(params, x, cfg):
-  def f(p, x):
-    y, counts, bal, z = moe_reference(p, x, cfg.top_k, gate=cfg.gate)
-    return objective(y, bal, z), (y, counts)
-  return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(params, x)
-
-
 @pytest.mark.parametrize("case", LAYER_CASES, ids=str)
 def test_layer_mode_matches_reference(case, request):
   if case.dispatch == "ragged":      # XLA:CPU has no ragged_all_to_all: its emulation
@@ -145,19 +129,16 @@ def test_layer_mode_matches_reference(case, request):
                   exchange_chunks=case.exchange_chunks, gate=case.gate,
                   fsep_shares=case.fsep_shares, ragged_buffer_factor=0.0)
   cfg.validate()
-  fn = (fsep_value_and_grad_fn(cfg, mesh) if case.expert_mode == "fsep" else
-        _ep_value_and_grad_fn(cfg, mesh, jnp.asarray(placement.slot_expert)))
-  params = make_params(3)
-  x = jax.random.normal(jax.random.key(4), (8, 8, D))
-  (loss, (y, st)), grads = fn(params, x, layout)
-  (ref_loss, (ref_y, ref_counts)), ref_grads = _reference_value_and_grad(params, x, cfg)
+  # ep: expert e's weights in its slot of the layout, gradients mapped back to expert order
+  run = run_against_reference(cfg, mesh, make_params(3),
+                              jax.random.normal(jax.random.key(4), (8, 8, D)), row(layout))
 
-  assert int(np.sum(st.dropped_W)) == 0
-  np.testing.assert_array_equal(np.asarray(st.counts_WxE).sum(0), np.asarray(ref_counts))
-  assert_close(y, ref_y, Y_LEN, err_msg="y")
-  assert_close(loss, ref_loss, LOSS_LEN, err_msg="loss")
-  assert_trees_close(grads, ref_grads, GRAD_LEN)
-  assert all(np.abs(g).max() > 0 for g in jax.tree.leaves(grads)), "a gradient is all zero"
+  assert run.dropped == 0
+  np.testing.assert_array_equal(np.asarray(run.stats.counts_WxE).sum(0), run.ref_counts)
+  assert_close(run.y, run.ref_y, Y_LEN, err_msg="y")
+  assert_close(run.loss, run.ref_loss, LOSS_LEN, err_msg="loss")
+  assert_trees_close(run.grads, run.ref_grads, GRAD_LEN)
+  assert all(np.abs(g).max() > 0 for g in jax.tree.leaves(run.grads)), "a gradient is all zero"
 
 
 # Modes beyond one layer build: the model on a pipeline, a migration, and a checkpoint resumed
@@ -226,16 +207,13 @@ def test_migrated_layer_matches_reference():
 
   cfg = MoEConfig(num_experts=E, top_k=2, capacity_factor=float(E), d_ff=F)
   slot_params = {"router": params["router"], **{k: v[0] for k, v in moved["params"]["moe"].items()}}
-  (loss, (y, st)), grads = sharded_value_and_grad(slot_params, jax.random.normal(
-      jax.random.key(6), (8, 8, D)), row(new), cfg, mesh)
-  (ref_loss, (ref_y, _)), ref_grads = _reference_value_and_grad(
-      params, jax.random.normal(jax.random.key(6), (8, 8, D)), cfg)
+  x = jax.random.normal(jax.random.key(6), (8, 8, D))
+  (loss, (y, st)), grads = layer_step(cfg, mesh)(slot_params, x, row(new))
+  (ref_loss, (ref_y, _)), ref_grads = reference_step(cfg)(params, x)
   assert int(np.sum(st.dropped_W)) == 0
   assert_close(y, ref_y, Y_LEN, err_msg="y")
   assert_close(loss, ref_loss, LOSS_LEN, err_msg="loss")
-  expert_slot = np.asarray(new.expert_slot_LxE[0])
-  canon = dict(grads[0], **{k: grads[0][k][expert_slot] for k in EXPERT_WEIGHTS})
-  assert_trees_close((canon, grads[1]), ref_grads, GRAD_LEN)
+  assert_trees_close((expert_order(grads[0], row(new)), grads[1]), ref_grads, GRAD_LEN)
 
 
 def test_ep_checkpoint_resumes_in_fsep_mode_and_back(tmp_path):

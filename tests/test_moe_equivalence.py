@@ -10,21 +10,9 @@ import pytest
 from moejax.config import MoEConfig
 from moejax.layout.tables import from_slot_expert, static_layout
 from moejax.model.mesh import mesh_of_shape
+from moejax.model.moe.harness import layer_step, reference_loss, run_against_reference
 from moejax.model.moe.reference import moe_reference
-from tests.moe_helpers import (
-  GRAD_LEN,
-  LOSS_LEN,
-  MESHES,
-  Y_LEN,
-  D,
-  E,
-  F,
-  make_params,
-  objective,
-  reference_value_and_grad,
-  row,
-  sharded_value_and_grad,
-)
+from tests.moe_helpers import GRAD_LEN, LOSS_LEN, MESHES, Y_LEN, D, E, F, make_params, row
 from tests.numerics import assert_close, assert_trees_close
 
 # 1x8x1 (expert parallel only) with top-1 runs in the README's test command; the other cases
@@ -42,37 +30,30 @@ def test_sharded_layer_matches_reference(shape, top_k):
   x = jax.random.normal(jax.random.key(1), (8, 8, D))
   # capacity_factor = E makes every (source, slot) buffer hold all of a source's choices.
   cfg = MoEConfig(num_experts=E, top_k=top_k, capacity_factor=float(E), d_ff=F)
-  layout = static_layout(1, E, shape[1])
-  (loss, (y, st)), grads = sharded_value_and_grad(
-      params, x, row(layout), cfg, mesh_of_shape(shape))
-  (ref_loss, (ref_y, ref_counts)), ref_grads = reference_value_and_grad(params, x, top_k)
+  run = run_against_reference(cfg, mesh_of_shape(shape), params, x)   # the static layout
 
-  assert int(np.sum(st.dropped_W)) == 0
-  np.testing.assert_array_equal(np.asarray(st.counts_WxE).sum(0), np.asarray(ref_counts))
-  assert st.counts_WxE.shape == (shape[0] * shape[1], E)
-  assert_close(y, ref_y, Y_LEN, err_msg="y")
-  assert_close(loss, ref_loss, LOSS_LEN, err_msg="loss")
-  assert_trees_close(grads, ref_grads, GRAD_LEN)
+  assert run.dropped == 0
+  np.testing.assert_array_equal(np.asarray(run.stats.counts_WxE).sum(0), run.ref_counts)
+  assert run.stats.counts_WxE.shape == (shape[0] * shape[1], E)
+  assert_close(run.y, run.ref_y, Y_LEN, err_msg="y")
+  assert_close(run.loss, run.ref_loss, LOSS_LEN, err_msg="loss")
+  assert_trees_close(run.grads, run.ref_grads, GRAD_LEN)
 
 
 @pytest.mark.parametrize("shape", [pytest.param((1, 8, 1), marks=pytest.mark.slow),
                                    pytest.param((2, 4, 1), marks=pytest.mark.slow)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_permuted_layout_matches_reference(shape):
-  """Weights stored in slot order under a non-trivial layout give the same layer."""
+  """Weights stored in slot order under a non-trivial layout give the same layer (the harness
+  puts expert e's weights in its slot and maps the gradients back to expert order)."""
   params = make_params(3)
   x = jax.random.normal(jax.random.key(4), (8, 8, D))
   slot_expert = np.random.default_rng(0).permutation(E)
   layout = from_slot_expert(slot_expert[None], E)
-  slot_params = dict(params, **{k: params[k][slot_expert] for k in ("w_gate", "w_up", "w_down")})
   cfg = MoEConfig(num_experts=E, top_k=2, capacity_factor=float(E), d_ff=F)
-  (_, (y, _)), grads = sharded_value_and_grad(
-      slot_params, x, row(layout), cfg, mesh_of_shape(shape))
-  (_, (ref_y, _)), ref_grads = reference_value_and_grad(params, x, 2)
-  assert_close(y, ref_y, Y_LEN, err_msg="y")
-  inverse = np.asarray(layout.expert_slot_LxE[0])
-  canon = dict(grads[0], **{k: grads[0][k][inverse] for k in ("w_gate", "w_up", "w_down")})
-  assert_trees_close(canon, ref_grads[0], GRAD_LEN)
+  run = run_against_reference(cfg, mesh_of_shape(shape), params, x, row(layout))
+  assert_close(run.y, run.ref_y, Y_LEN, err_msg="y")
+  assert_trees_close(run.grads[0], run.ref_grads[0], GRAD_LEN)
 
 
 @pytest.mark.slow   # over the 8-minute budget of the README test command: .ci/run's slow pass
@@ -86,8 +67,7 @@ def test_overflow_is_dropped_and_counted():
   x = jnp.abs(jax.random.normal(jax.random.key(2), (8, 8, D))) + 0.1   # positive: logits ordered
   cfg = MoEConfig(num_experts=E, top_k=2, capacity_factor=1.0, d_ff=F)
   layout = static_layout(1, E, 8)
-  (_, (y, st)), _ = sharded_value_and_grad(params, x, row(layout), cfg,
-                                           mesh_of_shape(shape))
+  (_, (y, st)), _ = layer_step(cfg, mesh_of_shape(shape))(params, x, row(layout))
   tokens_per_source = 8     # batch 8 over 8 sources, L = 8 -> 8 tokens each
   cap = int(np.ceil(1.0 * tokens_per_source * 2 / E))    # 2 rows per (source, slot)
   counts = np.asarray(st.counts_WxE)
@@ -113,17 +93,11 @@ def test_router_bias_steers_choices_and_matches_reference():
   bias = np.zeros((1, E), np.float32)
   bias[0, 5] = 2.0
   layout = static_layout(1, E, 4).replace(router_bias_LxE=jnp.asarray(bias))
-  (loss, (y, st)), grads = sharded_value_and_grad(
-      params, x, row(layout), cfg, mesh_of_shape((2, 4, 1)))
-
-  def ref(p, x):
-    y, counts, bal, z = moe_reference(p, x, 2, bias_E=jnp.asarray(bias[0]))
-    return objective(y, bal, z), (y, counts)
-  (ref_loss, (ref_y, ref_counts)), ref_grads = jax.value_and_grad(
-      ref, argnums=(0, 1), has_aux=True)(params, x)
-  counts = np.asarray(st.counts_WxE).sum(0)
+  run = run_against_reference(cfg, mesh_of_shape((2, 4, 1)), params, x, row(layout),
+                              reference=reference_loss(cfg, bias_E=jnp.asarray(bias[0])))
+  counts = np.asarray(run.stats.counts_WxE).sum(0)
   assert counts[5] == 8 * 8                       # every token picked expert 5
-  np.testing.assert_array_equal(counts, np.asarray(ref_counts))
-  assert_close(y, ref_y, Y_LEN, err_msg="y")
-  assert_close(loss, ref_loss, LOSS_LEN, err_msg="loss")
-  assert_trees_close(grads, ref_grads, GRAD_LEN)
+  np.testing.assert_array_equal(counts, run.ref_counts)
+  assert_close(run.y, run.ref_y, Y_LEN, err_msg="y")
+  assert_close(run.loss, run.ref_loss, LOSS_LEN, err_msg="loss")
+  assert_trees_close(run.grads, run.ref_grads, GRAD_LEN)

@@ -26,18 +26,11 @@ from moejax.layout import capacity
 from moejax.layout.tables import static_layout
 from moejax.model.mesh import mesh_of_shape
 from moejax.model.moe import ragged
+from moejax.model.moe.harness import layer_step, reference_step
 from moejax.model.moe.ops import ops_for
 from pallas_kernels import compat
 from tests.helpers import TINY_MOE, tiny_setup
-from tests.moe_helpers import (
-  D,
-  E,
-  F,
-  make_params,
-  reference_value_and_grad,
-  row,
-  sharded_value_and_grad,
-)
+from tests.moe_helpers import D, E, F, make_params, row
 from tests.numerics import EPS_TF32, assert_close, assert_trees_close
 
 TOKENS = 64        # 8 x 8 in every test below
@@ -73,7 +66,7 @@ def test_dense_pallas_equals_dense_xla_with_drops():
   out = {}
   for kernels in ("xla", "pallas"):
     cfg = MoEConfig(num_experts=E, top_k=2, capacity_factor=1.0, d_ff=F, kernels=kernels)
-    out[kernels] = sharded_value_and_grad(params, x, layout, cfg, mesh_of_shape(shape))
+    out[kernels] = layer_step(cfg, mesh_of_shape(shape))(params, x, layout)
   (loss, (y, st)), grads = out["pallas"]
   (ref_loss, (ref_y, ref_st)), ref_grads = out["xla"]
   assert int(np.sum(ref_st.dropped_W)) > 0, "the test should make the dense dispatch drop"
@@ -95,9 +88,9 @@ def test_ragged_is_dropless_and_matches_reference(kernels, emulated_collective):
   params, x = skewed_params(), positive_tokens()
   cfg = MoEConfig(num_experts=E, top_k=2, capacity_factor=1.0, d_ff=F, kernels=kernels,
                   dispatch="ragged", ragged_buffer_factor=0.0)
-  (loss, (y, st)), grads = sharded_value_and_grad(
-      params, x, row(static_layout(1, E, shape[1])), cfg, mesh_of_shape(shape))
-  (ref_loss, (ref_y, ref_counts)), ref_grads = reference_value_and_grad(params, x, 2)
+  (loss, (y, st)), grads = layer_step(cfg, mesh_of_shape(shape))(
+      params, x, row(static_layout(1, E, shape[1])))
+  (ref_loss, (ref_y, ref_counts)), ref_grads = reference_step(cfg)(params, x)
   assert int(np.sum(st.dropped_W)) == 0
   np.testing.assert_array_equal(np.asarray(st.counts_WxE).sum(0), np.asarray(ref_counts))
   # 4 sources x 16 tokens, each token on slots 0 and 1: dense capacity would be 4 rows.
@@ -177,9 +170,8 @@ def test_ragged_on_gpu_matches_reference(kernels):
   cfg = MoEConfig(num_experts=E, top_k=2, capacity_factor=1.0, d_ff=F, kernels=kernels,
                   dispatch="ragged", ragged_buffer_factor=0.0)
   with jax.default_device(gpus[0]):
-    (loss, (y, st)), grads = sharded_value_and_grad(
-        params, x, row(static_layout(1, E, n)), cfg, mesh)
-    (ref_loss, (ref_y, _)), ref_grads = reference_value_and_grad(params, x, 2)
+    (loss, (y, st)), grads = layer_step(cfg, mesh)(params, x, row(static_layout(1, E, n)))
+    (ref_loss, (ref_y, _)), ref_grads = reference_step(cfg)(params, x)
   assert int(np.sum(st.dropped_W)) == 0
   assert_close(y, ref_y, Y_LEN, EPS_TF32, "y")
   assert_close(loss, ref_loss, LOSS_LEN, EPS_TF32, "loss")

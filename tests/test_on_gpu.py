@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from benchmarks.gpu_train_step import flops_per_token, load_config
+from benchmarks.gpu.gpu_train_step import flops_per_token, load_config
 
 
 def test_flops_per_token_counts_active_experts_only():
@@ -25,7 +25,7 @@ def test_flops_per_token_counts_active_experts_only():
 def test_dry_run_reports_every_step(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["JAX_PLATFORMS"] = "cpu"
-  proc = subprocess.run([sys.executable, "-m", "benchmarks.on_gpu", "--dry_run", "--budget_s",
+  proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu.on_gpu", "--dry_run", "--budget_s",
                          "900", "--out", str(tmp_path)], capture_output=True, text=True,
                         env=env, timeout=1200)
   assert proc.returncode == 0, proc.stderr[-2000:]

@@ -73,11 +73,13 @@ def test_due_at_the_first_finished_step_then_every_x_steps():
 
 
 def test_fsep_every_sets_the_fsep_replanners_period_only():
-  fsep = OnlinePlanner(PlannerConfig(policy="fsep", every=6, fsep_every=2), num_devices=4,
-                       cost=PLAN_COST)
+  # The fixed period (fsep's default re-plans after every step: planner.adaptive unset).
+  fsep = OnlinePlanner(PlannerConfig(policy="fsep", every=6, fsep_every=2, adaptive=False),
+                       num_devices=4, cost=PLAN_COST)
   ep = OnlinePlanner(PlannerConfig(policy="smartmoe", every=6, fsep_every=2), num_devices=4,
                      cost=PLAN_COST)
-  unset = OnlinePlanner(PlannerConfig(policy="fsep", every=6), num_devices=4, cost=PLAN_COST)
+  unset = OnlinePlanner(PlannerConfig(policy="fsep", every=6, adaptive=False), num_devices=4,
+                        cost=PLAN_COST)
   for op in (fsep, ep, unset):
     op.observe(np.ones((1, 4, 8)))
     op.propose([placement_lib.static(8, 4)])
@@ -187,7 +189,7 @@ def test_fsep_training_relayouts_without_migration_or_recompiling(tmp_path):
   base = tiny_config(tmp_path, num_steps=6, every=3, warmup_steps=2)
   cfg = dataclasses.replace(
       base, moe=dataclasses.replace(base.moe, expert_mode="fsep", slots_per_device=4),
-      planner=PlannerConfig(policy="fsep", every=2, window=2))
+      planner=PlannerConfig(policy="fsep", every=2, window=2, adaptive=False))
   with Trainer(cfg) as trainer:
     start_layout = np.asarray(trainer.pool.layout.slot_expert_LxS).copy()
     compiled = trainer.pool.program.train_step

@@ -6,11 +6,12 @@ whenever a CUDA or ROCm plugin and its device node are present). Every kernel is
 in bf16 against its float32 reference. The `lower_for_cuda` tests run on CPU: they lower the
 kernels (forward and backward, inside shard_map with its varying-axes check on) to Triton /
 Mosaic GPU IR for CUDA, which catches unsupported ops and shapes but compiles and runs
-nothing; `python -m benchmarks.gpu_compile` compiles that IR for sm_90a.
+nothing; `python -m benchmarks.kernels.gpu_compile` compiles that IR for sm_90a.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels import backend as backend_lib, compat
+from pallas_kernels import backend as backend_lib, compat, gmm_hopper
 from pallas_kernels.grouped_matmul import GmmTuning, gmm, gmm_reference, tgmm, tgmm_reference
 from pallas_kernels.permute import PermuteTuning, invert, permute, permute_reference
 from pallas_kernels.unpermute import (
@@ -205,24 +206,124 @@ def _hopper_gpu() -> bool:
   return backend_lib.is_hopper(compat.compute_capability(_gpu()))
 
 
+def _tuning(gmm_backend, backend, block_m, **tiles):
+  """'same': the test's backend; 'mosaic_gpu': JAX's Hopper kernel (dw on Triton); 'hopper':
+  this package's Hopper kernels, dw included."""
+  if gmm_backend == "same":
+    return GmmTuning(block_m=gpu_block(block_m, backend), backend=backend, **tiles)
+  return GmmTuning(block_m=64, backend="mosaic_gpu", mosaic_kernel=(
+      "hopper" if gmm_backend == "hopper" else "jax"), mosaic_dw=gmm_backend == "hopper",
+                   **tiles)
+
+
 @pytest.mark.slow   # the README command's budget; .ci/run's passes on both jax releases run it
-@pytest.mark.parametrize("gmm_backend", ["same", "mosaic_gpu"])
+@pytest.mark.parametrize("gmm_backend", ["same", "mosaic_gpu", "hopper"])
 def test_gmm_bf16(backend, gmm_backend):
-  """bf16 operands (I, O multiples of 64, as Mosaic GPU needs); 'mosaic_gpu' runs on a
-  Hopper GPU only."""
-  if gmm_backend == "mosaic_gpu" and not (backend == "triton" and _hopper_gpu()):
+  """bf16 operands (I, O multiples of 64, as Mosaic GPU needs); 'mosaic_gpu' and 'hopper' run
+  on a Hopper GPU only."""
+  if gmm_backend != "same" and not (backend == "triton" and _hopper_gpu()):
     pytest.skip("Mosaic GPU kernels run on a Hopper GPU only")
   rng = np.random.default_rng(3)
   m, i, o, sizes = 37, 64, 64, jnp.asarray([5, 0, 13, 9], jnp.int32)
   x, x32 = _bf16(rng, (m, i), 1 / np.sqrt(i))
   w, w32 = _bf16(rng, (len(sizes), i, o))
-  block_m = gpu_block(8, backend) if gmm_backend == "same" else 64     # Mosaic: wgmma rows
-  tuning = GmmTuning(block_m=block_m, block_k=64, block_n=64,
-                     backend=backend if gmm_backend == "same" else gmm_backend)
+  tuning = _tuning(gmm_backend, backend, 8, block_k=64, block_n=64)  # Mosaic: 64 wgmma rows
   got = value_and_grads(lambda x, w: gmm(x, w, sizes, tuning), x, w)
   want = value_and_grads(lambda x, w: gmm_reference(x, w, sizes), x32, w32)
   assert all(g.dtype == jnp.bfloat16 for g in got)
   assert_trees_close(got, want, backend, ["out", "dx", "dw"], [i, i + o, i + m], EPS_BF16)
+
+
+@pytest.mark.parametrize("gmm_backend", ["same", "mosaic_gpu", "hopper"])
+def test_gmm_under_vmap_equals_each_element(backend, gmm_backend):
+  """vmap over a leading axis (the pipeline's stages) gives each element's own gmm, values
+  and gradients; each element has its own group sizes. Mosaic GPU runs on a Hopper GPU only
+  (its lowering under vmap is checked on CPU below)."""
+  if gmm_backend != "same" and not (backend == "triton" and _hopper_gpu()):
+    pytest.skip("Mosaic GPU kernels run on a Hopper GPU only")
+  rng = np.random.default_rng(5)
+  m, i, o = 37, 64, 64
+  sizes_BxC = jnp.asarray([[5, 0, 13, 9], [20, 17, 0, 0]], jnp.int32)
+  x, x32 = _bf16(rng, (2, m, i), 1 / np.sqrt(i))
+  w, w32 = _bf16(rng, (2, 4, i, o))
+  tuning = _tuning(gmm_backend, backend, 16, block_k=64, block_n=64)
+  got = value_and_grads(jax.vmap(lambda x, w, s: gmm(x, w, s, tuning)),
+                        x, w, sizes_BxC)[:3]
+  for b in range(2):
+    ref = functools.partial(gmm_reference, group_sizes_C=sizes_BxC[b])
+    want = value_and_grads(ref, x32[b], w32[b])
+    assert_trees_close([g[b] for g in got], want, backend, ["out", "dx", "dw"],
+                       [i, i + o, i + m], EPS_BF16)
+
+
+# --- this package's Hopper kernels, in Mosaic GPU's interpreter ----------------------------------
+
+MOSAIC_INTERPRET = compat.mosaic_gpu_interpret(detect_races=True)
+needs_mosaic_interpreter = pytest.mark.skipif(
+    MOSAIC_INTERPRET is None, reason="jax 0.10's Mosaic GPU interpreter cannot read an SMEM "
+    "tile transposed (a wgmma operand); the kernels' lowering is checked below")
+
+
+# (split, transpose_rhs, group sizes, block_n, chain) over 200 rows: an empty group, rows past
+# the last group, groups that start and end inside a CTA's rows (stored row by row) and that
+# cover whole ones (stored swizzled), sizes summing past the rows (clipped); the epilogue in
+# two column chunks (block_n 128); tiles chained on an SM or not.
+@needs_mosaic_interpreter
+@pytest.mark.parametrize("split,transpose_rhs,sizes,block_n,chain", [
+    ("n", False, [50, 0, 130, 10], 128, True),
+    pytest.param("m", True, [120, 0, 70, 40], 64, True, marks=pytest.mark.slow),
+    pytest.param("n", True, [0, 200, 0, 0], 64, False, marks=pytest.mark.slow)])
+def test_hopper_gmm_matches_reference_interpreted(split, transpose_rhs, sizes, block_n, chain):
+  """gmm_hopper.gmm on three simulated SMs (each with its producer and two consumer
+  warpgroups; one SM gets a single tile, the others a chain), the uninitialised memory NaN:
+  every output row written, tail rows zero; the race detector on (its verdict is the run's
+  so far: the kernels only run in these tests)."""
+  rng = np.random.default_rng(7)
+  m, i, o = 200, 128, 256
+  x, x32 = _bf16(rng, (m, i), 1 / np.sqrt(i))
+  w, w32 = _bf16(rng, (4, o, i) if transpose_rhs else (4, i, o))
+  sizes = jnp.asarray(sizes, jnp.int32)
+  got = gmm_hopper.gmm(x, w, sizes, block_m=64, block_n=block_n, block_k=64,
+                       max_concurrent_steps=2, split=split, transpose_rhs=transpose_rhs,
+                       chain=chain, num_sms=3, interpret=MOSAIC_INTERPRET)
+  want = gmm_reference(x32, jnp.swapaxes(w32, 1, 2) if transpose_rhs else w32, sizes)
+  assert got.dtype == jnp.bfloat16
+  numerics.assert_close(got, want, i, EPS_BF16, "gmm")
+  assert not compat.mosaic_gpu_races_found()
+
+
+@needs_mosaic_interpreter
+@pytest.mark.parametrize("sizes", [[50, 0, 70, 41], pytest.param([100, 150, 0, 10],
+                                                                 marks=pytest.mark.slow)])
+def test_hopper_tgmm_matches_reference_interpreted(sizes):
+  """gmm_hopper.tgmm: groups starting and ending inside a block of rows (masked), an empty
+  group (zeros), rows past the last group (ignored), sizes past the rows (clipped)."""
+  rng = np.random.default_rng(8)
+  m, i, o = 200, 128, 64
+  x, x32 = _bf16(rng, (m, i))
+  dy, dy32 = _bf16(rng, (m, o))
+  sizes = jnp.asarray(sizes, jnp.int32)
+  got = gmm_hopper.tgmm(x, dy, sizes, block_m=64, block_n=64, block_k=32,
+                        max_concurrent_steps=2, num_sms=2, interpret=MOSAIC_INTERPRET)
+  numerics.assert_close(got, tgmm_reference(x32, dy32, sizes), m, EPS_BF16, "tgmm")
+  assert not compat.mosaic_gpu_races_found()
+
+
+def test_hopper_work_list_covers_each_row_once():
+  """Per (row tile, group) pair the rows [lo, hi) it stores: together every row exactly once,
+  each inside its tile and its group (the tail group C past the last group, its pairs last)."""
+  sizes, m, tile_m = jnp.asarray([5, 0, 300, 9, 0], jnp.int32), 400, 128
+  tile, group, lo, hi, count = map(np.asarray, gmm_hopper.work_list(sizes, m, tile_m))
+  n = int(count[1])
+  assert n <= len(tile) == -(-m // tile_m) + len(sizes)
+  assert (group[:count[0]] < len(sizes)).all() and (group[count[0]:n] == len(sizes)).all()
+  covered = np.zeros(m, int)
+  ends = np.minimum(np.cumsum(sizes), m)
+  for t, g, a, b in zip(tile[:n], group[:n], lo[:n], hi[:n], strict=True):
+    assert t * tile_m <= a < b <= (t + 1) * tile_m
+    assert (g == len(sizes) and a >= ends[-1]) or ends[g] - sizes[g] <= a and b <= ends[g]
+    covered[a:b] += 1
+  assert (covered == 1).all()
 
 
 # --- errors -------------------------------------------------------------------------------------
@@ -319,8 +420,11 @@ def custom_calls(mlir: str, prefix: str) -> int:
 
 
 # Triton calls / Mosaic GPU calls per gmm backend. fwd: permute, 2 gmm, combine; bwd: combine
-# (2), 2 x (gmm dx + tgmm dw), permute. Mosaic GPU runs each gmm and dx, Triton the rest.
-LOWERED_CALLS = {"triton": (11, 0), "mosaic_gpu": (7, 4)}
+# (2), 2 x (gmm dx + tgmm dw), permute. Mosaic GPU runs each gmm and dx, Triton the rest; with
+# this package's Hopper kernels ('hopper'), dw too.
+LOWERED_CALLS = {"triton": (11, 0), "mosaic_gpu": (7, 4), "hopper": (5, 6)}
+GMM_TUNINGS = {"triton": GmmTuning(backend="triton"), "mosaic_gpu": GmmTuning(backend="mosaic_gpu"),
+               "hopper": GmmTuning(backend="mosaic_gpu", mosaic_kernel="hopper", mosaic_dw=True)}
 
 
 @pytest.mark.slow   # the README command's budget; .ci/run's passes on both jax releases run it
@@ -333,7 +437,7 @@ def test_kernels_fwd_and_bwd_lower_for_cuda_inside_shard_map(gmm_backend):
   mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
   bf16, i32 = jnp.bfloat16, jnp.int32
   pt, ct = PermuteTuning(backend="triton"), CombineTuning(backend="triton")
-  gt = GmmTuning(backend=gmm_backend)
+  gt = GMM_TUNINGS[gmm_backend]
 
   def local(x_TxD, w_CxDxffn, token_rows, rows_TxK, gate_TxK, sizes_C):
     def loss(x, w, gate):
@@ -352,6 +456,28 @@ def test_kernels_fwd_and_bwd_lower_for_cuda_inside_shard_map(gmm_backend):
   triton, mosaic = LOWERED_CALLS[gmm_backend]
   assert (custom_calls(mlir, "__gpu$xla.gpu.triton"), custom_calls(mlir, "mosaic_gpu")) == (
       triton, mosaic)
+
+
+@pytest.mark.parametrize("gmm_backend", [pytest.param("triton", marks=pytest.mark.slow),
+                                         "mosaic_gpu",
+                                         pytest.param("hopper", marks=pytest.mark.slow)])
+def test_gmm_fwd_and_bwd_lower_for_cuda_under_vmap(gmm_backend):
+  """The pipeline runs its stages as one vmap, of one stage when train.microbatches > 1 on
+  one GPU: the grouped matmul, forward, dx and dw, must lower batched. Mosaic GPU's kernel
+  cannot take Pallas's batching (its group sizes arrive as a sliced ref: "object of type
+  'TransformedRef' has no len()"), so it runs once per batch element."""
+  bf16, i32 = jnp.bfloat16, jnp.int32
+  tuning = GMM_TUNINGS[gmm_backend]
+
+  def step(x, w, sizes):
+    return jax.grad(lambda x, w: objective(gmm(x, w, sizes, tuning)), argnums=(0, 1))(x, w)
+
+  s = jax.ShapeDtypeStruct
+  for batch in (1, 2):
+    mlir = lower_for_cuda(jax.vmap(step), s((batch, 72, 128), bf16), s((batch, 4, 128, 128), bf16),
+                          s((batch, 4), i32))
+    assert custom_calls(mlir, "__gpu$xla.gpu.triton" if gmm_backend == "triton" else
+                        "mosaic_gpu") > 0, batch
 
 
 def test_cuda_target_is_what_lets_jax_0_11_lower_triton_without_a_gpu():

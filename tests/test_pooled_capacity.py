@@ -13,14 +13,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax.config import MoEConfig
 from moejax.layout import placement as placement_lib
-from moejax.layout.leaves import EXPERT_WEIGHTS
 from moejax.layout.placement import SHARE_PARTS
 from moejax.layout.tables import from_placements
 from moejax.model.mesh import mesh_of_shape
 from moejax.model.moe import tiled
+from moejax.model.moe.harness import in_slots, reference_loss, run_against_reference
 from moejax.model.moe.layer import moe_apply
 from moejax.model.moe.pooled import device_capacity
-from moejax.model.moe.reference import moe_reference
 from moejax.model.moe.replicas import split_slots
 from moejax.model.moe.route import route
 from tests.moe_helpers import (
@@ -30,11 +29,10 @@ from tests.moe_helpers import (
   D,
   E,
   F,
-  fsep_value_and_grad_fn,
   make_params,
-  objective,
   pooled_keep,
   random_placement,
+  row,
 )
 from tests.numerics import assert_close, assert_trees_close
 
@@ -57,28 +55,18 @@ def reference_keep(params, x, layout_row, num_sources, n, slots, cap_dev):
   return np.concatenate(keep).reshape(expert_TxK.shape)
 
 
-def _ref_value_and_grad(params, x, keep_TxK):
-  def f(p, x):
-    y, counts, bal, z = moe_reference(p, x, 2, keep_TxK=keep_TxK)
-    return objective(y, bal, z), (y, counts)
-  return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))(params, x)
+def _run_against_kept(cfg, mesh, params, x, layout_row, keep):
+  """The layer against the reference that drops exactly the choices `keep` marks False."""
+  return run_against_reference(cfg, mesh, params, x, layout_row,
+                               reference=reference_loss(cfg, keep_TxK=jnp.asarray(keep)))
 
 
-def _ep_value_and_grad(cfg, mesh, slot_expert):
-  def f(p, x, layout):
-    slot_p = {"router": p["router"], **{k: p[k][slot_expert] for k in EXPERT_WEIGHTS}}
-    y, st = moe_apply(slot_p, x, jax.tree.map(lambda a: a[0], layout), cfg, mesh)
-    return objective(y, st.balance_loss, st.z_loss), (y, st)
-  return jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
-
-
-def _check(got, want, keep, st):
-  (loss, (y, _)), grads = got
-  (ref_loss, (ref_y, _)), ref_grads = want
-  assert int(np.sum(st.dropped_W)) == int(np.sum(~keep)) > 0, "the test should drop"
-  assert_close(y, ref_y, Y_LEN, err_msg="y")
-  assert_close(loss, ref_loss, LOSS_LEN, err_msg="loss")
-  assert_trees_close(grads, ref_grads, GRAD_LEN)
+def _check(run, keep):
+  st = run.stats
+  assert run.dropped == int(np.sum(~keep)) > 0, "the test should drop"
+  assert_close(run.y, run.ref_y, Y_LEN, err_msg="y")
+  assert_close(run.loss, run.ref_loss, LOSS_LEN, err_msg="loss")
+  assert_trees_close(run.grads, run.ref_grads, GRAD_LEN)
   # What each device computed is what its sources kept for it.
   assert int(np.sum(st.received_WxN)) == int(np.sum(keep))
   np.testing.assert_array_equal(np.asarray(st.received_WxN).sum(-1) + np.asarray(st.overflow_W),
@@ -108,10 +96,8 @@ def test_pooled_ep_matches_reference_under_its_drop_rule(shape, kernels):
   params = make_params(3)
   x = jax.random.normal(jax.random.key(7), (BATCH, SEQ, D))
   cap_dev = device_capacity(BATCH * SEQ // (shape[0] * n), 2, n, 0.75)
-  keep = reference_keep(params, x, jax.tree.map(lambda a: a[0], layout), shape[0] * n, n,
-                        slots, cap_dev)
-  got = _ep_value_and_grad(cfg, mesh, slot_expert)(params, x, layout)
-  _check(got, _ref_value_and_grad(params, x, jnp.asarray(keep)), keep, got[0][1][1])
+  keep = reference_keep(params, x, row(layout), shape[0] * n, n, slots, cap_dev)
+  _check(_run_against_kept(cfg, mesh, params, x, row(layout), keep), keep)
 
 
 @pytest.mark.parametrize("shape,slots", [((1, 8, 1), 2), ((2, 4, 1), 4)],
@@ -127,10 +113,8 @@ def test_pooled_fsep_with_replicas_matches_reference(shape, slots):
   params = make_params(4)
   x = jax.random.normal(jax.random.key(8), (BATCH, SEQ, D))
   cap_dev = device_capacity(BATCH * SEQ // (shape[0] * n), 2, n, 0.6)
-  keep = reference_keep(params, x, jax.tree.map(lambda a: a[0], layout), shape[0] * n, n,
-                        slots, cap_dev)
-  got = fsep_value_and_grad_fn(cfg, mesh)(params, x, layout)
-  _check(got, _ref_value_and_grad(params, x, jnp.asarray(keep)), keep, got[0][1][1])
+  keep = reference_keep(params, x, row(layout), shape[0] * n, n, slots, cap_dev)
+  _check(_run_against_kept(cfg, mesh, params, x, row(layout), keep), keep)
 
 
 @pytest.mark.slow   # with the fresh venv's install, over the 8-minute budget
@@ -144,13 +128,12 @@ def test_no_drops_pooled_equals_per_slot():
   out = {}
   for capacity in ("slot", "device"):
     cfg = MoEConfig(num_experts=E, top_k=2, capacity_factor=8.0, d_ff=F, capacity=capacity)
-    out[capacity] = _ep_value_and_grad(cfg, mesh, slot_expert)(params, x, layout)
-    assert int(np.sum(out[capacity][0][1][1].dropped_W)) == 0
-  (loss, (y, _)), grads = out["device"]
-  (ref_loss, (ref_y, _)), ref_grads = out["slot"]
-  assert_close(y, ref_y, Y_LEN)
-  assert_close(loss, ref_loss, LOSS_LEN)
-  assert_trees_close(grads, ref_grads, GRAD_LEN)
+    out[capacity] = run_against_reference(cfg, mesh, params, x, row(layout))
+    assert out[capacity].dropped == 0
+  got, want = out["device"], out["slot"]
+  assert_close(got.y, want.y, Y_LEN)
+  assert_close(got.loss, want.loss, LOSS_LEN)
+  assert_trees_close(got.grads, want.grads, GRAD_LEN)
 
 
 @functools.cache
@@ -179,9 +162,7 @@ def test_pairing_hot_with_cold_drops_fewer_only_under_pooled_capacity():
       placement = placement_lib.Placement(slot_expert, np.ones(E), n)
       layout = jax.device_put(from_placements([placement], E, 1, bias),
                               NamedSharding(mesh, P()))
-      slot_p = {"router": params["router"],
-                **{k: params[k][slot_expert] for k in EXPERT_WEIGHTS}}
-      _, st = _layer_fn(cfg, mesh)(slot_p, x, layout)
+      _, st = _layer_fn(cfg, mesh)(in_slots(params, row(layout)), x, layout)
       drops[capacity, name] = int(np.sum(st.dropped_W))
   assert drops["slot", "together"] == drops["slot", "apart"] > 0, drops
   assert drops["device", "apart"] < drops["device", "together"], drops

@@ -13,21 +13,9 @@ from moejax.config import MoEConfig
 from moejax.layout import capacity
 from moejax.layout.tables import static_layout
 from moejax.model.mesh import mesh_of_shape
-from moejax.model.moe.reference import moe_reference
+from moejax.model.moe.harness import layer_step, reference_loss, value_and_grad
 from moejax.model.moe.route import route
-from tests.moe_helpers import (
-  GRAD_LEN,
-  LOSS_LEN,
-  Y_LEN,
-  D,
-  E,
-  F,
-  make_params,
-  objective,
-  ragged_keep,
-  row,
-  sharded_value_and_grad,
-)
+from tests.moe_helpers import GRAD_LEN, LOSS_LEN, Y_LEN, D, E, F, make_params, ragged_keep, row
 from tests.numerics import assert_close, assert_trees_close
 
 
@@ -50,8 +38,8 @@ def test_overflow_is_dropped_by_its_rule_and_matches_the_reference(emulated_coll
   x = jax.random.normal(jax.random.key(8), (8, 8, D))
   cfg = MoEConfig(num_experts=E, top_k=2, d_ff=F, dispatch="ragged",
                   ragged_buffer_factor=factor)
-  (loss, (y, st)), grads = sharded_value_and_grad(
-      params, x, row(static_layout(1, E, n)), cfg, mesh_of_shape(shape))
+  (loss, (y, st)), grads = layer_step(cfg, mesh_of_shape(shape))(
+      params, x, row(static_layout(1, E, n)))
 
   expert_TxK = np.asarray(route(x.reshape(-1, D), params["router"], 2,
                                 normalize_top_k=True).expert_TxK)
@@ -66,11 +54,7 @@ def test_overflow_is_dropped_by_its_rule_and_matches_the_reference(emulated_coll
   np.testing.assert_array_equal(np.asarray(st.received_WxN).sum(), keep_WxTK.sum())
 
   keep_TxK = jnp.asarray(keep_WxTK.reshape(expert_TxK.shape))
-
-  def ref(p, x):
-    out, _, bal, z = moe_reference(p, x, 2, keep_TxK=keep_TxK)
-    return objective(out, bal, z), out
-  (ref_loss, ref_y), ref_grads = jax.value_and_grad(ref, argnums=(0, 1), has_aux=True)(
+  (ref_loss, (ref_y, _)), ref_grads = value_and_grad(reference_loss(cfg, keep_TxK=keep_TxK))(
       params, x)
   assert_close(y, ref_y, Y_LEN, err_msg="y")
   assert_close(loss, ref_loss, LOSS_LEN, err_msg="loss")

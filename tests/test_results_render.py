@@ -17,7 +17,7 @@ def results():
 
 
 def test_every_result_carries_its_metadata(results):
-  assert results, f"no JSON under {common.RESULTS}"
+  assert results, f"no JSON under {common.BENCHMARKS}/*/results"
   missing = render.missing_metadata(results)
   assert not missing, (f"results lacking metadata: {missing}; stamp them with python -m "
                        "benchmarks.common stamp FILE --command '...'")
@@ -28,7 +28,7 @@ def test_every_result_carries_its_metadata(results):
 
 def test_every_result_has_a_renderer_or_a_superseding_decision(results):
   unclaimed = [n for n in results if n not in render.SUPERSEDED and render.family_of(n) is None]
-  assert not unclaimed, f"no @family renderer in benchmarks/families/ for {unclaimed}"
+  assert not unclaimed, f"no @family renderer in a study's tables.py for {unclaimed}"
   decisions = os.path.join(common.REPO, "docs", "decisions")
   for name, record in render.SUPERSEDED.items():
     assert os.path.exists(os.path.join(decisions, record)), f"{name}: {record} does not exist"

@@ -12,11 +12,12 @@ import pytest
 from moejax.config import MoEConfig
 from moejax.layout.tables import from_slot_expert, static_layout
 from moejax.model.mesh import mesh_of_shape
+from moejax.model.moe.harness import reference_loss, run_against_reference
 from moejax.model.moe.layer import hosting_devices, moe_apply
 from moejax.model.moe.reference import moe_reference
 from moejax.model.moe.route import route
 from moejax.train.programs import CompileCounter
-from tests.moe_helpers import GRAD_LEN, LOSS_LEN, Y_LEN, D, E, F, make_params, objective, row
+from tests.moe_helpers import GRAD_LEN, LOSS_LEN, Y_LEN, D, E, F, make_params, row
 from tests.numerics import assert_close, assert_trees_close
 
 T, K, SEQ_LEN = 32, 2, 8
@@ -82,25 +83,13 @@ def test_sigmoid_layer_sharded_matches_reference_with_bias():
   cfg = MoEConfig(num_experts=E, top_k=2, capacity_factor=float(E), d_ff=F, gate="sigmoid",
                   route_scale=2.5)
   layout = static_layout(1, E, 4).replace(router_bias_LxE=jnp.asarray(bias))
-  mesh = mesh_of_shape((2, 4, 1))
-
-  def sharded(p, x):
-    y, st = moe_apply(p, x, row(layout), cfg, mesh)
-    return objective(y, st.balance_loss, st.z_loss), (y, st.counts_WxE.sum(0))
-
-  def ref(p, x):
-    y, counts, bal, z = moe_reference(p, x, 2, bias_E=jnp.asarray(bias[0]), gate="sigmoid",
-                                      route_scale=2.5)
-    return objective(y, bal, z), (y, counts)
-
-  (loss, (y, counts)), grads = jax.jit(jax.value_and_grad(sharded, (0, 1), has_aux=True))(
-      params, x)
-  (ref_loss, (ref_y, ref_counts)), ref_grads = jax.value_and_grad(ref, (0, 1), has_aux=True)(
-      params, x)
-  np.testing.assert_array_equal(counts, ref_counts)
-  assert_close(y, ref_y, Y_LEN, err_msg="y")
-  assert_close(loss, ref_loss, LOSS_LEN, err_msg="loss")
-  assert_trees_close(grads, ref_grads, GRAD_LEN)
+  # the reference routes as cfg does (sigmoid, scale 2.5), with the layout's bias
+  run = run_against_reference(cfg, mesh_of_shape((2, 4, 1)), params, x, row(layout),
+                              reference=reference_loss(cfg, bias_E=jnp.asarray(bias[0])))
+  np.testing.assert_array_equal(np.asarray(run.stats.counts_WxE).sum(0), run.ref_counts)
+  assert_close(run.y, run.ref_y, Y_LEN, err_msg="y")
+  assert_close(run.loss, run.ref_loss, LOSS_LEN, err_msg="loss")
+  assert_trees_close(run.grads, run.ref_grads, GRAD_LEN)
 
 
 def brute_force_device_limited(choice_TxE, slot_expert_S, num_dev, limit, k):

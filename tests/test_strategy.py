@@ -182,7 +182,7 @@ def test_profiles_load_from_presets_and_json(tmp_path):
   path = tmp_path / "p.json"
   path.write_text(json.dumps(PRESETS["cpu"].to_dict()))
   assert load_profile(str(path)) == PRESETS["cpu"]
-  result = tmp_path / "cost_model.json"            # a benchmarks/cost_model.py result
+  result = tmp_path / "cost_model.json"            # a benchmarks/strategy/cost_model.py result
   result.write_text(json.dumps({"device": "cpu x8", "profile": PRESETS["a100_node"].to_dict()}))
   assert load_profile(str(result)) == PRESETS["a100_node"]
   with pytest.raises(ConfigError, match="moejax.calibrate"):

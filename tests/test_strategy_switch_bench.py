@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.strategy_switch import best_fixed, hot_schedule, parse_phases, phase_drops
+from benchmarks.strategy.strategy_switch import best_fixed, hot_schedule, parse_phases, phase_drops
 from benchmarks.turns import Turns, side_by_side
 from moejax.config import ConfigError
 

@@ -19,7 +19,7 @@ def _consecutive_corr(counts):
                   for t in range(len(load) - 1) for i in range(load.shape[1])])
 
 
-@pytest.mark.parametrize("kind", ["lognormal", "zipf", "collapse"])
+@pytest.mark.parametrize("kind", ["lognormal", "zipf", "collapse", "early_collapse"])
 def test_shapes_dtypes_and_row_sums(kind):
   tr = synthetic_trace(7, 3, 5, 12, top_k=2, tokens_per_source=100, kind=kind, seed=1)
   c = tr["counts"]
@@ -64,6 +64,20 @@ def test_collapse_shape():
   assert np.all((share < 0.01).sum(-1) >= 16)
   # The collapsed expert stays the same within a layer.
   assert np.all(share.argmax(-1) == share[0].argmax(-1))
+
+
+def test_early_collapse_starts_near_uniform_and_collapses_in_collapse_steps():
+  tr = synthetic_trace(12, 2, 16, 32, kind="early_collapse", collapse_steps=3, seed=0)
+  share = tr["counts"].sum(2) / tr["counts"].sum((2, 3))[..., None]   # [T, L, E]
+  assert np.all(share[0].max(-1) * 32 < 1.5), "a fresh router: near-uniform"
+  assert np.all(share[1].max(-1) < share[2].max(-1))
+  assert np.all((share[3:].max(-1) >= 0.3) & (share[3:].max(-1) <= 0.5))
+  # From collapse_steps on it is the collapse kind's gate (same seed, same draws).
+  gate = synthetic_trace(12, 2, 16, 32, kind="collapse", seed=0)["counts"]
+  np.testing.assert_array_equal(share[3:].argmax(-1),
+                                (gate.sum(2) / gate.sum((2, 3))[..., None])[3:].argmax(-1))
+  with pytest.raises(ConfigError, match="collapse_steps=0"):
+    synthetic_trace(4, 1, 2, 4, kind="early_collapse", collapse_steps=0)
 
 
 def test_bad_arguments():

@@ -1,5 +1,5 @@
 """The fraction of force-balanced throughput measured, not estimated: on the 8 fake CPU
-devices, `benchmarks.balance_pays`'s MoE layer (forward + backward) of each policy at its
+devices, `benchmarks.layer.balance_pays`'s MoE layer (forward + backward) of each policy at its
 capacity factor for <= 1% drops under its skewed routing, over the same layer under uniform
 routing at capacity factor 1.0, all timed interleaved in one process.
 
@@ -11,7 +11,7 @@ of the uniform counts) at factor 1.0; the force-balanced throughput proper is st
 (`uniform/static`), the denominator of the GPU study. On CPU the devices share the host's
 cores, so time measures the rows computed and exchanged, not a GPU's speed or a network.
 
-  python -m benchmarks.cluster.cpu [--quick] [--json benchmarks/results/cluster_cpu.json]
+  python -m benchmarks.cluster.cpu [--quick] [--json benchmarks/cluster/results/cluster_cpu.json]
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from benchmarks import balance_pays, balance_setup as setup
-from benchmarks.common import command, write_result
-from benchmarks.fsep_vs_ep import build as build_layer, routed_counts
+from benchmarks.common import command, start, write_result
+from benchmarks.layer import balance_pays, balance_setup as setup
+from benchmarks.layer.fsep_vs_ep import routed_counts
 from moejax.config import MoEConfig
 from moejax.model.mesh import BATCH_AXES, mesh_of_shape
+from moejax.model.moe.harness import check_against_reference, layer_step, place_sharded
 
 N = balance_pays.N
 
@@ -70,12 +71,16 @@ def uniform_runs(args, seed: int, mesh) -> dict:
     cfg = MoEConfig(num_experts=args.experts, top_k=args.top_k, capacity_factor=1.0,
                     d_ff=args.d_ff, expert_mode=setup.EXPERT_MODE[policy],
                     capacity=setup.CAPACITY[policy])
-    fn, dev_params = build_layer(setup.EXPERT_MODE[policy], cfg, mesh,
-                                 setup.device_layout(policy, [p], args.experts), params)
-    (_, dropped), _ = jax.block_until_ready(fn(dev_params, x_dev))
-    runs[f"uniform/{policy}"] = {"run": lambda fn=fn, p=dev_params: fn(p, x_dev),
+    row = jax.tree.map(lambda a: a[0], setup.device_layout(policy, [p], args.experts))
+    # One step's outputs and gradients equal the single-device reference's before timing.
+    check_against_reference(cfg, mesh, row, params, x[:N])
+    fn, fn_args = layer_step(cfg, mesh), place_sharded(params, x_dev, row, mesh,
+                                                       cfg.expert_mode)
+    (_, (_, stats)), _ = jax.block_until_ready(fn(*fn_args))   # compile + warm-up
+    runs[f"uniform/{policy}"] = {"run": lambda fn=fn, a=fn_args: fn(*a),
                                  "capacity_factor": 1.0,
-                                 "dropped_fraction": int(dropped) / counts_WxE.sum(),
+                                 "dropped_fraction": int(np.sum(stats.dropped_W)) /
+                                 counts_WxE.sum(),
                                  "tokens": N * args.tokens_per_device}
   return runs
 
@@ -84,7 +89,7 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m benchmarks.cluster.cpu",
                                description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true", help="seed 0 only, 4 rounds")
-  ap.add_argument("--json", default="benchmarks/results/cluster_cpu.json")
+  ap.add_argument("--json", default="benchmarks/cluster/results/cluster_cpu.json")
   ours = ap.parse_known_args(argv)[0]
   args = balance_pays.parse_args(["--no-step"] + (["--quick"] if ours.quick else []))
   mesh = mesh_of_shape((1, N, 1))
@@ -122,4 +127,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  start()
   sys.exit(main())

@@ -6,7 +6,7 @@ It checks the per-layer scaling where the full program fits (static EP), and giv
 program that does not fit its GPU's memory would estimate if it did (over its memory limit
 XLA's scheduler stops overlapping collectives): Mixtral-8x7B's fsep program on 64 H100s.
 
-  python -m benchmarks.cluster.layers --json benchmarks/results/cluster_layers_h100.json
+  python -m benchmarks.cluster.layers --json benchmarks/cluster/results/cluster_layers_h100.json
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ import os
 import sys
 
 from benchmarks.cluster import programs
-from benchmarks.cluster.study import _plugin
-from benchmarks.common import command, stamp, write_result
+from benchmarks.common import command, stamp, start, write_result
 
 CASES = (("mixtral_8x7b", "8x1x8", "ep", True), ("mixtral_8x7b", "8x1x8", "fsep_planned", True))
 DEPTHS = (8, 16)
@@ -62,12 +61,13 @@ def main(argv=None) -> int:
     rows.append(row)
     print(row)
   if args.json:
-    out = stamp({"rows": rows, "depths": list(DEPTHS), "command": command("cluster.layers", argv)})
-    out["metadata"]["machine"]["device"] = (
-        f"compile-only H100s (XLA:GPU, jax-cuda12-plugin {_plugin()}) on this CPU host")
+    out = stamp({"rows": rows, "depths": list(DEPTHS),
+                 "command": command("cluster.layers", argv)})
+    out["metadata"]["machine"]["device"] = programs.device_text()
     write_result(out, args.json, restamp=False)
   return 0
 
 
 if __name__ == "__main__":
+  start()
   sys.exit(main())

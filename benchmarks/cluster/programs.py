@@ -150,6 +150,20 @@ def compile_row(spec: Spec, gpu: str = "h100", hlo_dir: str | None = None) -> di
   return row
 
 
+def cuda_plugin() -> str:
+  """The installed jax-cuda12-plugin's version (the compile-only GPU target), or 'absent'."""
+  import importlib.metadata
+  try:
+    return importlib.metadata.version("jax-cuda12-plugin")
+  except importlib.metadata.PackageNotFoundError:
+    return "absent"
+
+
+def device_text() -> str:
+  """What a result's metadata says its device was."""
+  return f"compile-only H100s (XLA:GPU, jax-cuda12-plugin {cuda_plugin()}) on this CPU host"
+
+
 def _spec_text(gp) -> str:
   from moejax.strategy.spec import from_config
   return from_config(gp.program.cfg, gpus(gp.topology)).spec

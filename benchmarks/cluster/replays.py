@@ -1,8 +1,9 @@
-"""Each placement policy replayed on a routing by the trainer's own planner (its options,
-window, period, capacity and cost model: `moejax.train.pool.online_planner` of the policy's
-config), with `moejax.placement.replay`: the capacity factor the policy needs for <= 1% drops,
-how far the busiest device's rows sit above the mean, the planner's decision time and the
-ep migrations it makes.
+"""Each placement policy replayed on a routing through the trainer's own re-planner (its
+options, window, period, adaptive rule, capacity and cost model: `moejax.train.pool.
+online_planner` of the policy's config) and the trainer's loop around it, which reads a step's
+counts one step late (`moejax.placement.replay.replay_trainer`): the capacity factor the
+policy needs for <= 1% drops, how far the busiest device's rows sit above the mean, the
+planner's decision time and the ep migrations it makes.
 
 One data row of the mesh is replayed (its expert-axis devices, one source each): every data
 row routes alike under the study's routings, and the drop target is a fraction of all
@@ -22,9 +23,7 @@ from moejax.config import Config
 from moejax.layout import placement as placement_lib
 from moejax.layout.tables import round_robin_placement
 from moejax.placement.buffers import MAX_DROPPED
-from moejax.placement.replay import replay
-from moejax.strategy.cost import load_profile
-from moejax.strategy.placement_cost import placement_cost
+from moejax.placement.replay import replay_trainer
 from moejax.train.pool import online_planner
 
 # policy -> (expert mode, planner policy, fsep shares); "ragged" is the static layout under
@@ -142,13 +141,9 @@ def replay_policy(cfg: Config, policy: str, counts_SxLxWxE: np.ndarray,
             "switches": 0, "migration_s": 0.0, "migrated_bytes": 0, "steps": steps,
             "layers": layers}
   planner = online_planner(pcfg, devices)
-  mode, planner_policy, shares = POLICIES[policy]
+  mode, _, shares = POLICIES[policy]
   slots = fsep_slots(pcfg, devices) if mode == "fsep" else experts // devices
-  cost = placement_cost(pcfg.model, pcfg.moe, load_profile(pcfg.strategy.profile))
-  every = planner.every if planner.active else 10 ** 9
-  r = replay(counts, devices, slots, planner_policy, every=every, window=pcfg.planner.window,
-             cost=cost, options=planner.options, shares=shares,
-             adaptive=pcfg.planner.adaptive)
+  r = replay_trainer(counts, planner, slots, shares=shares)
   factor = r["needed_capacity_factor"][CAPACITY]
   series = np.asarray(r["series"])                              # [S, L] max/mean, routed
   timed = decision_time(cfg, policy, counts, devices) if planner.active else {}
@@ -159,7 +154,10 @@ def replay_policy(cfg: Config, policy: str, counts_SxLxWxE: np.ndarray,
           "planner_ms_max": r["planner_ms_max"] if planner.active else None,
           "decisions": r["decisions"] if planner.active else 0, "switches": r["switches"],
           "migration_s": r["migration_s"], "migrated_bytes": r["migrated_bytes"],
-          "every": every if planner.active else None, "slots": slots, "steps": steps,
+          # A re-plan is considered after every finished step where the planner is adaptive
+          # (the trainer's default for fsep, whose switches move nothing), else every X.
+          "every": (1 if planner.adaptive else planner.every) if planner.active else None,
+          "adaptive": planner.adaptive, "slots": slots, "steps": steps,
           "layers": layers, "profile": pcfg.strategy.profile,
           "options": {k: v for k, v in dataclasses.asdict(planner.options).items()
                       if isinstance(v, (int, float, str, bool))}}

@@ -8,20 +8,23 @@ beyond the step in flight and the ep migrations, per step, as the trainer pays t
 per second, the fraction of the force-balanced throughput (static EP at capacity factor 1.0
 under uniform routing) and the speedup over static EP on the same routing.
 
-  python -m benchmarks.cluster --json benchmarks/results/cluster_h100.json
-  python -m benchmarks.cluster --smoke      # the smallest case: 8 GPUs, Mixtral-8x7B, 2 layers
+  python -m benchmarks.cluster.study --json benchmarks/cluster/results/cluster_h100.json
+  python -m benchmarks.cluster.study --smoke     # the smallest case: 8 GPUs, Mixtral-8x7B, 2 layers
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
+import sys
 import time
 
 from benchmarks.cluster import programs, replays, routing
-from benchmarks.common import RESULTS, command, stamp, write_result
+from benchmarks.common import BENCHMARKS, command, stamp, start, write_result
+from moejax.config import Config
 from moejax.strategy.hardware import GPU_RATES
 
 # model -> GPU counts (topologies: hosts of 8 GPUs, `moejax.aot.gpus`).
@@ -97,102 +100,171 @@ def program_at(cache: programs.Cache, spec: programs.Spec, top: float, hlo_dir, 
   return {**programs.interpolate(lo, hi, 1.0, top, spec.factor), "programs": keys}
 
 
-PUBLISHED = ("mixtral_8x7b", 64)     # Megatron-Core's published run (benchmarks.published_mixtral)
+# Megatron-Core's published run (benchmarks.gpu.published_mixtral).
+PUBLISHED = ("mixtral_8x7b", 64)
+# The goal cases first (64 and 256 GPUs), so that a run cut short has them.
 ORDER = (("mixtral_8x7b", 64), ("qwen3_30b_a3b", 64), ("qwen3_30b_a3b", 256),
          ("mixtral_8x7b", 8), ("qwen3_30b_a3b", 8))
+
+
+@dataclasses.dataclass
+class Case:
+  """One (model, GPU count): its force-balanced program spec and the run config it starts
+  from (the planners are told that config's capacity factor)."""
+  model: str
+  gpus: int
+  base: programs.Spec
+  cfg: Config
+
+  @classmethod
+  def of(cls, model: str, gpus: int, layers: int = 0) -> Case:
+    base = programs.Spec(model, topology(gpus), "ep", 1.0, layers, fsdp(model, gpus))
+    return cls(model, gpus, base, programs.run_config(base))
+
+  @property
+  def expert_axis(self) -> int:
+    return self.cfg.mesh.expert
+
+  @property
+  def tokens(self) -> int:
+    """Tokens per GPU a step."""
+    return self.cfg.data.seq_len * programs.SEQUENCES_PER_GPU
+
+  def replay_key(self, routing_name: str) -> str:
+    return f"{self.model}/{self.expert_axis}/{routing_name}"
+
+
+def cases(models, gpus_by_model) -> list[tuple[str, int]]:
+  """The (model, GPU count) cases in ORDER, then any other asked for."""
+  pairs = [(m, n) for m, n in ORDER if m in models and n in gpus_by_model[m]]
+  pairs += [(m, n) for m in models for n in gpus_by_model[m] if (m, n) not in pairs]
+  return pairs
+
+
+def replay_case(case: Case, routings, policies, steps: int | None, replay_rows: dict,
+                log=print) -> None:
+  """Each routing's skew and each policy's replay on it, into `replay_rows` under
+  `case.replay_key(routing)` (a routing replayed for another GPU count with the same expert
+  axis is not replayed again)."""
+  k, e, n_e = case.cfg.moe.top_k, case.cfg.moe.num_experts, case.expert_axis
+  for name in routings:
+    key = case.replay_key(name)
+    if key in replay_rows:
+      continue
+    counts = routing.routing(name, e, n_e, case.tokens * k, k, steps)
+    replay_rows[key] = {"skew": routing.skew(counts), "policies": {}}
+    for policy in policies:
+      tick = time.perf_counter()
+      rp = replays.replay_policy(case.cfg, policy, counts, n_e)
+      rp["replay_s"] = round(time.perf_counter() - tick, 1)
+      replay_rows[key]["policies"][policy] = rp
+      log(f"replayed {key} {policy}: factor {rp['capacity_factor']:.3f}, busiest "
+          f"{rp['busiest_over_mean']:.3f} ({rp['replay_s']} s)")
+
+
+def buffers(case: Case, routings, policies, replay_rows: dict, grid: float):
+  """({(routing, policy): the factor compiled, on the grid}, {program kind: the largest})."""
+  need = {(name, p): on_grid(replay_rows[case.replay_key(name)]["policies"][p]
+                             ["capacity_factor"], grid)
+          for name in routings for p in policies}
+  top: dict[str, float] = {}
+  for (_, p), f in need.items():
+    kind = programs.KIND_OF_POLICY[p]
+    top[kind] = max(top.get(kind, 1.0), f)
+  return need, top
+
+
+def denominator(case: Case, cache: programs.Cache, hlo_dir, log) -> dict | None:
+  """The force-balanced program (static EP at factor 1.0: the fraction's denominator), and
+  at the published case static EP's einsum program beside it; None if it did not compile."""
+  den = cache.get(case.base, hlo_dir=hlo_dir, log=log)
+  if not den["compiled"]:
+    log(f"no force-balanced program for {case.model} at {case.gpus} GPUs: {den['error']}")
+    return None
+  out = {"step_s": den["step_s"], "program": case.base.key()}
+  if (case.model, case.gpus) == PUBLISHED:
+    einsum = dataclasses.replace(case.base, kind="ep_einsum")
+    row = cache.get(einsum, hlo_dir=hlo_dir, log=log)
+    if row["compiled"]:
+      out["einsum"] = {"step_s": row["step_s"], "program": einsum.key()}
+  return out
+
+
+def policy_row(case: Case, name: str, policy: str, rp: dict, factor: float, top: float,
+               den_step_s: float, cache: programs.Cache, hlo_dir, log) -> dict:
+  """One row (module doc): the program at `factor`, its grouped matmul scaled to the busiest
+  device, what the trainer pays beside it, and ragged's exchange priced three ways."""
+  kind = programs.KIND_OF_POLICY[policy]
+  prog = program_at(cache, dataclasses.replace(case.base, kind=kind, factor=factor), top,
+                    hlo_dir, log)
+  row = {"model": case.model, "gpus": case.gpus, "topology": case.base.topology,
+         "expert_axis": case.expert_axis, "routing": name, "policy": policy,
+         "needed_factor": rp["capacity_factor"], "factor": factor,
+         "programs": prog["programs"]}
+  if not prog["compiled"]:
+    return {**row, "error": prog["error"]}
+  load = replays.busiest(rp["series"], factor)       # the buffer caps the busiest rows
+  scaled = programs.busiest_step(prog, load, factor)
+  paid = priced(scaled["scaled_step_s"], rp, case.cfg.model.num_layers)
+  step = scaled["scaled_step_s"] + paid["replan_exposed_s"] + paid["migration_s"]
+  row.update(busiest_over_mean=load, program_step_s=prog["step_s"], **scaled,
+             **{f"paid_{k}": v for k, v in paid.items()}, step_s=step,
+             tokens_per_s=case.gpus * case.tokens / step, fits=prog["fits"],
+             peak_gib=prog["peak_bytes"] / 2 ** 30, fraction_of_balanced=den_step_s / step)
+  if policy == "ragged":
+    x = ragged_exchange(case.cfg, case.tokens * case.cfg.moe.top_k, case.expert_axis,
+                        prog["exposed_by"].get("all-to-all", 0.0))
+    for way in ("native", "all_to_all_v"):
+      alt = step - x["compiled_exposed_s"] + x[f"{way}_s"]
+      x[f"{way}_step_s"] = alt
+      x[f"{way}_fraction_of_balanced"] = den_step_s / alt
+    row["ragged_exchange"] = x
+  return row
+
+
+def against_static(rows_by_policy: dict[str, dict]) -> None:
+  """Each row's speedup over static EP on the same routing (ragged's exchange ways too)."""
+  static = rows_by_policy.get("static")
+  for row in rows_by_policy.values():
+    row["speedup_over_static"] = static["step_s"] / row["step_s"] if static else None
+    if "ragged_exchange" in row and static:
+      for way in ("native", "all_to_all_v"):
+        row["ragged_exchange"][f"{way}_speedup_over_static"] = (
+            static["step_s"] / row["ragged_exchange"][f"{way}_step_s"])
 
 
 def run(models, gpus_by_model, routings, policies, cache: programs.Cache, grid: float,
         steps: int | None, layers: int = 0, hlo_dir: str | None = None, log=print,
         done=None) -> dict:
-  """The study's rows (module doc); `done(result)` is called after each (model, GPU count)
-  with the rows so far."""
+  """The study's rows (module doc), case by case in ORDER: the planners first (they say which
+  buffers), then the programs. `done(result)` is called after each case with the rows so
+  far."""
   rows, replay_rows, denominators = [], {}, {}
-  cases = [(m, n) for m, n in ORDER if m in models and n in gpus_by_model[m]]
-  cases += [(m, n) for m in models for n in gpus_by_model[m] if (m, n) not in cases]
-  for model, n in cases:
-    topo = topology(n)
-    base = programs.Spec(model, topo, "ep", 1.0, layers, fsdp(model, n))
-    cfg = programs.run_config(base)
-    n_e = cfg.mesh.expert
-    k, e = cfg.moe.top_k, cfg.moe.num_experts
-    tokens = cfg.data.seq_len * programs.SEQUENCES_PER_GPU
-    for name in routings:                  # the planners first: they say which buffers
-      key = f"{model}/{n_e}/{name}"
-      if key in replay_rows:
-        continue
-      counts = routing.routing(name, e, n_e, tokens * k, k, steps)
-      replay_rows[key] = {"skew": routing.skew(counts), "policies": {}}
-      for policy in policies:
-        tick = time.perf_counter()
-        rp = replays.replay_policy(cfg, policy, counts, n_e)
-        rp["replay_s"] = round(time.perf_counter() - tick, 1)
-        replay_rows[key]["policies"][policy] = rp
-        log(f"replayed {key} {policy}: factor {rp['capacity_factor']:.3f}, busiest "
-            f"{rp['busiest_over_mean']:.3f} ({rp['replay_s']} s)")
-    need = {(name, p): on_grid(replay_rows[f"{model}/{n_e}/{name}"]["policies"][p]
-                               ["capacity_factor"], grid) for name in routings for p in policies}
-    top = {}
-    for (_, p), f in need.items():
-      kind = programs.KIND_OF_POLICY[p]
-      top[kind] = max(top.get(kind, 1.0), f)
-    den = cache.get(base, hlo_dir=hlo_dir, log=log)
-    if not den["compiled"]:
-      log(f"no force-balanced program for {model} at {n} GPUs: {den['error']}")
+  for model, n in cases(models, gpus_by_model):
+    case = Case.of(model, n, layers)
+    replay_case(case, routings, policies, steps, replay_rows, log)
+    need, top = buffers(case, routings, policies, replay_rows, grid)
+    den = denominator(case, cache, hlo_dir, log)
+    if den is None:
       continue
-    denominators[f"{model}/{n}"] = {"step_s": den["step_s"], "program": base.key()}
-    if (model, n) == PUBLISHED:        # static EP's einsum program beside it, force-balanced
-      einsum = dataclasses.replace(base, kind="ep_einsum")
-      row = cache.get(einsum, hlo_dir=hlo_dir, log=log)
-      if row["compiled"]:
-        denominators[f"{model}/{n}"]["einsum"] = {"step_s": row["step_s"],
-                                                 "program": einsum.key()}
-    by_routing = {}
+    denominators[f"{model}/{n}"] = den
     for name in routings:
+      got = {}
       for policy in policies:
-        rp = replay_rows[f"{model}/{n_e}/{name}"]["policies"][policy]
-        factor = need[name, policy]
-        kind = programs.KIND_OF_POLICY[policy]
-        prog = program_at(cache, dataclasses.replace(base, kind=kind, factor=factor),
-                          top[kind], hlo_dir, log)
-        row = {"model": model, "gpus": n, "topology": topo, "expert_axis": n_e,
-               "routing": name, "policy": policy, "needed_factor": rp["capacity_factor"],
-               "factor": factor, "programs": prog["programs"]}
-        if not prog["compiled"]:
-          rows.append({**row, "error": prog["error"]})
-          continue
-        load = replays.busiest(rp["series"], factor)     # the buffer caps the busiest rows
-        scaled = programs.busiest_step(prog, load, factor)
-        paid = priced(scaled["scaled_step_s"], rp, cfg.model.num_layers)
-        step = scaled["scaled_step_s"] + paid["replan_exposed_s"] + paid["migration_s"]
-        row.update(busiest_over_mean=load, program_step_s=prog["step_s"],
-                   **scaled, **{f"paid_{k}": v for k, v in paid.items()}, step_s=step,
-                   tokens_per_s=n * tokens / step, fits=prog["fits"],
-                   peak_gib=prog["peak_bytes"] / 2 ** 30,
-                   fraction_of_balanced=den["step_s"] / step)
-        if policy == "ragged":
-          x = ragged_exchange(cfg, tokens * k, n_e, prog["exposed_by"].get("all-to-all", 0.0))
-          for way in ("native", "all_to_all_v"):
-            alt = step - x["compiled_exposed_s"] + x[f"{way}_s"]
-            x[f"{way}_step_s"] = alt
-            x[f"{way}_fraction_of_balanced"] = den["step_s"] / alt
-          row["ragged_exchange"] = x
-        by_routing.setdefault(name, {})[policy] = row
+        rp = replay_rows[case.replay_key(name)]["policies"][policy]
+        row = policy_row(case, name, policy, rp, need[name, policy],
+                         top[programs.KIND_OF_POLICY[policy]], den["step_s"], cache, hlo_dir,
+                         log)
         rows.append(row)
-    for got in by_routing.values():
-      static = got.get("static")
-      for row in got.values():
-        row["speedup_over_static"] = static["step_s"] / row["step_s"] if static else None
-        if "ragged_exchange" in row and static:
-          for way in ("native", "all_to_all_v"):
-            row["ragged_exchange"][f"{way}_speedup_over_static"] = (
-                static["step_s"] / row["ragged_exchange"][f"{way}_step_s"])
+        if "step_s" in row:
+          got[policy] = row
+      against_static(got)
     if done is not None:
-      done(_result(rows, replay_rows, denominators))
-  return _result(rows, replay_rows, denominators)
+      done(result(rows, replay_rows, denominators))
+  return result(rows, replay_rows, denominators)
 
 
-def _result(rows, replay_rows, denominators) -> dict:
+def result(rows, replay_rows, denominators) -> dict:
   """The rows, the replays without their per-step series, the denominators."""
   replays_out = {key: {**got, "policies": {p: {k: v for k, v in rp.items() if k != "series"}
                                            for p, rp in got["policies"].items()}}
@@ -201,23 +273,14 @@ def _result(rows, replay_rows, denominators) -> dict:
 
 
 def published_mixtral() -> dict:
-  """Megatron-Core's published Mixtral-8x7B step on 64 H100s (benchmarks.published_mixtral)."""
-  import json
-  with open(os.path.join(RESULTS, "published_mixtral.json")) as f:
+  """Megatron-Core's published Mixtral-8x7B step on 64 H100s (benchmarks.gpu.published_mixtral)."""
+  with open(os.path.join(BENCHMARKS, "gpu", "results", "published_mixtral.json")) as f:
     published = json.load(f)["published"]
   return {k: published[k] for k in ("step_s", "tflops_per_gpu", "gpus", "layout", "source")}
 
 
-def _plugin() -> str:
-  import importlib.metadata
-  try:
-    return importlib.metadata.version("jax-cuda12-plugin")
-  except importlib.metadata.PackageNotFoundError:
-    return "absent"
-
-
 def main(argv: list[str] | None = None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m benchmarks.cluster",
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.cluster.study",
                                description=__doc__.splitlines()[0])
   ap.add_argument("--models", nargs="+", default=list(GPUS), choices=list(GPUS))
   ap.add_argument("--gpus", nargs="+", type=int, default=None,
@@ -249,14 +312,13 @@ def main(argv: list[str] | None = None) -> int:
     used = {k for r in out["rows"] for k in r["programs"]}
     used |= {d["program"] for d in out["denominators"].values()}
     used |= {d["einsum"]["program"] for d in out["denominators"].values() if "einsum" in d}
-    out.update(command=command("cluster", argv), grid=args.grid, complete=complete,
+    out.update(command=command("cluster.study", argv), grid=args.grid, complete=complete,
                wall_s=time.perf_counter() - tick, published=published_mixtral(),
                programs={k: v for k, v in cache.rows.items() if k in used})
     if args.json:
       stamp(out)
       out["metadata"]["machine"]["device"] = (
-          f"compile-only H100s (XLA:GPU, jax-cuda12-plugin {_plugin()}) on this CPU host; "
-          "replays and planner times on this host")
+          f"{programs.device_text()}; replays and planner times on this host")
       write_result(out, args.json, restamp=False)
     return out
 
@@ -270,3 +332,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['tokens_per_s']:>10,.0f} tok/s  {r['fraction_of_balanced']:.3f} of balanced  "
             f"{r['speedup_over_static'] or 0:.2f}x static")
   return 0
+
+
+if __name__ == "__main__":
+  start()
+  sys.exit(main())

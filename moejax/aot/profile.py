@@ -1,7 +1,7 @@
 """A measured kernel table beside the schedule estimate of the same program, category by
 category (moejax.aot.work.CATEGORIES).
 
-A kernel table is what `benchmarks.on_gpu` writes per profiled train step
+A kernel table is what `benchmarks.gpu.on_gpu` writes per profiled train step
 (`kernel_profiles.json.gz`): per kernel, its name, the HLO op the profiler tags it with, the
 module, microseconds and launches per step, and the step's busy time (the union of kernel
 intervals). A kernel's category comes from its HLO instruction, by the same rule the estimate
@@ -200,7 +200,7 @@ def parser() -> ArgumentParser:
   p = ArgumentParser(prog="python -m moejax.aot.profile",
                      description="The schedule estimate of each profiled train step's HLO "
                                  "beside its measured kernel table, category by category.")
-  p.add_argument("profiles", help="The kernel_profiles.json.gz of a benchmarks.on_gpu run.")
+  p.add_argument("profiles", help="The kernel_profiles.json.gz of a benchmarks.gpu.on_gpu run.")
   p.add_argument("hlos", help="The step_hlos.json.gz of the same run.")
   p.add_argument("result", help="The run's on_gpu JSON, whose schedule_estimate rows hold the "
                                 "measured steps.")
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
              for r in result["steps"]["schedule_estimate"]["rows"]}
   except (OSError, ValueError, KeyError) as e:
     return fail(f"cannot read the run's files ({type(e).__name__}: {e}); pass a "
-                "benchmarks.on_gpu run's kernel_profiles.json.gz, step_hlos.json.gz and JSON.")
+                "benchmarks.gpu.on_gpu run's kernel_profiles.json.gz, step_hlos.json.gz and JSON.")
   for name, rows in comparisons(profiles, hlos, steps, args.gpu).items():
     print(f"{name}: ms estimated / measured (error)")
     for category, r in rows.items():

@@ -1,4 +1,4 @@
-"""One compiled GPU program in numbers: the row `benchmarks.gpu_program` writes and
+"""One compiled GPU program in numbers: the row `benchmarks.gpu.gpu_program` writes and
 `moejax.plan --verify` prints."""
 
 from __future__ import annotations

@@ -98,8 +98,10 @@ class PlannerConfig:
   fsep_plan_for: str = "spread"   # fsep: plan for the window's spread, or "mean" (its mean load)
   fsep_locality: bool = True      # fsep: each device's own tokens to its own replica first
   # Consider a re-plan after every finished step and switch a layer when its predicted compute
-  # gain over `every` steps (fsep_every under fsep) beats the migration of what moves.
-  adaptive: bool = False
+  # gain over `every` steps (fsep_every under fsep) beats the migration of what moves. None:
+  # the expert mode's default, on where a switch moves no weights (fsep: every better plan
+  # pays), off where it moves weights and Adam moments (ep: the fixed period).
+  adaptive: bool | None = None
 
   def validate(self, expert_mode: str = "ep") -> None:
     allowed = {"ep": ("static", "smartmoe"), "fsep": ("static", "fsep")}[expert_mode]
@@ -113,9 +115,10 @@ class PlannerConfig:
                         "every >= 0, fsep_every >= 0, window >= 1, min_gain >= 0.")
     if not isinstance(self.fresh, bool):
       raise ConfigError(f"planner.fresh={self.fresh!r} must be True or False.")
-    if not isinstance(self.adaptive, bool):
-      raise ConfigError(f"planner.adaptive={self.adaptive!r} must be True or False; True "
-                        "prices every step's re-plan against its migration.")
+    if self.adaptive is not None and not isinstance(self.adaptive, bool):
+      raise ConfigError(f"planner.adaptive={self.adaptive!r} must be True, False or None (the "
+                        "expert mode's default); True prices every step's re-plan against its "
+                        "migration.")
     if isinstance(self.lag, bool) or not isinstance(self.lag, int) or self.lag < 0:
       raise ConfigError(f"planner.lag={self.lag!r} must be an integer >= 0 (0 applies a re-plan "
                         "at once; 1 plans it while the next step trains).")

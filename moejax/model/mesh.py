@@ -86,3 +86,12 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
+
+
+def sharding_table(tree) -> list[tuple[str, tuple, str]]:
+  """(path, shape, PartitionSpec) of every array leaf of `tree`: where each lies on its mesh."""
+  rows = []
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    spec = getattr(leaf.sharding, "spec", None)
+    rows.append((jax.tree_util.keystr(path), tuple(leaf.shape), str(spec)))
+  return rows

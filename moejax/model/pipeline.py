@@ -7,8 +7,8 @@ microbatches (rows i % M == m: each device's rows of a microbatch are rows it ho
 schedule of V*M + P - 1 ticks serves both, one `ppermute` rotation over `stage` a tick
 (`pipelined_apply` says how); the backward pass is the ticks' autodiff. Every stage runs the
 same program: one `vmap` over the stages with `spmd_axis_name='stage'`, so each MoE layer's
-`shard_map` keeps its expert parallelism inside each stage. The embedding, dense first blocks
-and head are replicated over `stage`, as SPMD makes them.
+`shard_map` keeps its expert parallelism inside each stage. The Transformer's other parts (its
+`embed` and `head`) are replicated over `stage`, as SPMD makes them.
 
 `Pipelined` has the Transformer's `init` and `apply`, so the train and eval steps take it as
 the model. Its loss is the step's loss over the whole batch with each MoE layer's balance and
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,9 +28,10 @@ from moejax.config import num_moe_layers
 from moejax.layout.tables import Layout
 from moejax.model import layer_order
 from moejax.model.mesh import BATCH_AXES, STAGE, logical_to_spec, num_stages
+from moejax.model.moe import fsep_backward
 from moejax.model.moe.fsep_experts import restore_layer
 from moejax.model.moe.layer import MoEStats
-from moejax.model.transformer import Attention, DenseMLP, LayerGroup, RMSNorm, Transformer
+from moejax.model.transformer import GroupCarry, Head, Transformer
 from pallas_kernels import compat
 
 
@@ -81,7 +81,10 @@ def _chunk_runner(model: Transformer, virtual: int):
   """run(stage_args, chunk, x) -> (x, stats): one stage's chunk `chunk` of K groups on x.
   `stage_args` = (layer params, fsep stored experts or None, layout rows), each [V, K, ...]."""
   cfg, moe_cfg, mesh = model.cfg, model.moe_cfg, model.mesh
-  group = LayerGroup(cfg, moe_cfg, mesh, rerestore=compat.rerestores_fsep(num_stages(mesh) > 1))
+  # PREFETCH's channel cannot cross the ticks: the backward restores again, or keeps
+  backward = (fsep_backward.RERESTORE if compat.rerestores_fsep(num_stages(mesh) > 1) else
+              fsep_backward.KEEP)
+  group = model.layer_group(backward)
   fsep = moe_cfg.expert_mode == "fsep"
   dtype = jnp.dtype(cfg.dtype)
 
@@ -97,37 +100,21 @@ def _chunk_runner(model: Transformer, virtual: int):
             (lambda a: jax.lax.dynamic_index_in_dim(a, chunk, 0, keepdims=False)))
     params, stored, layout = jax.tree.map(pick, stage_args)
     layers = jnp.arange(jax.tree.leaves(layout)[0].shape[0])
-    if not fsep:
-      return jax.lax.scan(lambda c, xs: one_group(c, xs, ()), x, (params, layout, layers))
-    # This chunk's experts only: the first layer now, the scan the next one in each step.
-    table = layout.slot_expert_LxS
-    first = restore_layer(stored, table, 0, mesh, dtype)
-    (x, _), stats = jax.lax.scan(lambda c, xs: one_group(c, xs, ((stored, table),)),
-                                 (x, first), (params, layout, layers))
-    return x, stats
+    carry, broadcast = GroupCarry(x), ()
+    if fsep:   # this chunk's experts only: the first layer now, the scan the next one a step
+      table = layout.slot_expert_LxS
+      carry = GroupCarry(x, restore_layer(stored, table, 0, mesh, dtype))
+      broadcast = ((stored, table),)
+    carry, stats = jax.lax.scan(lambda c, xs: one_group(c, xs, broadcast), carry,
+                                (params, layout, layers))
+    return carry.x_BxQxD, stats
 
   return run
 
 
-def _first_dense(model: Transformer, params, x_BxQxD, act):
-  """The Transformer's `moe.first_dense` dense first blocks (same modules, same parameter
-  names), applied like the embedding: on the whole batch by every stage, before the pipeline."""
-  cfg = model.cfg
-  attn, mlp = (nn.remat(Attention), nn.remat(DenseMLP)) if cfg.remat else (Attention, DenseMLP)
-  norm = RMSNorm(cfg.norm_eps)
-  for i in range(model.moe_cfg.first_dense):
-    h = norm.apply({"params": params[f"first_ln_attn_{i}"]}, x_BxQxD)
-    x_BxQxD = x_BxQxD + attn(cfg).apply({"params": params[f"first_attn_{i}"]}, h)
-    h = norm.apply({"params": params[f"first_ln_mlp_{i}"]}, x_BxQxD)
-    x_BxQxD = x_BxQxD + mlp(cfg).apply({"params": params[f"first_mlp_{i}"]}, h)
-    x_BxQxD = jax.lax.with_sharding_constraint(x_BxQxD, act)
-  return x_BxQxD
-
-
 def pipelined_apply(model: Transformer, microbatches: int, params, tokens_BxQ: jax.Array,
-                    layout: Layout, virtual: int = 1,
-                    hidden: bool = False) -> tuple[jax.Array, MoEStats]:
-  """The Transformer's (logits_BxQxvocab, stats) with its layer groups run as a pipeline over the
+                    layout: Layout, virtual: int = 1) -> tuple[Head, MoEStats]:
+  """The Transformer's (head, stats) with its layer groups run as a pipeline over the
   mesh's stages, V = `virtual` chunks per stage (`params`' layer groups in
   layer_order.storage_order; `layout` and the stats in canonical order).
 
@@ -159,12 +146,12 @@ def pipelined_apply(model: Transformer, microbatches: int, params, tokens_BxQ: j
   layer as the Transformer does (the first before the chunk's scan, the next in each step). The
   backward pass is the ticks' autodiff, which runs them in reverse.
 
-  The embedding, the dense first blocks (`moe.first_dense`) and the head (final norm,
-  unembedding, loss) are replicated over `stage` and computed by every stage, as SPMD makes
-  them; only the layer groups are split. Hence the one collection of the outputs per step, not
-  a head on the last stage alone: it costs one all-reduce of the batch's activations a step
-  (and in the backward one more, the embedding output's cotangent summed over the stages'
-  copies), against 2 (V*M + P - 1) rotations.
+  The Transformer's other parts, `embed` (the embedding and the dense first blocks) and
+  `head` (final norm, unembedding; then the loss), are replicated over `stage` and computed
+  by every stage, as SPMD makes them; only the layer groups are split. Hence the one
+  collection of the outputs per step, not a head on the last stage alone: it costs one
+  all-reduce of the batch's activations a step (and in the backward one more, the embedding
+  output's cotangent summed over the stages' copies), against 2 (V*M + P - 1) rotations.
   """
   cfg, mesh = model.cfg, model.mesh
   stages, micro = num_stages(mesh), microbatches
@@ -172,17 +159,16 @@ def pipelined_apply(model: Transformer, microbatches: int, params, tokens_BxQ: j
   batch, length = tokens_BxQ.shape
   rows = batch // micro
   act = NamedSharding(mesh, logical_to_spec(("batch", "length", "embed")))
-  x_BxQxD = jax.lax.with_sharding_constraint(params["embed"][tokens_BxQ].astype(dtype), act)
-  x_BxQxD = _first_dense(model, params, x_BxQxD, act)
+  x_BxQxD = model.apply({"params": params}, tokens_BxQ, method=Transformer.embed)
   d_model = x_BxQxD.shape[-1]
   # [micro, rows, Q, D]: microbatch m = the rows i with i % micro == m
   feed = x_BxQxD.reshape(rows, micro, length, d_model).transpose(1, 0, 2, 3)
 
   run_chunk = _chunk_runner(model, virtual)
   run_stages = jax.vmap(run_chunk, spmd_axis_name=STAGE if stages > 1 else None)
-  stored = params.get("fsep_experts")
-  stage_args = (_split(params["layers"], stages, virtual),
-                None if stored is None else _split(stored, stages, virtual),
+  groups = Transformer.group_params(params)
+  stage_args = (_split(groups.layers, stages, virtual),
+                None if groups.stored is None else _split(groups.stored, stages, virtual),
                 _canonical_split(layout, stages, virtual))
   rotate, collect = _rotate(mesh, stages), _collect(mesh, stages)
   stage_ids = jnp.arange(stages)
@@ -233,13 +219,10 @@ def pipelined_apply(model: Transformer, microbatches: int, params, tokens_BxQ: j
   outputs = collect(keep(loop, rotate(state), ticks))
   x_BxQxD = jax.lax.with_sharding_constraint(
       outputs.transpose(1, 0, 2, 3).reshape(batch, length, d_model), act)
-  x_BxQxD = RMSNorm(cfg.norm_eps).apply({"params": params["ln_final"]}, x_BxQxD)
+  head = model.apply({"params": params}, x_BxQxD, method=Transformer.head)
   stats = _canonical_merge(stats_sum)
   stats = stats._replace(balance_loss=stats.balance_loss / micro, z_loss=stats.z_loss / micro)
-  if hidden:                 # the Transformer's `hidden`: the loss applies the unembedding
-    return x_BxQxD, stats
-  logits_BxQxvocab = jnp.einsum("bqd,dv->bqv", x_BxQxD.astype(jnp.float32), params["unembed"])
-  return logits_BxQxvocab, stats
+  return head, stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,6 +252,6 @@ class Pipelined:
     variables = self.model.init(rng, tokens_BxQ, layout)
     return dict(variables, params=layer_order.params_to(variables["params"], self.layer_order))
 
-  def apply(self, variables, tokens_BxQ: jax.Array, layout: Layout, hidden: bool = False):
+  def apply(self, variables, tokens_BxQ: jax.Array, layout: Layout) -> tuple[Head, MoEStats]:
     return pipelined_apply(self.model, self.microbatches, variables["params"], tokens_BxQ,
-                           layout, self.virtual, hidden)
+                           layout, self.virtual)

@@ -3,17 +3,21 @@ optional QK-norm, SwiGLU.
 
 After `moe.first_dense` dense first blocks, layers are scanned in groups of `moe_every`:
 (moe_every - 1) dense blocks then one MoE block (with the shared experts beside it, if any),
-so compile time does not grow with depth. The layout rows of the
-MoE layers are scanned alongside the parameters. In fsep mode the scan carries the
-restored expert weights of the layer it computes and restores the next layer's
-(double buffering), so that exchange does not wait for this layer's compute; the backward
-pass does the same the other way: layer l's backward restores layer l-1's weights and hands
-them back through the scan (`_prefetching_moe`).
+so compile time does not grow with depth. The layout rows of the MoE layers are scanned
+alongside the parameters. In fsep mode the scan carries the restored expert weights of the
+layer it computes and restores the next layer's (double buffering), so that exchange does not
+wait for this layer's compute; the backward pass does the same the other way
+(moejax.model.moe.fsep_backward).
+
+The Transformer hands out its parts, `embed`, `groups` and `head`, and its output is the
+head (`Head`: final-normed hidden states and the unembedding), which the loss takes whole:
+nothing outside this package reads a parameter by its name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -23,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from moejax.config import ModelConfig, MoEConfig, num_moe_layers
 from moejax.layout.tables import Layout
 from moejax.model.mesh import logical_to_spec
+from moejax.model.moe import fsep_backward
 from moejax.model.moe.fsep_experts import FsepExperts, restore_layer
 from moejax.model.moe.layer import MoELayer, MoEStats, no_moe_stats
 
@@ -121,201 +126,175 @@ class DenseMLP(nn.Module):
     return h @ w_down.astype(dtype)
 
 
-# The name scope of the backward pass's weight restores (the compiled program's op names tell
-# them from the forward's restores and from the restores' transposes, the gradient return).
-BACKWARD_RESTORE = "backward_restore"
+def dense_modules(cfg: ModelConfig, remat: bool) -> tuple[type[nn.Module], type[nn.Module]]:
+  """(attention, MLP) module classes of a dense block, rematerialised when `remat`: the one
+  place a block's modules are chosen (by `cfg`, once the model has more than one attention)."""
+  return (nn.remat(Attention), nn.remat(DenseMLP)) if remat else (Attention, DenseMLP)
 
 
-def _recomputing_moe(moe: MoELayer, backward_weights):
-  """`moe(x, layout, weights)`, plus a `channel` passed through unchanged, whose backward
-  pass recomputes the layer from weights it gets again instead of the forward keeping every
-  layer's restored weights until its backward pass: `backward_weights(ct_channel, stored,
-  slot_expert_LxS, layer)` gives (this layer's weights, the cotangent of the channel input)."""
-  def call(mdl, x, layout, weights, channel, stored, slot_expert_LxS, layer):
-    del stored, slot_expert_LxS, layer          # the backward pass's inputs
-    return mdl(x, layout, weights), channel
-
-  def fwd(mdl, x, layout, weights, channel, stored, slot_expert_LxS, layer):
-    res = (mdl.variables["params"], x, layout, stored, slot_expert_LxS, layer)   # no `weights`
-    return (mdl(x, layout, weights), channel), res
-
-  def bwd(res, ct):
-    params, x, layout, stored, slot_expert_LxS, layer = res
-    ct_out, ct_channel = ct
-    weights, ct_channel_in = backward_weights(ct_channel, stored, slot_expert_LxS, layer)
-    apply = lambda p, x, w: MoELayer(moe.cfg, moe.mesh, moe.dtype).apply({"params": p}, x,
-                                                                          layout, w)
-    ct_params, ct_x, ct_weights = jax.vjp(apply, params, x, weights)[1](ct_out)
-    return {"params": ct_params}, ct_x, None, ct_weights, ct_channel_in, None, None, None
-
-  return nn.custom_vjp(call, fwd, bwd)
+def dense_block(x_BxQxD, ln_attn, attn, ln_mlp, mlp, act: NamedSharding) -> jax.Array:
+  """One pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), sharded as `act`."""
+  x_BxQxD = x_BxQxD + attn(ln_attn(x_BxQxD))
+  x_BxQxD = x_BxQxD + mlp(ln_mlp(x_BxQxD))
+  return jax.lax.with_sharding_constraint(x_BxQxD, act)
 
 
-def _backward_restore(stored, slot_expert_LxS, layer, mesh: Mesh, dtype):
-  with jax.named_scope(BACKWARD_RESTORE):
-    return restore_layer(stored, slot_expert_LxS, layer, mesh, dtype)
+def _activations(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, logical_to_spec(("batch", "length", "embed")))
 
 
-def _rerestoring_moe(moe: MoELayer):
-  """`_recomputing_moe` whose backward pass restores this layer's weights again from the
-  stored shards (one more exchange); its channel is None."""
-  def backward_weights(ct_channel, stored, slot_expert_LxS, layer):
-    del ct_channel
-    return _backward_restore(stored, slot_expert_LxS, layer, moe.mesh, moe.dtype), None
-
-  return _recomputing_moe(moe, backward_weights)
-
-
-def _prefetching_moe(moe: MoELayer):
-  """`_recomputing_moe` whose channel (the shape of one layer's restored weights) carries
-  restored weights backwards through the layer scan: layer l's backward pass takes its own
-  weights from the cotangent of its channel output (restored during layer l+1's backward, or
-  by `_seed_backward_restore` for the last layer) and returns layer l-1's, restored now, as
-  the cotangent of its channel input, so that restore overlaps this layer's backward compute
-  instead of preceding it."""
-  def backward_weights(ct_channel, stored, slot_expert_LxS, layer):
-    previous = (layer - 1) % slot_expert_LxS.shape[0]    # layer 0 wraps: nobody reads it
-    return ct_channel, _backward_restore(stored, slot_expert_LxS, previous, moe.mesh, moe.dtype)
-
-  return _recomputing_moe(moe, backward_weights)
-
-
-def _seed_backward_restore(mesh: Mesh, dtype):
-  """seed(x, channel, stored, slot_expert_LxS) = x, whose backward restores the last MoE
-  layer's weights as the cotangent of the layer scan's final `channel` (`_prefetching_moe`):
-  the first backward restore, issued before the head's backward."""
-  @jax.custom_vjp
-  def seed(x, channel, stored, slot_expert_LxS):
-    del channel, stored, slot_expert_LxS
-    return x
-
-  def fwd(x, channel, stored, slot_expert_LxS):
-    del channel
-    return x, (stored, slot_expert_LxS)
-
-  def bwd(res, ct_x):
-    stored, slot_expert_LxS = res
-    last = _backward_restore(stored, slot_expert_LxS, slot_expert_LxS.shape[0] - 1, mesh, dtype)
-    return ct_x, last, None, None
-
-  seed.defvjp(fwd, bwd)
-  return seed
+class GroupCarry(NamedTuple):
+  """What one layer group hands the next: the same structure in every mode, None where a mode
+  has nothing to carry."""
+  x_BxQxD: jax.Array
+  weights: dict | None = None    # fsep: the restored expert weights of the group's MoE layer
+  channel: dict | None = None    # fsep, PREFETCH backward: moejax.model.moe.fsep_backward's
 
 
 class LayerGroup(nn.Module):
-  """moe_every - 1 dense blocks followed by one MoE block; one scan step.
+  """moe_every - 1 dense blocks followed by one MoE block; one step of the layer scan,
+  GroupCarry -> GroupCarry.
 
-  ep: carry = x. fsep: carry = (x, this MoE layer's restored weights); `fsep` = (every layer's
-  stored expert weights, slot_expert_LxS), broadcast to every step, from which the step
-  restores the next layer's weights (the last step wraps to layer 0, a result nobody reads) so
-  that exchange has no data dependence on this layer's compute."""
+  fsep: `fsep` = (every layer's stored expert weights, slot_expert_LxS), broadcast to every
+  step. The step computes its MoE layer on `carry.weights` and restores the next layer's into
+  the carry it returns (the last step wraps to layer 0, a result nobody reads), so that
+  exchange has no data dependence on this layer's compute."""
   cfg: ModelConfig
   moe_cfg: MoEConfig
   mesh: Mesh
-  # fsep: the backward pass restores the weights again (False: keeps the forward's, where
-  # pallas_kernels.compat.rerestores_fsep says the re-restoring vjp cannot run)
-  rerestore: bool = True
-  # fsep with rerestore: the carry has a third member, the backward restore's channel
-  # (`_prefetching_moe`), so that layer l's backward restores layer l-1's weights
-  prefetch_backward: bool = False
+  # fsep: how the backward pass gets this layer's restored weights (fsep_backward's KEEP,
+  # RERESTORE or PREFETCH; PREFETCH carries them back through `carry.channel`)
+  backward: str = fsep_backward.PREFETCH
 
   @nn.compact
-  def __call__(self, carry, xs, fsep=None):
+  def __call__(self, carry: GroupCarry, xs, fsep=None) -> tuple[GroupCarry, MoEStats]:
     layout, layer = xs               # this layer's layout row and its index in the scan
     cfg = self.cfg
-    channel = None
-    if fsep is None:
-      x_BxQxD, slot_weights = carry, None
-    elif self.prefetch_backward:
-      (x_BxQxD, slot_weights, channel), (stored, slot_expert_LxS) = carry, fsep
-    else:
-      (x_BxQxD, slot_weights), (stored, slot_expert_LxS) = carry, fsep
+    dtype = jnp.dtype(cfg.dtype)
+    x_BxQxD, next_weights = carry.x_BxQxD, None
     if fsep is not None:
+      stored, slot_expert_LxS = fsep
       next_layer = (layer + 1) % slot_expert_LxS.shape[0]
-      next_weights = restore_layer(stored, slot_expert_LxS, next_layer, self.mesh,
-                                   jnp.dtype(cfg.dtype))
+      next_weights = restore_layer(stored, slot_expert_LxS, next_layer, self.mesh, dtype)
     # fsep under remat checkpoints the dense blocks one by one: a checkpoint of the whole
     # group would keep its input, this layer's restored weights, for the backward pass.
-    attn, mlp = (nn.remat(Attention), nn.remat(DenseMLP)) if cfg.remat and fsep else (
-        Attention, DenseMLP)
-    act = NamedSharding(self.mesh, logical_to_spec(("batch", "length", "embed")))
+    attn, mlp = dense_modules(cfg, cfg.remat and fsep is not None)
+    act = _activations(self.mesh)
     for i in range(self.moe_cfg.moe_every - 1):
-      x_BxQxD = x_BxQxD + attn(cfg, name=f"attn_{i}")(RMSNorm(cfg.norm_eps,
-                                                               name=f"ln_attn_{i}")(x_BxQxD))
-      x_BxQxD = x_BxQxD + mlp(cfg, name=f"mlp_{i}")(RMSNorm(cfg.norm_eps,
-                                                             name=f"ln_mlp_{i}")(x_BxQxD))
-      x_BxQxD = jax.lax.with_sharding_constraint(x_BxQxD, act)
+      x_BxQxD = dense_block(x_BxQxD, RMSNorm(cfg.norm_eps, name=f"ln_attn_{i}"),
+                            attn(cfg, name=f"attn_{i}"), RMSNorm(cfg.norm_eps, name=f"ln_mlp_{i}"),
+                            mlp(cfg, name=f"mlp_{i}"), act)
     x_BxQxD = x_BxQxD + attn(cfg, name="attn_moe")(RMSNorm(cfg.norm_eps,
                                                             name="ln_attn_moe")(x_BxQxD))
     h_BxQxD = RMSNorm(cfg.norm_eps, name="ln_moe")(x_BxQxD)
+    channel = carry.channel
     if self.moe_cfg.dense_equivalent:   # the MoE layer's active FLOPs as one dense SwiGLU
       y = mlp(cfg, self.moe_cfg.top_k * self.moe_cfg.d_ff, name="moe_dense")(h_BxQxD)
       stats = no_moe_stats(self.moe_cfg, self.mesh, layout)
     else:
-      moe = MoELayer(self.moe_cfg, self.mesh, jnp.dtype(cfg.dtype), name="moe")
-      if fsep is None or not self.rerestore:
-        y, stats = moe(h_BxQxD, layout, slot_weights)
-      else:   # `channel` is None unless prefetching
-        wrap = _prefetching_moe if self.prefetch_backward else _rerestoring_moe
-        (y, stats), channel = wrap(moe)(moe, h_BxQxD, layout, slot_weights, channel, stored,
-                                        slot_expert_LxS, layer)
+      moe = MoELayer(self.moe_cfg, self.mesh, dtype, name="moe")
+      if fsep is None:
+        y, stats = moe(h_BxQxD, layout)
+      else:
+        (y, stats), channel = fsep_backward.fsep_moe(moe, self.backward)(
+            moe, h_BxQxD, layout, carry.weights, channel, stored, slot_expert_LxS, layer)
     if self.moe_cfg.num_shared_experts:   # one SwiGLU as wide as all shared experts together
       width = self.moe_cfg.num_shared_experts * (self.moe_cfg.shared_d_ff or self.moe_cfg.d_ff)
       y = y + mlp(cfg, width, name="shared")(h_BxQxD)
     x_BxQxD = jax.lax.with_sharding_constraint(x_BxQxD + y, act)
-    if fsep is None:
-      return x_BxQxD, stats
-    return ((x_BxQxD, next_weights, channel) if self.prefetch_backward else
-            (x_BxQxD, next_weights)), stats
+    return GroupCarry(x_BxQxD, next_weights, channel), stats
+
+
+class Head(NamedTuple):
+  """The model's output on a batch: the final-normed hidden states and the unembedding. A
+  loss takes it whole (moejax.train.loss), so that a tiled loss never holds all the logits."""
+  h_BxQxD: jax.Array
+  w_Dxvocab: jax.Array
+
+  def logits(self) -> jax.Array:
+    """logits_BxQxvocab, in float32."""
+    return jnp.einsum("bqd,dv->bqv", self.h_BxQxD.astype(jnp.float32), self.w_Dxvocab)
+
+
+class GroupParams(NamedTuple):
+  """The layer groups' parameters, every leaf [G, ...] in the params' layer order."""
+  layers: dict                   # the scanned LayerGroup's
+  stored: dict | None            # fsep: every MoE layer's stored expert weights (ep: None)
 
 
 class Transformer(nn.Module):
+  """tokens -> (Head, MoEStats), in three parts a caller may run apart (the pipeline does):
+  `embed` (the token embedding and the dense first blocks), `groups` (the scanned layer
+  groups) and `head` (the final norm and the unembedding); `layer_group` and `group_params`
+  hand out one group's module and the groups' parameters to a caller that schedules the
+  groups itself. Parameter paths: `embed`, `first_{attn,mlp,ln_attn,ln_mlp}_{i}`, `layers`
+  (every leaf [G, ...]), `fsep_experts` (fsep), `ln_final`, `unembed`."""
   cfg: ModelConfig
   moe_cfg: MoEConfig
   mesh: Mesh
 
-  @nn.compact
-  def __call__(self, tokens_BxQ: jax.Array, layout: Layout,
-               hidden: bool = False) -> tuple[jax.Array, MoEStats]:
-    """(logits_BxQxvocab, stats); `hidden`: (the final normed hidden states, stats), for a loss
-    that applies the unembedding itself (moejax.train.loss.tiled_cross_entropy)."""
-    cfg = self.cfg
-    embed = self.param("embed", nn.with_logical_partitioning(nn.initializers.normal(1.0),
-                                                             ("vocab", "embed")),
-                       (cfg.vocab_size, cfg.d_model), jnp.float32)
-    x_BxQxD = embed[tokens_BxQ].astype(jnp.dtype(cfg.dtype))
-    act = NamedSharding(self.mesh, logical_to_spec(("batch", "length", "embed")))
-    x_BxQxD = jax.lax.with_sharding_constraint(x_BxQxD, act)
-    attn, mlp = (nn.remat(Attention), nn.remat(DenseMLP)) if cfg.remat else (Attention, DenseMLP)
-    for i in range(self.moe_cfg.first_dense):    # dense first layers, outside the scan
-      x_BxQxD = x_BxQxD + attn(cfg, name=f"first_attn_{i}")(
-          RMSNorm(cfg.norm_eps, name=f"first_ln_attn_{i}")(x_BxQxD))
-      x_BxQxD = x_BxQxD + mlp(cfg, name=f"first_mlp_{i}")(
-          RMSNorm(cfg.norm_eps, name=f"first_ln_mlp_{i}")(x_BxQxD))
-      x_BxQxD = jax.lax.with_sharding_constraint(x_BxQxD, act)
-    num_groups = num_moe_layers(cfg, self.moe_cfg)
-    carry, fsep, in_axes = x_BxQxD, (), 0
-    if self.moe_cfg.expert_mode == "fsep":   # restore the first layer; the scan the others
-      stored, first = FsepExperts(num_groups, self.moe_cfg.num_experts, cfg.d_model,
-                                  self.moe_cfg.d_ff, self.mesh, jnp.dtype(cfg.dtype),
-                                  name="fsep_experts")(layout.slot_expert_LxS)
-      carry = (x_BxQxD, first, jax.tree.map(jnp.zeros_like, first))   # + the channel
-      in_axes = (0, nn.broadcast)
-      fsep = ((stored, layout.slot_expert_LxS),)
+  def setup(self):
+    cfg, moe_cfg = self.cfg, self.moe_cfg
+    self.embedding = self.param("embed", nn.with_logical_partitioning(
+        nn.initializers.normal(1.0), ("vocab", "embed")), (cfg.vocab_size, cfg.d_model),
+                                jnp.float32)
+    attn, mlp = dense_modules(cfg, cfg.remat)
+    first = range(moe_cfg.first_dense)   # dense first layers, outside the scan
+    self.first_ln_attn = [RMSNorm(cfg.norm_eps) for _ in first]
+    self.first_attn = [attn(cfg) for _ in first]
+    self.first_ln_mlp = [RMSNorm(cfg.norm_eps) for _ in first]
+    self.first_mlp = [mlp(cfg) for _ in first]
+    num_groups = num_moe_layers(cfg, moe_cfg)
+    fsep = moe_cfg.expert_mode == "fsep"
+    if fsep:   # restores the first layer; the scan the others
+      self.fsep_experts = FsepExperts(num_groups, moe_cfg.num_experts, cfg.d_model,
+                                      moe_cfg.d_ff, self.mesh, jnp.dtype(cfg.dtype))
     group = nn.remat(LayerGroup) if cfg.remat and not fsep else LayerGroup
-    groups = nn.scan(group, variable_axes={"params": 0}, split_rngs={"params": True},
-                     in_axes=in_axes, length=num_groups,
-                     metadata_params={nn.PARTITION_NAME: "layers"})
-    carry, stats = groups(cfg, self.moe_cfg, self.mesh, prefetch_backward=bool(fsep),
-                          name="layers")(carry, (layout, jnp.arange(num_groups)), *fsep)
-    x_BxQxD = carry[0] if fsep else carry
-    if fsep:
-      x_BxQxD = _seed_backward_restore(self.mesh, jnp.dtype(cfg.dtype))(x_BxQxD, carry[2],
-                                                                         *fsep[0])
-    x_BxQxD = RMSNorm(cfg.norm_eps, name="ln_final")(x_BxQxD)
-    if hidden:
-      return x_BxQxD, stats
-    w_out = _dense(("embed", "vocab"), (cfg.d_model, cfg.vocab_size), cfg.d_model, self,
-                   "unembed")
-    logits_BxQxvocab = jnp.einsum("bqd,dv->bqv", x_BxQxD.astype(jnp.float32), w_out)
-    return logits_BxQxvocab, stats
+    self.layers = nn.scan(group, variable_axes={"params": 0}, split_rngs={"params": True},
+                          in_axes=(0, nn.broadcast) if fsep else 0, length=num_groups,
+                          metadata_params={nn.PARTITION_NAME: "layers"})(
+                              cfg, moe_cfg, self.mesh, fsep_backward.PREFETCH)
+    self.ln_final = RMSNorm(cfg.norm_eps)
+    self.unembedding = _dense(("embed", "vocab"), (cfg.d_model, cfg.vocab_size), cfg.d_model,
+                              self, "unembed")
+
+  def embed(self, tokens_BxQ: jax.Array) -> jax.Array:
+    """x_BxQxD: the token embedding, then the `moe.first_dense` dense first blocks."""
+    act = _activations(self.mesh)
+    x_BxQxD = self.embedding[tokens_BxQ].astype(jnp.dtype(self.cfg.dtype))
+    x_BxQxD = jax.lax.with_sharding_constraint(x_BxQxD, act)
+    for blocks in zip(self.first_ln_attn, self.first_attn, self.first_ln_mlp, self.first_mlp):
+      x_BxQxD = dense_block(x_BxQxD, *blocks, act)
+    return x_BxQxD
+
+  def groups(self, x_BxQxD: jax.Array, layout: Layout) -> tuple[jax.Array, MoEStats]:
+    """(x_BxQxD, stats [G, ...]): the G layer groups, scanned. fsep carries each layer's
+    restored weights to its group and their backward restores back (fsep_backward)."""
+    num_groups = num_moe_layers(self.cfg, self.moe_cfg)
+    if self.moe_cfg.expert_mode != "fsep":
+      carry, stats = self.layers(GroupCarry(x_BxQxD), (layout, jnp.arange(num_groups)))
+      return carry.x_BxQxD, stats
+    table = layout.slot_expert_LxS
+    stored, first = self.fsep_experts(table)
+    carry = GroupCarry(x_BxQxD, first, fsep_backward.open_channel(first))
+    carry, stats = self.layers(carry, (layout, jnp.arange(num_groups)), (stored, table))
+    return fsep_backward.close_channel(carry.x_BxQxD, carry.channel, stored, table, self.mesh,
+                                       jnp.dtype(self.cfg.dtype)), stats
+
+  def head(self, x_BxQxD: jax.Array) -> Head:
+    """The final norm on x, and the unembedding."""
+    return Head(self.ln_final(x_BxQxD), self.unembedding)
+
+  def __call__(self, tokens_BxQ: jax.Array, layout: Layout) -> tuple[Head, MoEStats]:
+    x_BxQxD, stats = self.groups(self.embed(tokens_BxQ), layout)
+    return self.head(x_BxQxD), stats
+
+  def layer_group(self, backward: str) -> LayerGroup:
+    """One layer group's module (unbound; parameters: one [G, ...] row of `group_params`),
+    its fsep backward pass as `backward` says (fsep_backward: the pipeline's stage vmap cannot
+    carry PREFETCH's channel across its ticks)."""
+    return LayerGroup(self.cfg, self.moe_cfg, self.mesh, backward, parent=None)
+
+  @staticmethod
+  def group_params(params: dict) -> GroupParams:
+    return GroupParams(params["layers"], params.get("fsep_experts"))

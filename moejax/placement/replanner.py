@@ -1,6 +1,7 @@
 """Online placement (dyn.X): observe finished steps' counts, re-plan every X steps, or, with
 `planner.adaptive`, consider a re-plan after every finished step and switch a layer only when
-its priced gain over X steps beats its migration (`moejax.placement.pricing`).
+its priced gain over X steps beats its migration (`moejax.placement.pricing`). Left unset,
+adaptive is on where a switch moves no weights (fsep) and off where it does (`adaptive_for`).
 
 Host-side and JAX-free. The trainer feeds it each finished step's count matrix
 and asks, before dispatching step t, whether to switch layouts; the plan uses
@@ -41,6 +42,19 @@ def _whole(raw: np.ndarray, rows: int, steps: int) -> bool:
   return bool(raw.max() < bound and raw.min() > -bound)
 
 
+def adaptive_for(cfg: PlannerConfig) -> bool:
+  """Whether `cfg`'s re-planner is adaptive: planner.adaptive where set; unset (None), where a
+  switch of the policy's layout moves no weights. There every new plan that the policy
+  prefers is free, so planning after every step is what pays: a router that collapses in the
+  first steps is followed within a step or two, not held on a plan of the near-uniform first
+  step until the period's end. Where a switch moves weights (ep) the fixed period stays: the
+  priced rule's gain there is a wash at GPU prices and its migrations are real time
+  (docs/decisions/0110)."""
+  if cfg.adaptive is not None:
+    return cfg.adaptive
+  return not pricing.moves_weights(cfg.policy)
+
+
 class Switch(NamedTuple):
   layer: int
   predicted_before: float      # predicted max/mean device load under the current layout
@@ -72,6 +86,7 @@ class OnlinePlanner:
     dropless ragged dispatch); `capacity`: its mode (moe.capacity), 'device' makes smartmoe
     score placements by pooled drops."""
     self.cfg = cfg
+    self.adaptive = adaptive_for(cfg)
     self.capacity_factor = capacity_factor
     self.num_devices = num_devices
     self.cost = cost
@@ -194,7 +209,7 @@ class OnlinePlanner:
     layers whose switch does not pay)."""
     if not (self.active and self.every > 0 and len(self.history) > 0):
       return False
-    return self.cfg.adaptive or not self.planned or (step > 0 and step % self.every == 0)
+    return self.adaptive or not self.planned or (step > 0 and step % self.every == 0)
 
   def propose(self, current: list[Placement]) -> tuple[list[Placement], list[Switch]]:
     """New placements per layer (the current one where no switch pays off; adaptive: also
@@ -211,7 +226,7 @@ class OnlinePlanner:
                         cost=self.cost, num_devices=self.num_devices, options=self.options,
                         samples_stepsxWxE=self._samples(layer))
       # The cold-start plan is always taken (the initial layout knows nothing of the load).
-      adaptive = self.cfg.adaptive and cold_start_done
+      adaptive = self.adaptive and cold_start_done
       d = pricing.decide(cur, new, pred_NxE, self.cost, moves_weights=self._moves_weights,
                          horizon=self.every if adaptive else None,
                          totals_stepsxE=self._step_totals(layer) if adaptive else None)

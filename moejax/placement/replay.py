@@ -20,6 +20,10 @@ time. The policy also gets the window's steps themselves (`samples_stepsxWxE`), 
 plans for their spread. One-copy policies (static, smartmoe) get E/N slots per device whatever
 --slots says (E must divide by N); the others get --slots (>= E/N).
 
+`replay_trainer` replays through the trainer's own re-planner instead (`OnlinePlanner`: its
+`due` / `propose` / `observe` calls, its options and adaptive rule), with the loop's one-step-late
+reading of the metrics: the layouts a training run on that routing would have used.
+
 `oracle` replays the fsep planner given each step's own counts (every step, no lag): a bound
 no lagged planner reaches; `with_regret` adds each policy's distance from it. The
 `window_oracle` row (`replay(..., lookahead=True)`) gives each fsep decision the `every` steps
@@ -41,6 +45,7 @@ from moejax.layout.tables import round_robin_placement
 from moejax.placement import pricing
 from moejax.placement.buffers import BufferTally
 from moejax.placement.policies import ONE_COPY_POLICIES, POLICIES, CostModel, get_policy, predict
+from moejax.placement.replanner import OnlinePlanner
 
 
 def effective_slots(policy: str, num_experts: int, devices: int, slots: int) -> int:
@@ -119,14 +124,93 @@ def replay(counts: np.ndarray, devices: int, slots: int, policy: str, every: int
           current[layer] = new
         planned = flow(held(current[layer], shares), pred[layer], src_dev)
         predicted.append(max_over_mean(planned.device_load_N))
-    for layer in range(layers):
-      f = flow(held(current[layer], shares), counts[t, layer], src_dev)
-      series[t, layer] = max_over_mean(f.device_load_N)
-      priced["busiest_compute_s"] += cost.compute_s(float(np.max(f.device_load_N)))
-      crossing += f.crossing
-      tally.add(held(current[layer], shares), counts[t, layer], src_dev, f.crossing)
+    busiest_s, cross = _evaluate(current, counts[t], src_dev, shares, cost, tally,
+                                 series[t])
+    priced["busiest_compute_s"] += busiest_s
+    crossing += cross
   return {**_result(series, predicted, crossing, int(counts.sum()), moved, times, tally),
           **priced}
+
+
+def _evaluate(current: list, counts_LxWxE: np.ndarray, src_dev: np.ndarray, shares: str,
+              cost: CostModel, tally: BufferTally, out_L: np.ndarray) -> tuple[float, int]:
+  """Routes one step's actual counts through the layouts in use: writes each layer's max/mean
+  device load into `out_L`, adds the buffers to `tally`; returns (the busiest devices' priced
+  compute summed over layers, the rows sent off their device)."""
+  busiest_s, crossing = 0.0, 0
+  for layer, p in enumerate(current):
+    f = flow(held(p, shares), counts_LxWxE[layer], src_dev)
+    out_L[layer] = max_over_mean(f.device_load_N)
+    busiest_s += cost.compute_s(float(np.max(f.device_load_N)))
+    crossing += f.crossing
+    tally.add(held(p, shares), counts_LxWxE[layer], src_dev, f.crossing)
+  return busiest_s, crossing
+
+
+def replay_trainer(counts: np.ndarray, planner: OnlinePlanner, slots: int, *,
+                   fresh: bool = False, lag: int = 0, shares: str = "planned") -> dict:
+  """Replays counts[steps, L, W, E] through the trainer's own re-planner (`planner`, as
+  `moejax.train.pool.online_planner` builds it: the config's policy, options, adaptive rule
+  and capacity) with the trainer's loop around it: before step t the planner has observed the
+  steps up to t - 2 (t - 1 with `fresh`, planner.fresh), since the loop reads a step's
+  metrics after dispatching the next; a re-plan due before t (`planner.due(t)`) is proposed
+  then and its layout used from step t + `lag` on (planner.lag; plans pending meanwhile are
+  chained, as `moejax.train.plan_ahead` chains them). Trace source s runs on device
+  s*N // W, so W must divide by N. Not modelled: the loop also reads a step's metrics at once
+  before an evaluation or a checkpoint save. Returns `replay`'s result dict, `decisions`
+  counting layer proposals and `planner_ms_*` per layer, with `switched`: [step the layout
+  is used from, layer, experts moved] per switch, as the trainer's layout_switch events."""
+  counts = np.asarray(counts)
+  steps, layers, sources, experts = counts.shape
+  n = planner.num_devices
+  if sources % n:
+    raise ConfigError(f"replay_trainer needs the trace's {sources} sources to divide by the "
+                      f"planner's {n} devices, as a training run's data x expert rows do.")
+  check_shares(shares)
+  # The trace holds sources expert-major (s on device s*N // W); the trainer hands the planner
+  # (data, expert) row-major counts: source r*N + d is data row r on device d.
+  rows = sources // n
+  trainer_order = counts.reshape(steps, layers, n, rows, experts).transpose(0, 1, 3, 2, 4)
+  trainer_order = trainer_order.reshape(steps, layers, sources, experts)
+  src_dev = placement_lib.source_devices(sources, n)
+  one_copy = planner.cfg.policy in ONE_COPY_POLICIES
+  start = (placement_lib.static(experts, n) if one_copy
+           else round_robin_placement(experts, n, effective_slots("fsep", experts, n, slots)))
+  current = [start] * layers
+  tally = BufferTally(planner.cost)
+  series = np.zeros((steps, layers))
+  predicted, times, pending = [], [], []     # pending: (apply before step, placements)
+  switched = []
+  priced = {"migrated_bytes": 0, "migration_s": 0.0, "switches": 0, "busiest_compute_s": 0.0}
+  crossing, moved, seen = 0, 0, 0
+  for t in range(steps):
+    # The loop reads step t - 1's metrics before step t only with planner.fresh.
+    while seen < t - (0 if fresh else 1):
+      planner.observe(trainer_order[seen])
+      seen += 1
+    if planner.due(t):
+      basis = pending[-1][1] if pending else current
+      tick = time.perf_counter()
+      new, switches = planner.propose(basis)
+      times.extend([(time.perf_counter() - tick) / layers] * layers)
+      for sw in switches:
+        switched.append([t + lag, sw.layer, sw.experts_moved])
+        moved += sw.experts_moved
+        priced["migrated_bytes"] += sw.moved_bytes
+        priced["migration_s"] += sw.move_s
+      priced["switches"] += len(switches)
+      pending.append((t + lag, new))
+      mean_LxNxE = sum(planner.history) / len(planner.history)
+      predicted.extend(max_over_mean(flow(held(p, shares), pred, np.arange(n)).device_load_N)
+                       for p, pred in zip(new, mean_LxNxE))
+    while pending and pending[0][0] <= t:
+      current = pending.pop(0)[1]
+    busiest_s, cross = _evaluate(current, counts[t], src_dev, shares, planner.cost, tally,
+                                 series[t])
+    priced["busiest_compute_s"] += busiest_s
+    crossing += cross
+  return {**_result(series, predicted, crossing, int(counts.sum()), moved, times, tally),
+          **priced, "switched": switched}
 
 
 SHARES = ("planned", "adaptive")

@@ -13,6 +13,10 @@ vectors correlate about `corr` (z's lag-k correlation is w * slow^k):
   collapse   a collapsed gate: one expert per layer is pinned at 40% of the
              assignments; a few (E/5) share ~55% and the rest 5% (well under 1% each), and
              these drift as exp(0.3 * z_t) within the other 60%.
+  early_collapse  a router that collapses in the first steps of training: step t draws from
+             (1 - a_t) * near-uniform + a_t * collapse, a_t = min(1, t / collapse_steps), the
+             near-uniform part drifting as exp(0.1 * z_t) (a fresh router's spread), so a
+             plan made from step 0 knows nothing of the collapse the next steps bring.
 Every source draws its top_k * tokens_per_source choices from its own mildly perturbed p
 (a fixed log-normal factor exp(source_sigma * g[layer, source, expert])), multinomially.
 Simplification: a token's k choices are drawn independently, so one token may pick the same
@@ -29,7 +33,7 @@ import numpy as np
 
 from moejax.config import ConfigError
 
-KINDS = ("lognormal", "zipf", "collapse")
+KINDS = ("lognormal", "zipf", "collapse", "early_collapse")
 
 
 def _rho_for(corr: float, scale: float) -> float:
@@ -67,8 +71,10 @@ def _collapse_base(rng, layers: int, experts: int) -> tuple[np.ndarray, np.ndarr
 def synthetic_trace(steps: int, layers: int, sources: int, experts: int, top_k: int = 2,
                     tokens_per_source: int = 2048, kind: str = "lognormal", sigma: float = 1.0,
                     zipf_a: float = 1.1, corr: float = 0.8, seed: int = 0,
-                    source_sigma: float = 0.2, slow: float = 0.999) -> dict:
-  """Returns dict(counts=int64 [steps, layers, sources, experts], top_k=, step=arange(steps))."""
+                    source_sigma: float = 0.2, slow: float = 0.999,
+                    collapse_steps: int = 3) -> dict:
+  """Returns dict(counts=int64 [steps, layers, sources, experts], top_k=, step=arange(steps)).
+  `collapse_steps`: early_collapse's steps from near-uniform to fully collapsed."""
   for name, v in (("steps", steps), ("layers", layers), ("sources", sources),
                   ("experts", experts), ("tokens_per_source", tokens_per_source)):
     if int(v) < 1:
@@ -77,6 +83,9 @@ def synthetic_trace(steps: int, layers: int, sources: int, experts: int, top_k: 
     raise ConfigError(f"synthetic_trace top_k={top_k} must be in [1, experts={experts}].")
   if kind not in KINDS:
     raise ConfigError(f"synthetic_trace kind={kind!r} is unknown; choose one of {list(KINDS)}.")
+  if int(collapse_steps) < 1:
+    raise ConfigError(f"synthetic_trace collapse_steps={collapse_steps} must be >= 1 (1: "
+                      "collapsed from step 1 on).")
   rng = np.random.default_rng(seed)
   if kind == "lognormal":
     base, scale = np.zeros((layers, experts)), sigma
@@ -85,16 +94,22 @@ def synthetic_trace(steps: int, layers: int, sources: int, experts: int, top_k: 
     base, scale = -zipf_a * np.log(ranks), sigma / 2
   else:
     (base, top), scale = _collapse_base(rng, layers, experts), 0.3
+  collapsing = kind in ("collapse", "early_collapse")
   w = min(1.0, _rho_for(corr, scale) / slow)
   z = (np.sqrt(w) * _ar1(rng, steps, (layers, experts), slow) +
        np.sqrt(1.0 - w) * rng.standard_normal((steps, layers, experts)))
   logp = base[None] + scale * z                                        # [steps, L, E]
   p = np.exp(logp - logp.max(-1, keepdims=True))
   p /= p.sum(-1, keepdims=True)
-  if kind == "collapse" and experts > 1:                               # pin the top at 40%
+  if collapsing and experts > 1:                                       # pin the top at 40%
     is_top = np.arange(experts)[None, :] == top[:, None]               # [L, E]
     p = np.where(is_top, 0.0, p)
     p = np.where(is_top, 0.40, 0.60 * p / p.sum(-1, keepdims=True))
+  if kind == "early_collapse":       # a fresh router's near-uniform spread, fading out
+    fresh = np.exp(0.1 * z)
+    fresh /= fresh.sum(-1, keepdims=True)
+    a_t = np.minimum(1.0, np.arange(steps) / collapse_steps)[:, None, None]
+    p = (1.0 - a_t) * fresh + a_t * p
   src = np.exp(source_sigma * rng.standard_normal((layers, sources, experts)))
   p = p[:, :, None, :] * src[None]                                     # [steps, L, W, E]
   p /= p.sum(-1, keepdims=True)

@@ -74,7 +74,7 @@ class HardwareProfile:
 
 def load_profile(name_or_path: str) -> HardwareProfile:
   """A preset name (see PRESETS), a JSON file written by `python -m moejax.calibrate`, or a
-  `benchmarks/cost_model.py` result (its whole-step fitted `profile`)."""
+  `benchmarks/strategy/cost_model.py` result (its whole-step fitted `profile`)."""
   if name_or_path in PRESETS:
     return PRESETS[name_or_path]
   try:

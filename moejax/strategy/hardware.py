@@ -4,7 +4,7 @@ model; the schedule estimate of a compiled program, moejax.aot.estimate).
 
 A source is a datasheet, or a committed measurement and how the number was read from it. A
 rate no measurement backs yet says so ("assumed"). The H200 rates are read from the kernel
-table of its one-GPU train steps (benchmarks/results/on_gpu_h200/kernel_profiles.json.gz:
+table of its one-GPU train steps (benchmarks/gpu/results/on_gpu_h200/kernel_profiles.json.gz:
 every kernel's time per step, profiled) against the FLOPs and bytes of the same programs'
 scheduled HLO (step_hlos.json.gz): kernel times, not the per-call rates of on_gpu_h200.json's
 `rates` step, whose small GEMMs and copies were timed per Python dispatch and are
@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-H200_PROFILE = ("benchmarks/results/on_gpu_h200/kernel_profiles.json.gz with step_hlos.json.gz "
+H200_PROFILE = ("benchmarks/gpu/results/on_gpu_h200/kernel_profiles.json.gz with step_hlos.json.gz "
                 "(4 one-GPU train steps, jax 0.11.2)")
 
 
@@ -104,7 +104,7 @@ _CLUSTER = Link(Rate(40e9, f"{_ASSUMED}: 0.8 of the 50 GB/s NIC (ConnectX-7 data
                 Rate(80e9, "assumed: hierarchical all-reduce (NVLink in the node, the NIC "
                            "across), bus bandwidth"),
                 Rate(30e-6, "assumed: NCCL's per-call latency across nodes"))
-_H100_RUN = "benchmarks/results/on_gpu_h100.json (train_steps.profile, one H100, jax 0.11.2)"
+_H100_RUN = "benchmarks/gpu/results/on_gpu_h100.json (train_steps.profile, one H100, jax 0.11.2)"
 
 _FIT = (f"{H200_PROFILE}; `python -m moejax.aot.profile --rates`: the HLO's work of this kind "
         "per step over its kernels' measured time, the four steps together")
@@ -120,10 +120,10 @@ GPU_RATES = {
         name="h100",
         peak_flops=Rate(989e12, _DATASHEET.format("H100")),
         peak_hbm_bytes_per_s=Rate(3.35e12, _DATASHEET.format("H100")),
-        gemm_flops_per_s=Rate(0.65 * 989e12, "benchmarks/results/gmm_tiles_h100.json: XLA's "
-                              "dense dot at 131072 x 1024 x 2048, 635-653 TFLOP/s (0.65 of the "
-                              "peak)"),
-        grouped_flops_per_s=Rate(0.40 * 989e12, "benchmarks/results/gmm_tiles_h100.json: "
+        gemm_flops_per_s=Rate(0.65 * 989e12, "benchmarks/kernels/results/gmm_tiles_h100.json: "
+                              "XLA's dense dot at 131072 x 1024 x 2048, 635-653 TFLOP/s "
+                              "(0.65 of the peak)"),
+        grouped_flops_per_s=Rate(0.40 * 989e12, "benchmarks/kernels/results/gmm_tiles_h100.json: "
                                  "moejax's grouped kernel with its Hopper tiles, 353-438 TFLOP/s "
                                  "(0.40 of the peak)"),
         hbm_bytes_per_s=Rate(3.0e12, f"{_H100_RUN}: the AdamW update of the 32 experts "
@@ -168,7 +168,7 @@ GPU_RATES = {
         attention=(AttentionRate(64, 1024, 280e12, 220e12, _FIT),
                    AttentionRate(128, 4096, 550e12, 443e12, _FIT),
                    AttentionRate(128, 8192, 419e12, 505e12,
-                                 "benchmarks/results/on_gpu_h200.json rates.attention (cudnn, "
+                                 "benchmarks/gpu/results/on_gpu_h200.json rates.attention (cudnn, "
                                  "batch 1, 32 heads, 8 kv heads): fwd 1.31 ms, fwd+bwd 4.04 ms, "
                                  "timed per call (at 4096 such timing reads 0.63x the kernel "
                                  "table's forward rate: a lower bound)")),

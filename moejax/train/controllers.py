@@ -132,19 +132,24 @@ class LayoutReplanning(Hook):
     pool = trainer.pool
     prog, layout = pool.program, pool.layout
     n, num_experts = prog.mesh.shape["expert"], prog.cfg.moe.num_experts
-    jax.block_until_ready(trainer.state)   # time the switch alone, not the step in flight
+    moves = prog.expert_mode == "ep"
+    if moves:
+      jax.block_until_ready(trainer.state)   # time the migration alone, not the step in flight
     tick = time.perf_counter()
     bias = layout.router_bias_LxE
-    if prog.expert_mode == "ep":   # slots own weights: move them and their Adam state
+    if moves:                      # slots own weights: move them and their Adam state
       new_layout = jax.device_put(
           from_slot_expert(np.stack([p.slot_expert for p in new]), num_experts).replace(
               router_bias_LxE=bias), prog.layout_sharding)
       trainer.state = migrate(trainer.state, prog.state_layout(layout),
                               prog.state_layout(new_layout))
-    else:                          # fsep: the next step restores the new slots
-      new_layout = jax.device_put(from_placements(new, num_experts, n).replace(
-          router_bias_LxE=bias), prog.layout_sharding)
-    jax.block_until_ready((trainer.state, new_layout))
+    else:
+      # fsep: the next step restores the new slots; only the tables are uploaded, and the
+      # loop does not wait for the step in flight (fsep re-plans after every step by default).
+      # They go up from host arrays: a copy from the default device queues behind that step.
+      tables = jax.tree.map(np.asarray, from_placements(new, num_experts, n))
+      new_layout = jax.device_put(tables.replace(router_bias_LxE=bias), prog.layout_sharding)
+    jax.block_until_ready((trainer.state, new_layout) if moves else new_layout)
     seconds = time.perf_counter() - tick
     self.migrations += 1
     self.migration_s += seconds

@@ -1,11 +1,17 @@
 """The language-model loss: mean next-token cross-entropy, plain or tiled.
 
-`cross_entropy` takes the [B, Q, vocab] logits. `tiled_cross_entropy` takes the final hidden
-states and the unembedding and never holds more than one tile of logits: it scans the
-sequence in tiles of `chunk` positions, keeps one log-sum-exp per token for the backward
-pass, and recomputes each tile's logits there (its own VJP). The [B, Q, vocab] fp32 logits and
-their gradient are most of a large-vocabulary step's temporary memory (GPT-2's 50,304
-classes: 13 GB per 65,536 tokens, twice).
+The loss takes the model's head whole (moejax.model.transformer.Head: the final-normed hidden
+states and the unembedding), never a parameter by name; `head_loss` picks the variant from the
+config when the step is built. `cross_entropy` takes the [B, Q, vocab] logits.
+`tiled_cross_entropy` takes the final hidden states and the unembedding and never holds more
+than one tile of logits: it scans the sequence in tiles of `chunk` positions, and when it is
+differentiated its forward pass also takes each tile's gradient (softmax minus the one-hot,
+then the two matmuls of the backward) while the tile's logits are at hand, so the backward
+pass only scales the stored gradients by the loss's cotangent (a scalar) instead of
+recomputing every tile's logits: one [tokens, D] x [D, vocab] matmul and the elementwise
+passes over the fp32 tile fewer (a fused linear cross-entropy). The [B, Q, vocab] fp32 logits
+and their gradient are most of a large-vocabulary step's temporary memory (GPT-2's 50,304
+classes: 13 GB per 65,536 tokens, twice); the stored gradients are the size of h and w.
 
 Dtype policy: the tile's matmuls take `compute_dtype` operands (the model's dtype) with fp32
 accumulation; log-sum-exp, the loss and the unembedding's gradient are fp32.
@@ -14,9 +20,23 @@ accumulation; log-sum-exp, the loss and the unembedding's gradient are fp32.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+
+from moejax.config import ModelConfig
+from moejax.model.transformer import Head
+
+
+def head_loss(cfg: ModelConfig) -> Callable[[Head, jax.Array], jax.Array]:
+  """ce(head, targets_BxQ): `tiled_cross_entropy` when `model.loss_chunk` > 0 (the logits one
+  tile of positions at a time, matmuls in the model's dtype), else `cross_entropy` of the
+  head's logits."""
+  if cfg.loss_chunk:
+    return lambda head, targets_BxQ: tiled_cross_entropy(
+        head.h_BxQxD, head.w_Dxvocab, targets_BxQ, cfg.loss_chunk, jnp.dtype(cfg.dtype))
+  return lambda head, targets_BxQ: cross_entropy(head.logits(), targets_BxQ)
 
 
 def cross_entropy(logits_BxQxvocab: jax.Array, targets_BxQ: jax.Array) -> jax.Array:
@@ -45,33 +65,36 @@ def _tile_logits(h_BxtilexD, w_Dxvocab, compute_dtype):
 def tiled_cross_entropy(h_BxQxD: jax.Array, w_Dxvocab: jax.Array, targets_BxQ: jax.Array,
                         chunk: int, compute_dtype=jnp.float32) -> jax.Array:
   """mean over B x Q of -log softmax(h @ w)[target], `chunk` positions of logits at a time."""
-  return _forward(h_BxQxD, w_Dxvocab, targets_BxQ, chunk, compute_dtype)[0]
-
-
-def _forward(h_BxQxD, w_Dxvocab, targets_BxQ, chunk, compute_dtype):
   h_n, t_n = _tiles(h_BxQxD, targets_BxQ, chunk)
 
   def tile(total, xs):
     h, t = xs
     logits = _tile_logits(h, w_Dxvocab, compute_dtype)
-    lse_Bxtile = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, jnp.maximum(t, 0)[..., None], axis=-1)[..., 0]
-    return total + jnp.sum(jnp.where(t >= 0, lse_Bxtile - picked, 0.0)), lse_Bxtile
+    return total + _tile_loss(logits, t)[0], None
 
-  total, lse_n = jax.lax.scan(tile, jnp.zeros((), jnp.float32), (h_n, t_n))
-  loss = total / targets_BxQ.size
-  return loss, (h_BxQxD, w_Dxvocab, targets_BxQ, lse_n)
+  total, _ = jax.lax.scan(tile, jnp.zeros((), jnp.float32), (h_n, t_n))
+  return total / targets_BxQ.size
 
 
-def _bwd(chunk, compute_dtype, res, g):
-  h_BxQxD, w_Dxvocab, targets_BxQ, lse_n = res
+def _tile_loss(logits_Bxtilexvocab, t_Bxtile):
+  """(the tile's summed loss, its log-sum-exp per token); target -1 adds nothing."""
+  lse_Bxtile = jax.nn.logsumexp(logits_Bxtilexvocab, axis=-1)
+  picked = jnp.take_along_axis(logits_Bxtilexvocab, jnp.maximum(t_Bxtile, 0)[..., None],
+                               axis=-1)[..., 0]
+  return jnp.sum(jnp.where(t_Bxtile >= 0, lse_Bxtile - picked, 0.0)), lse_Bxtile
+
+
+def _forward(h_BxQxD, w_Dxvocab, targets_BxQ, chunk, compute_dtype):
+  """The loss and, tile by tile, its gradient for a cotangent of 1 (the residuals)."""
   h_n, t_n = _tiles(h_BxQxD, targets_BxQ, chunk)
-  scale = g / targets_BxQ.size
+  scale = 1.0 / targets_BxQ.size
   vocab = w_Dxvocab.shape[1]
 
-  def tile(dw_Dxvocab, xs):
-    h, t, lse_Bxtile = xs
+  def tile(carry, xs):
+    total, dw_Dxvocab = carry
+    h, t = xs
     logits = _tile_logits(h, w_Dxvocab, compute_dtype)
+    loss, lse_Bxtile = _tile_loss(logits, t)
     # d loss / d logits = softmax - one_hot(target), zero on padding
     d_Bxtilexvocab = (jnp.exp(logits - lse_Bxtile[..., None]) -
                       jax.nn.one_hot(t, vocab, dtype=jnp.float32))
@@ -81,12 +104,18 @@ def _bwd(chunk, compute_dtype, res, g):
                     preferred_element_type=jnp.float32)
     dw_Dxvocab = dw_Dxvocab + jnp.einsum("bcd,bcv->dv", h.astype(compute_dtype), d_Bxtilexvocab,
                                  preferred_element_type=jnp.float32)
-    return dw_Dxvocab, dh
+    return (total + loss, dw_Dxvocab), dh
 
-  dw, dh_n = jax.lax.scan(tile, jnp.zeros(w_Dxvocab.shape, jnp.float32), (h_n, t_n, lse_n))
+  (total, dw), dh_n = jax.lax.scan(
+      tile, (jnp.zeros((), jnp.float32), jnp.zeros(w_Dxvocab.shape, jnp.float32)), (h_n, t_n))
   batch, length, d_model = h_BxQxD.shape
   dh = dh_n.swapaxes(0, 1).reshape(batch, -1, d_model)[:, :length]
-  return dh.astype(h_BxQxD.dtype), dw.astype(w_Dxvocab.dtype), None
+  return total * scale, (dh.astype(h_BxQxD.dtype), dw.astype(w_Dxvocab.dtype))
+
+
+def _bwd(chunk, compute_dtype, res, g):
+  dh, dw = res
+  return (g * dh).astype(dh.dtype), (g * dw).astype(dw.dtype), None
 
 
 tiled_cross_entropy.defvjp(_forward, _bwd)

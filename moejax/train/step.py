@@ -9,21 +9,15 @@ import optax
 
 from moejax.config import MoEConfig
 from moejax.layout.tables import Layout
-from moejax.train.loss import cross_entropy, tiled_cross_entropy
+from moejax.train.loss import head_loss
 from moejax.train.state import TrainState
 
 
 def loss_fn(params, model: nn.Module, moe_cfg: MoEConfig, batch_BxQ1: jax.Array,
             layout: Layout):
   inputs, targets = batch_BxQ1[:, :-1], batch_BxQ1[:, 1:]
-  model_cfg = model.cfg          # a Transformer's, or the one a Pipelined runs
-  if model_cfg.loss_chunk:     # the logits one tile of positions at a time
-    h, stats = model.apply({"params": params}, inputs, layout, hidden=True)
-    ce = tiled_cross_entropy(h, params["unembed"], targets, model_cfg.loss_chunk,
-                             jnp.dtype(model_cfg.dtype))
-  else:
-    logits, stats = model.apply({"params": params}, inputs, layout)
-    ce = cross_entropy(logits, targets)
+  head, stats = model.apply({"params": params}, inputs, layout)
+  ce = head_loss(model.cfg)(head, targets)     # model.cfg: a Transformer's, or a Pipelined's
   balance = jnp.sum(stats.balance_loss)
   z = jnp.sum(stats.z_loss)
   loss = ce + moe_cfg.balance_loss_weight * balance + moe_cfg.z_loss_weight * z

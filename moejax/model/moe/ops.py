@@ -23,7 +23,7 @@ import jax
 
 from moejax.config import ConfigError
 from moejax.model.moe.combine import combine_rows
-from moejax.model.moe.dispatch import gather_rows
+from moejax.model.moe.dispatch import permute_rows
 from pallas_kernels import backend as backend_lib, gmm_mosaic
 from pallas_kernels.gmm import GmmTuning
 from pallas_kernels.grouped_matmul import gmm as pallas_gmm
@@ -45,8 +45,8 @@ def ops_for(kernels: str, platform: str, capability: str | None = None, dtype=No
   """The op set for `moe.kernels` on the mesh's `platform` ("cpu", "gpu", ...), whose devices
   have compute `capability` ("9.0"; None: not a GPU, or unknown) and compute in `dtype`."""
   if kernels == "xla":
-    return ExpertOps("xla", "xla", lambda x, token_rows, rows_TxK: gather_rows(x, token_rows),
-                     combine_rows, lambda x, w, sizes: jax.lax.ragged_dot(x, w, sizes))
+    return ExpertOps("xla", "xla", permute_rows, combine_rows,
+                     lambda x, w, sizes: jax.lax.ragged_dot(x, w, sizes))
   if kernels == "pallas":
     requested = "triton" if pallas_backend == "mosaic_gpu" else pallas_backend
     backend = backend_lib.resolve(requested, platform)

@@ -1,0 +1,197 @@
+"""The levers of the one-GPU train step, read in the program XLA:GPU compiles for one
+compile-only H200 (no GPU needed; the `gpu-aot` extra): for each shape of
+`gpu_train_step.SHAPES` and each of its levers, the train step's schedule estimate by
+category (moejax.aot.estimate: within 9% per category and 5% per step of the four measured
+H200 kernel tables it was checked on, tests/test_gpu_program_estimate.py) and what the lever
+removes from the program:
+  - kernels per step;
+  - convert bytes inside loop bodies (a weight cast to the compute dtype in every scanned
+    layer and every microbatch, a gradient cast back);
+  - fp32 [tokens, vocab] buffers (the loss's logits);
+  - GEMM FLOPs executed against the model's (remat's recompute, capacity padding, the tiled
+    loss's recomputed logits);
+  - scatter kernels and the bytes they add atomically;
+  - XLA's temporary memory per GPU.
+The MoE path and its dense-equivalent are compiled for each lever, so the estimated
+MoE / dense-equivalent ratio sits beside the estimated step. A GPU run measures the same
+levers (`benchmarks.gpu.on_gpu`, `gpu_train_step.Shape.levers`); where both exist, the
+measurement wins.
+
+  python -m benchmarks.gpu.gpu_levers --json benchmarks/gpu/results/gpu_levers_h200.json
+  python -m benchmarks.gpu.gpu_levers --shapes gpu_config_ep8_slice --tiny   # the code path
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+from benchmarks.common import start
+
+LEVER_BASE = "as configured"
+# A compile-only program has XLA's unfused attention (no cuDNN to build the fused kernel
+# with), whose [B, H, Q, Q] scores a step without remat keeps for every layer: hundreds of GB
+# at 4096 positions, which XLA then rematerialises itself. A GPU run's cuDNN kernel keeps none,
+# so only a GPU measures this lever.
+NO_REMAT_COMPILE_ONLY = ("compile-only programs keep XLA's unfused attention scores; without "
+                         "remat they overflow the GPU and XLA rematerialises on its own: a GPU "
+                         "measures this lever")
+
+
+def _program_reads(module, vocab: int, d_model: int) -> dict:
+  """What the scheduled HLO `module` does in a step, counted over each kernel's runs."""
+  from moejax.aot import work
+  from moejax.aot.hlo import DTYPE_BYTES
+  from moejax.aot.profile import kernels_by_instruction
+  out = {"kernels": 0.0, "gemm_flops": 0.0, "attention_flops": 0.0, "loop_convert_bytes": 0.0,
+         "scatter_kernels": 0.0, "scatter_bytes": 0.0, "fp32_vocab_buffers": 0,
+         "fp32_vocab_bytes": 0}
+  for ins, shapes, runs, done in kernels_by_instruction(module):
+    out["kernels"] += runs
+    if (attn := work.attention(ins, shapes)) is not None:
+      out["attention_flops"] += attn.flops * runs
+      continue
+    if work.category(module, ins, shapes) == "gemm":
+      out["gemm_flops"] += work.flops(module, ins, shapes) * runs
+      continue
+    kind = work.memory_kind(module, ins)
+    moved = work.kernel_bytes(module, ins, shapes, done) * runs
+    if kind == "scatter":
+      out["scatter_kernels"] += runs
+      out["scatter_bytes"] += moved
+    # a kernel XLA made of a convert (its fusion is named for it), run in a loop body
+    if runs > 1 and "convert" in ins.name:
+      out["loop_convert_bytes"] += moved
+  for comp in module.computations.values():
+    for ins in comp:
+      for dtype, dims in ins.arrays():
+        # positions x vocab (the logits or a tile of them), not [d_model, vocab] weights
+        if dtype == "f32" and vocab in dims and math.prod(dims) >= 8 * vocab and not (
+            len(dims) == 2 and set(dims) == {vocab, d_model}):
+          out["fp32_vocab_buffers"] += 1
+          out["fp32_vocab_bytes"] = max(out["fp32_vocab_bytes"],
+                                        math.prod(dims) * DTYPE_BYTES["f32"])
+  return out
+
+
+def compile_row(cfg, gpu: str) -> dict:
+  """One train step compiled for one compile-only `gpu`: its estimate and reads."""
+  from benchmarks.gpu.gpu_train_step import flops_per_token
+  from moejax.aot import compile_train_step
+  from moejax.aot.estimate import estimate
+  from moejax.aot.hlo import parse
+  from moejax.aot.summary import peak_bytes
+  gp = compile_train_step(cfg, gpu=gpu, topology="1x1x1")
+  module = parse(gp.hlo)
+  est = estimate(module, gpu, "1x1x1")
+  tokens = cfg.data.global_batch_size * cfg.data.seq_len
+  reads = _program_reads(module, cfg.model.vocab_size, cfg.model.d_model)
+  return {"compile_s": round(gp.lower_s + gp.compile_s, 1), "estimated_step_s": est.step_s,
+          "estimated_by_category_s": est.by_category, "estimated_kernels": est.kernels,
+          "model_flops": flops_per_token(cfg) * tokens,
+          "peak_bytes": peak_bytes(gp.memory), "temp_bytes": gp.memory.get("temp", 0),
+          **reads}
+
+
+def shape_rows(shape: str, gpu: str, tiny: bool, levers: list[str] | None) -> list[dict]:
+  """The shape's MoE path (its first) and dense-equivalent, as configured and under each
+  lever of `gpu_train_step.SHAPES[shape]` (all, or those named in `levers`)."""
+  from benchmarks.gpu.gpu_train_step import PATHS, SHAPES, load_config, with_bindings
+  spec = SHAPES[shape]
+  base = load_config(tiny, 1, shape)
+  moe_path = spec.paths[0][0]
+  variants = [(LEVER_BASE, {}, False)] + [v for v in spec.levers
+                                          if levers is None or v[0] in levers]
+  rows = []
+  for lever, bindings, moe_only in variants:
+    for path in (moe_path,) if moe_only else (moe_path, "dense_equivalent"):
+      row = {"shape": shape, "lever": lever, "path": path, "bindings": bindings}
+      if bindings.get("model.remat") is False:
+        row["skipped"] = NO_REMAT_COMPILE_ONLY
+        rows.append(row)
+        continue
+      tick = time.perf_counter()
+      try:
+        cfg = with_bindings(base, {**dict(PATHS)[path], **bindings}).validate()
+        row.update(compile_row(cfg, gpu))
+      except Exception as e:    # a lever that does not compile here is a result
+        row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+      row["wall_s"] = round(time.perf_counter() - tick, 1)
+      print(f"[levers] {shape} / {lever} / {path}: " + (
+          row.get("error") or f"estimated {1e3 * row['estimated_step_s']:.1f} ms, "
+                              f"compiled in {row['compile_s']:.0f} s"), flush=True)
+      rows.append(row)
+  return rows
+
+
+def savings(rows: list[dict]) -> list[dict]:
+  """Per shape, lever and path: the estimated step and each category against the same
+  path as configured (positive: saved), and the MoE path's tokens/s over the
+  dense-equivalent's under the same lever."""
+  base = {(r["shape"], r["path"]): r for r in rows
+          if r["lever"] == LEVER_BASE and "error" not in r and "skipped" not in r}
+  out = []
+  for r in rows:
+    b = base.get((r["shape"], r["path"]))
+    if "error" in r or "skipped" in r or b is None:
+      continue
+    dense = next((d for d in rows if d["shape"] == r["shape"] and d["lever"] == r["lever"] and
+                  d["path"] == "dense_equivalent" and "error" not in d and
+                  "skipped" not in d), None)
+    dense = dense or base.get((r["shape"], "dense_equivalent"))
+    out.append({"shape": r["shape"], "lever": r["lever"], "path": r["path"],
+                "saved_s": b["estimated_step_s"] - r["estimated_step_s"],
+                "saved_by_category_s": {k: b["estimated_by_category_s"].get(k, 0.0) - v
+                                        for k, v in r["estimated_by_category_s"].items()},
+                "moe_over_dense_throughput": (
+                    dense["estimated_step_s"] / r["estimated_step_s"]
+                    if dense and r["path"] != "dense_equivalent" else None)})
+  return out
+
+
+def main(argv=None) -> int:
+  from benchmarks.gpu.gpu_train_step import SHAPES
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu.gpu_levers",
+                               description=__doc__.split("\n\n")[0])
+  ap.add_argument("--shapes", default=",".join(SHAPES),
+                  help=f"comma-separated shapes of gpu_train_step.SHAPES ({', '.join(SHAPES)})")
+  ap.add_argument("--levers", default=None,
+                  help="comma-separated lever names (default: every lever of each shape)")
+  ap.add_argument("--gpu", default="h200", choices=("h100", "h200"))
+  ap.add_argument("--tiny", action="store_true", help="tiny models of each shape's kind")
+  ap.add_argument("--json", default=None, help="write the rows here")
+  args = ap.parse_args(argv)
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")   # compile-only: no GPU is started
+  from benchmarks.common import command, write_result
+  from moejax.aot.gpus import has_cuda_plugin
+  if why := has_cuda_plugin():
+    print(f"error: {why}", file=sys.stderr)
+    return 2
+  levers = args.levers.split(",") if args.levers else None
+  rows = []
+  for shape in args.shapes.split(","):
+    if shape not in SHAPES:
+      print(f"error: --shapes names {shape!r}; use some of {', '.join(SHAPES)}",
+            file=sys.stderr)
+      return 2
+    rows += shape_rows(shape, args.gpu, args.tiny, levers)
+  result = {"benchmark": "gpu_levers", "gpu": args.gpu, "tiny": args.tiny, "rows": rows,
+            "savings": savings(rows)}
+  for s in result["savings"]:
+    if s["lever"] != LEVER_BASE:
+      print(f"{s['shape']:>22} {s['path']:>16} {s['lever']:<48} saves "
+            f"{1e3 * s['saved_s']:8.1f} ms" + (
+                f", MoE/dense tokens/s {s['moe_over_dense_throughput']:.2f}"
+                if s["moe_over_dense_throughput"] else ""))
+  if args.json:
+    result["metadata"] = {"command": command("gpu.gpu_levers", argv)}
+    write_result(result, args.json)
+  return 0
+
+
+if __name__ == "__main__":
+  start()
+  sys.exit(main())

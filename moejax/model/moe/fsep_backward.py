@@ -1,0 +1,141 @@
+"""How fsep's backward pass gets each MoE layer's restored expert weights.
+
+The forward pass restores layer l's slot weights from the stored shards (`fsep_experts`) and
+hands them to the layer. Autodiff would keep every layer's restored weights from the forward
+until its backward pass: L layers of full expert weights alive at once. Instead the layer's
+backward recomputes it from weights it gets again (`_recomputing_moe`), in one of three ways,
+chosen when the model is built (`fsep_moe`):
+
+  KEEP       plain autodiff: the forward's restored weights are kept (where the re-restoring
+             vjp cannot run: pallas_kernels.compat.rerestores_fsep).
+  RERESTORE  the backward restores this layer's weights again (one more exchange, on the
+             backward's critical path).
+  PREFETCH   the backward of layer l restores layer l-1's and hands them back through the
+             layer scan as the cotangent of a `channel` the scan carries; the last layer's
+             come from `close_channel`, issued before the head's backward. Each restore then
+             overlaps the backward compute of the layer after it.
+
+`open_channel` and `close_channel` are the channel's two ends around the layer scan.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from moejax.model.moe.fsep_experts import restore_layer
+from moejax.model.moe.layer import MoELayer
+
+KEEP, RERESTORE, PREFETCH = "keep", "rerestore", "prefetch"
+
+# The name scope of the backward pass's weight restores (the compiled program's op names tell
+# them from the forward's restores and from the restores' transposes, the gradient return).
+BACKWARD_RESTORE = "backward_restore"
+
+
+def _backward_restore(stored, slot_expert_LxS, layer, mesh: Mesh, dtype):
+  with jax.named_scope(BACKWARD_RESTORE):
+    return restore_layer(stored, slot_expert_LxS, layer, mesh, dtype)
+
+
+def _recomputing_moe(moe: MoELayer, backward_weights):
+  """`moe(x, layout, weights)`, plus a `channel` passed through unchanged, whose backward
+  pass recomputes the layer from weights it gets again instead of the forward keeping every
+  layer's restored weights until its backward pass: `backward_weights(ct_channel, stored,
+  slot_expert_LxS, layer)` gives (this layer's weights, the cotangent of the channel input)."""
+  def call(mdl, x, layout, weights, channel, stored, slot_expert_LxS, layer):
+    del stored, slot_expert_LxS, layer          # the backward pass's inputs
+    return mdl(x, layout, weights), channel
+
+  def fwd(mdl, x, layout, weights, channel, stored, slot_expert_LxS, layer):
+    res = (mdl.variables["params"], x, layout, stored, slot_expert_LxS, layer)   # no `weights`
+    return (mdl(x, layout, weights), channel), res
+
+  def bwd(res, ct):
+    params, x, layout, stored, slot_expert_LxS, layer = res
+    ct_out, ct_channel = ct
+    weights, ct_channel_in = backward_weights(ct_channel, stored, slot_expert_LxS, layer)
+    apply = lambda p, x, w: MoELayer(moe.cfg, moe.mesh, moe.dtype).apply({"params": p}, x,
+                                                                          layout, w)
+    ct_params, ct_x, ct_weights = jax.vjp(apply, params, x, weights)[1](ct_out)
+    return {"params": ct_params}, ct_x, None, ct_weights, ct_channel_in, None, None, None
+
+  return nn.custom_vjp(call, fwd, bwd)
+
+
+def _rerestoring_moe(moe: MoELayer):
+  """`_recomputing_moe` whose backward pass restores this layer's weights again from the
+  stored shards (one more exchange); its channel is None."""
+  def backward_weights(ct_channel, stored, slot_expert_LxS, layer):
+    del ct_channel
+    return _backward_restore(stored, slot_expert_LxS, layer, moe.mesh, moe.dtype), None
+
+  return _recomputing_moe(moe, backward_weights)
+
+
+def _prefetching_moe(moe: MoELayer):
+  """`_recomputing_moe` whose channel (the shape of one layer's restored weights) carries
+  restored weights backwards through the layer scan: layer l's backward pass takes its own
+  weights from the cotangent of its channel output (restored during layer l+1's backward, or
+  by `close_channel` for the last layer) and returns layer l-1's, restored now, as the
+  cotangent of its channel input, so that restore overlaps this layer's backward compute
+  instead of preceding it."""
+  def backward_weights(ct_channel, stored, slot_expert_LxS, layer):
+    previous = (layer - 1) % slot_expert_LxS.shape[0]    # layer 0 wraps: nobody reads it
+    return ct_channel, _backward_restore(stored, slot_expert_LxS, previous, moe.mesh, moe.dtype)
+
+  return _recomputing_moe(moe, backward_weights)
+
+
+def _kept(moe: MoELayer):
+  del moe
+  return lambda mdl, x, layout, weights, channel, *backward_inputs: (mdl(x, layout, weights),
+                                                                     channel)
+
+
+def fsep_moe(moe: MoELayer, backward: str):
+  """call(moe, x, layout, weights, channel, stored, slot_expert_LxS, layer) -> ((y, stats),
+  channel): the fsep MoE layer on this layer's restored `weights`, its backward pass getting
+  them as `backward` (KEEP, RERESTORE or PREFETCH) says; `channel` is None but with PREFETCH."""
+  # read at call time, so that a test can put plain autodiff in one's place
+  wrap = {KEEP: _kept, RERESTORE: _rerestoring_moe, PREFETCH: _prefetching_moe}
+  if backward not in wrap:
+    raise ValueError(f"fsep backward {backward!r} is not one of {tuple(wrap)}")
+  return wrap[backward](moe)
+
+
+def open_channel(first_weights: dict) -> dict:
+  """The channel the layer scan carries with PREFETCH (zeros shaped like one layer's restored
+  weights): only its cotangent, the weights the backward restores, is ever read."""
+  return jax.tree.map(jnp.zeros_like, first_weights)
+
+
+def _seed_backward_restore(mesh: Mesh, dtype):
+  """seed(x, channel, stored, slot_expert_LxS) = x, whose backward restores the last MoE
+  layer's weights as the cotangent of the layer scan's final `channel` (`_prefetching_moe`):
+  the first backward restore, issued before the head's backward."""
+  @jax.custom_vjp
+  def seed(x, channel, stored, slot_expert_LxS):
+    del channel, stored, slot_expert_LxS
+    return x
+
+  def fwd(x, channel, stored, slot_expert_LxS):
+    del channel
+    return x, (stored, slot_expert_LxS)
+
+  def bwd(res, ct_x):
+    stored, slot_expert_LxS = res
+    last = _backward_restore(stored, slot_expert_LxS, slot_expert_LxS.shape[0] - 1, mesh, dtype)
+    return ct_x, last, None, None
+
+  seed.defvjp(fwd, bwd)
+  return seed
+
+
+def close_channel(x: jax.Array, channel: dict, stored: dict, slot_expert_LxS: jax.Array,
+                  mesh: Mesh, dtype) -> jax.Array:
+  """`x` (the layer scan's output), whose backward pass feeds the scan's final `channel` the
+  last MoE layer's restored weights (PREFETCH)."""
+  return _seed_backward_restore(mesh, dtype)(x, channel, stored, slot_expert_LxS)
