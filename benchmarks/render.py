@@ -27,14 +27,15 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 DECISIONS = "decisions"   # relative to docs/results.md
 
 # The sections of docs/results.md (and rows of the README's table) in the order they show, by
-# family prefix: placement and its planners, the trainer on CPU devices, then the GPU.
+# family prefix: placement and its planners, the trainer on CPU devices, then the GPU, then
+# balance on a GPU cluster (and its CPU counterpart).
 SECTIONS = (
     "replay_", "adaptive_capacity", "planner_time", "planner_ab", "planner_replay_ab",
     "replan_sweep", "migration_bytes", "smartmoe",
     "balance_pays", "fsep_vs_ep", "moe_layer", "cost_model", "strategy_switch", "routers",
     "published_mixtral", "chaos", "ragged_memory", "convert_memory", "replan_overhead",
     "kernels_", "gmm_tiles", "layer_profile", "train_step", "gpu_compile", "on_gpu",
-    "gpu_program", "gpu_levers", "peer_maxtext",
+    "gpu_program", "gpu_levers", "peer_maxtext", "cluster_h100", "cluster_cpu", "cluster_layers",
 )
 
 # Files whose figures a later run replaced: the decision that did so keeps them.

@@ -200,6 +200,59 @@ def test_unfused_attention_costs_as_the_fused_kernel():
   assert e.kernels == 2                  # the softmax is inside the fused kernel
 
 
+# A loop of 4 tiles whose body runs a dot in the true branch of a two-way conditional (as
+# `lax.cond` inside a `lax.scan` compiles: true_computation / false_computation, not
+# branch_computations), and nothing in the false one.
+CONDITIONAL = """HloModule cond
+
+%run (p: (bf16[64,128], bf16[128,32])) -> bf16[64,32] {
+  %p = (bf16[64,128]{1,0}, bf16[128,32]{1,0}) parameter(0)
+  %a = bf16[64,128]{1,0} get-tuple-element(%p), index=0
+  %b = bf16[128,32]{1,0} get-tuple-element(%p), index=1
+  ROOT %dot = bf16[64,32]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%skip (q: bf16[64,32]) -> bf16[64,32] {
+  ROOT %q = bf16[64,32]{1,0} parameter(0)
+}
+
+%body (s: (s32[], bf16[64,128], bf16[128,32], bf16[64,32], pred[])) -> (s32[], bf16[64,128], bf16[128,32], bf16[64,32], pred[]) {
+  %s = (s32[], bf16[64,128]{1,0}, bf16[128,32]{1,0}, bf16[64,32]{1,0}, pred[]) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %a = bf16[64,128]{1,0} get-tuple-element(%s), index=1
+  %b = bf16[128,32]{1,0} get-tuple-element(%s), index=2
+  %y = bf16[64,32]{1,0} get-tuple-element(%s), index=3
+  %use = pred[] get-tuple-element(%s), index=4
+  %ab = (bf16[64,128]{1,0}, bf16[128,32]{1,0}) tuple(%a, %b)
+  %c = bf16[64,32]{1,0} conditional(%use, %ab, %y), true_computation=%run, false_computation=%skip
+  ROOT %t = (s32[], bf16[64,128]{1,0}, bf16[128,32]{1,0}, bf16[64,32]{1,0}, pred[]) tuple(%i, %a, %b, %c, %use)
+}
+
+%cond (s: (s32[], bf16[64,128], bf16[128,32], bf16[64,32], pred[])) -> pred[] {
+  %s = (s32[], bf16[64,128]{1,0}, bf16[128,32]{1,0}, bf16[64,32]{1,0}, pred[]) parameter(0)
+  ROOT %p = pred[] get-tuple-element(%s), index=4
+}
+
+ENTRY %main (init: (s32[], bf16[64,128], bf16[128,32], bf16[64,32], pred[])) -> (s32[], bf16[64,128], bf16[128,32], bf16[64,32], pred[]) {
+  %init = (s32[], bf16[64,128]{1,0}, bf16[128,32]{1,0}, bf16[64,32]{1,0}, pred[]) parameter(0)
+  ROOT %w = (s32[], bf16[64,128]{1,0}, bf16[128,32]{1,0}, bf16[64,32]{1,0}, pred[]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+}
+"""  # noqa: E501
+
+
+def test_a_conditional_costs_its_dearer_branch():
+  """The kernels of a two-way conditional's branches (true_computation / false_computation,
+  as a `lax.cond` in a scan compiles) are costed: the dearer branch, every loop iteration."""
+  module = parse(CONDITIONAL)
+  assert module.runs()["run"] == 4
+  rates = est_lib.Rates.for_gpu("h100", "1x1x1")
+  dot = est_lib.kernel(module, module.by_name("run")["dot"], module.by_name("run"), rates)
+  assert dot.category == "gemm" and dot.seconds > 0
+  e = est_lib.estimate(module, "h100", "1x1x1")
+  assert e.by_category["gemm"] == pytest.approx(4 * dot.seconds)
+  assert e.kernels == 4
+
+
 def test_sustained_rates_stay_under_the_datasheet():
   for gpu in GPU_RATES.values():
     assert gpu.grouped_flops_per_s.value < gpu.gemm_flops_per_s.value < gpu.peak_flops.value

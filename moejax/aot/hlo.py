@@ -14,7 +14,10 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2
                "f64": 8, "c64": 8, "c128": 16, "s4": 1, "u4": 1}
 _SHAPE = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
 _INSTR = re.compile(r"\s+(?:ROOT )?(%?)([\w.\-]+) = (.*)$")
-_CALLS = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
+# A conditional names its branches either as `branch_computations={...}` (read in `parse`) or,
+# with two, as `true_computation=` and `false_computation=`.
+_CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)"
+                    r"=%?([\w.\-]+)")
 _HEADER = re.compile(r"(?:ENTRY )?%?([\w.\-]+) [({]")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from moejax.layout.leaves import EXPERT_WEIGHTS
 from moejax.model.mesh import logical_to_spec
@@ -51,9 +51,14 @@ def restore_layer(weights: dict, slot_expert_LxS: jax.Array, layer: jax.Array | 
                   dtype=None) -> dict:
   """One MoE layer's slot-ordered weights ([S, D, ffn] / [S, ffn, D]) from every layer's stored
   weights; `layer` may be traced (the layer scan's index)."""
+  # The layer is sliced where its stored shards lie: left to propagate, XLA's partitioner
+  # gathers a sharding the restore does not take (FSDP's data-axis shards of the embed dim)
+  # on the whole [layers, ...] stack before a traced slice, every layer.
   take = lambda a: jax.lax.dynamic_slice_in_dim(a, layer, 1, axis=0)
-  restored = restore_slot_weights({n: take(w) for n, w in weights.items()}, take(slot_expert_LxS),
-                                  mesh, dtype)
+  local = lambda a: jax.lax.with_sharding_constraint(
+      take(a), NamedSharding(mesh, P(*[P.UNCONSTRAINED] * a.ndim)))
+  restored = restore_slot_weights({n: local(w) for n, w in weights.items()},
+                                  take(slot_expert_LxS), mesh, dtype)
   return {n: w[0] for n, w in restored.items()}
 
 

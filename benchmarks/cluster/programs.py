@@ -1,0 +1,235 @@
+"""The study's programs: the trainer's train step of a model at one policy's buffer, compiled
+by XLA:GPU for compile-only H100s (`moejax.aot.compile_train_step`, the GPU flags train.py
+sets), read once into a row (schedule estimate by category and collective, XLA's memory, the
+grouped matmul's share) and kept in a cache, so that a program is compiled once per distinct
+buffer and reused by every routing that needs that buffer.
+
+A program is (model, topology, kind, factor): kind 'ep' (static and SmartMoE: one program,
+the layout is an argument), 'fsep_planned', 'fsep_adaptive' (moe.fsep_shares = 'adaptive'),
+or 'ragged' (dropless: factor is moe.ragged_buffer_factor). Dense kinds run pooled capacity
+with the grouped-matmul kernels (moe.kernels = 'pallas'): every (source, device) buffer of
+`factor` x the balanced share goes through the exchange whole, and the grouped kernel
+computes the rows its group sizes hold, so `busiest_step` scales the grouped matmul's time
+by the busiest device's rows over the buffer's, the rest of the program as compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import time
+
+from benchmarks.common import REPO
+from moejax.aot import work
+from moejax.aot.estimate import Rates, estimate, kernel
+from moejax.aot.gpus import gpu as gpu_info
+from moejax.aot.hlo import parse
+from moejax.config import Config
+from moejax.frontend import parse_config
+
+MODELS = {"mixtral_8x7b": os.path.join(REPO, "configs", "mixtral_8x7b.gin"),
+          "qwen3_30b_a3b": os.path.join(REPO, "configs", "qwen3_moe.gin")}
+SEQUENCES_PER_GPU = 4          # Megatron-Core's Mixtral-8x7B run: 256 x 4096 on 64 H100s
+KINDS = ("ep", "fsep_planned", "fsep_adaptive", "ragged", "ep_einsum")
+KIND_OF_POLICY = {"static": "ep", "smartmoe": "ep", "fsep_planned": "fsep_planned",
+                  "fsep_adaptive": "fsep_adaptive", "ragged": "ragged"}
+
+
+def gpus(topology: str) -> int:
+  return math.prod(int(v) for v in topology.split("x"))
+
+
+def expert_axis(cfg: Config, n_gpus: int) -> int:
+  """The study's expert axis: one node's 8 GPUs for a model of at most 8 experts (its
+  config's, Megatron-Core's EP8), else as many GPUs as there are experts, up to all."""
+  e = cfg.moe.num_experts
+  return min(e, n_gpus) if e > 8 else min(cfg.mesh.expert, n_gpus)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  model: str
+  topology: str
+  kind: str
+  factor: float
+  layers: int = 0              # 0: the model's own depth
+  fsdp: bool = False
+
+  def key(self) -> str:
+    text = json.dumps(dataclasses.asdict(self), sort_keys=True)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def bindings(model: str, topology: str, layers: int = 0, fsdp: bool = False) -> list[str]:
+  """The model's config at `topology`: 4 sequences a GPU, the study's expert axis, pooled
+  grouped-kernel experts; `layers` (0: the model's) and FSDP over the data axis."""
+  n = gpus(topology)
+  base = parse_config([MODELS[model]], ["data.path = None"])
+  return ["data.path = None", f"data.global_batch_size = {SEQUENCES_PER_GPU * n}",
+          "mesh.data = -1", f"mesh.expert = {expert_axis(base, n)}", "moe.kernels = 'pallas'",
+          "moe.capacity = 'device'", f"mesh.fsdp = {fsdp}",
+          *([f"model.num_layers = {layers}"] if layers else [])]
+
+
+KIND_BINDINGS = {
+    "ep": ["moe.dispatch = 'dense'"],
+    "fsep_planned": ["moe.dispatch = 'dense'", "moe.expert_mode = 'fsep'"],
+    "fsep_adaptive": ["moe.dispatch = 'dense'", "moe.expert_mode = 'fsep'",
+                      "moe.fsep_shares = 'adaptive'"],
+    "ragged": ["moe.dispatch = 'ragged'"],
+    # Static EP's other program: per-(source, slot) buffers through XLA's batched einsum (a
+    # cuBLAS GEMM per slot, over the whole buffer), for the force-balanced comparison with
+    # Megatron-Core.
+    "ep_einsum": ["moe.dispatch = 'dense'", "moe.kernels = 'xla'", "moe.capacity = 'slot'"],
+}
+
+
+def run_config(spec: Spec) -> Config:
+  """The config a run of `spec`'s model at its topology starts from: the study's bindings,
+  the model's own capacity factor (its gin's, else the trainer's default), which the
+  planners are told."""
+  return parse_config([MODELS[spec.model]], bindings(spec.model, spec.topology, spec.layers,
+                                                     spec.fsdp))
+
+
+def config(spec: Spec) -> Config:
+  factor = (f"moe.ragged_buffer_factor = {spec.factor!r}" if spec.kind == "ragged" else
+            f"moe.capacity_factor = {spec.factor!r}")
+  return parse_config([MODELS[spec.model]], [
+      *bindings(spec.model, spec.topology, spec.layers, spec.fsdp), *KIND_BINDINGS[spec.kind],
+      factor])
+
+
+def grouped_matmul(module, rates: Rates) -> dict:
+  """The grouped-matmul calls of a program: their seconds per step (each call's estimate
+  times how often its computation runs) and the largest row count M they take (the buffer)."""
+  runs = module.runs()
+  seconds, rows = 0.0, 0
+  for comp, times in runs.items():
+    shapes = module.by_name(comp)
+    for ins in module.computations[comp]:
+      if ins.opcode == "custom-call" and work.grouped_matmul_flops(ins, shapes) > 0:
+        seconds += times * kernel(module, ins, shapes, rates).seconds
+        dims = [shapes[o].arrays()[0][1] for o in ins.operands
+                if o in shapes and shapes[o].arrays()]
+        rows = max([rows] + [d[0] for d in dims if len(d) == 2])
+  return {"seconds": seconds, "rows": rows}
+
+
+def compile_row(spec: Spec, gpu: str = "h100", hlo_dir: str | None = None) -> dict:
+  """Compiles `spec`'s program and reads it into a row (or the one-line error)."""
+  from moejax.aot import compile_train_step
+
+  tick = time.perf_counter()
+  row = {"spec": dataclasses.asdict(spec), "gpu": gpu}
+  try:
+    gp = compile_train_step(config(spec), gpu=gpu, topology=spec.topology)
+  except Exception as e:   # noqa: BLE001  (a program that does not compile is a result)
+    row.update(compiled=False, error=f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+               [:300], wall_s=round(time.perf_counter() - tick, 1))
+    return row
+  module = parse(gp.hlo)
+  est = estimate(module, gpu, spec.topology)
+  peak = gp.memory["argument"] + gp.memory["temp"] + gp.memory["output"] - gp.memory["alias"]
+  row.update(
+      compiled=True, strategy=gp.program.cfg and _spec_text(gp), attention=gp.attention,
+      lower_s=round(gp.lower_s, 1), compile_s=round(gp.compile_s, 1),
+      step_s=est.step_s, compute_s=est.compute_s, comm_s=est.comm_s,
+      exposed_comm_s=est.exposed_comm_s, by_category=est.by_category, comm_by=est.comm_by,
+      exposed_by=est.exposed_by, compute_by=est.compute_by,
+      grouped_matmul=grouped_matmul(module, Rates.for_gpu(gpu, spec.topology)),
+      peak_bytes=peak, fits=peak <= gpu_info(gpu).memory_bytes,
+      wall_s=round(time.perf_counter() - tick, 1))
+  if hlo_dir:
+    os.makedirs(hlo_dir, exist_ok=True)
+    with open(os.path.join(hlo_dir, f"{spec.key()}.hlo"), "w") as f:
+      f.write(gp.hlo)
+  return row
+
+
+def cuda_plugin() -> str:
+  """The installed jax-cuda12-plugin's version (the compile-only GPU target), or 'absent'."""
+  import importlib.metadata
+  try:
+    return importlib.metadata.version("jax-cuda12-plugin")
+  except importlib.metadata.PackageNotFoundError:
+    return "absent"
+
+
+def device_text() -> str:
+  """What a result's metadata says its device was."""
+  return f"compile-only H100s (XLA:GPU, jax-cuda12-plugin {cuda_plugin()}) on this CPU host"
+
+
+def _spec_text(gp) -> str:
+  from moejax.strategy.spec import from_config
+  return from_config(gp.program.cfg, gpus(gp.topology)).spec
+
+
+class Cache:
+  """Program rows by `Spec.key()` in one JSON file: a program compiled once is read back."""
+
+  def __init__(self, path: str | None):
+    self.path = path
+    self.rows: dict[str, dict] = {}
+    if path and os.path.exists(path):
+      with open(path) as f:
+        self.rows = json.load(f)
+
+  def get(self, spec: Spec, gpu: str = "h100", hlo_dir: str | None = None,
+          log=print) -> dict:
+    key = spec.key()
+    if key not in self.rows:
+      log(f"compiling {spec}")
+      self.rows[key] = compile_row(spec, gpu, hlo_dir)
+      row = self.rows[key]
+      log(f"  {'compiled' if row['compiled'] else row['error']}: "
+          f"{row.get('compile_s', '')} s compile, step {row.get('step_s', 0):.3f} s, "
+          f"wall {row['wall_s']} s")
+      self.save()
+    return self.rows[key]
+
+  def save(self) -> None:
+    """Writes the rows, with any another process added to the file meanwhile."""
+    if self.path:
+      os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+      if os.path.exists(self.path):
+        with open(self.path) as f:
+          self.rows = {**json.load(f), **self.rows}
+      with open(self.path + ".tmp", "w") as f:
+        json.dump(self.rows, f)
+      os.replace(self.path + ".tmp", self.path)
+
+
+def interpolate(lo: dict, hi: dict, f_lo: float, f_hi: float, factor: float) -> dict:
+  """A program row at `factor` between two compiled ones: every number linear between them
+  (the step, the grouped matmul, each collective's time and exposure, the peak)."""
+  w = (factor - f_lo) / (f_hi - f_lo)
+
+  def mix(a, b):
+    if isinstance(a, dict):
+      return {k: mix(a.get(k, 0.0), b.get(k, 0.0)) for k in set(a) | set(b)}
+    if isinstance(a, bool) or not isinstance(a, (int, float)):
+      return b
+    return a + w * (b - a)
+
+  keys = ("step_s", "compute_s", "comm_s", "exposed_comm_s", "by_category", "comm_by",
+          "exposed_by", "compute_by", "grouped_matmul", "peak_bytes")
+  out = {k: mix(lo[k], hi[k]) for k in keys}
+  out.update(compiled=True, fits=out["peak_bytes"] <= gpu_info(lo["gpu"]).memory_bytes,
+             interpolated=[f_lo, f_hi])
+  return out
+
+
+def busiest_step(row: dict, busiest_over_mean: float, factor: float) -> dict:
+  """The step of program `row` when the busiest device computes `busiest_over_mean` times the
+  balanced rows (T*K) and its buffer holds `factor` times them: the grouped matmul's time
+  scaled by their ratio, the rest as compiled (a first-order correction: the overlap of the
+  exchange with the compute is the compiled one's)."""
+  grouped = row["grouped_matmul"]["seconds"]
+  fill = min(1.0, busiest_over_mean / factor)
+  return {"scaled_step_s": row["step_s"] - grouped * (1.0 - fill),
+          "grouped_matmul_s": grouped * fill, "buffer_fill": fill}

@@ -1,0 +1,158 @@
+"""How the cluster study's results read as tables: what balancing the experts buys compile-only
+H100 clusters (`study`), the same fraction measured on the 8 fake CPU devices (`cpu`), and the
+programs' per-layer scaling (`layers`); the families of results/, registered with
+`benchmarks.families.family`; `python -m benchmarks.render` assembles them."""
+
+from __future__ import annotations
+
+from benchmarks.families import Section, family, num, table
+
+# The issue's goals at 64 GPUs on these routings (docs/guide/cluster-study.md).
+GOAL_ROUTINGS = ("drift_bursts", "default_run")
+MODEL_NAMES = {"mixtral_8x7b": "Mixtral-8x7B", "qwen3_30b_a3b": "Qwen3-30B-A3B"}
+
+
+def _f(x, digits: int = 2) -> str:
+  return "" if x is None else f"{x:.{digits}f}"
+
+
+def _skew(d: dict, r: dict) -> str:
+  rp = d["replays"].get(f"{r['model']}/{r['expert_axis']}/{r['routing']}", {})
+  return _f(rp.get("skew", {}).get("expert_max_over_mean_median"))
+
+
+def _row(d: dict, r: dict) -> list:
+  if "error" in r:
+    return [MODEL_NAMES[r["model"]], r["gpus"], r["routing"], "", r["policy"],
+            f"{r['needed_factor']:.3f}", f"not compiled: {r['error'][:80]}", *[""] * 6]
+  paid = r["paid_replan_exposed_s"] + r["paid_migration_s"]
+  return [MODEL_NAMES[r["model"]], r["gpus"], r["routing"], _skew(d, r), r["policy"],
+          f"{r['needed_factor']:.3f} -> {r['factor']:.3f}", _f(r["busiest_over_mean"]),
+          _f(r["step_s"], 3), num(r["tokens_per_s"], 0), _f(r["fraction_of_balanced"], 3),
+          f"{r['speedup_over_static']:.2f}x" if r.get("speedup_over_static") else "",
+          f"{r['paid_replan_s']:.3f} / {paid * 1e3:.1f}",
+          f"{r['peak_gib']:.0f}{'' if r['fits'] else ' (no)'}"]
+
+
+def _best(rows: list[dict]) -> dict:
+  return max(rows, key=lambda r: r["tokens_per_s"])
+
+
+def _goals(name: str, d: dict) -> list[tuple[str, str, str]]:
+  """README rows: the 64-GPU goals per model on the goal routings, Mixtral's uniform step
+  against Megatron-Core's published one."""
+  head = []
+  ok = [r for r in d["rows"] if "step_s" in r]
+  for model, label in MODEL_NAMES.items():
+    for gpus in (64, 256):
+      cells = []
+      for routing in GOAL_ROUTINGS:
+        got = {r["policy"]: r for r in ok if r["model"] == model and r["gpus"] == gpus and
+               r["routing"] == routing}
+        if not got:
+          continue
+        best = _best(list(got.values()))
+        fsep = max((got[p] for p in ("fsep_planned", "fsep_adaptive") if p in got),
+                   key=lambda r: r["tokens_per_s"], default=None)
+        smart = got.get("smartmoe")
+        cells.append(f"{routing}: fsep {_f(fsep and fsep['fraction_of_balanced'])}, SmartMoE "
+                     f"{_f(smart and smart['fraction_of_balanced'])}, best "
+                     f"({best['policy']}) {best['speedup_over_static']:.2f}x static EP")
+      if cells:
+        head.append((f"{label} on {gpus} compile-only H100s (schedule estimate, trainer's "
+                     "planners replayed): fraction of force-balanced throughput at <= 1% "
+                     "drops; best policy over static EP", "; ".join(cells), name))
+  uniform = [r for r in ok if r["model"] == "mixtral_8x7b" and r["gpus"] == 64 and
+             r["routing"] == "uniform" and r["policy"] == "static"]
+  published = d.get("published", {}).get("step_s")
+  if uniform and published:
+    r = uniform[0]
+    prog = d["programs"][r["programs"][0]]
+    einsum = d["denominators"].get("mixtral_8x7b/64", {}).get("einsum")
+    head.append(("Mixtral-8x7B on 64 compile-only H100s, uniform routing, static EP at "
+                 "factor 1.0 (fused attention costed): estimated step vs Megatron-Core's "
+                 f"published {published:.2f} s",
+                 f"{r['step_s']:.2f} s, {r['step_s'] / published:.2f}x; compute "
+                 f"{prog['compute_s']:.2f} s ({prog['grouped_matmul']['seconds']:.2f} s the "
+                 f"grouped expert matmul), communication exposed {prog['exposed_comm_s']:.2f} s"
+                 + (f"; per-slot einsum program {einsum['step_s']:.2f} s, "
+                    f"{einsum['step_s'] / published:.2f}x" if einsum else ""), name))
+  return head
+
+
+@family("cluster_h100", "Balance on a GPU cluster: policies under real routing, compile-only "
+        "H100s")
+def _cluster(files):
+  lines, head = [], []
+  for name, d in files.items():
+    rows = [_row(d, r) for r in d["rows"]]
+    programs = [[MODEL_NAMES[p["spec"]["model"]], p["spec"]["topology"], p["spec"]["kind"],
+                 _f(p["spec"]["factor"], 3), p.get("strategy", ""),
+                 _f(p.get("lower_s"), 0), _f(p.get("compile_s"), 0),
+                 _f(p.get("step_s"), 3), _f(p.get("exposed_comm_s"), 3),
+                 _f((p.get("grouped_matmul") or {}).get("seconds"), 3)]
+                for p in d["programs"].values() if p.get("compiled")]
+    lines += [f"`{name}`: per model, GPU count, routing and policy, the capacity factor the "
+              "trainer's own planner needs for <= 1% drops on the routing (replayed; rounded "
+              f"up to a multiple of {d['grid']} and compiled there), the busiest device's "
+              "rows over the mean, the schedule estimate of that program with its grouped "
+              "matmul scaled to the busiest device's rows, plus the re-plan time beyond the "
+              "step in flight and ep migrations; tokens/s; the fraction of the force-"
+              "balanced throughput (static EP at factor 1.0 on uniform routing) and the "
+              "speedup over static EP on the routing. Every step is an estimate "
+              "(docs/guide/cluster-study.md).", "",
+              *table(["model", "GPUs", "routing", "expert max/mean", "policy",
+                      "factor needed -> compiled", "busiest/mean", "step s", "tokens/s",
+                      "of balanced", "vs static", "re-plan s / paid ms", "peak GiB (fits)"],
+                     rows), "",
+              "The programs (compiled once each, read by every routing at that buffer):", "",
+              *table(["model", "topology", "kind", "factor", "strategy", "lower s",
+                      "compile s", "step s", "exposed comm s", "grouped matmul s"], programs),
+              ""]
+    head += _goals(name, d)
+  return Section(lines[:-1], head)
+
+
+@family("cluster_cpu", "Balance on the 8 fake CPU devices: fraction of force-balanced, measured")
+def _cluster_cpu(files):
+  lines, head = [], []
+  for name, d in files.items():
+    rows = [[r["policy"], r["seed"], f"{r['capacity_factor']:.3f}",
+             f"{100 * r['dropped_fraction']:.2f}%", num(r["tokens_per_s"], 0),
+             num(r["uniform_tokens_per_s"], 0), f"{r['fraction_of_balanced']:.3f}",
+             f"{r['fraction_of_own_uniform']:.3f}"] for r in d["rows"]]
+    lines += [f"`{name}`: balance_pays' MoE layer (forward + backward) per policy at its "
+              "factor for <= 1% drops under its skewed routing, and on a forced uniform "
+              "routing at factor 1.0, timed interleaved; the fraction over static EP's uniform "
+              "layer (force-balanced) and over the policy's own.", "",
+              *table(["policy", "seed", "factor", "dropped", "tokens/s skewed",
+                      "tokens/s uniform", "of force-balanced", "of own uniform"], rows), ""]
+    g = d["geomean"]
+    a = d["args"]
+    head.append(("MoE layer on 8 fake CPU devices, skewed routing at <= 1% drops: fraction of "
+                 "force-balanced (static EP, uniform routing, factor 1.0) throughput, geomean "
+                 f"over seeds {', '.join(map(str, a['seeds']))} ({a['rounds']} rounds)",
+                 ", ".join(f"{p} {v['fraction_of_balanced']:.2f}" for p, v in g.items()), name))
+  return Section(lines[:-1], head)
+
+
+@family("cluster_layers", "The cluster study's programs scaled per layer")
+def _cluster_layers(files):
+  lines = []
+  for name, d in files.items():
+    rows = []
+    for r in d["rows"]:
+      ext = r.get("extrapolated") or {}
+      cut = "; ".join(f"{k} layers {v['step_s']:.3f} s ({'fits' if v['fits'] else 'does not fit'})"
+                      for k, v in r["cut"].items() if v.get("step_s") is not None)
+      rows.append([MODEL_NAMES[r["model"]], r["topology"], r["kind"], cut,
+                   _f(ext.get("step_s"), 3), _f(ext.get("per_layer_s"), 4),
+                   f"{r['full']['step_s']:.3f} ({'fits' if r['full']['fits'] else 'does not fit'})",
+                   _f(r.get("extrapolated_over_full"), 3)])
+    lines += [f"`{name}`: each program compiled at {' and '.join(map(str, d['depths']))} layers, "
+              "its schedule estimate extrapolated linearly to the model's depth, beside the "
+              "program compiled at full depth (where that does not fit the GPU, XLA's "
+              "scheduler stops overlapping its collectives).", "",
+              *table(["model", "topology", "kind", "cut depths", "extrapolated step s",
+                      "per layer s", "full depth step s", "extrapolated / full"], rows), ""]
+  return Section(lines[:-1])
