@@ -33,21 +33,25 @@ from tests.hlo import array_dims
 from tests.moe_helpers import model_lengths, pipeline_reference
 from tests.numerics import assert_close, assert_trees_close
 
-STAGES, SHAPE, MICRO = 2, (2, 2, 1), 2          # data 2 (FSDP's), expert 2, over 2 stages
+MICRO = 2
+# (stages, (data, expert, model)): two stages of data 2 (FSDP's) x expert 2, and microbatches
+# alone (one stage, whose tick loop is the microbatches')
+CASES = {"p2": (2, (2, 2, 1)), "m2": (1, (2, 2, 1))}
 # 4 MoE layers, K = 2 a stage; bf16 as the GPU configs (the hoisted values are its casts)
 MODEL = dataclasses.replace(TINY_MODEL, num_layers=8, remat=True, dtype="bfloat16")
 F32_MODEL = dataclasses.replace(MODEL, dtype="float32")
 
 
 @functools.cache
-def _step_parts(model_cfg):
-  mesh = mesh_of_shape(SHAPE, stage=STAGES)
+def _step_parts(model_cfg, case: str = "p2"):
+  stages, shape = CASES[case]
+  mesh = mesh_of_shape(shape, stage=stages)
   model = Transformer(model_cfg, TINY_MOE, mesh)
-  layout = jax.device_put(initial_layout(TINY_MOE, num_moe_layers(model_cfg, TINY_MOE), SHAPE[1]),
+  layout = jax.device_put(initial_layout(TINY_MOE, num_moe_layers(model_cfg, TINY_MOE), shape[1]),
                           jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
   tx = optimizer(OptimConfig(learning_rate=1e-2, warmup_steps=1), 10)
   shardings = state_shardings(model, tx, mesh, layout, BATCH, SEQ,
-                              param_rules(fsdp=True, stage=True))
+                              param_rules(fsdp=True, stage=stages > 1))
   state = init_state(model, tx, shardings, layout, BATCH, SEQ, 0)
   assert "data" in tuple(state.params["layers"]["moe"]["w_gate"].sharding.spec)
   loss_fn = lambda p, b: step_lib.loss_fn(p, Pipelined(model, MICRO), TINY_MOE, b, layout)
@@ -58,10 +62,10 @@ def _step_parts(model_cfg):
   return float(loss), aux, grads, compiled.as_text()
 
 
-def _gathered_expert_dims(model_cfg) -> set[tuple[int, ...]]:
+def _gathered_expert_dims(model_cfg, expert: int) -> set[tuple[int, ...]]:
   """One layer's expert weights on a device, their embed dim whole: [E/expert, D, F] and
   [E/expert, F, D]."""
-  e, d, f = TINY_MOE.num_experts // SHAPE[1], model_cfg.d_model, TINY_MOE.d_ff
+  e, d, f = TINY_MOE.num_experts // expert, model_cfg.d_model, TINY_MOE.d_ff
   return {(e, d, f), (e, f, d)}
 
 
@@ -75,13 +79,15 @@ def _reachable(module, name: str, seen: set) -> set:
   return seen
 
 
-def test_each_layer_is_gathered_inside_the_tick_loop():
+@pytest.mark.parametrize("case", CASES)
+def test_each_layer_is_gathered_inside_the_tick_loop(case):
   """Every all-gather of one layer's expert weights runs in a tick loop (forward or
   backward), and no array anywhere holds the stage's K layers of them gathered."""
-  hlo = _step_parts(MODEL)[3]
+  stages, shape = CASES[case]
+  hlo = _step_parts(MODEL, case)[3]
   module = parse(hlo)
-  one_layer = _gathered_expert_dims(MODEL)
-  ticks = stage_cost.ticks(STAGES, MICRO)
+  one_layer = _gathered_expert_dims(MODEL, shape[1])
+  ticks = stage_cost.ticks(stages, MICRO)
   in_ticks: set = set()
   for ins in module.computations[module.entry]:
     if ins.opcode == "while" and ins.trip_count() == ticks:
@@ -92,7 +98,7 @@ def test_each_layer_is_gathered_inside_the_tick_loop():
   assert len(gathers) >= 6, "forward and backward gather each of w_gate, w_up, w_down"
   outside = [ins.name for comp, ins in gathers if comp not in in_ticks]
   assert not outside, f"expert weights gathered outside the tick loops: {outside}"
-  k = num_moe_layers(MODEL, TINY_MOE) // STAGES
+  k = num_moe_layers(MODEL, TINY_MOE) // stages
   stacked = {(k,) + dims for dims in one_layer} | {(k, 1) + dims for dims in one_layer}
   held = {m.group(0) for m in re.finditer(r"\b(?:bf16|f32)\[([\d,]+)\]", hlo)
           if tuple(int(x) for x in m.group(1).split(",")) in stacked}
