@@ -97,7 +97,8 @@ def _chunk_runner(model: Transformer, virtual: int):
       # them (the bf16 weights, FSDP's gather) depends on the tick: left loop-invariant, JAX's
       # scan linearization hoists it out of the tick loop (its known-value hoisting) and the
       # stage holds every one of its K layers' gathered weights at once for the whole step.
-      # Inside the checkpoint, so that the residuals stay the weights as stored.
+      # Inside the checkpoint, so that the residuals stay the weights as stored; without
+      # remat every tick would keep its own cast weights as residuals, more than the stack.
       group_params, x_BxQxD = jax.lax.optimization_barrier((group_params, carry.x_BxQxD))
       carry = carry._replace(x_BxQxD=x_BxQxD)
     return group.apply({"params": group_params}, carry, (layout_row, layer), *stored)
