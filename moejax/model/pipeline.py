@@ -88,11 +88,22 @@ def _chunk_runner(model: Transformer, virtual: int):
   fsep = moe_cfg.expert_mode == "fsep"
   dtype = jnp.dtype(cfg.dtype)
 
+  remat = cfg.remat and not fsep    # fsep remats its dense blocks inside LayerGroup
+
   def one_group(carry, xs, stored):
     group_params, layout_row, layer = xs
+    if remat:
+      # The layer's weights pass one barrier with its input, so that what is computed from
+      # them (the bf16 weights, FSDP's gather) depends on the tick: left loop-invariant, JAX's
+      # scan linearization hoists it out of the tick loop (its known-value hoisting) and the
+      # stage holds every one of its K layers' gathered weights at once for the whole step.
+      # Inside the checkpoint, so that the residuals stay the weights as stored; without
+      # remat every tick would keep its own cast weights as residuals, more than the stack.
+      group_params, x_BxQxD = jax.lax.optimization_barrier((group_params, carry.x_BxQxD))
+      carry = carry._replace(x_BxQxD=x_BxQxD)
     return group.apply({"params": group_params}, carry, (layout_row, layer), *stored)
 
-  if cfg.remat and not fsep:    # fsep remats its dense blocks inside LayerGroup
+  if remat:
     one_group = jax.checkpoint(one_group)
 
   def run(stage_args, chunk, x):
