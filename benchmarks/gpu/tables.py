@@ -216,6 +216,30 @@ def _gpus(row) -> int:
   return gpus
 
 
+# The code levers' names beside the old path each "before" row puts back.
+CODE_LEVERS = {"scatter_backward": ("gather backward", "scatter backward"),
+               "recompute_loss": ("fused linear cross-entropy", "recompute loss")}
+
+
+def _code_levers(rows: list[dict]) -> list[dict]:
+  """Per row with an old path put back ("before"): the row at the same bindings with the
+  library's path, and the step the library's path saves."""
+  after = {(r["shape"], r["lever"], r["path"]): r for r in rows
+           if "before" not in r and "estimated_step_s" in r}
+  out = []
+  for r in rows:
+    if "before" not in r or "estimated_step_s" not in r:
+      continue
+    lever, suffix = CODE_LEVERS[r["before"]]
+    at = r["lever"][:-len(suffix)].rstrip(", ") or "as configured"
+    new = after.get((r["shape"], at, r["path"]))
+    if new is not None:
+      out.append({"shape": r["shape"], "lever": lever, "at": at, "path": r["path"],
+                  "old_s": r["estimated_step_s"], "new_s": new["estimated_step_s"],
+                  "saved_s": r["estimated_step_s"] - new["estimated_step_s"]})
+  return out
+
+
 # The measured error of the schedule estimate that prices the levers (decision 0104, on the
 # four H200 kernel tables): the figure a reader weighs each estimated saving against.
 ESTIMATE_ERROR = "within 9% per category and 5% per step of four measured H200 steps"
@@ -245,9 +269,25 @@ def _gpu_levers(files):
               *table(["shape", "lever", "path", "est. step ms", "est. MFU", "kernels",
                       "GEMM / model FLOPs", "loop convert GB", "scatter kernels",
                       "temp GiB"], rows), ""]
+    before = _code_levers(d["rows"])
+    if before:
+      lines += ["Each code lever alone: the estimated step with the old path put back "
+                "(`benchmarks/gpu/before.py`) less the step with the library's, at the same "
+                "bindings.", "",
+                *table(["shape", "lever", "at", "path", "old path ms", "library ms", "saves ms"],
+                       [[b["shape"], b["lever"], b["at"], b["path"], num(1e3 * b["old_s"], 1),
+                         num(1e3 * b["new_s"], 1), num(1e3 * b["saved_s"], 1)]
+                        for b in before]), ""]
     for shape in dict.fromkeys(r["shape"] for r in d["rows"]):
+      code = [b for b in before if b["shape"] == shape and b["path"] != "dense_equivalent"]
+      if code:
+        head.append((f"{shape} on one compile-only H200, the schedule estimate: each code "
+                     "lever's saving alone (the old path put back)",
+                     "; ".join(f"{b['lever']} at {b['at']}: {1e3 * b['saved_s']:.0f} ms"
+                               for b in code), name))
+      levers = {r["lever"] for r in d["rows"] if "before" not in r}
       saved = [s for s in d["savings"] if s["shape"] == shape and s["path"] != "dense_equivalent"
-               and s["lever"] != "as configured"]
+               and s["lever"] != "as configured" and s["lever"] in levers]
       base = next((s for s in d["savings"] if s["shape"] == shape and
                    s["lever"] == "as configured" and s["path"] != "dense_equivalent"), None)
       if not saved or base is None:
@@ -259,4 +299,33 @@ def _gpu_levers(files):
                    f"{best['lever']}: {1e3 * best['saved_s']:.0f} ms a step; "
                    f"{ratio(base['moe_over_dense_throughput'])} -> "
                    f"{ratio(best['moe_over_dense_throughput'])}", name))
+  return Section(lines[:-1], head)
+
+
+@family("loss_parity", "Loss parity of the one-GPU step's levers that change numerics (CPU)")
+def _loss_parity(files):
+  lines, head = [], []
+  for name, d in files.items():
+    tail = d["tail"]
+    rows = [[s["job"], s["run"], s["reference"], f"{s['final_loss']:.4f}",
+             f"{s['reference_final_loss']:.4f}", f"{s['final_diff']:+.4f}",
+             f"{s['max_abs_diff_tail']:.4f}", f"{s['tail_mean_diff']:+.4f}",
+             f"{s['noise']['tail_mean_diff']:+.4f}" if s["noise"] else "",
+             {True: "yes", False: "no", None: ""}[s["within_noise"]]]
+            for s in d["summary"]]
+    steps = ", ".join(f"{r['job']} {r['steps']}" for r in d["rows"]
+                      if r["reference"] is None)
+    lines += [f"`{name}`: each run's loss curve through the trainer on CPU (steps: {steps}) "
+              "against its reference, the same job and seeds without the lever; the noise is "
+              "the reference job at another initialisation seed (train.seed 1) against the "
+              f"same reference. Differences over the last {tail} steps.", "",
+              *table(["job", "run", "reference", "final loss", "reference's", "final diff",
+                      f"max abs diff, last {tail}", f"mean diff, last {tail}",
+                      "seed noise, mean diff", "within noise"], rows), ""]
+    for s in d["summary"]:
+      if s["within_noise"] is not None:
+        head.append((f"Loss parity on CPU, {s['job']}: {s['run']} vs {s['reference']}, "
+                     f"mean loss over the last {tail} steps (the baseline at another seed)",
+                     f"{s['tail_mean_diff']:+.4f} ({s['noise']['tail_mean_diff']:+.4f})",
+                     name))
   return Section(lines[:-1], head)
