@@ -216,6 +216,11 @@ def _gpus(row) -> int:
   return gpus
 
 
+def _ms(seconds: float) -> str:
+  ms = 1e3 * seconds
+  return f"{ms:.0f} ms" if abs(ms) >= 10 else f"{ms:.1f} ms"
+
+
 # The code levers' names beside the old path each "before" row puts back.
 CODE_LEVERS = {"scatter_backward": ("gather backward", "scatter backward"),
                "recompute_loss": ("fused linear cross-entropy", "recompute loss")}
@@ -279,26 +284,24 @@ def _gpu_levers(files):
                          num(1e3 * b["new_s"], 1), num(1e3 * b["saved_s"], 1)]
                         for b in before]), ""]
     for shape in dict.fromkeys(r["shape"] for r in d["rows"]):
-      code = [b for b in before if b["shape"] == shape and b["path"] != "dense_equivalent"]
-      if code:
-        head.append((f"{shape} on one compile-only H200, the schedule estimate: each code "
-                     "lever's saving alone (the old path put back)",
-                     "; ".join(f"{b['lever']} at {b['at']}: {1e3 * b['saved_s']:.0f} ms"
-                               for b in code), name))
+      code = "; ".join(f"{b['lever']} alone {_ms(b['saved_s'])}" + (
+                           f" at {b['at']}" if b["at"] != "as configured" else "")
+                       for b in before if b["shape"] == shape and b["path"] != "dense_equivalent")
       levers = {r["lever"] for r in d["rows"] if "before" not in r}
       saved = [s for s in d["savings"] if s["shape"] == shape and s["path"] != "dense_equivalent"
                and s["lever"] != "as configured" and s["lever"] in levers]
       base = next((s for s in d["savings"] if s["shape"] == shape and
                    s["lever"] == "as configured" and s["path"] != "dense_equivalent"), None)
-      if not saved or base is None:
+      if base is None or not (saved or code):
         continue
-      best = max(saved, key=lambda s: s["saved_s"])
+      best = max(saved, key=lambda s: s["saved_s"]) if saved else None
+      what = (f"{best['lever']}: {_ms(best['saved_s'])} a step; "
+              f"{ratio(base['moe_over_dense_throughput'])} -> "
+              f"{ratio(best['moe_over_dense_throughput'])}" if best else "")
       head.append((f"{shape} on one compile-only H200, the schedule estimate ({ESTIMATE_ERROR}): "
                    "best lever's saving; MoE tokens/s over the dense twin's, as configured -> "
-                   "with it",
-                   f"{best['lever']}: {1e3 * best['saved_s']:.0f} ms a step; "
-                   f"{ratio(base['moe_over_dense_throughput'])} -> "
-                   f"{ratio(best['moe_over_dense_throughput'])}", name))
+                   "with it; each code lever's saving alone (the old path put back)",
+                   "; ".join(x for x in (what, code) if x), name))
   return Section(lines[:-1], head)
 
 
@@ -322,10 +325,12 @@ def _loss_parity(files):
               *table(["job", "run", "reference", "final loss", "reference's", "final diff",
                       f"max abs diff, last {tail}", f"mean diff, last {tail}",
                       "seed noise, mean diff", "within noise"], rows), ""]
-    for s in d["summary"]:
-      if s["within_noise"] is not None:
-        head.append((f"Loss parity on CPU, {s['job']}: {s['run']} vs {s['reference']}, "
-                     f"mean loss over the last {tail} steps (the baseline at another seed)",
-                     f"{s['tail_mean_diff']:+.4f} ({s['noise']['tail_mean_diff']:+.4f})",
-                     name))
+    for job in dict.fromkeys(s["job"] for s in d["summary"]):
+      runs = [s for s in d["summary"] if s["job"] == job and s["within_noise"] is not None]
+      if runs:
+        head.append((f"Loss parity on CPU, {job} job: mean loss over the last {tail} steps, "
+                     "the lever's run less the same run without it (the baseline at another "
+                     "seed less the baseline: the noise)",
+                     "; ".join(f"{s['run']}: {s['tail_mean_diff']:+.4f}" for s in runs) +
+                     f" ({runs[0]['noise']['tail_mean_diff']:+.4f})", name))
   return Section(lines[:-1], head)
