@@ -12,8 +12,9 @@ of the baseline that differ only by chance end apart: the noise a lever must sta
     (tests/test_loss.py), so what is left is the fp32 summation order compounding over steps.
 
 The GPU config's miniature: configs/gpt_moe_gpu.gin (bf16 compute, remat, the tiled loss, top-2
-of experts, GPT-2's 50,304-token vocabulary cut to `MINI_VOCAB`) at the default job's widths
-and mesh, XLA dispatch (the ragged path is GPU-only), the warm-up cut to the run's length.
+of experts, GPT-2's 50,304-token vocabulary cut to `MINI_VOCAB`: a head and loss tiles of that
+width, though the built-in byte corpus only has ids below 256) at the default job's widths and
+mesh, XLA dispatch (the ragged path is GPU-only), the warm-up cut to the run's length.
 
   python -m benchmarks.gpu.loss_parity --json benchmarks/gpu/results/loss_parity.json
   python -m benchmarks.gpu.loss_parity --steps 5     # the code path
@@ -33,8 +34,8 @@ from benchmarks.common import start
 
 TAIL = 50             # the curves are compared over their last TAIL steps
 MINI_VOCAB = 2048     # of the GPU config's 50,304: a CPU-sized [tokens, vocab] tile
-# job: (gin file, bindings, steps): the default job's 300 steps; the miniature's 100 (bf16
-# matmuls and a vocabulary 8x the bytes' make each of its steps several of the default's on CPU)
+# job: (gin file, bindings, steps): the default job's 300 steps; the miniature's 100, which
+# keeps the seven runs near half an hour on a loaded 2-core host
 JOBS = {
     "default": ("configs/default.gin", [], 300),
     "gpu_config_mini": ("configs/gpt_moe_gpu.gin", [
