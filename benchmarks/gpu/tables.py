@@ -268,9 +268,9 @@ def _gpu_levers(files):
                    num(r["temp_bytes"] / 2**30, 1)])
     lines += [f"`{name}`: the schedule estimate ({ESTIMATE_ERROR}) of each program compiled for "
               "one compile-only H200; estimated MFU at the bf16 peak, model FLOPs only; GEMM "
-              "FLOPs executed over the model's (remat, capacity padding, the tiled loss's "
-              "recompute); XLA's temp memory holds the unfused attention scores a GPU's "
-              "cuDNN kernel does not.", "",
+              "FLOPs executed over the model's (remat, capacity padding, and in the rows that "
+              "put the recomputing loss back its recomputed logits); XLA's temp memory holds "
+              "the unfused attention scores a GPU's cuDNN kernel does not.", "",
               *table(["shape", "lever", "path", "est. step ms", "est. MFU", "kernels",
                       "GEMM / model FLOPs", "loop convert GB", "scatter kernels",
                       "temp GiB"], rows), ""]
