@@ -35,7 +35,8 @@ SECTIONS = (
     "balance_pays", "fsep_vs_ep", "moe_layer", "cost_model", "strategy_switch", "routers",
     "published_mixtral", "chaos", "ragged_memory", "convert_memory", "replan_overhead",
     "kernels_", "gmm_tiles", "layer_profile", "train_step", "gpu_compile", "on_gpu",
-    "gpu_program", "gpu_levers", "peer_maxtext", "cluster_h100", "cluster_cpu", "cluster_layers",
+    "gpu_program", "gpu_levers", "loss_parity", "peer_maxtext", "cluster_h100", "cluster_cpu",
+    "cluster_layers",
 )
 
 # Files whose figures a later run replaced: the decision that did so keeps them.

@@ -120,3 +120,21 @@ def test_dense_equivalent_sharded_matches_one_device():
   layers = TINY_MODEL.num_layers // TINY_MOE.moe_every
   assert aux["counts_LxWxE"].shape == (layers, 8, TINY_MOE.num_experts)
   assert not np.any(aux["counts_LxWxE"]) and not np.any(aux["dropped_LxW"])
+
+
+def test_recomputing_loss_the_lever_study_prices_equals_the_fused_one():
+  """benchmarks/gpu/before.py's tiled loss (logits recomputed in the backward), which the lever
+  study and the loss-parity study put back to price the fused one: the same value and, bf16
+  operands and padding included, the same gradients, bit for bit on CPU (each tile runs the
+  same operations on the same values)."""
+  from benchmarks.gpu import before
+  k = jax.random.split(jax.random.key(2), 3)
+  h = jax.random.normal(k[0], (2, 30, 32))
+  w = jax.random.normal(k[1], (32, 200)) * 0.2
+  t = jax.random.randint(k[2], (2, 30), 0, 200)
+  got = jax.jit(jax.value_and_grad(
+      lambda h, w: tiled_cross_entropy(h, w, t, 8, jnp.bfloat16), (0, 1)))(h, w)
+  old = jax.jit(jax.value_and_grad(
+      lambda h, w: before.recompute_tiled_cross_entropy(h, w, t, 8, jnp.bfloat16), (0, 1)))(h, w)
+  for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(old)):
+    np.testing.assert_array_equal(g, r)

@@ -13,9 +13,12 @@ removes from the program:
   - scatter kernels and the bytes they add atomically;
   - XLA's temporary memory per GPU.
 The MoE path and its dense-equivalent are compiled for each lever, so the estimated
-MoE / dense-equivalent ratio sits beside the estimated step. A GPU run measures the same
-levers (`benchmarks.gpu.on_gpu`, `gpu_train_step.Shape.levers`); where both exist, the
-measurement wins.
+MoE / dense-equivalent ratio sits beside the estimated step. The levers that are code, not
+bindings (the MoE layer's gather backward, the fused linear cross-entropy), are priced by
+rows with the old path put back for the program (`benchmarks.gpu.before`) at the shape's
+microbatches: `BEFORE`; the step they save is that row's less the one without the suffix.
+A GPU run measures the same levers (`benchmarks.gpu.on_gpu`, `gpu_train_step.Shape.levers`);
+where both exist, the measurement wins.
 
   python -m benchmarks.gpu.gpu_levers --json benchmarks/gpu/results/gpu_levers_h200.json
   python -m benchmarks.gpu.gpu_levers --shapes gpu_config_ep8_slice --tiny   # the code path
@@ -24,6 +27,7 @@ measurement wins.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -39,6 +43,13 @@ LEVER_BASE = "as configured"
 NO_REMAT_COMPILE_ONLY = ("compile-only programs keep XLA's unfused attention scores; without "
                          "remat they overflow the GPU and XLA rematerialises on its own: a GPU "
                          "measures this lever")
+
+
+# (suffix, context that puts the old path back, moe_only): the code levers' "before" rows, each
+# beside every lever of the shape's whose bindings change `train.microbatches` (a shape
+# without one gets them as configured).
+BEFORE = (("scatter backward", "scatter_backward", True),
+          ("recompute loss", "recompute_loss", False))
 
 
 def _program_reads(module, vocab: int, d_model: int) -> dict:
@@ -103,10 +114,17 @@ def shape_rows(shape: str, gpu: str, tiny: bool, levers: list[str] | None) -> li
   spec = SHAPES[shape]
   base = load_config(tiny, 1, shape)
   moe_path = spec.paths[0][0]
-  variants = [(LEVER_BASE, {}, False)] + [v for v in spec.levers
-                                          if levers is None or v[0] in levers]
+  from benchmarks.gpu import before
+  variants = [(LEVER_BASE, {}, False, None)] + [(*v, None) for v in spec.levers
+                                                if levers is None or v[0] in levers]
+  at = [v for v in variants if list(v[1]) == ["train.microbatches"]] or variants[:1]
+  for suffix, old, moe_only in BEFORE:
+    for lever, bindings, _, _ in at:
+      name = suffix if lever == LEVER_BASE else f"{lever}, {suffix}"
+      if levers is None or name in levers:
+        variants.append((name, bindings, moe_only, getattr(before, old)))
   rows = []
-  for lever, bindings, moe_only in variants:
+  for lever, bindings, moe_only, old in variants:
     for path in (moe_path,) if moe_only else (moe_path, "dense_equivalent"):
       row = {"shape": shape, "lever": lever, "path": path, "bindings": bindings}
       if bindings.get("model.remat") is False:
@@ -116,7 +134,10 @@ def shape_rows(shape: str, gpu: str, tiny: bool, levers: list[str] | None) -> li
       tick = time.perf_counter()
       try:
         cfg = with_bindings(base, {**dict(PATHS)[path], **bindings}).validate()
-        row.update(compile_row(cfg, gpu))
+        if old is not None:
+          row["before"] = old.__name__
+        with old() if old is not None else contextlib.nullcontext():
+          row.update(compile_row(cfg, gpu))
       except Exception as e:    # a lever that does not compile here is a result
         row["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
       row["wall_s"] = round(time.perf_counter() - tick, 1)
