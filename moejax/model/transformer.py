@@ -187,17 +187,15 @@ class LayerGroup(nn.Module):
       stored, slot_expert_LxS = fsep
       next_layer = (layer + 1) % slot_expert_LxS.shape[0]
       next_weights = restore_layer(stored, slot_expert_LxS, next_layer, self.mesh, dtype)
-    # fsep under remat checkpoints the dense blocks one by one: a checkpoint of the whole
-    # group would keep its input, this layer's restored weights, for the backward pass.
-    attn, mlp = dense_modules(cfg, cfg.remat and fsep is not None)
     act = _activations(self.mesh)
-    for i in range(self.moe_cfg.moe_every - 1):
-      x_BxQxD = dense_block(x_BxQxD, RMSNorm(cfg.norm_eps, name=f"ln_attn_{i}"),
-                            attn(cfg, name=f"attn_{i}"), RMSNorm(cfg.norm_eps, name=f"ln_mlp_{i}"),
-                            mlp(cfg, name=f"mlp_{i}"), act)
-    x_BxQxD = x_BxQxD + attn(cfg, name="attn_moe")(RMSNorm(cfg.norm_eps,
-                                                            name="ln_attn_moe")(x_BxQxD))
-    h_BxQxD = RMSNorm(cfg.norm_eps, name="ln_moe")(x_BxQxD)
+    # fsep under remat checkpoints the part of the group before its MoE layer as one (its
+    # input is what the backward pass keeps of it, with the MoE layer's input): a checkpoint
+    # of the whole group would keep its input, this layer's restored weights, for the backward
+    # pass; and each part checkpointed apart would keep its own input, the norms' float32
+    # ones among them (six [B, Q, D] arrays a layer, 1.3 GB of Mixtral's at 4 x 4096 a GPU).
+    trunk = nn.remat(_trunk) if cfg.remat and fsep is not None else _trunk
+    x_BxQxD, h_BxQxD = trunk(self, x_BxQxD)
+    _, mlp = dense_modules(cfg, cfg.remat and fsep is not None)
     channel = carry.channel
     if self.moe_cfg.dense_equivalent:   # the MoE layer's active FLOPs as one dense SwiGLU
       y = mlp(cfg, self.moe_cfg.top_k * self.moe_cfg.d_ff, name="moe_dense")(h_BxQxD)
@@ -214,6 +212,20 @@ class LayerGroup(nn.Module):
       y = y + mlp(cfg, width, name="shared")(h_BxQxD)
     x_BxQxD = jax.lax.with_sharding_constraint(x_BxQxD + y, act)
     return GroupCarry(x_BxQxD, next_weights, channel), stats
+
+
+def _trunk(group: LayerGroup, x_BxQxD: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """A layer group's blocks before its MoE layer: its moe_every - 1 dense blocks and the MoE
+  block's attention; (x_BxQxD after them, the MoE layer's input, normed). Its modules are
+  `group`'s (their parameter paths are the group's)."""
+  cfg, act = group.cfg, _activations(group.mesh)
+  attn, mlp = dense_modules(cfg, False)
+  norm = lambda name: RMSNorm(cfg.norm_eps, name=name, parent=group)
+  for i in range(group.moe_cfg.moe_every - 1):
+    x_BxQxD = dense_block(x_BxQxD, norm(f"ln_attn_{i}"), attn(cfg, name=f"attn_{i}", parent=group),
+                          norm(f"ln_mlp_{i}"), mlp(cfg, name=f"mlp_{i}", parent=group), act)
+  x_BxQxD = x_BxQxD + attn(cfg, name="attn_moe", parent=group)(norm("ln_attn_moe")(x_BxQxD))
+  return x_BxQxD, norm("ln_moe")(x_BxQxD)
 
 
 class Head(NamedTuple):
