@@ -176,6 +176,7 @@ class LayerGroup(nn.Module):
   # fsep: how the backward pass gets this layer's restored weights (fsep_backward's KEEP,
   # RERESTORE or PREFETCH; PREFETCH carries them back through `carry.channel`)
   backward: str = fsep_backward.PREFETCH
+  fsdp: bool = False             # fsep: restores keep FSDP's embed shards (restore_layer)
 
   @nn.compact
   def __call__(self, carry: GroupCarry, xs, fsep=None) -> tuple[GroupCarry, MoEStats]:
@@ -186,7 +187,8 @@ class LayerGroup(nn.Module):
     if fsep is not None:
       stored, slot_expert_LxS = fsep
       next_layer = (layer + 1) % slot_expert_LxS.shape[0]
-      next_weights = restore_layer(stored, slot_expert_LxS, next_layer, self.mesh, dtype)
+      next_weights = restore_layer(stored, slot_expert_LxS, next_layer, self.mesh, dtype,
+                                   self.fsdp)
     act = _activations(self.mesh)
     # fsep under remat checkpoints the part of the group before its MoE layer as one (its
     # input is what the backward pass keeps of it, with the MoE layer's input): a checkpoint
@@ -205,7 +207,7 @@ class LayerGroup(nn.Module):
       if fsep is None:
         y, stats = moe(h_BxQxD, layout)
       else:
-        (y, stats), channel = fsep_backward.fsep_moe(moe, self.backward)(
+        (y, stats), channel = fsep_backward.fsep_moe(moe, self.backward, self.fsdp)(
             moe, h_BxQxD, layout, carry.weights, channel, stored, slot_expert_LxS, layer)
     if self.moe_cfg.num_shared_experts:   # one SwiGLU as wide as all shared experts together
       width = self.moe_cfg.num_shared_experts * (self.moe_cfg.shared_d_ff or self.moe_cfg.d_ff)
@@ -265,6 +267,7 @@ class Transformer(nn.Module):
   cfg: ModelConfig
   moe_cfg: MoEConfig
   mesh: Mesh
+  fsdp: bool = False     # parameters' embed dims over data (mesh.fsdp): fsep's restores keep it
 
   def setup(self):
     cfg, moe_cfg = self.cfg, self.moe_cfg
@@ -281,12 +284,12 @@ class Transformer(nn.Module):
     fsep = moe_cfg.expert_mode == "fsep"
     if fsep:   # restores the first layer; the scan the others
       self.fsep_experts = FsepExperts(num_groups, moe_cfg.num_experts, cfg.d_model,
-                                      moe_cfg.d_ff, self.mesh, jnp.dtype(cfg.dtype))
+                                      moe_cfg.d_ff, self.mesh, jnp.dtype(cfg.dtype), self.fsdp)
     group = nn.remat(LayerGroup) if cfg.remat and not fsep else LayerGroup
     self.layers = nn.scan(group, variable_axes={"params": 0}, split_rngs={"params": True},
                           in_axes=(0, nn.broadcast) if fsep else 0, length=num_groups,
                           metadata_params={nn.PARTITION_NAME: "layers"})(
-                              cfg, moe_cfg, self.mesh, fsep_backward.PREFETCH)
+                              cfg, moe_cfg, self.mesh, fsep_backward.PREFETCH, self.fsdp)
     self.ln_final = RMSNorm(cfg.norm_eps)
     self.unembedding = _dense(("embed", "vocab"), (cfg.d_model, cfg.vocab_size), cfg.d_model,
                               self, "unembed")
@@ -315,7 +318,7 @@ class Transformer(nn.Module):
     carry = GroupCarry(x_BxQxD, first, fsep_backward.open_channel(first))
     carry, stats = self.layers(carry, (layout, jnp.arange(num_groups)), (stored, table))
     return fsep_backward.close_channel(carry.x_BxQxD, carry.channel, stored, table, self.mesh,
-                                       jnp.dtype(self.cfg.dtype)), stats
+                                       jnp.dtype(self.cfg.dtype), self.fsdp), stats
 
   def head(self, x_BxQxD: jax.Array) -> Head:
     """The final norm on x, and the unembedding."""
