@@ -8,12 +8,15 @@ of a bfloat16 fsep model's loss-and-grad on the (2, 4, 1) mesh, one MoE block pe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import io
 import re
 
 import flax.linen as nn
 import jax
+import jax.ad_checkpoint
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -175,11 +178,33 @@ def test_bf16_restore_equals_fp32_restore():
   assert_trees_close(grads16, grads32, GRAD_LEN, eps=EPS_BF16)
 
 
+def test_remat_keeps_two_bf16_activations_a_layer():
+  """Under remat a bf16 fsep layer group keeps, for its backward pass, what is one [B, Q, D]
+  bf16 array a layer in the layer scan's residuals: its input and its MoE layer's input
+  (the MoE layer recomputes itself in its own backward pass). Checkpointed part by part, the
+  group also kept its norms' float32 inputs and outputs: four more [B, Q, D] arrays, in
+  float32 (Mixtral-8x7B on 64 compile-only H100s: 0.84 GB a layer of a GPU's 80 GB)."""
+  layers = 3
+  model_cfg = dataclasses.replace(TINY_MODEL, num_layers=layers, dtype="bfloat16", remat=True)
+  moe = dataclasses.replace(TINY_MOE, moe_every=1, expert_mode="fsep", slots_per_device=SLOTS)
+  model = Transformer(model_cfg, moe, mesh_of_shape(SHAPE))
+  layout = initial_layout(moe, layers, SHAPE[1])
+  params = jax.eval_shape(lambda: nn.meta.unbox(model.init(
+      jax.random.key(0), jnp.zeros((BATCH, SEQ), jnp.int32), layout))["params"])
+  loss = lambda p: step_lib.loss_fn(p, batch_BxQ1=tokens(), layout=layout, model=model,
+                                    moe_cfg=moe)[0]
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    jax.ad_checkpoint.print_saved_residuals(loss, params)
+  per_layer = re.findall(rf"^(\w+)\[{layers},{BATCH},{SEQ},\d+\]", printed.getvalue(), re.M)
+  assert per_layer == ["bf16", "bf16"], printed.getvalue()
+
+
 @pytest.mark.slow   # a minute or more on the 2-core VM: .ci/run's slow pass
 def test_fsep_remat_equals_no_remat():
-  """Under remat, fsep checkpoints the dense blocks one by one (the MoE layer recomputes in
-  its own backward pass): loss and gradients equal the unrematerialised model's (the
-  whole-model fsep test's program and params, shared)."""
+  """Under remat, fsep checkpoints the part of each layer group before its MoE layer (the
+  MoE layer recomputes in its own backward pass): loss and gradients equal the
+  unrematerialised model's (the whole-model fsep test's program and params, shared)."""
   f, params, layout = fsep_loss_and_grad(SHAPE, SLOTS)
   model = Transformer(dataclasses.replace(SMALL_MODEL, remat=True), FSEP_MOE,
                       mesh_of_shape(SHAPE))

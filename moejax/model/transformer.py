@@ -176,6 +176,7 @@ class LayerGroup(nn.Module):
   # fsep: how the backward pass gets this layer's restored weights (fsep_backward's KEEP,
   # RERESTORE or PREFETCH; PREFETCH carries them back through `carry.channel`)
   backward: str = fsep_backward.PREFETCH
+  fsdp: bool = False             # fsep: restores keep FSDP's embed shards (restore_layer)
 
   @nn.compact
   def __call__(self, carry: GroupCarry, xs, fsep=None) -> tuple[GroupCarry, MoEStats]:
@@ -186,18 +187,17 @@ class LayerGroup(nn.Module):
     if fsep is not None:
       stored, slot_expert_LxS = fsep
       next_layer = (layer + 1) % slot_expert_LxS.shape[0]
-      next_weights = restore_layer(stored, slot_expert_LxS, next_layer, self.mesh, dtype)
-    # fsep under remat checkpoints the dense blocks one by one: a checkpoint of the whole
-    # group would keep its input, this layer's restored weights, for the backward pass.
-    attn, mlp = dense_modules(cfg, cfg.remat and fsep is not None)
+      next_weights = restore_layer(stored, slot_expert_LxS, next_layer, self.mesh, dtype,
+                                   self.fsdp)
     act = _activations(self.mesh)
-    for i in range(self.moe_cfg.moe_every - 1):
-      x_BxQxD = dense_block(x_BxQxD, RMSNorm(cfg.norm_eps, name=f"ln_attn_{i}"),
-                            attn(cfg, name=f"attn_{i}"), RMSNorm(cfg.norm_eps, name=f"ln_mlp_{i}"),
-                            mlp(cfg, name=f"mlp_{i}"), act)
-    x_BxQxD = x_BxQxD + attn(cfg, name="attn_moe")(RMSNorm(cfg.norm_eps,
-                                                            name="ln_attn_moe")(x_BxQxD))
-    h_BxQxD = RMSNorm(cfg.norm_eps, name="ln_moe")(x_BxQxD)
+    # fsep under remat checkpoints the part of the group before its MoE layer as one (its
+    # input is what the backward pass keeps of it, with the MoE layer's input): a checkpoint
+    # of the whole group would keep its input, this layer's restored weights, for the backward
+    # pass; and each part checkpointed apart would keep its own input, the norms' float32
+    # ones among them (six [B, Q, D] arrays a layer, 1.3 GB of Mixtral's at 4 x 4096 a GPU).
+    trunk = nn.remat(_trunk) if cfg.remat and fsep is not None else _trunk
+    x_BxQxD, h_BxQxD = trunk(self, x_BxQxD)
+    _, mlp = dense_modules(cfg, cfg.remat and fsep is not None)
     channel = carry.channel
     if self.moe_cfg.dense_equivalent:   # the MoE layer's active FLOPs as one dense SwiGLU
       y = mlp(cfg, self.moe_cfg.top_k * self.moe_cfg.d_ff, name="moe_dense")(h_BxQxD)
@@ -207,13 +207,27 @@ class LayerGroup(nn.Module):
       if fsep is None:
         y, stats = moe(h_BxQxD, layout)
       else:
-        (y, stats), channel = fsep_backward.fsep_moe(moe, self.backward)(
+        (y, stats), channel = fsep_backward.fsep_moe(moe, self.backward, self.fsdp)(
             moe, h_BxQxD, layout, carry.weights, channel, stored, slot_expert_LxS, layer)
     if self.moe_cfg.num_shared_experts:   # one SwiGLU as wide as all shared experts together
       width = self.moe_cfg.num_shared_experts * (self.moe_cfg.shared_d_ff or self.moe_cfg.d_ff)
       y = y + mlp(cfg, width, name="shared")(h_BxQxD)
     x_BxQxD = jax.lax.with_sharding_constraint(x_BxQxD + y, act)
     return GroupCarry(x_BxQxD, next_weights, channel), stats
+
+
+def _trunk(group: LayerGroup, x_BxQxD: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """A layer group's blocks before its MoE layer: its moe_every - 1 dense blocks and the MoE
+  block's attention; (x_BxQxD after them, the MoE layer's input, normed). Its modules are
+  `group`'s (their parameter paths are the group's)."""
+  cfg, act = group.cfg, _activations(group.mesh)
+  attn, mlp = dense_modules(cfg, False)
+  norm = lambda name: RMSNorm(cfg.norm_eps, name=name, parent=group)
+  for i in range(group.moe_cfg.moe_every - 1):
+    x_BxQxD = dense_block(x_BxQxD, norm(f"ln_attn_{i}"), attn(cfg, name=f"attn_{i}", parent=group),
+                          norm(f"ln_mlp_{i}"), mlp(cfg, name=f"mlp_{i}", parent=group), act)
+  x_BxQxD = x_BxQxD + attn(cfg, name="attn_moe", parent=group)(norm("ln_attn_moe")(x_BxQxD))
+  return x_BxQxD, norm("ln_moe")(x_BxQxD)
 
 
 class Head(NamedTuple):
@@ -253,6 +267,7 @@ class Transformer(nn.Module):
   cfg: ModelConfig
   moe_cfg: MoEConfig
   mesh: Mesh
+  fsdp: bool = False     # parameters' embed dims over data (mesh.fsdp): fsep's restores keep it
 
   def setup(self):
     cfg, moe_cfg = self.cfg, self.moe_cfg
@@ -269,12 +284,12 @@ class Transformer(nn.Module):
     fsep = moe_cfg.expert_mode == "fsep"
     if fsep:   # restores the first layer; the scan the others
       self.fsep_experts = FsepExperts(num_groups, moe_cfg.num_experts, cfg.d_model,
-                                      moe_cfg.d_ff, self.mesh, jnp.dtype(cfg.dtype))
+                                      moe_cfg.d_ff, self.mesh, jnp.dtype(cfg.dtype), self.fsdp)
     group = nn.remat(LayerGroup) if cfg.remat and not fsep else LayerGroup
     self.layers = nn.scan(group, variable_axes={"params": 0}, split_rngs={"params": True},
                           in_axes=(0, nn.broadcast) if fsep else 0, length=num_groups,
                           metadata_params={nn.PARTITION_NAME: "layers"})(
-                              cfg, moe_cfg, self.mesh, fsep_backward.PREFETCH)
+                              cfg, moe_cfg, self.mesh, fsep_backward.PREFETCH, self.fsdp)
     self.ln_final = RMSNorm(cfg.norm_eps)
     self.unembedding = _dense(("embed", "vocab"), (cfg.d_model, cfg.vocab_size), cfg.d_model,
                               self, "unembed")
@@ -303,7 +318,7 @@ class Transformer(nn.Module):
     carry = GroupCarry(x_BxQxD, first, fsep_backward.open_channel(first))
     carry, stats = self.layers(carry, (layout, jnp.arange(num_groups)), (stored, table))
     return fsep_backward.close_channel(carry.x_BxQxD, carry.channel, stored, table, self.mesh,
-                                       jnp.dtype(self.cfg.dtype)), stats
+                                       jnp.dtype(self.cfg.dtype), self.fsdp), stats
 
   def head(self, x_BxQxD: jax.Array) -> Head:
     """The final norm on x, and the unembedding."""

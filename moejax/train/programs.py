@@ -149,7 +149,7 @@ def build_program(cfg: Config, strategy: Strategy, tx: optax.GradientTransformat
   mesh = build_mesh(cfg.mesh, devices)
   _check_split(cfg, mesh)
   cfg = dataclasses.replace(cfg, model=resolve_attention(cfg.model, mesh))
-  model = Transformer(cfg.model, cfg.moe, mesh)
+  model = Transformer(cfg.model, cfg.moe, mesh, cfg.mesh.fsdp)
   if cfg.mesh.stage > 1 or cfg.train.microbatches > 1 or cfg.train.virtual_stages > 1:
     model = Pipelined(model, cfg.train.microbatches, cfg.train.virtual_stages)
   layout_sh = replicated(mesh)

@@ -35,9 +35,9 @@ KEEP, RERESTORE, PREFETCH = "keep", "rerestore", "prefetch"
 BACKWARD_RESTORE = "backward_restore"
 
 
-def _backward_restore(stored, slot_expert_LxS, layer, mesh: Mesh, dtype):
+def _backward_restore(stored, slot_expert_LxS, layer, mesh: Mesh, dtype, fsdp: bool):
   with jax.named_scope(BACKWARD_RESTORE):
-    return restore_layer(stored, slot_expert_LxS, layer, mesh, dtype)
+    return restore_layer(stored, slot_expert_LxS, layer, mesh, dtype, fsdp)
 
 
 def _recomputing_moe(moe: MoELayer, backward_weights):
@@ -65,17 +65,17 @@ def _recomputing_moe(moe: MoELayer, backward_weights):
   return nn.custom_vjp(call, fwd, bwd)
 
 
-def _rerestoring_moe(moe: MoELayer):
+def _rerestoring_moe(moe: MoELayer, fsdp: bool):
   """`_recomputing_moe` whose backward pass restores this layer's weights again from the
   stored shards (one more exchange); its channel is None."""
   def backward_weights(ct_channel, stored, slot_expert_LxS, layer):
     del ct_channel
-    return _backward_restore(stored, slot_expert_LxS, layer, moe.mesh, moe.dtype), None
+    return _backward_restore(stored, slot_expert_LxS, layer, moe.mesh, moe.dtype, fsdp), None
 
   return _recomputing_moe(moe, backward_weights)
 
 
-def _prefetching_moe(moe: MoELayer):
+def _prefetching_moe(moe: MoELayer, fsdp: bool):
   """`_recomputing_moe` whose channel (the shape of one layer's restored weights) carries
   restored weights backwards through the layer scan: layer l's backward pass takes its own
   weights from the cotangent of its channel output (restored during layer l+1's backward, or
@@ -84,26 +84,28 @@ def _prefetching_moe(moe: MoELayer):
   instead of preceding it."""
   def backward_weights(ct_channel, stored, slot_expert_LxS, layer):
     previous = (layer - 1) % slot_expert_LxS.shape[0]    # layer 0 wraps: nobody reads it
-    return ct_channel, _backward_restore(stored, slot_expert_LxS, previous, moe.mesh, moe.dtype)
+    return ct_channel, _backward_restore(stored, slot_expert_LxS, previous, moe.mesh, moe.dtype,
+                                         fsdp)
 
   return _recomputing_moe(moe, backward_weights)
 
 
-def _kept(moe: MoELayer):
-  del moe
+def _kept(moe: MoELayer, fsdp: bool):
+  del moe, fsdp
   return lambda mdl, x, layout, weights, channel, *backward_inputs: (mdl(x, layout, weights),
                                                                      channel)
 
 
-def fsep_moe(moe: MoELayer, backward: str):
+def fsep_moe(moe: MoELayer, backward: str, fsdp: bool = False):
   """call(moe, x, layout, weights, channel, stored, slot_expert_LxS, layer) -> ((y, stats),
   channel): the fsep MoE layer on this layer's restored `weights`, its backward pass getting
-  them as `backward` (KEEP, RERESTORE or PREFETCH) says; `channel` is None but with PREFETCH."""
+  them as `backward` (KEEP, RERESTORE or PREFETCH) says (restored as `restore_layer`'s `fsdp`
+  says); `channel` is None but with PREFETCH."""
   # read at call time, so that a test can put plain autodiff in one's place
   wrap = {KEEP: _kept, RERESTORE: _rerestoring_moe, PREFETCH: _prefetching_moe}
   if backward not in wrap:
     raise ValueError(f"fsep backward {backward!r} is not one of {tuple(wrap)}")
-  return wrap[backward](moe)
+  return wrap[backward](moe, fsdp)
 
 
 def open_channel(first_weights: dict) -> dict:
@@ -112,7 +114,7 @@ def open_channel(first_weights: dict) -> dict:
   return jax.tree.map(jnp.zeros_like, first_weights)
 
 
-def _seed_backward_restore(mesh: Mesh, dtype):
+def _seed_backward_restore(mesh: Mesh, dtype, fsdp: bool):
   """seed(x, channel, stored, slot_expert_LxS) = x, whose backward restores the last MoE
   layer's weights as the cotangent of the layer scan's final `channel` (`_prefetching_moe`):
   the first backward restore, issued before the head's backward."""
@@ -127,7 +129,8 @@ def _seed_backward_restore(mesh: Mesh, dtype):
 
   def bwd(res, ct_x):
     stored, slot_expert_LxS = res
-    last = _backward_restore(stored, slot_expert_LxS, slot_expert_LxS.shape[0] - 1, mesh, dtype)
+    last = _backward_restore(stored, slot_expert_LxS, slot_expert_LxS.shape[0] - 1, mesh, dtype,
+                             fsdp)
     return ct_x, last, None, None
 
   seed.defvjp(fwd, bwd)
@@ -135,7 +138,7 @@ def _seed_backward_restore(mesh: Mesh, dtype):
 
 
 def close_channel(x: jax.Array, channel: dict, stored: dict, slot_expert_LxS: jax.Array,
-                  mesh: Mesh, dtype) -> jax.Array:
+                  mesh: Mesh, dtype, fsdp: bool = False) -> jax.Array:
   """`x` (the layer scan's output), whose backward pass feeds the scan's final `channel` the
-  last MoE layer's restored weights (PREFETCH)."""
-  return _seed_backward_restore(mesh, dtype)(x, channel, stored, slot_expert_LxS)
+  last MoE layer's restored weights (PREFETCH; `fsdp`: restore_layer's)."""
+  return _seed_backward_restore(mesh, dtype, fsdp)(x, channel, stored, slot_expert_LxS)
