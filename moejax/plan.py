@@ -13,7 +13,7 @@ import sys
 
 from moejax.config import ConfigError
 from moejax.frontend import DEFAULT_GIN, parse_config
-from moejax.placement.workloads import load_trace
+from moejax.placement.synthetic import load_trace
 from moejax.runtime.cli import ArgumentParser
 from moejax.strategy.cost import PRESETS, expert_shares, load_dispersion, load_profile
 from moejax.strategy.offline import (

@@ -1,7 +1,7 @@
 """`python -m moejax.replay TRACE.npz --devices N --slots C --policy P`: replays a routing trace
 through placement policies with lagged statistics, beside the `oracle` (the fsep planner given
 each step's own counts), and prints each policy's regret over it (library:
-`moejax.placement.replay`). `--trainer` replays through the trainer's own re-planner, its
+`moejax.placement.trace_replay`). `--trainer` replays through the trainer's own re-planner, its
 defaults and its one-step-late reading of the metrics (`replay_trainer`)."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import dataclasses
 import json
 
 from moejax.config import ConfigError, ModelConfig, MoEConfig, PlannerConfig, StrategyConfig
-from moejax.placement import replay as replay_lib
+from moejax.placement import trace_replay as replay_lib
 from moejax.placement.policies import POLICIES, make_options
 from moejax.placement.replanner import OnlinePlanner, adaptive_for
-from moejax.placement.replay import format_table, oracle, policy_names, replay, with_regret
-from moejax.placement.workloads import load_trace
+from moejax.placement.synthetic import load_trace
+from moejax.placement.trace_replay import format_table, oracle, policy_names, replay, with_regret
 from moejax.runtime.cli import ArgumentParser, fail
 from moejax.strategy.cost import load_profile
 from moejax.strategy.memory import report

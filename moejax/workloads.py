@@ -1,6 +1,6 @@
 """`python -m moejax.workloads --out T.npz --kind KIND` (lognormal, zipf, collapse,
 early_collapse, drift_bursts): writes a synthetic routing trace and prints its step-to-step
-statistics (library: `moejax.placement.workloads`, `moejax.placement.drift`).
+statistics (library: `moejax.placement.synthetic`, `moejax.placement.drift`).
 
   python -m moejax.workloads --out benchmarks/traces/drift_bursts.npz --kind drift_bursts \
       --steps 600
@@ -12,7 +12,7 @@ import argparse
 
 from moejax.config import ConfigError
 from moejax.placement.drift import drift_bursts_trace, step_change
-from moejax.placement.workloads import KINDS, save_trace, synthetic_trace
+from moejax.placement.synthetic import KINDS, save_trace, synthetic_trace
 
 
 def main(argv=None) -> None:

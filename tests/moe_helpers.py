@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.config import OptimConfig, num_moe_layers
-from moejax.layout import placement as placement_lib
+from moejax.layout import host_layout as placement_lib
 from moejax.model import layer_order
 from moejax.model.mesh import mesh_of_shape, param_rules
 from moejax.model.moe.harness import init_params

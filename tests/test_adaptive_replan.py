@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from moejax.config import ConfigError, PlannerConfig
-from moejax.layout import placement as placement_lib
+from moejax.layout import host_layout as placement_lib
 from moejax.placement import pricing
 from moejax.placement.replanner import OnlinePlanner
-from moejax.placement.replay import replay
+from moejax.placement.trace_replay import replay
 from moejax.train.controllers import Hook
 from moejax.train.trainer import Trainer
 from tests.plan_helpers import PLAN_COST
@@ -165,7 +165,7 @@ def test_replay_switches_where_the_trainers_planner_does(policy, adaptive):
   """Replay and the trainer's re-planner take the same switches (the same rule,
   `pricing.decide`), so a replay's counts are the ones the trainer's run would make."""
   from moejax.layout.tables import round_robin_placement
-  from moejax.placement.workloads import synthetic_trace
+  from moejax.placement.synthetic import synthetic_trace
   experts, devices, layers, steps, slots = 16, 4, 2, 41, 6
   counts = synthetic_trace(steps, layers, devices, experts, kind="lognormal", sigma=1.2,
                            corr=0.6, seed=3)["counts"]

@@ -29,8 +29,8 @@ transformers = pytest.importorskip("transformers", reason="the hf extra is not i
 
 from moejax.config import CheckpointConfig, OptimConfig, num_moe_layers  # noqa: E402
 from moejax.convert import __main__ as cli, deepseek, from_hf, to_hf  # noqa: E402
-from moejax.layout import placement as placement_lib  # noqa: E402
-from moejax.layout.convert import convert_tree, to_canonical  # noqa: E402
+from moejax.layout import host_layout as placement_lib  # noqa: E402
+from moejax.layout.canonical import convert_tree, to_canonical  # noqa: E402
 from moejax.layout.migrate import migrate  # noqa: E402
 from moejax.layout.tables import from_placements  # noqa: E402
 from moejax.model.mesh import mesh_of_shape, replicated  # noqa: E402

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from moejax.config import ConfigError
-from moejax.layout import placement as placement_lib
+from moejax.layout import host_layout as placement_lib
 from moejax.placement import fsep
 from moejax.placement.drift import drift_bursts_trace, step_change
 from moejax.placement.fsep.spread import recent_center, step_totals
-from moejax.placement.replay import oracle, replay, with_regret
-from moejax.placement.workloads import load_trace
+from moejax.placement.synthetic import load_trace
+from moejax.placement.trace_replay import oracle, replay, with_regret
 from tests.plan_helpers import PLAN_COST
 
 TRACE = Path(__file__).resolve().parents[1] / "benchmarks" / "traces" / "drift_bursts.npz"

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from moejax.config import MeshConfig
-from moejax.layout import convert, leaves
+from moejax.layout import canonical as convert, leaves
 from moejax.layout.migrate import migrate
 from moejax.layout.tables import from_slot_expert
 from moejax.train import data as data_lib

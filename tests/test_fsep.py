@@ -9,8 +9,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax.config import MoEConfig
-from moejax.layout import placement as placement_lib
-from moejax.layout.placement import SHARE_PARTS
+from moejax.layout import host_layout as placement_lib
+from moejax.layout.host_layout import SHARE_PARTS
 from moejax.layout.tables import from_placements, round_robin_layout
 from moejax.model.mesh import logical_to_spec, mesh_of_shape
 from moejax.model.moe.fsep_experts import FSEP_PARAM_AXES, restore_slot_weights

@@ -13,9 +13,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax.config import MoEConfig
-from moejax.layout import adaptive, placement as placement_lib
+from moejax.layout import adaptive, host_layout as placement_lib
 from moejax.layout.flow import flow
-from moejax.layout.placement import SHARE_PARTS
+from moejax.layout.host_layout import SHARE_PARTS
 from moejax.layout.tables import from_placements
 from moejax.model.mesh import mesh_of_shape
 from moejax.model.moe.harness import layer_step, reference_step

@@ -9,12 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moejax.layout import placement as placement_lib
+from moejax.layout import host_layout as placement_lib
 from moejax.layout.flow import max_over_mean
-from moejax.layout.placement import SHARE_PARTS
+from moejax.layout.host_layout import SHARE_PARTS
 from moejax.placement import fsep
 from moejax.placement.fsep import deal as fsep_deal, score as fsep_score, shares as fsep_shares
-from moejax.placement.workloads import synthetic_trace
+from moejax.placement.synthetic import synthetic_trace
 from tests.plan_helpers import PLAN_COST
 
 

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from moejax.config import ConfigError
-from moejax.layout import placement as placement_lib
+from moejax.layout import host_layout as placement_lib
 from moejax.layout.flow import flow, max_over_mean
 from moejax.placement import fsep, policies
 from moejax.placement.fsep.score import overflow
 from moejax.placement.fsep.spread import recent_center, step_totals
-from moejax.placement.replay import replay
-from moejax.placement.workloads import load_trace, synthetic_trace
+from moejax.placement.synthetic import load_trace, synthetic_trace
+from moejax.placement.trace_replay import replay
 from tests.plan_helpers import PLAN_COST
 
 TRACES = Path(__file__).resolve().parents[1] / "benchmarks" / "traces"

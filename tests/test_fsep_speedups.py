@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moejax.layout import placement as placement_lib
-from moejax.layout.placement import SHARE_PARTS
+from moejax.layout import host_layout as placement_lib
+from moejax.layout.host_layout import SHARE_PARTS
 from moejax.placement import fsep
 from moejax.placement.fsep import (
   counts as fsep_counts,
@@ -25,7 +25,7 @@ from moejax.placement.fsep import (
   shares as fsep_shares,
 )
 from moejax.placement.fsep.score import estimate
-from moejax.placement.workloads import synthetic_trace
+from moejax.placement.synthetic import synthetic_trace
 from tests.plan_helpers import PLAN_COST
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks.layer import balance_setup as setup
 from moejax.config import MoEConfig
-from moejax.layout import placement as placement_lib
+from moejax.layout import host_layout as placement_lib
 from moejax.model.mesh import mesh_of_shape
 from moejax.model.moe.harness import check_against_reference
 

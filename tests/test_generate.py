@@ -18,7 +18,7 @@ import pytest
 
 from moejax import generate as generate_cli
 from moejax.config import ConfigError, MoEConfig, num_moe_layers
-from moejax.layout import placement as placement_lib
+from moejax.layout import host_layout as placement_lib
 from moejax.layout.migrate import migrate
 from moejax.layout.tables import from_placements
 from moejax.model import decode

@@ -117,7 +117,7 @@ def test_estimate_splits_compute_by_model_part():
 
 
 def test_peak_buffers_read_from_an_xla_dump(tmp_path):
-  from moejax.aot import buffers
+  from moejax.aot import peak_buffers as buffers
 
   stem = tmp_path / "module_0001.jit_train_step.sm_9.0a_gpu_after_optimizations"
   (tmp_path / f"{stem.name}.txt").write_text(

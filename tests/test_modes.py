@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax.config import MOE_CHOICES, CheckpointConfig, ModelConfig, MoEConfig
-from moejax.layout import convert, migrate, placement as placement_lib
+from moejax.layout import canonical as convert, host_layout as placement_lib, migrate
 from moejax.layout.leaves import EXPERT_WEIGHTS
 from moejax.layout.tables import from_placements, from_slot_expert
 from moejax.model.mesh import mesh_of_shape

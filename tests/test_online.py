@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from moejax.config import Config, ConfigError, PlannerConfig, TraceConfig
-from moejax.layout import placement as placement_lib
+from moejax.layout import host_layout as placement_lib
 from moejax.placement.replanner import OnlinePlanner
 from moejax.train.controllers import Hook
 from moejax.train.trainer import Trainer

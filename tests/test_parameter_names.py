@@ -35,7 +35,7 @@ LAYER_INTERFACE = {"router", *EXPERT_WEIGHTS}
 SHARED_WITH_RECORDS = {"moe", "layers"}
 # Storage, not compute: where each expert mode keeps expert weights (layout/leaves.py, the one
 # home of those paths) and their moves between ep's and fsep's paths in checkpoints and
-# optimizer moments (layout/convert.py), below the model in the layering so that a checkpoint
+# optimizer moments (layout/canonical.py), below the model in the layering so that a checkpoint
 # converts without building one.
 STORAGE = ("moejax/layout/",)
 INDEXING_METHODS = ("get", "pop", "setdefault")

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from moejax.layout import placement as placement_lib
-from moejax.layout.placement import SHARE_PARTS
+from moejax.layout import host_layout as placement_lib
+from moejax.layout.host_layout import SHARE_PARTS
 from moejax.layout.tables import from_placements, to_placements
 from moejax.model.mesh import mesh_of_shape
 from moejax.model.moe.layer import _replica_slots
 from moejax.placement import fsep
-from moejax.placement.workloads import synthetic_trace
+from moejax.placement.synthetic import synthetic_trace
 from tests.moe_helpers import E, random_placement, with_local
 from tests.plan_helpers import PLAN_COST
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from moejax.config import PlannerConfig
-from moejax.layout import placement as placement_lib
+from moejax.layout import host_layout as placement_lib
 from moejax.placement import groups, smartmoe
 from moejax.placement.replanner import OnlinePlanner
 from tests.plan_helpers import PLAN_COST

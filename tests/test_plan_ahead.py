@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from moejax.config import ConfigError, PlannerConfig
-from moejax.layout import placement as placement_lib
+from moejax.layout import host_layout as placement_lib
 from moejax.layout.tables import static_layout, to_placements
 from moejax.placement.replanner import OnlinePlanner
 from moejax.train import plan_ahead

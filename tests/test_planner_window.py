@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from moejax.config import PlannerConfig
-from moejax.layout import placement as placement_lib
+from moejax.layout import host_layout as placement_lib
 from moejax.layout.tables import round_robin_placement
 from moejax.placement import fsep, policies
 from moejax.placement.fsep.spread import step_totals

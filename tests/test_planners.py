@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from moejax.config import ConfigError
-from moejax.layout import placement as placement_lib
+from moejax.layout import host_layout as placement_lib
 from moejax.layout.flow import flow, max_over_mean
 from moejax.placement import policies, shadow, smartmoe
-from moejax.placement.workloads import synthetic_trace
+from moejax.placement.synthetic import synthetic_trace
 from tests.plan_helpers import PLAN_COST
 
 

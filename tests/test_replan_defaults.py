@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from moejax.config import Config, ConfigError, MoEConfig, PlannerConfig, TraceConfig
-from moejax.layout import placement as placement_lib
+from moejax.layout import host_layout as placement_lib
 from moejax.placement.replanner import OnlinePlanner, adaptive_for
-from moejax.placement.replay import replay_trainer
-from moejax.placement.workloads import load_trace, synthetic_trace
+from moejax.placement.synthetic import load_trace, synthetic_trace
+from moejax.placement.trace_replay import replay_trainer
 from moejax.train.pool import online_planner
 from tests.plan_helpers import PLAN_COST
 from tests.run_config import tiny_config
@@ -145,7 +145,7 @@ def test_replay_cli_takes_each_policys_trainer_default(tmp_path, capsys):
   trainer default; --trainer replays the trainer's policies through its re-planner at
   planner.every's default; the trainer's options are not mixed with replay's --fsep."""
   from moejax import replay as replay_cli
-  from moejax.placement.workloads import save_trace
+  from moejax.placement.synthetic import save_trace
   trace, out = tmp_path / "t.npz", tmp_path / "out.json"
   save_trace(trace, synthetic_trace(8, 1, 8, 16, tokens_per_source=64, seed=1))
   common = [str(trace), "--devices", "4", "--slots", "8", "--no_oracle", "--json", str(out)]

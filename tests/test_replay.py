@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from moejax.config import ConfigError
-from moejax.layout import capacity, placement as placement_lib
+from moejax.layout import capacity, host_layout as placement_lib
 from moejax.layout.flow import flow, max_over_mean
 from moejax.placement.policies import POLICIES, predict
-from moejax.placement.replay import replay
-from moejax.placement.workloads import save_trace, synthetic_trace
+from moejax.placement.synthetic import save_trace, synthetic_trace
+from moejax.placement.trace_replay import replay
 from tests.plan_helpers import PLAN_COST
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from moejax.config import ConfigError
-from moejax.placement.workloads import load_trace, save_trace, synthetic_trace
+from moejax.placement.synthetic import load_trace, save_trace, synthetic_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -33,7 +33,7 @@ from benchmarks.timing import print_table
 from moejax.layout.flow import max_over_mean
 from moejax.placement import fsep
 from moejax.placement.fsep.deal import LARGE_MESH
-from moejax.placement.workloads import synthetic_trace
+from moejax.placement.synthetic import synthetic_trace
 
 DEFAULT_JSON = "benchmarks/ab/results/planner_ab.json"
 

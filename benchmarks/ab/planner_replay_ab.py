@@ -27,7 +27,7 @@ import numpy as np
 
 from benchmarks.ab.base import load_base, same_plan
 from benchmarks.common import command, default_cost, start, write_result
-from moejax.layout import placement as placement_lib
+from moejax.layout import host_layout as placement_lib
 from moejax.placement import fsep
 from moejax.placement.policies import predict
 

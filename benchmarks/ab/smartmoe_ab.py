@@ -37,9 +37,9 @@ from benchmarks.ab.base import load_base
 from benchmarks.common import command, default_config, start, write_result
 from benchmarks.placement.planner_setup import trainer_config
 from moejax.config import num_moe_layers
-from moejax.layout import capacity, placement as placement_lib
+from moejax.layout import capacity, host_layout as placement_lib
 from moejax.placement import smartmoe
-from moejax.placement.workloads import synthetic_trace
+from moejax.placement.synthetic import synthetic_trace
 from moejax.train.pool import online_planner
 
 TRACES = (("default_run", 4), ("drift_bursts", 8), ("drift_bursts", 16),

@@ -1,7 +1,7 @@
 """Each placement policy replayed on a routing through the trainer's own re-planner (its
 options, window, period, adaptive rule, capacity and cost model: `moejax.train.pool.
 online_planner` of the policy's config) and the trainer's loop around it, which reads a step's
-counts one step late (`moejax.placement.replay.replay_trainer`): the capacity factor the
+counts one step late (`moejax.placement.trace_replay.replay_trainer`): the capacity factor the
 policy needs for <= 1% drops, how far the busiest device's rows sit above the mean, the
 planner's decision time and the ep migrations it makes.
 
@@ -20,10 +20,10 @@ import math
 import numpy as np
 
 from moejax.config import Config
-from moejax.layout import placement as placement_lib
+from moejax.layout import host_layout as placement_lib
 from moejax.layout.tables import round_robin_placement
 from moejax.placement.buffers import MAX_DROPPED
-from moejax.placement.replay import replay_trainer
+from moejax.placement.trace_replay import replay_trainer
 from moejax.train.pool import online_planner
 
 # policy -> (expert mode, planner policy, fsep shares); "ragged" is the static layout under

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moejax.placement.workloads import load_trace
+from moejax.placement.synthetic import load_trace
 
 MIN_POOL_CHOICES = 4096
 TRACES = {

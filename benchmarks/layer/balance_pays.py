@@ -50,7 +50,7 @@ from benchmarks.layer import balance_setup as setup
 from benchmarks.layer.fsep_vs_ep import routed_counts
 from moejax.config import Config, MoEConfig, num_moe_layers
 from moejax.frontend import DEFAULT_GIN, parse_config
-from moejax.layout.placement import static as static_placement
+from moejax.layout.host_layout import static as static_placement
 from moejax.layout.tables import round_robin_placement
 from moejax.model.mesh import BATCH_AXES, mesh_of_shape
 from moejax.model.moe.harness import check_against_reference, layer_step, place_sharded

@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 
 from moejax.config import Config
-from moejax.layout import capacity, placement as placement_lib
+from moejax.layout import capacity, host_layout as placement_lib
 from moejax.layout.tables import from_placements, round_robin_placement
 from moejax.train.pool import online_planner
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from benchmarks.common import command, start, write_result
 from moejax.config import Config, ModelConfig, MoEConfig
-from moejax.layout import placement as placement_lib
+from moejax.layout import host_layout as placement_lib
 from moejax.layout.tables import (
   from_placements,
   round_robin_placement,

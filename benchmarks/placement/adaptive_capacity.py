@@ -24,11 +24,11 @@ import argparse
 import numpy as np
 
 from benchmarks.common import command, default_cost, start, write_result
-from moejax.layout import adaptive, capacity, placement as placement_lib
+from moejax.layout import adaptive, capacity, host_layout as placement_lib
 from moejax.layout.flow import max_over_mean
 from moejax.placement.fsep import FsepOptions
 from moejax.placement.policies import get_policy, predict
-from moejax.placement.workloads import load_trace
+from moejax.placement.synthetic import load_trace
 
 RULES = ("planned", "adaptive")
 

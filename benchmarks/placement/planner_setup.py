@@ -11,7 +11,7 @@ import numpy as np
 
 from benchmarks.common import default_config
 from moejax.config import Config
-from moejax.layout import placement as placement_lib
+from moejax.layout import host_layout as placement_lib
 
 # (experts E, devices N) of the fsep latency table, up to 4,096 devices.
 FSEP_CONFIGS = ((64, 64), (64, 256), (64, 1024), (256, 4096))

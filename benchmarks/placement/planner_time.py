@@ -3,7 +3,7 @@
 What it measures: the wall time (time.perf_counter) of one policy call
 `policy(pred_WxE, current, slots=C, src_dev_W=..., cost=default_cost(), num_devices=N)` for one MoE
 layer, as replay and the online trainer make it. The predicted load is one step of a
-lognormal synthetic trace (moejax.placement.workloads.synthetic_trace, sigma=1.0, top_k=2,
+lognormal synthetic trace (moejax.placement.synthetic.synthetic_trace, sigma=1.0, top_k=2,
 2048 tokens per source) with sources = N (one source per device); `current` is the static
 placement (fsep ignores it; where E < N it gets any valid layout). Each row: one warm-up
 call, then the median (and min, max) over --repeats calls (>= 5). `max/mean` is the busiest
@@ -59,11 +59,11 @@ from benchmarks.common import command, default_cost, start, write_result
 from benchmarks.placement.planner_setup import FSEP_CONFIGS, any_layout, trainer_config
 from benchmarks.timing import print_table
 from moejax.config import num_moe_layers
-from moejax.layout import placement as placement_lib
+from moejax.layout import host_layout as placement_lib
 from moejax.layout.flow import flow, max_over_mean
 from moejax.layout.tables import round_robin_placement
 from moejax.placement.policies import ONE_COPY_POLICIES, POLICIES, make_options
-from moejax.placement.workloads import synthetic_trace
+from moejax.placement.synthetic import synthetic_trace
 from moejax.train.pool import online_planner
 
 DEFAULT_JSON = "benchmarks/placement/results/planner_time.json"

@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from benchmarks.common import command, default_config, start, write_result
-from moejax.placement.replay import replay
+from moejax.placement.trace_replay import replay
 from moejax.strategy.cost import load_profile
 from moejax.strategy.placement_cost import placement_cost
 

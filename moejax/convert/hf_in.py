@@ -33,7 +33,7 @@ from moejax.config import (
   num_moe_layers,
 )
 from moejax.convert import deepseek, families
-from moejax.layout.convert import convert_tree
+from moejax.layout.canonical import convert_tree
 from moejax.model.mesh import mesh_of_shape
 from moejax.model.transformer import Transformer
 from moejax.train.checkpoint import Checkpointer, model_fields

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from moejax.layout import capacity
-from moejax.layout.placement import SHARE_PARTS, Placement, share_parts
+from moejax.layout.host_layout import SHARE_PARTS, Placement, share_parts
 
 LEVEL_ROUNDS = 8
 RATIO_RANGE = (0.25, 4.0)   # a device's slack ratio is clipped to this before squaring

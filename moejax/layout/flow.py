@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from moejax.layout import adaptive, placement as placement_lib
+from moejax.layout import adaptive, host_layout as placement_lib
 
 
 class Flow(NamedTuple):

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.config import ConfigError
-from moejax.layout import placement as placement_lib
+from moejax.layout import host_layout as placement_lib
 
 
 @flax.struct.dataclass

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import ModelConfig, MoEConfig, num_moe_layers
-from moejax.layout.convert import canonical_state
+from moejax.layout.canonical import canonical_state
 from moejax.layout.leaves import EXPERT_WEIGHTS
 from moejax.layout.tables import Layout
 from moejax.model import mla, rope as rope_lib

@@ -13,8 +13,8 @@ import math
 
 import numpy as np
 
-from moejax.layout import adaptive, capacity, placement as placement_lib
-from moejax.placement.cost import CostModel
+from moejax.layout import adaptive, capacity, host_layout as placement_lib
+from moejax.placement.layer_cost import CostModel
 
 MAX_DROPPED = 0.01                  # the drop target the needed factor is for
 TRANSFERS = 4                       # dispatch + combine, forward + backward

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moejax.layout import placement as placement_lib
+from moejax.layout import host_layout as placement_lib
 from moejax.placement import smartmoe
 
 

@@ -17,9 +17,9 @@ import dataclasses
 import numpy as np
 
 from moejax.config import ConfigError
-from moejax.layout import placement as placement_lib
+from moejax.layout import host_layout as placement_lib
 from moejax.placement import fsep, shadow, smartmoe
-from moejax.placement.cost import CostModel
+from moejax.placement.layer_cost import CostModel
 
 
 @dataclasses.dataclass(frozen=True)

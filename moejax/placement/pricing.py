@@ -18,9 +18,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from moejax.layout import placement as placement_lib
-from moejax.layout.placement import Placement
-from moejax.placement.cost import CostModel
+from moejax.layout import host_layout as placement_lib
+from moejax.layout.host_layout import Placement
+from moejax.placement.layer_cost import CostModel
 
 # Policies whose switch moves no weights: their slots are restored from the expert shards every
 # step, whatever the layout.

@@ -22,7 +22,7 @@ import numpy as np
 
 from moejax.config import PlannerConfig
 from moejax.layout.flow import max_over_mean
-from moejax.layout.placement import Placement
+from moejax.layout.host_layout import Placement
 from moejax.placement import groups, policies, pricing
 from moejax.placement.fsep.score import column_sums
 

@@ -13,9 +13,9 @@ import dataclasses
 
 import numpy as np
 
-from moejax.layout import placement as placement_lib
+from moejax.layout import host_layout as placement_lib
 from moejax.layout.flow import flow
-from moejax.placement.cost import CostModel
+from moejax.placement.layer_cost import CostModel
 
 
 def _with_shadows(shadowed: list[int], base: placement_lib.Placement, dev_counts_NxE: np.ndarray,

@@ -26,8 +26,8 @@ import heapq
 import numpy as np
 
 from moejax.config import ConfigError
-from moejax.layout import placement as placement_lib
-from moejax.placement.cost import CostModel
+from moejax.layout import host_layout as placement_lib
+from moejax.placement.layer_cost import CostModel
 
 
 def _lpt(load_E: np.ndarray, cur_dev_E: np.ndarray, n: int, c: int) -> np.ndarray:

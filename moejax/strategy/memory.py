@@ -17,7 +17,7 @@ activations; embedding, head and dense first layers are on every stage); under F
 parameter, gradient and moment is further split over the data axis (`param_shards`).
 The activations at the peak (`activation_terms`) are what XLA:GPU's buffer assignment holds
 there: inside one layer group's backward pass, or the loss's backward when that is larger
-(decision 0099; `moejax.aot.buffers` reads them from a compiled program).
+(decision 0099; `moejax.aot.peak_buffers` reads them from a compiled program).
 The trainer writes `report` into the run dir; `python -m moejax.replay ... --d_model D --d_ff F
 --layers L` prints it beside the planner results.
 """

@@ -9,7 +9,7 @@ the strategy stage uses (its fitted scales included).
 from __future__ import annotations
 
 from moejax.config import Config, ModelConfig, MoEConfig
-from moejax.placement.cost import CostModel
+from moejax.placement.layer_cost import CostModel
 from moejax.strategy.cost import HardwareProfile, load_profile
 
 ACT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from moejax.layout import capacity, placement as placement_lib
+from moejax.layout import capacity, host_layout as placement_lib
 from moejax.layout.flow import max_over_mean
 from moejax.train.controllers import Hook
 

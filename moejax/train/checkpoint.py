@@ -1,8 +1,8 @@
 """Checkpoints with orbax: canonical expert order, layout, data position, and a content digest.
 
 A checkpoint holds the state with expert weights in canonical expert-id order (`ep` slots are
-un-permuted by the layout; see `moejax.layout.convert`), the layout beside it, and JSON meta: step,
-data position, planner state, expert mode, and a digest of every array (`moejax.digest`),
+un-permuted by the layout; see `moejax.layout.canonical`), the layout beside it, and JSON meta:
+step, data position, planner state, expert mode, and a digest of every array (`moejax.digest`),
 taken before the save so that it commits atomically with the arrays.
 
 Restoring (`Checkpointer.restore`):
@@ -28,14 +28,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from moejax.config import CheckpointConfig, Config, ConfigError
-from moejax.layout.convert import (
+from moejax.layout.canonical import (
   canonical_state,
   convert_tree,
   from_canonical,
   from_canonical_state,
   to_canonical,
 )
-from moejax.layout.placement import SHARE_PARTS
+from moejax.layout.host_layout import SHARE_PARTS
 from moejax.layout.tables import Layout
 from moejax.runtime import distributed
 from moejax.train import digest as digest_lib, faults

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from moejax.layout.placement import Placement
+from moejax.layout.host_layout import Placement
 from moejax.placement.replanner import OnlinePlanner, Switch
 
 __all__ = ["Plan", "PlanAhead", "PlanError"]

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 
 from moejax.config import Config, ConfigError, batch_split_error
-from moejax.layout.placement import Placement
+from moejax.layout.host_layout import Placement
 from moejax.layout.tables import Layout, to_placements
 from moejax.placement.replanner import OnlinePlanner
 from moejax.strategy.placement_cost import of_config as placement_cost_of

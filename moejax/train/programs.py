@@ -30,7 +30,7 @@ from moejax.config import (
   microbatch_split_error,
   num_moe_layers,
 )
-from moejax.layout.convert import convert_tree
+from moejax.layout.canonical import convert_tree
 from moejax.layout.leaves import gather_slots, is_fsep_expert_leaf
 from moejax.layout.migrate import migrate
 from moejax.layout.tables import Layout, round_robin_layout, static_layout

@@ -6,7 +6,7 @@ quarter of that expert's load); the sampled text would then depend on which othe
 the batch. Here the choices are sorted by expert and run as one grouped matmul
 (`jax.lax.ragged_dot`) over exactly the rows each expert got: the FLOPs of T * K choices,
 whatever the balance. The expert weights are in canonical (expert-id) order, as
-`moejax.layout.convert.canonical_state` gives them for either expert mode.
+`moejax.layout.canonical.canonical_state` gives them for either expert mode.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from moejax.config import ConfigError, MoEConfig, batch_split_error
 from moejax.layout import capacity
+from moejax.layout.host_layout import SHARE_PARTS
 from moejax.layout.leaves import EXPERT_WEIGHTS
-from moejax.layout.placement import SHARE_PARTS
 from moejax.layout.tables import Layout
 from moejax.model.mesh import BATCH_AXES, logical_to_spec, num_stages
 from moejax.model.moe import (

@@ -4,7 +4,7 @@
 its own device's replica (per-source shares), then splits the rest over the expert's replicas
 by the planned shares, so every (source, slot) pair carries about share x count and the dense
 dispatch's fixed per-pair capacity suffices. The device-side twin of the host's "split" rule
-(`moejax.layout.placement.split_loads`). `adaptive_slots` (`moe.fsep_shares = 'adaptive'`)
+(`moejax.layout.host_layout.split_loads`). `adaptive_slots` (`moe.fsep_shares = 'adaptive'`)
 keeps the layout but levels the shares on the step's own counts first: the device-side twin
 of `moejax.layout.adaptive.split_adaptive`.
 """
@@ -73,7 +73,7 @@ def split_slots(expert_TK: jax.Array, expert_slots_ExR: jax.Array,
   floor((P_r c' + phase) / 1024) - floor((P_{r-1} c' + phase) / 1024); `phase` = source
   index * 1024 // sources spreads the rounding over replicas. Every (source, slot) pair then
   carries ~ share x count, so fixed per-pair capacity suffices. Same rule as
-  `moejax.layout.placement.split_loads`."""
+  `moejax.layout.host_layout.split_loads`."""
   kept_E = None
   if kept_parts_E is not None:
     kept_E = scaled_floor(kept_parts_E, _counts(expert_TK, expert_slots_ExR.shape[0]))

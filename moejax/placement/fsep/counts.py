@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from moejax.config import ConfigError
-from moejax.layout.placement import SHARE_PARTS
+from moejax.layout.host_layout import SHARE_PARTS
 
 CANDIDATES = ("even", "dhondt", "blend")      # every kind `replica_counts` knows
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moejax.layout.placement import SHARE_PARTS
+from moejax.layout.host_layout import SHARE_PARTS
 from moejax.placement.fsep.score import own_counts
 
 BUDGET_ROUNDS = 4     # fixed-point steps: the shares of the rest move with what is kept

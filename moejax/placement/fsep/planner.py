@@ -23,8 +23,7 @@ import itertools
 import numpy as np
 
 from moejax.config import ConfigError
-from moejax.layout.placement import Placement
-from moejax.placement.cost import CostModel
+from moejax.layout.host_layout import Placement
 from moejax.placement.fsep.counts import replica_counts, snap_counts
 from moejax.placement.fsep.deal import deal, deal_bound
 from moejax.placement.fsep.locality import keep_local, local_parts
@@ -44,6 +43,7 @@ from moejax.placement.fsep.spread import (
   step_totals,
   window_loads,
 )
+from moejax.placement.layer_cost import CostModel
 
 TIME_SLACK = 0.01     # relative score within which the dense dispatch's overflow decides
 DEFAULT_CANDIDATES = ("even", "dhondt")

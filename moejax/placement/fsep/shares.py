@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from moejax.layout.placement import SHARE_PARTS
+from moejax.layout.host_layout import SHARE_PARTS
 from moejax.placement.fsep.deal import LARGE_MESH
 
 

@@ -5,7 +5,7 @@ with its shape and op name from the dump's scheduled HLO. The memory model's ter
 (moejax.strategy.memory) were read this way (decision 0099). `memory_analysis()`'s temp is
 the size of XLA's heap, which can exceed what is live at the peak (its packing).
 
-  python -m moejax.aot.buffers DIR [--top 40]
+  python -m moejax.aot.peak_buffers DIR [--top 40]
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ import time
 import numpy as np
 
 from moejax.config import ConfigError
-from moejax.layout import placement as placement_lib
+from moejax.layout import host_layout as placement_lib
 from moejax.layout.flow import flow, max_over_mean
 from moejax.layout.tables import round_robin_placement
 from moejax.placement import pricing
