@@ -8,9 +8,9 @@ schedule: V chunks per stage). Between ticks each stage's microbatch moves to th
 (a collective permute over `stage`, whose wrap-around pair hands the last stage's output to
 stage 0); the backward pass sends it back. Once per step the last output makes one more
 rotation and stage 0's finished microbatches go to every stage's head. Under FSDP the
-parameters are gathered over `data` where they are used (forward, backward and, under
-remat, the recomputed forward) and the gradients are reduce-scattered instead of
-all-reduced.
+parameters are gathered over `data` where they are used (forward, and the backward, whose
+recomputed forward under remat gathers them for both), a pipeline's layer groups in every
+tick under remat, and the gradients are reduce-scattered instead of all-reduced.
 """
 
 from __future__ import annotations
