@@ -47,3 +47,22 @@ def test_activation_terms_name_the_peak():
   t = activation_terms(**base, attention_scores=True, loss_chunk=256)
   assert activation_bytes(**base, attention_scores=True, loss_chunk=256) == (
       t["kept"] + max(t["work"], t["loss"]))
+
+
+def test_dense_first_blocks_run_on_the_whole_batch():
+  """The dense first blocks run before the pipeline's ticks on the device's whole batch: their
+  backward's scores do not shrink with the microbatches, and it comes after the groups' (whose
+  kept inputs are gone): the peak is the larger of the two phases."""
+  from moejax.strategy.memory import activation_bytes, activation_terms, attention_score_bytes
+
+  base = dict(tokens=8192, d_model=768, num_layers=10, vocab_size=50304, expert_rows=4 * 20480,
+              act_bytes=2, groups=4, remat=True, heads=12, seq_len=1024, attention_scores=True,
+              loss_chunk=256, first_dense=2)
+  score = attention_score_bytes(8192, 12, 1024, 2)
+  one, four = activation_terms(**base), activation_terms(**base, microbatches=4, stretch=1.25)
+  assert one["first"] == four["first"] == 20 * 768 * 8192 * 2 + 2 * score
+  assert four["work"] < one["work"]                       # a group's backward is a microbatch's
+  assert one["first_kept"] == 2 * 2 * 8192 * 768 * 2      # each first block's two inputs
+  assert activation_bytes(**base, microbatches=4, stretch=1.25) == one["first_kept"] + one["first"]
+  none = activation_terms(**dict(base, first_dense=0, num_layers=8))
+  assert none["first"] == none["first_kept"] == 0 and none["work"] == one["work"]

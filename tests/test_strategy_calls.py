@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import pytest
 
+from moejax.aot import read
+from moejax.aot.hlo import parse as parse_hlo
 from moejax.config import Config
 from moejax.strategy import calls, offline
 from moejax.strategy.cost import PRESETS, predict_step
@@ -21,6 +25,20 @@ PROGRAM = {"ep/8x1x1/cf1.5": (11, 0, 0), "fsep/1x8x1/c2/cf1.5": (14, 39, 0),
            "ep/1x1x4/p2/m2/cf1.25": (43, 0, 8)}
 
 
+# FSDP under remat (Config() with model.remat): {spec: (all-gathers over `data` in the layer
+# loops, their bytes a step with the once-a-step ones, the larger buffer of each)} of the same
+# compiled steps: no pipeline, microbatches alone, two stages. Each group run gathers the
+# group's parameters in its forward and again in its backward (the recomputed forward's
+# gather serves the backward's matmuls), in every tick: 42 calls a run, XLA:CPU combining no
+# all-gathers (21 leaves a group and pass).
+REMAT_CFG = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, remat=True))
+REMAT_W = offline.workload_of(REMAT_CFG)
+FSDP_PROGRAM = {"ep/4x2x1/cf1.25/fsdp": (84, 11826368),
+                "ep/4x2x1/m2/cf1.25/fsdp": (168, 23389376),
+                "ep/2x2x1/p2/m2/cf1.25/fsdp": (126, 17739536)}
+LEAVES_GATHERED = 21
+
+
 def _close(predicted: float, program: int) -> bool:
   """Within one call, or 10% of many: XLA may merge or split a small reduce differently."""
   return abs(predicted - program) <= max(1.0, 0.1 * program)
@@ -34,6 +52,24 @@ def test_counts_are_the_compiled_programs(spec):
   assert got["all-to-all"] == a2a and got["collective-permute"] == sends, (spec, got)
 
 
+def _fsdp_within(spec: str, loop_gathers: int, gathered_bytes: int):
+  """The model's FSDP gathers against a compiled step's: the calls in the layer loops follow
+  the model's gathers (LEAVES_GATHERED calls each on XLA:CPU) and the bytes a device
+  receives, (data - 1) / data of the gathered buffers, are the model's within 5%."""
+  strategy = parse(spec)
+  assert calls.fsdp_gathers(strategy, REMAT_W) * LEAVES_GATHERED == loop_gathers, spec
+  received = gathered_bytes * (strategy.data - 1) / strategy.data
+  predicted = predict_step(strategy, REMAT_W, PRESETS["cpu"]).gather_bytes
+  assert abs(predicted / received - 1) < 0.05, (spec, predicted, received)
+
+
+@pytest.mark.parametrize("spec", sorted(FSDP_PROGRAM))
+def test_fsdp_gathers_are_the_compiled_programs(spec):
+  """Pipelined and microbatched FSDP gathers each group in every tick (the ticks' runs), not
+  once a step: the stages' and microbatches' steps gather M + P - 1 and M times the bytes."""
+  _fsdp_within(spec, *FSDP_PROGRAM[spec])
+
+
 def test_gradients_reduce_in_combined_buckets_per_group_run():
   assert calls.buckets(1.0) == 1 and calls.buckets(calls.COMBINE_BYTES) == 1
   assert calls.buckets(calls.COMBINE_BYTES + 1) == 2
@@ -42,7 +78,7 @@ def test_gradients_reduce_in_combined_buckets_per_group_run():
   big = calls.reduce_calls(flat, 2, 3.5 * calls.COMBINE_BYTES, 0)
   assert big == [(2 * (1 + 4) + calls.STEP_SHARD_CALLS, 8)]
   assert calls.reduce_calls(parse("ep/1x1x8/cf1"), 2, 1e6, 1e6) == []   # nothing to reduce
-  fsdp = calls.reduce_calls(parse("ep/2x4x1/cf1.25/fsdp"), 2, 1e6, 1e6, fsdp_passes=2)
+  fsdp = calls.reduce_calls(parse("ep/2x4x1/cf1.25/fsdp"), 2, 1e6, 1e6, fsdp_runs=2)
   assert (2 * 3, 2) in fsdp and (2 * 1, 2) in fsdp   # gathers per pass; expert bucket
 
 
@@ -72,3 +108,21 @@ def test_counts_read_from_the_compiler():
     predicted = calls.collective_counts(parse(spec), W)
     assert _close(predicted["reduce"], read[0]), (spec, got, predicted)
     assert (predicted["all-to-all"], predicted["collective-permute"]) == read[1:], (spec, got)
+
+
+@pytest.mark.slow
+def test_fsdp_gathers_read_from_the_compiler():
+  """Compiles the three FSDP steps under remat and reads their all-gathers over `data`: the
+  calls in the layer loops (run more than once a step) and every one's bytes."""
+  from moejax.train.optim import optimizer, schedule
+  from moejax.train.programs import build_program
+  tx, lr = optimizer(CFG.optim, 10), schedule(CFG.optim, 10)
+  for spec in FSDP_PROGRAM:
+    strategy = parse(spec)
+    module = parse_hlo(build_program(REMAT_CFG, strategy, tx, lr,
+                                     jax.devices()).train_step.as_text())
+    comps = {name: module.by_name(name) for name in module.computations}
+    gathers = [c for c in read.collectives(module) if c.kind == "all-gather" and
+               read.group_size(comps[c.computation][c.name].line) == strategy.data]
+    in_loops = sum(c.runs for c in gathers if c.runs > 1)
+    _fsdp_within(spec, in_loops, sum(c.runs * c.bytes for c in gathers))

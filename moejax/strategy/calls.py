@@ -9,7 +9,8 @@ XLA's all-reduce combiner (`AllReduceCombiner`; on GPU its bucket is
 kDefaultAllReduceCombineThreshold, 30 MiB) merges independent all-reduces over the same
 devices into one tuple all-reduce, so a layer group's gradients leave the backward scan as
 one call per iteration, not one per leaf, and a MoE layer's router statistics as one call.
-A pipelined step runs its stage's layer groups once per tick (moejax/strategy/stages.py).
+A pipelined step runs its stage's layer groups once per tick (moejax/strategy/stages.py), and
+under FSDP and remat gathers their parameters in every tick (`fsdp_gathers`).
 """
 
 from __future__ import annotations
@@ -60,11 +61,12 @@ def buckets(grad_bytes: float, combine_bytes: float = COMBINE_BYTES) -> int:
 
 
 def reduce_calls(strategy, runs: float, group_bytes: float, expert_group_bytes: float,
-                 fsdp_passes: int = 0) -> list[tuple[float, int]]:
+                 fsdp_runs: float = 0) -> list[tuple[float, int]]:
   """[(calls, devices in each)] of the gradient reduce, router statistics, metrics and FSDP
   gathers of one step; `runs` MoE layer (= layer group) runs per device, `group_bytes` the
   gradient bytes of one group reduced over data x expert, `expert_group_bytes` those of its
-  experts reduced over data alone (expert axis > 1)."""
+  experts reduced over data alone (expert axis > 1), `fsdp_runs` how many times a step
+  gathers a layer group under FSDP per pass (`stages.gather_runs` x the stage's groups)."""
   dd, n, p = strategy.data, strategy.expert, strategy.stage
   shards, out = dd * n, []
   if shards > 1:
@@ -75,8 +77,8 @@ def reduce_calls(strategy, runs: float, group_bytes: float, expert_group_bytes: 
       out.append((runs * buckets(expert_group_bytes), dd))
   if p > 1:
     out.append((STAGE_METRIC_CALLS, p))
-  if fsdp_passes and dd > 1:   # each group's parameters gathered per pass, and the rest's
-    out.append((fsdp_passes * (runs + 1), dd))
+  if fsdp_runs and dd > 1:   # each group's parameters gathered per pass, and the rest's
+    out.append((stages.FSDP_PASSES * (fsdp_runs + 1), dd))
   return out
 
 
@@ -86,6 +88,20 @@ def tp_calls(layers: float, moe_layers: float, runs_per_layer: float) -> float:
   return (TP_PER_LAYER * layers + TP_PER_MOE_LAYER * moe_layers) * runs_per_layer + TP_PER_STEP
 
 
+def fsdp_gathers(strategy, w) -> float:
+  """FSDP's gathers of the layer groups' parameters in one step, forward and backward: per
+  group run under remat (every tick of a pipeline), once a step per group without it
+  (moejax.strategy.stages.gather_runs). One call a group and pass: XLA:GPU's all-gather
+  combiner merges a group's leaves into a few (4 a pass in configs/gpt_moe_gpu.gin's groups on
+  compile-only H100s); XLA:CPU merges none, one call a gathered leaf
+  (tests/test_strategy_calls.py checks that the calls follow the runs)."""
+  if not strategy.fsdp or strategy.data == 1:
+    return 0.0
+  p = strategy.stage
+  return stages.FSDP_PASSES * stages.gather_runs(p, strategy.microbatches, strategy.virtual,
+                                                 w.remat) * w.moe_layers / p
+
+
 def collective_counts(strategy, w) -> dict[str, float]:
   """{opcode family: calls per step} as tests/hlo.py's `collective_calls` reads them from the
   compiled step: "reduce" = all-reduce + all-gather + reduce-scatter (stage reduces
@@ -93,8 +109,8 @@ def collective_counts(strategy, w) -> dict[str, float]:
   p, mb, v = strategy.stage, strategy.microbatches, strategy.virtual
   per_tick = stages.ticks(p, mb, v) / v
   runs = w.moe_layers / p * per_tick
-  reduce = sum(c for c, _ in reduce_calls(strategy, runs, 1.0, 1.0,
-                                          (3 if w.remat else 2) if strategy.fsdp else 0))
+  gathers = fsdp_gathers(strategy, w) / stages.FSDP_PASSES
+  reduce = sum(c for c, _ in reduce_calls(strategy, runs, 1.0, 1.0, gathers))
   if strategy.model > 1:
     reduce += tp_calls(w.num_layers / p, w.moe_layers / p, per_tick)
   sends = 0.0

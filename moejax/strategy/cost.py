@@ -197,6 +197,7 @@ class StepCost:
   hidden_s: float = 0.0          # parameter collectives hidden behind matmuls (not in total)
   bubble: float = 0.0            # the pipeline schedule's idle share of the ticks
   state_bytes: float = 0.0       # parameters + Adam moments per device
+  gather_bytes: float = 0.0      # FSDP's parameter gathers: bytes a device receives a step
 
   @property
   def total_s(self) -> float:
@@ -324,18 +325,28 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
   # Gradients: dense leaves over data*expert, expert leaves over data; under FSDP the data
   # part is a reduce-scatter (half an all-reduce's volume). Calls: combined buckets per
   # layer group run (moejax.strategy.calls). The embedding's and head's gradients need no
-  # sum over stages: every stage computes them from the same collected outputs.
+  # sum over stages: every stage computes them from the same collected outputs. A layer
+  # group's gradients are reduced where its backward runs, once per run: a pipelined step
+  # reduces its stage's groups in every tick (ticks / V runs), the rest once a step.
   shards, groups = dd * n, max(w.moe_layers, 1)
   group_bytes = 4 * (layer_dense / groups / m + (ep_local * p / groups if n == 1 else 0)) / fs
+  per_tick = stages.ticks(p, mb, v) / v
+  stage_dense = layer_dense / p / m               # the stage's layer groups' dense part
   param_bytes = 0.0
   if shards > 1:
-    param_bytes = 4 * (dense_dev * 2 * (shards - 1) / shards + ep_local * 2 * (dd - 1) / dd) / (
+    param_bytes = 4 * ((dense_dev - stage_dense + stage_dense * per_tick) * 2 * (shards - 1) /
+                       shards + ep_local * per_tick * 2 * (dd - 1) / dd) / (
         2 if strategy.fsdp else 1)
-  passes = (3 if w.remat else 2) if strategy.fsdp else 0
+  gathers = stages.gather_runs(p, mb, v, w.remat) if strategy.fsdp else 0.0
   reduce_s = sum(k * call(g) for k, g in calls.reduce_calls(
-      strategy, runs, group_bytes, 4 * ep_local * p / groups / fs, passes)) * scale
-  if strategy.fsdp and dd > 1:
-    param_bytes += stages.fsdp_gather_bytes(4 * (dense_dev + ep_local), dd, w.remat)
+      strategy, runs, group_bytes, 4 * ep_local * p / groups / fs,
+      gathers * moe_layers)) * scale
+  gather_bytes = 0.0
+  if strategy.fsdp and dd > 1:   # in the compute dtype: the weights are cast, then gathered
+    gather_bytes = (
+        stages.fsdp_gather_bytes(w.act_bytes * (stage_dense + ep_local), dd, gathers) +
+        stages.fsdp_gather_bytes(w.act_bytes * (dense_dev - stage_dense), dd))
+    param_bytes += gather_bytes
   param_s = param_bytes / profile.reduce_bytes_per_s * scale
   hidden = 0.0
   if profile.overlap_param_comm:   # their volume hides behind the backward's matmuls
@@ -363,13 +374,14 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
                        stretch=stretch, heads=w.num_heads, seq_len=w.seq_len,
                        attention_scores=w.attention_scores, loss_chunk=w.loss_chunk,
                        remat_blocks=strategy.expert_mode == "fsep",
-                       residual_width=w.residual_width))
+                       residual_width=w.residual_width, first_dense=w.first_dense))
   cs, ms = profile.compute_scale, profile.comm_scale
   return StepCost(compute_s * cs, expert_s * cs, memory_s * cs, a2a_s * ms, restore_s * ms,
                   reduce_s * ms, tp_s * profile.tp_scale, profile.overhead_s,
                   float(np.mean(drops_L)), float(memory_bytes), pipe_s=pipe_s * ms,
                   hidden_s=hidden * ms, bubble=stages.bubble_fraction(p, mb, v),
-                  state_bytes=3 * FP32 * dense_dev / fs + experts["persistent"])
+                  state_bytes=3 * FP32 * dense_dev / fs + experts["persistent"],
+                  gather_bytes=gather_bytes)
 
 
 def expert_shares(counts_stepsxLxWxE: np.ndarray) -> np.ndarray:

@@ -95,22 +95,29 @@ def activation_terms(tokens: float, d_model: int, num_layers: int, vocab_size: i
                      groups: int = 0, remat: bool = False, microbatches: int = 1,
                      stretch: float = 1.0, heads: int = 0, seq_len: int = 0,
                      attention_scores: bool = False, loss_chunk: int = 0,
-                     remat_blocks: bool = False, residual_width: float = 0.0) -> dict:
+                     remat_blocks: bool = False, residual_width: float = 0.0,
+                     first_dense: int = 0) -> dict:
   """The activation memory of a step, in named parts: `kept` (saved by the forward pass for
   the backward, live through the whole backward pass), `work` (one layer group's backward:
-  what its recomputed forward saves, and its gradients) and `loss` (the loss's backward).
-  The last two are live at different times; the peak holds the larger one (`activation_bytes`).
+  what its recomputed forward saves, and its gradients), `loss` (the loss's backward) and
+  `first` (one dense first block's backward, after the groups': what it holds beside what
+  the dense first blocks kept, `first_kept`, when the groups' residuals are gone).
+  `work` and `loss` are live at different times; the peak holds the larger one, or the first
+  blocks' backward where that is larger (`activation_bytes`).
 
   Per token and layer the residuals are ~20 values of width D (`residual_width`, where the
   attention's differ: multi-head latent attention's), plus 6 per expert row (summed
   over MoE layers; ragged dispatch: its fixed receive buffer's rows, `capacity.ragged_rows`).
   `num_layers`, `groups` (scanned layer groups) and `expert_rows` are this device's (a
-  pipeline stage's). A pipelined step is one scan over ticks whose autodiff keeps every
-  tick's residuals, idle ticks' too: `stretch` = ticks / (V*M) times the busy ticks'.
-  Under `model.remat` a group keeps only its input, and one group of one microbatch is
-  recomputed at a time; `remat_blocks` (fsep) checkpoints the attention and MLP blocks one by
-  one instead of the group (moejax.model.transformer.LayerGroup), so every layer keeps its two
-  RMSNorms' residuals (the fp32 input and normalised value and the compute-dtype output) and
+  pipeline stage's); `first_dense` of the `num_layers` are the dense first blocks, which run
+  before the groups on the device's whole batch (`tokens`), not per microbatch: with stages
+  every stage runs them (moejax.model.pipeline). A pipelined step is one scan over ticks
+  whose autodiff keeps every tick's residuals, idle ticks' too: `stretch` = ticks / (V*M)
+  times the busy ticks'. Under `model.remat` a group keeps only its input, and one group of
+  one microbatch is recomputed at a time; a dense first block checkpoints its attention and
+  MLP blocks one by one and keeps their two inputs; with `remat_blocks` (fsep) every layer
+  (moejax.model.transformer.LayerGroup) checkpoints its blocks one by one too and keeps its
+  two RMSNorms' residuals (the fp32 input and normalised value and the compute-dtype output);
   only the block being differentiated holds its recomputed attention scores. With
   `attention_scores` (XLA's attention) every attention layer whose forward is live holds
   `attention_score_bytes`. With M > 1 the step also holds the embedded batch and the finished
@@ -119,31 +126,40 @@ def activation_terms(tokens: float, d_model: int, num_layers: int, vocab_size: i
       attention_scores and heads and seq_len) else 0.0
   rows_per_layer = expert_rows / max(groups, 1)
   per_token = residual_width or 20 * d_model
+  group_layers = num_layers - first_dense
+  norms = 2 * tokens * d_model * (2 * FP32 + act_bytes)     # a block-remat layer's two norms
   if remat and groups:
-    layers_per_group = num_layers / groups
+    layers_per_group = group_layers / groups
     if remat_blocks:
-      kept = groups * 2 * layers_per_group * tokens * d_model * (2 * FP32 + act_bytes) * stretch
+      kept = groups * layers_per_group * norms * stretch
       live_scores = 1
     else:
       kept = tokens * d_model * groups * stretch * act_bytes  # group inputs: not split over `model`
       live_scores = layers_per_group
     work = ((per_token * tokens * layers_per_group + 6 * rows_per_layer * d_model) *
             act_bytes / model_shards + (live_scores + 1) * scores) / microbatches
+    first_kept = first_dense * 2 * tokens * d_model * act_bytes   # its blocks' two inputs
+    first = per_token * tokens * act_bytes / model_shards + 2 * scores
   else:
-    kept = ((per_token * tokens * num_layers + 6 * expert_rows * d_model) * act_bytes /
-            model_shards + num_layers * scores) * stretch
+    kept = ((per_token * tokens * group_layers + 6 * expert_rows * d_model) * act_bytes /
+            model_shards + group_layers * scores) * stretch
     work = scores / microbatches
+    first_kept = first_dense * (per_token * tokens * act_bytes / model_shards + scores)
+    first = scores
+  kept += first_kept
   if microbatches > 1:
     kept += 2 * tokens * d_model * act_bytes
   return {"kept": kept, "work": work,
-          "loss": loss_bytes(tokens, seq_len, vocab_size, act_bytes, model_shards, loss_chunk)}
+          "loss": loss_bytes(tokens, seq_len, vocab_size, act_bytes, model_shards, loss_chunk),
+          "first_kept": first_kept, "first": first if first_dense else 0.0}
 
 
 def activation_bytes(*args, **kwargs) -> float:
   """The activations at the step's peak: what the forward keeps, and the larger of one
-  group's backward and the loss's backward (`activation_terms`, same arguments)."""
+  group's backward and the loss's backward; or, where larger, a dense first block's backward
+  beside what the first blocks keep (`activation_terms`, same arguments)."""
   t = activation_terms(*args, **kwargs)
-  return t["kept"] + max(t["work"], t["loss"])
+  return max(t["kept"] + max(t["work"], t["loss"]), t["first_kept"] + t["first"])
 
 
 def step_bytes(dense_params: float, experts: dict, activations: float) -> float:

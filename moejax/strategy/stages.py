@@ -8,9 +8,9 @@ schedule: V chunks per stage). Between ticks each stage's microbatch moves to th
 (a collective permute over `stage`, whose wrap-around pair hands the last stage's output to
 stage 0); the backward pass sends it back. Once per step the last output makes one more
 rotation and stage 0's finished microbatches go to every stage's head. Under FSDP the
-parameters are gathered over `data` where they are used (forward, backward and, under
-remat, the recomputed forward) and the gradients are reduce-scattered instead of
-all-reduced.
+parameters are gathered over `data` where they are used (forward, and the backward, whose
+recomputed forward under remat gathers them for both), a pipeline's layer groups in every
+tick under remat, and the gradients are reduce-scattered instead of all-reduced.
 """
 
 from __future__ import annotations
@@ -76,9 +76,26 @@ def transfer_seconds(stages: int, microbatches: int, virtual: int, tokens: float
   return sends * (call_s + send / bytes_per_s) + REDUCES_PER_STEP * reduce
 
 
-def fsdp_gather_bytes(param_bytes: float, shards: int, remat: bool) -> float:
-  """Bytes a device receives gathering its parameters over `shards` data devices: once for
-  the forward, once for the backward, once more for the recomputed forward under remat."""
+# FSDP gathers a layer group's parameters twice per run of the group: in the forward, and in
+# the backward (under remat the recomputed forward's gather serves the backward's matmuls too).
+# Read from the compiled train steps on 8 CPU devices (tests/test_strategy_calls.py): the
+# forward and backward layer loops each gather the group's bytes once an iteration, with or
+# without remat, whose iterations are the groups times the ticks / V of a pipelined step.
+FSDP_PASSES = 2
+
+
+def fsdp_gather_bytes(param_bytes: float, shards: int, runs: float = 1.0) -> float:
+  """Bytes a device receives gathering `param_bytes` over `shards` data devices, forward and
+  backward, `runs` times each: a pipeline's layer groups are gathered in every tick under
+  remat (decision 0113: each group's weights are tied to its input inside the tick loop),
+  once a step otherwise (JAX's scan linearization hoists the weight-only gathers out of the
+  tick loop), and the embedding, head and dense first blocks once a step."""
   if shards == 1:
     return 0.0
-  return (3 if remat else 2) * param_bytes * (shards - 1) / shards
+  return FSDP_PASSES * runs * param_bytes * (shards - 1) / shards
+
+
+def gather_runs(stages: int, microbatches: int, virtual: int, remat: bool) -> float:
+  """How many times a step gathers a layer group's parameters per pass under FSDP: once a
+  tick it runs in (ticks / V) under remat, once a step without it (hoisted)."""
+  return ticks(stages, microbatches, virtual) / virtual if remat else 1.0
