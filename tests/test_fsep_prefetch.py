@@ -226,9 +226,9 @@ def test_backward_prefetch_equals_plain_autodiff(monkeypatch):
 
   f, params, layout = fsep_loss_and_grad(SHAPE, SLOTS)
   (ref_loss, _), ref_grads = f(params, batch_BxQ1=tokens(), layout=layout)
-  monkeypatch.setattr(fsep_backward, "_prefetching_moe", lambda moe: (
+  monkeypatch.setattr(fsep_backward, "_prefetching_moe", lambda moe, fsdp: (
       lambda mdl, x, layout, weights, channel, *rest: (mdl(x, layout, weights), channel)))
-  monkeypatch.setattr(fsep_backward, "_seed_backward_restore", lambda mesh, dtype: (
+  monkeypatch.setattr(fsep_backward, "_seed_backward_restore", lambda mesh, dtype, fsdp: (
       lambda x, *rest: x))
   model = Transformer(SMALL_MODEL, FSEP_MOE, mesh_of_shape(SHAPE))
   plain = jax.jit(jax.value_and_grad(

@@ -1,6 +1,7 @@
 """The prepared GPU run's dry run: every step that needs no GPU runs at a tiny size on CPU,
 the others say why they were skipped, and the JSON carries what a GPU run's would."""
 
+import gzip
 import json
 import os
 import subprocess
@@ -43,7 +44,8 @@ def test_dry_run_reports_every_step(tmp_path):
       assert row["error"] is None and row["step_s_median"] > 0 and row["steps_timed"] >= 4, row
   ablations = {r["path"] for r in steps["train_steps"]["ablations"]}
   assert any(p.endswith("plain loss") for p in ablations)
-  assert (tmp_path / "best_step_hlo.txt.gz").exists()   # the fastest path's scheduled HLO
+  with gzip.open(tmp_path / "step_hlos.json.gz", "rt") as f:   # each shape's fastest path's
+    assert "ENTRY" in json.load(f)["gpu_config"]              # scheduled HLO
 
 
 def test_flops_per_token_counts_grouped_kv_heads_and_head_dim():

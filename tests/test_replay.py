@@ -163,7 +163,9 @@ def test_cli_all_policies_json(tmp_path):
   for r in data["policies"].values():
     assert {"median", "p90", "mean", "tokens_crossing", "crossing_fraction", "experts_moved",
             "planner_ms_mean", "planner_ms_max", "decisions", "series"} <= set(r)
-    assert np.asarray(r["series"]).shape == (12, 2) and r["decisions"] == 2 * 4  # t = 1, 3, 6, 9
+    # t = 1, 3, 6, 9; adaptive (the trainer's default for fsep): a candidate after every step
+    decisions = 2 * 11 if r["adaptive"] else 2 * 4
+    assert np.asarray(r["series"]).shape == (12, 2) and r["decisions"] == decisions, r["adaptive"]
   ahead = data["window_oracle"]                     # plans at steps 0, 3, 6, 9 as well
   assert ahead["decisions"] == 2 * 4 and "regret_median" in ahead and "oracle" in data
   bad = subprocess.run([sys.executable, "-m", "moejax.replay", str(trace), "--devices", "3",

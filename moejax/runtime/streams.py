@@ -24,9 +24,9 @@ __all__ = ["Screen", "Terminal", "filter_own_stdout", "keep_line", "pump"]
 _GLOO_CONNECTED = re.compile(rb"is connected to (\d+) peer ranks\. Expected number of "
                              rb"connected peer ranks is : (\d+)")
 _GLOO_PIECES = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. ?|"
-                          rb"\[Gloo\] Rank (\d+ )?|Expected number of connected peer ranks is "
-                          rb": \d+|\s+")
-_GLOO_STARTS = (b"[Gloo]", b"Expected number of connected")
+                          rb"\[Gloo\] Rank (\d+ ?)?|is connected to \d+ peer ranks\. ?|"
+                          rb"Expected number of connected peer ranks is : \d+|\s+")
+_GLOO_STARTS = (b"[Gloo]", b"Expected number of connected", b"is connected to")
 _ENDS = re.compile(rb"[\r\n]")
 
 
