@@ -116,8 +116,8 @@ def activation_terms(tokens: float, d_model: int, num_layers: int, vocab_size: i
   times the busy ticks'. Under `model.remat` a group keeps only its input, and one group of
   one microbatch is recomputed at a time; a dense first block checkpoints its attention and
   MLP blocks one by one and keeps their two inputs; with `remat_blocks` (fsep) every layer
-  (moejax.model.transformer.LayerGroup) checkpoints its blocks one by one too and keeps its
-  two RMSNorms' residuals (the fp32 input and normalised value and the compute-dtype output);
+  (moejax.model.transformer.LayerGroup) checkpoints the blocks before its MoE layer as one
+  and keeps two compute-dtype arrays (the layer's input and the MoE layer's normed input);
   only the block being differentiated holds its recomputed attention scores. With
   `attention_scores` (XLA's attention) every attention layer whose forward is live holds
   `attention_score_bytes`. With M > 1 the step also holds the embedded batch and the finished
@@ -127,7 +127,7 @@ def activation_terms(tokens: float, d_model: int, num_layers: int, vocab_size: i
   rows_per_layer = expert_rows / max(groups, 1)
   per_token = residual_width or 20 * d_model
   group_layers = num_layers - first_dense
-  norms = 2 * tokens * d_model * (2 * FP32 + act_bytes)     # a block-remat layer's two norms
+  norms = 2 * tokens * d_model * act_bytes     # a block-remat layer's input and MoE input
   if remat and groups:
     layers_per_group = group_layers / groups
     if remat_blocks:
