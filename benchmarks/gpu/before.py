@@ -74,25 +74,16 @@ def _forward(h_BxQxD, w_Dxvocab, targets_BxQ, chunk, compute_dtype):
 
 
 def _bwd(chunk, compute_dtype, res, g):
-  from moejax.train.loss import _tile_logits, _tiles
+  from moejax.train.loss import _tile_grads, _tile_logits, _tiles
   h_BxQxD, w_Dxvocab, targets_BxQ, lse_n = res
   h_n, t_n = _tiles(h_BxQxD, targets_BxQ, chunk)
   scale = g / targets_BxQ.size
-  vocab = w_Dxvocab.shape[1]
 
   def tile(dw_Dxvocab, xs):
     h, t, lse_Bxtile = xs
-    logits = _tile_logits(h, w_Dxvocab, compute_dtype)
-    # d loss / d logits = softmax - one_hot(target), zero on padding
-    d_Bxtilexvocab = (jnp.exp(logits - lse_Bxtile[..., None]) -
-                      jax.nn.one_hot(t, vocab, dtype=jnp.float32))
-    d_Bxtilexvocab = jnp.where((t >= 0)[..., None], d_Bxtilexvocab * scale,
-                               0.0).astype(compute_dtype)
-    dh = jnp.einsum("bcv,dv->bcd", d_Bxtilexvocab, w_Dxvocab.astype(compute_dtype),
-                    preferred_element_type=jnp.float32)
-    dw_Dxvocab = dw_Dxvocab + jnp.einsum("bcd,bcv->dv", h.astype(compute_dtype),
-                                         d_Bxtilexvocab, preferred_element_type=jnp.float32)
-    return dw_Dxvocab, dh
+    logits = _tile_logits(h, w_Dxvocab, compute_dtype)    # recomputed: the old path's cost
+    dh, dw = _tile_grads(h, t, logits, lse_Bxtile, w_Dxvocab, scale, compute_dtype)
+    return dw_Dxvocab + dw, dh
 
   dw, dh_n = jax.lax.scan(tile, jnp.zeros(w_Dxvocab.shape, jnp.float32), (h_n, t_n, lse_n))
   batch, length, d_model = h_BxQxD.shape

@@ -84,27 +84,33 @@ def _tile_loss(logits_Bxtilexvocab, t_Bxtile):
   return jnp.sum(jnp.where(t_Bxtile >= 0, lse_Bxtile - picked, 0.0)), lse_Bxtile
 
 
+def _tile_grads(h_BxtilexD, t_Bxtile, logits, lse_Bxtile, w_Dxvocab, scale, compute_dtype):
+  """One tile's (dh, dw) for a loss scaled by `scale`: softmax - one_hot(target), zero on
+  padding, through the tile's two matmuls (fp32 accumulation)."""
+  vocab = w_Dxvocab.shape[1]
+  d_Bxtilexvocab = (jnp.exp(logits - lse_Bxtile[..., None]) -
+                    jax.nn.one_hot(t_Bxtile, vocab, dtype=jnp.float32))
+  d_Bxtilexvocab = jnp.where((t_Bxtile >= 0)[..., None], d_Bxtilexvocab * scale,
+                             0.0).astype(compute_dtype)
+  dh = jnp.einsum("bcv,dv->bcd", d_Bxtilexvocab, w_Dxvocab.astype(compute_dtype),
+                  preferred_element_type=jnp.float32)
+  dw = jnp.einsum("bcd,bcv->dv", h_BxtilexD.astype(compute_dtype), d_Bxtilexvocab,
+                  preferred_element_type=jnp.float32)
+  return dh, dw
+
+
 def _forward(h_BxQxD, w_Dxvocab, targets_BxQ, chunk, compute_dtype):
   """The loss and, tile by tile, its gradient for a cotangent of 1 (the residuals)."""
   h_n, t_n = _tiles(h_BxQxD, targets_BxQ, chunk)
   scale = 1.0 / targets_BxQ.size
-  vocab = w_Dxvocab.shape[1]
 
   def tile(carry, xs):
     total, dw_Dxvocab = carry
     h, t = xs
     logits = _tile_logits(h, w_Dxvocab, compute_dtype)
     loss, lse_Bxtile = _tile_loss(logits, t)
-    # d loss / d logits = softmax - one_hot(target), zero on padding
-    d_Bxtilexvocab = (jnp.exp(logits - lse_Bxtile[..., None]) -
-                      jax.nn.one_hot(t, vocab, dtype=jnp.float32))
-    d_Bxtilexvocab = jnp.where((t >= 0)[..., None], d_Bxtilexvocab * scale,
-                               0.0).astype(compute_dtype)
-    dh = jnp.einsum("bcv,dv->bcd", d_Bxtilexvocab, w_Dxvocab.astype(compute_dtype),
-                    preferred_element_type=jnp.float32)
-    dw_Dxvocab = dw_Dxvocab + jnp.einsum("bcd,bcv->dv", h.astype(compute_dtype), d_Bxtilexvocab,
-                                 preferred_element_type=jnp.float32)
-    return (total + loss, dw_Dxvocab), dh
+    dh, dw_tile = _tile_grads(h, t, logits, lse_Bxtile, w_Dxvocab, scale, compute_dtype)
+    return (total + loss, dw_Dxvocab + dw_tile), dh
 
   (total, dw), dh_n = jax.lax.scan(
       tile, (jnp.zeros((), jnp.float32), jnp.zeros(w_Dxvocab.shape, jnp.float32)), (h_n, t_n))
