@@ -194,13 +194,15 @@ def hf_grads(model, x, fam, shapes):
   return out
 
 
-def _tensors(directory):
+def _tensors(directory, framework="np"):
+  """Every tensor of a directory's safetensors shards, by name (numpy, or torch's "pt" where
+  numpy has no dtype for them: bf16, float8)."""
   from safetensors import safe_open
 
   out = {}
   for name in sorted(os.listdir(directory)):
     if name.endswith(".safetensors"):
-      with safe_open(os.path.join(directory, name), framework="np") as f:
+      with safe_open(os.path.join(directory, name), framework=framework) as f:
         out.update({k: f.get_tensor(k) for k in f.keys()})
   return out
 

@@ -41,6 +41,7 @@ from moejax.train.loss import cross_entropy  # noqa: E402
 from moejax.train.optim import optimizer, schedule  # noqa: E402
 from moejax.train.programs import initial_layout  # noqa: E402
 from moejax.train.state import init_state, state_shardings  # noqa: E402
+from tests import test_convert as convert_tests  # noqa: E402
 from tests.moe_helpers import random_placement, with_local  # noqa: E402
 from tests.numerics import assert_close, assert_trees_close  # noqa: E402
 
@@ -246,14 +247,7 @@ def _plain(g, how, shape):
 
 
 def _tensors(directory):
-  from safetensors import safe_open
-
-  out = {}
-  for name in sorted(os.listdir(directory)):
-    if name.endswith(".safetensors"):
-      with safe_open(os.path.join(directory, name), framework="pt") as f:
-        out.update({k: f.get_tensor(k) for k in f.keys()})
-  return out
+  return convert_tests._tensors(directory, framework="pt")
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
