@@ -1,6 +1,10 @@
-"""Small shared builders for tests: a tiny model on a given mesh shape."""
+"""Small shared builders for tests: a tiny model on a given mesh shape, a directory's safetensors
+tensors, a subprocess's own stderr lines."""
 
 from __future__ import annotations
+
+import os
+import re
 
 import jax
 
@@ -31,3 +35,26 @@ def tiny_setup(shape, model_cfg=TINY_MODEL, moe_cfg=TINY_MOE, seed=0):
 
 def tokens(seed=1, vocab=256):
   return jax.random.randint(jax.random.key(seed), (BATCH, SEQ + 1), 0, vocab)
+
+
+def safetensors_tensors(directory, framework="np"):
+  """Every tensor of a directory's safetensors shards, by name (numpy, or torch's "pt" where
+  numpy has no dtype for them: bf16, float8)."""
+  from safetensors import safe_open
+
+  out = {}
+  for name in sorted(os.listdir(directory)):
+    if name.endswith(".safetensors"):
+      with safe_open(os.path.join(directory, name), framework=framework) as f:
+        out.update({k: f.get_tensor(k) for k in f.keys()})
+  return out
+
+
+# What XLA's C++ logging prints at JAX's start-up where its CUDA plugin is installed on a
+# host without a GPU ("Could not find cuda drivers"), JAX_PLATFORMS=cpu or not: not ours.
+_XLA_LOG = re.compile(r"^(WARNING: All log messages before absl::InitializeLog|[IWE]\d{4} )")
+
+
+def our_stderr_lines(stderr: str) -> list[str]:
+  """A subprocess's non-blank stderr lines without XLA's start-up log."""
+  return [line for line in stderr.splitlines() if line.strip() and not _XLA_LOG.match(line)]

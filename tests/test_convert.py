@@ -33,6 +33,7 @@ from moejax.train.loss import cross_entropy  # noqa: E402
 from moejax.train.optim import optimizer, schedule  # noqa: E402
 from moejax.train.programs import initial_layout  # noqa: E402
 from moejax.train.state import init_state, state_shardings  # noqa: E402
+from tests.helpers import safetensors_tensors  # noqa: E402
 from tests.moe_helpers import random_placement, with_local  # noqa: E402
 from tests.numerics import assert_close, assert_trees_close  # noqa: E402
 
@@ -194,19 +195,6 @@ def hf_grads(model, x, fam, shapes):
   return out
 
 
-def _tensors(directory, framework="np"):
-  """Every tensor of a directory's safetensors shards, by name (numpy, or torch's "pt" where
-  numpy has no dtype for them: bf16, float8)."""
-  from safetensors import safe_open
-
-  out = {}
-  for name in sorted(os.listdir(directory)):
-    if name.endswith(".safetensors"):
-      with safe_open(os.path.join(directory, name), framework=framework) as f:
-        out.update({k: f.get_tensor(k) for k in f.keys()})
-  return out
-
-
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_round_trip_is_bit_exact(family, tmp_path_factory, tmp_path):
   hf_dir, hf_model = saved_model(family, tmp_path_factory)
@@ -215,7 +203,7 @@ def test_round_trip_is_bit_exact(family, tmp_path_factory, tmp_path):
   assert cli.main(["to_hf", run, out, "--max_shard_gib", str(40_000 / 2**30)]) == 0
   assert len([n for n in os.listdir(hf_dir) if n.endswith(".safetensors")]) > 1
   assert len([n for n in os.listdir(out) if n.endswith(".safetensors")]) > 1
-  want, got = _tensors(hf_dir), _tensors(out)
+  want, got = safetensors_tensors(hf_dir), safetensors_tensors(out)
   assert sorted(got) == sorted(want)
   for name, x in want.items():
     assert got[name].dtype == x.dtype and got[name].tobytes() == x.tobytes(), name

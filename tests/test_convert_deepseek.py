@@ -41,7 +41,7 @@ from moejax.train.loss import cross_entropy  # noqa: E402
 from moejax.train.optim import optimizer, schedule  # noqa: E402
 from moejax.train.programs import initial_layout  # noqa: E402
 from moejax.train.state import init_state, state_shardings  # noqa: E402
-from tests import test_convert as convert_tests  # noqa: E402
+from tests.helpers import safetensors_tensors  # noqa: E402
 from tests.moe_helpers import random_placement, with_local  # noqa: E402
 from tests.numerics import assert_close, assert_trees_close  # noqa: E402
 
@@ -247,7 +247,7 @@ def _plain(g, how, shape):
 
 
 def _tensors(directory):
-  return convert_tests._tensors(directory, framework="pt")
+  return safetensors_tensors(directory, framework="pt")
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

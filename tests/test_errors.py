@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import subprocess
 import sys
 
@@ -32,6 +31,7 @@ if REPO_ROOT not in sys.path:
   sys.path.insert(0, REPO_ROOT)
 
 import train  # noqa: E402  (the CLI module at the repo root)
+from tests.helpers import our_stderr_lines  # noqa: E402
 
 
 def assert_one_line(excinfo, *needles: str) -> str:
@@ -261,7 +261,7 @@ def test_cli_bad_input_exits_2_with_one_line(args, needle):
   proc = subprocess.run([sys.executable, "train.py", *args], cwd=REPO_ROOT, capture_output=True,
                         text=True, timeout=120)
   assert proc.returncode == 2, (proc.stdout, proc.stderr)
-  lines = _our_lines(proc.stderr)
+  lines = our_stderr_lines(proc.stderr)
   assert len(lines) == 1, proc.stderr
   assert lines[0].startswith("error:") and needle in lines[0]
   assert "Traceback" not in proc.stderr
@@ -331,18 +331,9 @@ def _cli(*args, cwd=REPO_ROOT) -> subprocess.CompletedProcess:
                         timeout=300, env=env)
 
 
-# What XLA's C++ logging prints at JAX's start-up where its CUDA plugin is installed on a
-# host without a GPU ("Could not find cuda drivers"), JAX_PLATFORMS=cpu or not: not ours.
-_XLA_LOG = re.compile(r"^(WARNING: All log messages before absl::InitializeLog|[IWE]\d{4} )")
-
-
-def _our_lines(stderr: str) -> list[str]:
-  return [line for line in stderr.splitlines() if line.strip() and not _XLA_LOG.match(line)]
-
-
 def _one_error_line(proc, needle: str) -> None:
   assert proc.returncode == 2, (proc.stdout, proc.stderr)
-  lines = _our_lines(proc.stderr)
+  lines = our_stderr_lines(proc.stderr)
   assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], proc.stderr
 
 

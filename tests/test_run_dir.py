@@ -21,9 +21,9 @@ import pytest
 from moejax.config import OptimConfig
 from moejax.train import lock as lock_lib, metrics as metrics_lib, optim
 from tests import run_helpers
+from tests.helpers import our_stderr_lines
 from tests.run_config import checkpoint_steps, read_jsonl, step_losses
 from tests.run_helpers import reference_losses  # noqa: F401  (fixture)
-from tests.test_errors import _our_lines
 
 
 def _files(run_dir) -> dict[str, bytes]:
@@ -103,7 +103,7 @@ def test_a_second_run_on_a_live_run_dir_stops_at_once_and_touches_nothing(
                             capture_output=True, text=True, timeout=600)
     seconds = time.perf_counter() - tick
     assert second.returncode == 2, second.stderr[-2000:]
-    errors = _our_lines(second.stderr)   # without XLA's start-up log (CUDA plugin installed)
+    errors = our_stderr_lines(second.stderr)   # without XLA's start-up log (CUDA plugin installed)
     assert len(errors) == 1 and errors[0].startswith("error: train.run_dir="), second.stderr
     assert f"in use by pid {first.pid} on host {socket.gethostname()}" in errors[0], errors[0]
     assert "wait for that run to end or stop it, or use another train.run_dir" in errors[0]
