@@ -1,5 +1,5 @@
 """fsep under FSDP (mesh.fsdp): the restore keeps the stored weights' embed shards, and the
-step equals fsep without FSDP.
+step equals fsep on one device (and fsep without FSDP).
 
 FSDP shards the stored fsep weights' embed dim over `data`. A model told so (Transformer's
 `fsdp`) restores each layer from its shards as they lie, exchanging 1/data of each slot, and
@@ -17,6 +17,7 @@ import functools
 import re
 
 import jax
+import numpy as np
 import pytest
 
 from moejax.config import OptimConfig
@@ -26,20 +27,20 @@ from moejax.train import step as step_lib
 from moejax.train.optim import optimizer
 from moejax.train.programs import initial_layout
 from moejax.train.state import init_state, state_shardings
-from tests.helpers import BATCH, SEQ, TINY_MODEL, TINY_MOE, tokens
+from tests.helpers import BATCH, SEQ, TINY_MODEL, TINY_MOE, tiny_setup, tokens
 from tests.moe_helpers import model_lengths
 from tests.numerics import assert_close, assert_trees_close
 
-LOSS_LEN, GRAD_LEN = model_lengths()
 SHAPE = (2, 4, 1)
 MODEL = dataclasses.replace(TINY_MODEL, num_layers=8)          # 4 MoE layers
 MOE = dataclasses.replace(TINY_MOE, expert_mode="fsep")
+LOSS_LEN, GRAD_LEN = model_lengths(MODEL, MOE)
 
 
 @functools.cache
 def _step_parts(fsdp: bool, model_knows: bool = False):
-  """(loss, grads, compiled HLO) of the fsep step with its params FSDP-sharded or not, the
-  model told so (`model_knows`) or not."""
+  """(loss, grads, aux, compiled HLO) of the fsep step with its params FSDP-sharded or not,
+  the model told so (`model_knows`) or not."""
   mesh = mesh_of_shape(SHAPE)
   model = Transformer(MODEL, MOE, mesh, fsdp and model_knows)
   layers = MODEL.num_layers // MOE.moe_every
@@ -52,8 +53,19 @@ def _step_parts(fsdp: bool, model_knows: bool = False):
   f = jax.jit(jax.value_and_grad(loss_fn, has_aux=True),
               in_shardings=(shardings.params, None, None), out_shardings=(None, shardings.params))
   compiled = f.lower(state.params, tokens(), layout).compile()
-  (loss, _), grads = compiled(state.params, tokens(), layout)
-  return float(loss), grads, compiled.as_text()
+  (loss, aux), grads = compiled(state.params, tokens(), layout)
+  return float(loss), grads, jax.device_get(aux), compiled.as_text()
+
+
+@functools.cache
+def _one_device():
+  """(loss, grads, aux) of the same fsep model on one device (every expert's one slot there),
+  the same parameters (init_state's seed 0)."""
+  _, model, _, layout, _, state = tiny_setup((1, 1, 1), MODEL, MOE)
+  f = jax.jit(jax.value_and_grad(
+      lambda p, b, lay: step_lib.loss_fn(p, model, MOE, b, lay), has_aux=True))
+  (loss, aux), grads = f(state.params, tokens(), layout)
+  return float(loss), jax.device_get(grads), jax.device_get(aux)
 
 
 def _stored_gathers(hlo: str) -> list[tuple[int, ...]]:
@@ -68,7 +80,7 @@ def _stored_gathers(hlo: str) -> list[tuple[int, ...]]:
 def test_each_restore_gathers_one_layer():
   """A model not told of FSDP: every all-gather of stored fsep weights holds one layer,
   inside the layer loop and out."""
-  stored = _stored_gathers(_step_parts(True)[2])
+  stored = _stored_gathers(_step_parts(True)[3])
   assert stored, "no all-gather of the stored fsep weights under FSDP"
   assert all(s[0] == 1 for s in stored), stored
 
@@ -77,7 +89,7 @@ def test_restore_exchanges_the_embed_shards():
   """A model told of FSDP gathers no stored weights, and every restore's exchange holds
   1/data of the embed dim (Mixtral-8x7B on 64 compile-only H100s: a layer's estimate 0.162 ->
   0.143 s, the float32 gather of every expert's shard and 8 times the exchange gone)."""
-  hlo = _step_parts(True, model_knows=True)[2]
+  hlo = _step_parts(True, model_knows=True)[3]
   assert not _stored_gathers(hlo), _stored_gathers(hlo)
   d, d_shard = MODEL.d_model, MODEL.d_model // SHAPE[0]
   exchanges = [tuple(int(x) for x in m.group(1).split(",")) for m in re.finditer(
@@ -86,10 +98,27 @@ def test_restore_exchanges_the_embed_shards():
   assert all(d_shard in s and d not in s for s in exchanges), exchanges
 
 
+@pytest.mark.parametrize("model_knows", [False, True], ids=["gathered", "restored_on_shards"])
+def test_fsep_under_fsdp_matches_one_device(model_knows):
+  """fsep with FSDP on (2, 4, 1) (the embed dim of every parameter over data = 2, 4 slots a
+  device, replicas) gives the one-device step's loss, expert counts and every gradient (the
+  FSDP-sharded gradients gathered), the model told of FSDP (restores on the shards, as the
+  trainer builds it) or not (each restore gathers its layer). Shares the HLO tests' programs:
+  this tier pays for the one-device reference only."""
+  ref_loss, ref_grads, ref_aux = _one_device()
+  loss, grads, aux, _ = _step_parts(True, model_knows)
+  assert int(np.sum(aux["dropped_LxW"])) == 0
+  np.testing.assert_array_equal(aux["counts_LxWxE"].sum(1), ref_aux["counts_LxWxE"].sum(1))
+  assert_close(loss, ref_loss, LOSS_LEN, err_msg="loss")
+  grads = jax.device_get(grads)
+  assert_trees_close(grads, ref_grads, GRAD_LEN)
+  assert all(np.abs(g).max() > 0 for g in jax.tree.leaves(grads)), "a parameter got no gradient"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_knows", [False, True])
 def test_fsdp_on_and_off_give_the_same_fsep_step(model_knows):
-  (off_loss, off_grads, _), (on_loss, on_grads, _) = (_step_parts(False),
-                                                      _step_parts(True, model_knows))
+  (off_loss, off_grads, _, _), (on_loss, on_grads, _, _) = (_step_parts(False),
+                                                            _step_parts(True, model_knows))
   assert_close(on_loss, off_loss, LOSS_LEN, err_msg="loss")
   assert_trees_close(jax.device_get(on_grads), jax.device_get(off_grads), GRAD_LEN)
