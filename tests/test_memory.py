@@ -67,3 +67,20 @@ def test_dense_first_blocks_run_on_the_whole_batch():
   assert activation_bytes(**base, microbatches=4, stretch=1.25) == one["first_kept"] + one["first"]
   none = activation_terms(**dict(base, first_dense=0, num_layers=8))
   assert none["first"] == none["first_kept"] == 0 and none["work"] == one["work"]
+
+
+def test_fsep_under_fsdp_counts_restored_layers_on_the_shards():
+  """Under FSDP (data 4) fsep's restores keep the embed shards: the three live restored layers
+  and their gradients are a quarter of a layer each, beside one layer gathered whole for the
+  MoE layer; without FSDP, or under pipeline stages (whose restores gather the stored
+  layer), they are whole."""
+  kw = dict(layers=4, experts=8, d_model=4, d_ff=8, devices=4, slots_per_device=4,
+            compute_bytes=2)
+  layer = 4 * 3 * 4 * 8 * 2                          # one layer's restored slots, bf16 bytes
+  whole = expert_bytes("fsep", **kw)
+  shards = expert_bytes("fsep", **kw, param_shards=4)
+  grads = 4 * 8 * 3 * 4 * 8 // 4 * FP32              # stored shards' fp32 gradients, no FSDP
+  assert whole["transient"] == grads + 2 * 3 * layer
+  assert shards["transient"] == grads / 4 + 2 * 3 * layer / 4 + layer
+  staged = expert_bytes("fsep", **kw, param_shards=4, stages=2)
+  assert staged["transient"] == grads / 4 + 2 * 4 * layer

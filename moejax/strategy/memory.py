@@ -7,9 +7,12 @@ Experts, per device, for `ep` and `fsep`:
               layer scan carries layer l's weights, restores layer l+1's and carries the
               backward restore's channel; the backward pass restores layer l-1's while it
               computes layer l's, instead of keeping the forward's copies
-              (tests/test_fsep_prefetch.py checks it on XLA's memory analysis). Under pipeline
+              (tests/test_fsep_prefetch.py checks it on XLA's memory analysis). Under FSDP the
+              restores keep the weights' embed shards (moejax.model.moe.fsep_experts): those
+              layers are 1/data of a layer each, and one layer is gathered whole where the MoE
+              layer takes it (tests/test_fsep_fsdp.py checks it on XLA's peak). Under pipeline
               stages the backward keeps every layer's restored weights from the forward (the
-              stage vmap cannot re-restore): a stage's layers are all live.
+              stage vmap cannot re-restore), restored whole: a stage's layers are all live.
 `step_bytes` adds the dense parameters (with gradients and Adam moments) and the activations:
 the peak the strategy cost model reports and the offline stage checks against the device.
 Under P pipeline stages a device holds 1/P of the layer groups (their parameters, moments and
@@ -56,16 +59,22 @@ def expert_bytes(mode: str, layers: int, experts: int, d_model: int, d_ff: int, 
   """Per-device expert bytes; `devices` = N (expert axis), `model_shards` = M, `layers` the
   MoE layers this device holds (all of them, or a pipeline stage's); `compute_bytes`: bytes
   per element of the compute dtype (`model.dtype`); `param_shards`: FSDP's data axis, which
-  splits the stored weights, their moments and gradients but not the restored slot weights;
-  `stages` > 1: the backward keeps every layer's restored weights."""
+  splits the stored weights, their moments and gradients, and the layer scan's restored slot
+  weights (restored on its shards), which the MoE layer gathers one layer at a time;
+  `stages` > 1: the backward keeps every layer's restored weights, restored whole."""
   slots = expert_slots(mode, experts, devices, slots_per_device)
   params = expert_params(mode, layers, experts, d_model, d_ff, devices, model_shards) / param_shards
   live = layers if stages > 1 else min(layers, LIVE_RESTORED_LAYERS)
-  restored = live * slots * 3 * d_model * d_ff / model_shards if mode == "fsep" else 0
+  layer = slots * 3 * d_model * d_ff / model_shards if mode == "fsep" else 0   # restored, whole
+  # The live restored weights and their grads; under FSDP those are 1/data of a layer each,
+  # and the MoE layer computes on its layer gathered whole, counted beside them (XLA:GPU's
+  # peak on 8 compile-only H100s holds the 1/data-sized buffers and up to a third of a
+  # gathered layer: the model within 5% of it, tests/test_fsep_fsdp.py).
+  on_shards = stages == 1 and param_shards > 1
+  restored = 2 * live * layer / param_shards + layer if on_shards else 2 * live * layer
   return {"mode": mode, "slots_per_device": slots,
           "persistent": 3 * params * FP32,               # params + Adam mu, nu
-          # grads (+ the live restored weights and their grads)
-          "transient": params * FP32 + 2 * restored * compute_bytes}
+          "transient": params * FP32 + restored * compute_bytes}      # grads + restored
 
 
 def attention_score_bytes(tokens: float, heads: int, seq_len: int, act_bytes: int,
