@@ -11,10 +11,12 @@ removes from the program:
   - GEMM FLOPs executed against the model's (remat's recompute, capacity padding, the tiled
     loss's recomputed logits);
   - scatter kernels and the bytes they add atomically;
+  - fill bytes inside loop bodies (a stack of layer gradients zero-filled per microbatch);
   - XLA's temporary memory per GPU.
 The MoE path and its dense-equivalent are compiled for each lever, so the estimated
 MoE / dense-equivalent ratio sits beside the estimated step. The levers that are code, not
-bindings (the MoE layer's gather backward, the fused linear cross-entropy), are priced by
+bindings (the MoE layer's gather backward, the fused linear cross-entropy, microbatches
+accumulated in place rather than through a pipeline of one stage), are priced by
 rows with the old path put back for the program (`benchmarks.gpu.before`) at the shape's
 microbatches: `BEFORE`; the step they save is that row's less the one without the suffix.
 A GPU run measures the same levers (`benchmarks.gpu.on_gpu`, `gpu_train_step.Shape.levers`);
@@ -30,6 +32,7 @@ import argparse
 import contextlib
 import math
 import os
+import re
 import sys
 import time
 
@@ -49,7 +52,10 @@ NO_REMAT_COMPILE_ONLY = ("compile-only programs keep XLA's unfused attention sco
 # beside every lever of the shape's whose bindings change `train.microbatches` (a shape
 # without one gets them as configured).
 BEFORE = (("scatter backward", "scatter_backward", True),
-          ("recompute loss", "recompute_loss", False))
+          ("recompute loss", "recompute_loss", False),
+          ("one-stage pipeline", "pipelined_microbatches", False))
+# the old path that only differs where the step has microbatches
+MICROBATCHED_ONLY = ("pipelined_microbatches",)
 
 
 def _program_reads(module, vocab: int, d_model: int) -> dict:
@@ -58,8 +64,8 @@ def _program_reads(module, vocab: int, d_model: int) -> dict:
   from moejax.aot.hlo import DTYPE_BYTES
   from moejax.aot.profile import kernels_by_instruction
   out = {"kernels": 0.0, "gemm_flops": 0.0, "attention_flops": 0.0, "loop_convert_bytes": 0.0,
-         "scatter_kernels": 0.0, "scatter_bytes": 0.0, "fp32_vocab_buffers": 0,
-         "fp32_vocab_bytes": 0}
+         "scatter_kernels": 0.0, "scatter_bytes": 0.0, "loop_fill_bytes": 0.0,
+         "fp32_vocab_buffers": 0, "fp32_vocab_bytes": 0}
   for ins, shapes, runs, done in kernels_by_instruction(module):
     out["kernels"] += runs
     if (attn := work.attention(ins, shapes)) is not None:
@@ -73,6 +79,8 @@ def _program_reads(module, vocab: int, d_model: int) -> dict:
     if kind == "scatter":
       out["scatter_kernels"] += runs
       out["scatter_bytes"] += moved
+    if kind == "fill" and runs > 1:     # a zero or constant fill in a loop body
+      out["loop_fill_bytes"] += moved
     # a kernel XLA made of a convert (its fusion is named for it), run in a loop body
     if runs > 1 and "convert" in ins.name:
       out["loop_convert_bytes"] += moved
@@ -120,6 +128,9 @@ def shape_rows(shape: str, gpu: str, tiny: bool, levers: list[str] | None) -> li
   at = [v for v in variants if list(v[1]) == ["train.microbatches"]] or variants[:1]
   for suffix, old, moe_only in BEFORE:
     for lever, bindings, _, _ in at:
+      if old in MICROBATCHED_ONLY and bindings.get("train.microbatches",
+                                                   base.train.microbatches) == 1:
+        continue
       name = suffix if lever == LEVER_BASE else f"{lever}, {suffix}"
       if levers is None or name in levers:
         variants.append((name, bindings, moe_only, getattr(before, old)))
@@ -180,7 +191,8 @@ def main(argv=None) -> int:
   ap.add_argument("--shapes", default=",".join(SHAPES),
                   help=f"comma-separated shapes of gpu_train_step.SHAPES ({', '.join(SHAPES)})")
   ap.add_argument("--levers", default=None,
-                  help="comma-separated lever names (default: every lever of each shape)")
+                  help="comma-separated lever names, a comma and space inside a name "
+                       "(default: every lever of each shape)")
   ap.add_argument("--gpu", default="h200", choices=("h100", "h200"))
   ap.add_argument("--tiny", action="store_true", help="tiny models of each shape's kind")
   ap.add_argument("--json", default=None, help="write the rows here")
@@ -191,7 +203,8 @@ def main(argv=None) -> int:
   if why := has_cuda_plugin():
     print(f"error: {why}", file=sys.stderr)
     return 2
-  levers = args.levers.split(",") if args.levers else None
+  # a lever's name may hold ", " (a code lever's row at a binding lever): split on the others
+  levers = re.split(r",(?! )", args.levers) if args.levers else None
   rows = []
   for shape in args.shapes.split(","):
     if shape not in SHAPES:

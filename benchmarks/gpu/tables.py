@@ -223,7 +223,9 @@ def _ms(seconds: float) -> str:
 
 # The code levers' names beside the old path each "before" row puts back.
 CODE_LEVERS = {"scatter_backward": ("gather backward", "scatter backward"),
-               "recompute_loss": ("fused linear cross-entropy", "recompute loss")}
+               "recompute_loss": ("fused linear cross-entropy", "recompute loss"),
+               "pipelined_microbatches": ("microbatches accumulated in place",
+                                          "one-stage pipeline")}
 
 
 def _code_levers(rows: list[dict]) -> list[dict]:
@@ -257,23 +259,24 @@ def _gpu_levers(files):
     rows = []
     for r in d["rows"]:
       if "error" in r or "skipped" in r:
-        rows.append([r["shape"], r["lever"], r["path"], "", "", "", "", "", "",
+        rows.append([r["shape"], r["lever"], r["path"], "", "", "", "", "", "", "",
                      (r.get("error") or r.get("skipped"))[:90]])
         continue
       mfu = r["model_flops"] / (r["estimated_step_s"] * 989e12)
       rows.append([r["shape"], r["lever"], r["path"], num(1e3 * r["estimated_step_s"], 1),
                    pct(mfu, 1), num(int(r["kernels"])),
                    f"{r['gemm_flops'] / r['model_flops']:.2f}",
-                   num(r["loop_convert_bytes"] / 1e9, 1), num(int(r["scatter_kernels"])),
-                   num(r["temp_bytes"] / 2**30, 1)])
+                   num(r["loop_convert_bytes"] / 1e9, 1),
+                   num(r["loop_fill_bytes"] / 1e9, 1) if "loop_fill_bytes" in r else "",
+                   num(int(r["scatter_kernels"])), num(r["temp_bytes"] / 2**30, 1)])
     lines += [f"`{name}`: the schedule estimate ({ESTIMATE_ERROR}) of each program compiled for "
               "one compile-only H200; estimated MFU at the bf16 peak, model FLOPs only; GEMM "
               "FLOPs executed over the model's (remat, capacity padding, and in the rows that "
               "put the recomputing loss back its recomputed logits); XLA's temp memory holds "
               "the unfused attention scores a GPU's cuDNN kernel does not.", "",
               *table(["shape", "lever", "path", "est. step ms", "est. MFU", "kernels",
-                      "GEMM / model FLOPs", "loop convert GB", "scatter kernels",
-                      "temp GiB"], rows), ""]
+                      "GEMM / model FLOPs", "loop convert GB", "loop fill GB",
+                      "scatter kernels", "temp GiB"], rows), ""]
     before = _code_levers(d["rows"])
     if before:
       lines += ["Each code lever alone: the estimated step with the old path put back "
