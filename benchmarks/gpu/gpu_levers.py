@@ -127,7 +127,11 @@ def shape_rows(shape: str, gpu: str, tiny: bool, levers: list[str] | None) -> li
                                                 if levers is None or v[0] in levers]
   at = [v for v in variants if list(v[1]) == ["train.microbatches"]] or variants[:1]
   for suffix, old, moe_only in BEFORE:
-    for lever, bindings, _, _ in at:
+    # the microbatch accumulation's old path also at the shape's own microbatches, where it
+    # costs the most
+    rows_at = variants[:1] + [v for v in at if v is not variants[0]] if (
+        old in MICROBATCHED_ONLY) else at
+    for lever, bindings, _, _ in rows_at:
       if old in MICROBATCHED_ONLY and bindings.get("train.microbatches",
                                                    base.train.microbatches) == 1:
         continue
