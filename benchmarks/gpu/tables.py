@@ -254,7 +254,7 @@ ESTIMATE_ERROR = "within 9% per category and 5% per step of four measured H200 s
 
 @family("gpu_levers", "Levers of the one-GPU step, in the program XLA:GPU compiles (H200)")
 def _gpu_levers(files):
-  lines, head = [], []
+  lines, head, heads = [], [], {}
   for name, d in files.items():
     rows = []
     for r in d["rows"]:
@@ -304,10 +304,15 @@ def _gpu_levers(files):
       what = (f"{best['lever']}: {_ms(best['saved_s'])} a step; "
               f"{ratio(base['moe_over_dense_throughput'])} -> "
               f"{ratio(best['moe_over_dense_throughput'])}" if best else "")
-      head.append((f"{shape} on one compile-only H200, the schedule estimate ({ESTIMATE_ERROR}): "
-                   "best lever's saving; MoE tokens/s over the dense twin's, as configured -> "
-                   "with it; each code lever's saving alone (the old path put back)",
-                   "; ".join(x for x in (what, code) if x), name))
+      heads.setdefault(shape, []).append((d["metadata"]["date"], name, what, code))
+  # one headline a shape: the newest file's best lever, every file's code levers
+  for shape, found in heads.items():
+    _, name, what, _ = max(found)
+    code = "; ".join(c for _, _, _, c in sorted(found, reverse=True) if c)
+    head.append((f"{shape} on one compile-only H200, the schedule estimate ({ESTIMATE_ERROR}): "
+                 "best lever's saving; MoE tokens/s over the dense twin's, as configured -> "
+                 "with it; each code lever's saving alone (the old path put back)",
+                 "; ".join(x for x in (what, code) if x), name))
   return Section(lines[:-1], head)
 
 
