@@ -24,12 +24,14 @@ where both exist, the measurement wins.
 
   python -m benchmarks.gpu.gpu_levers --json benchmarks/gpu/results/gpu_levers_h200.json
   python -m benchmarks.gpu.gpu_levers --shapes gpu_config_ep8_slice --tiny   # the code path
+  python -m benchmarks.gpu.gpu_levers --measured benchmarks/gpu/results/on_gpu_h200
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import re
@@ -188,6 +190,54 @@ def savings(rows: list[dict]) -> list[dict]:
   return out
 
 
+def measured_run(folder: str) -> dict:
+  """What two levers target in a measured run's kernel tables (`on_gpu`'s folder: each shape's
+  `kernel_profiles.json.gz` beside its scheduled HLO, `step_hlos.json.gz`), per shape: the
+  f32 fills and stack adds of the microbatch accumulation (bytes, the estimate's and the
+  measured ms), and the launches inside XLA's command buffers (a kernel run from one is tagged
+  with the buffer's op, `command_buffer_N`) beside the step's idle time."""
+  import gzip
+
+  from moejax.aot import work
+  from moejax.aot.estimate import Rates, kernel
+  from moejax.aot.hlo import parse
+  from moejax.aot.profile import kernel_name, kernels_by_instruction
+  with gzip.open(os.path.join(folder, "kernel_profiles.json.gz")) as f:
+    profiles = json.load(f)
+  with gzip.open(os.path.join(folder, "step_hlos.json.gz")) as f:
+    hlos = json.load(f)
+  rates = Rates.for_gpu("h200", "1x1x1")
+  out = {}
+  for shape, prof in profiles.items():
+    module, measured = parse(hlos[shape]), {}
+    for name, _, _, us, _ in prof["kernels"]:
+      measured[name] = measured.get(name, 0.0) + us * 1e-6
+    groups: dict[str, list[float]] = {}
+    for ins, shapes, runs, done in kernels_by_instruction(module):
+      f32 = bool(ins.arrays()) and all(t == "f32" for t, _ in ins.arrays())
+      kind = work.memory_kind(module, ins)
+      if kind == "fill":
+        group = ("f32 fills a microbatch" if f32 and runs > 1 else
+                 "f32 fills of the loop's sums" if f32 and ins.arrays()[0][1][:2] == (1, 1)
+                 else "other fills")
+      elif f32 and runs > 1 and "transpose(jvp())/while/body/eval_jaxpr/vmap()/add_any" in (
+          ins.line):
+        group = "stack adds a microbatch"
+      else:
+        continue
+      g = groups.setdefault(group, [0.0, 0.0, 0.0])
+      g[0] += work.kernel_bytes(module, ins, shapes, done) * runs
+      g[1] += kernel(module, ins, shapes, rates, done).seconds * runs
+      g[2] += measured.get(kernel_name(ins.name), 0.0)
+    launches = sum(k[4] for k in prof["kernels"])
+    inside = sum(k[4] for k in prof["kernels"] if k[1].startswith("command_buffer"))
+    out[shape] = {"step_s": prof["span_us_per_step"] * 1e-6,
+                  "bytes_estimate_measured": groups, "launches": launches,
+                  "in_command_buffers": inside,
+                  "idle_s": (prof["span_us_per_step"] - prof["busy_us_per_step"]) * 1e-6}
+  return out
+
+
 def main(argv=None) -> int:
   from benchmarks.gpu.gpu_train_step import SHAPES
   ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu.gpu_levers",
@@ -200,7 +250,14 @@ def main(argv=None) -> int:
   ap.add_argument("--gpu", default="h200", choices=("h100", "h200"))
   ap.add_argument("--tiny", action="store_true", help="tiny models of each shape's kind")
   ap.add_argument("--json", default=None, help="write the rows here")
+  ap.add_argument("--measured", default=None, metavar="DIR",
+                  help="instead: read a measured run's folder (on_gpu's kernel tables and HLO) "
+                       "for the fills and stack adds of the microbatch accumulation and the "
+                       "launches inside command buffers; prints, compiles nothing")
   args = ap.parse_args(argv)
+  if args.measured:
+    print(json.dumps(measured_run(args.measured), indent=1))
+    return 0
   os.environ.setdefault("JAX_PLATFORMS", "cpu")   # compile-only: no GPU is started
   from benchmarks.common import command, write_result
   from moejax.aot.gpus import has_cuda_plugin
