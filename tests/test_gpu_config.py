@@ -233,10 +233,11 @@ def test_gpu_config_train_step_lowers_for_cuda_with_ragged_all_to_all(as_if_gpu)
 
 @pytest.mark.slow   # ~20-40 s: a train step lowered; the kernels' own vmap test is in the fast set
 def test_microbatched_qwen3_step_lowers_for_cuda_with_mosaic_gpu(monkeypatch):
-  """`train.microbatches > 1` runs the model through the pipeline's stage vmap (one stage on
-  one GPU); on Hopper the grouped matmul is Mosaic GPU's, which Pallas cannot batch ("object
-  of type 'TransformedRef' has no len()", seen on an H200). configs/qwen3_moe.gin's choices,
-  tiny, on one device, lowered for CUDA as a Hopper GPU's program."""
+  """`train.microbatches > 1` on one GPU runs the train step's microbatch loop (stages run the
+  pipeline's stage vmap, which Pallas cannot batch for Mosaic GPU: "object of type
+  'TransformedRef' has no len()", seen on an H200); on Hopper the grouped matmul is Mosaic
+  GPU's. configs/qwen3_moe.gin's choices, tiny, on one device, lowered for CUDA as a Hopper
+  GPU's program."""
   if why := _cuda_lowering_error():
     pytest.skip(f"this jaxlib cannot lower for CUDA: {why}")
   monkeypatch.setattr(ragged, "check_platform", lambda platform: None)

@@ -1,4 +1,4 @@
-"""Two of the library's paths as they were before their one-GPU levers, for the studies that
+"""Three of the library's paths as they were before their one-GPU levers, for the studies that
 price each lever alone (`gpu_levers`) and check its loss against the old path's
 (`loss_parity`); the library keeps only the new ones.
 
@@ -8,6 +8,11 @@ price each lever alone (`gpu_levers`) and check its loss against the old path's
   - `recompute_loss()`: the tiled loss keeps one log-sum-exp per token and recomputes each
     tile's logits in its backward pass; the library's takes each tile's gradient in the
     forward pass (a fused linear cross-entropy).
+  - `pipelined_microbatches()`: microbatches on one stage run as a pipeline of one stage
+    (moejax.model.pipeline), differentiated: its backward fills a stack of every layer's
+    gradients with zeros per microbatch and adds it to a carried sum; the library's train step
+    loops over the microbatches and adds each layer's gradient in place
+    (`step.accumulated_loss_and_grads`).
 
 Each is a context manager that swaps the module attributes the step reads when it is traced,
 so a program built inside it has the old path and one built after it the library's.
@@ -92,3 +97,14 @@ def _bwd(chunk, compute_dtype, res, g):
 
 
 recompute_tiled_cross_entropy.defvjp(_forward, _bwd)
+
+
+def pipelined_microbatches():
+  """The train step's microbatches as the differentiated pipeline of one stage."""
+  from moejax.model.pipeline import Pipelined
+  from moejax.train import step
+
+  def pipelined(params, model, moe_cfg, batch_BxQ1, layout, microbatches):
+    return jax.value_and_grad(step.loss_fn, has_aux=True)(
+        params, Pipelined(model, microbatches), moe_cfg, batch_BxQ1, layout)
+  return _swapped([(step, "accumulated_loss_and_grads", pipelined)])

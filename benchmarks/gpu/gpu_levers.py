@@ -11,10 +11,12 @@ removes from the program:
   - GEMM FLOPs executed against the model's (remat's recompute, capacity padding, the tiled
     loss's recomputed logits);
   - scatter kernels and the bytes they add atomically;
+  - fill bytes inside loop bodies (a stack of layer gradients zero-filled per microbatch);
   - XLA's temporary memory per GPU.
 The MoE path and its dense-equivalent are compiled for each lever, so the estimated
 MoE / dense-equivalent ratio sits beside the estimated step. The levers that are code, not
-bindings (the MoE layer's gather backward, the fused linear cross-entropy), are priced by
+bindings (the MoE layer's gather backward, the fused linear cross-entropy, microbatches
+accumulated in place rather than through a pipeline of one stage), are priced by
 rows with the old path put back for the program (`benchmarks.gpu.before`) at the shape's
 microbatches: `BEFORE`; the step they save is that row's less the one without the suffix.
 A GPU run measures the same levers (`benchmarks.gpu.on_gpu`, `gpu_train_step.Shape.levers`);
@@ -22,14 +24,17 @@ where both exist, the measurement wins.
 
   python -m benchmarks.gpu.gpu_levers --json benchmarks/gpu/results/gpu_levers_h200.json
   python -m benchmarks.gpu.gpu_levers --shapes gpu_config_ep8_slice --tiny   # the code path
+  python -m benchmarks.gpu.gpu_levers --measured benchmarks/gpu/results/on_gpu_h200
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -49,7 +54,10 @@ NO_REMAT_COMPILE_ONLY = ("compile-only programs keep XLA's unfused attention sco
 # beside every lever of the shape's whose bindings change `train.microbatches` (a shape
 # without one gets them as configured).
 BEFORE = (("scatter backward", "scatter_backward", True),
-          ("recompute loss", "recompute_loss", False))
+          ("recompute loss", "recompute_loss", False),
+          ("one-stage pipeline", "pipelined_microbatches", False))
+# the old path that only differs where the step has microbatches
+MICROBATCHED_ONLY = ("pipelined_microbatches",)
 
 
 def _program_reads(module, vocab: int, d_model: int) -> dict:
@@ -58,8 +66,8 @@ def _program_reads(module, vocab: int, d_model: int) -> dict:
   from moejax.aot.hlo import DTYPE_BYTES
   from moejax.aot.profile import kernels_by_instruction
   out = {"kernels": 0.0, "gemm_flops": 0.0, "attention_flops": 0.0, "loop_convert_bytes": 0.0,
-         "scatter_kernels": 0.0, "scatter_bytes": 0.0, "fp32_vocab_buffers": 0,
-         "fp32_vocab_bytes": 0}
+         "scatter_kernels": 0.0, "scatter_bytes": 0.0, "loop_fill_bytes": 0.0,
+         "fp32_vocab_buffers": 0, "fp32_vocab_bytes": 0}
   for ins, shapes, runs, done in kernels_by_instruction(module):
     out["kernels"] += runs
     if (attn := work.attention(ins, shapes)) is not None:
@@ -73,6 +81,8 @@ def _program_reads(module, vocab: int, d_model: int) -> dict:
     if kind == "scatter":
       out["scatter_kernels"] += runs
       out["scatter_bytes"] += moved
+    if kind == "fill" and runs > 1:     # a zero or constant fill in a loop body
+      out["loop_fill_bytes"] += moved
     # a kernel XLA made of a convert (its fusion is named for it), run in a loop body
     if runs > 1 and "convert" in ins.name:
       out["loop_convert_bytes"] += moved
@@ -119,7 +129,14 @@ def shape_rows(shape: str, gpu: str, tiny: bool, levers: list[str] | None) -> li
                                                 if levers is None or v[0] in levers]
   at = [v for v in variants if list(v[1]) == ["train.microbatches"]] or variants[:1]
   for suffix, old, moe_only in BEFORE:
-    for lever, bindings, _, _ in at:
+    # the microbatch accumulation's old path also at the shape's own microbatches, where it
+    # costs the most
+    rows_at = variants[:1] + [v for v in at if v is not variants[0]] if (
+        old in MICROBATCHED_ONLY) else at
+    for lever, bindings, _, _ in rows_at:
+      if old in MICROBATCHED_ONLY and bindings.get("train.microbatches",
+                                                   base.train.microbatches) == 1:
+        continue
       name = suffix if lever == LEVER_BASE else f"{lever}, {suffix}"
       if levers is None or name in levers:
         variants.append((name, bindings, moe_only, getattr(before, old)))
@@ -173,6 +190,54 @@ def savings(rows: list[dict]) -> list[dict]:
   return out
 
 
+def measured_run(folder: str) -> dict:
+  """What two levers target in a measured run's kernel tables (`on_gpu`'s folder: each shape's
+  `kernel_profiles.json.gz` beside its scheduled HLO, `step_hlos.json.gz`), per shape: the
+  f32 fills and stack adds of the microbatch accumulation (bytes, the estimate's and the
+  measured ms), and the launches inside XLA's command buffers (a kernel run from one is tagged
+  with the buffer's op, `command_buffer_N`) beside the step's idle time."""
+  import gzip
+
+  from moejax.aot import work
+  from moejax.aot.estimate import Rates, kernel
+  from moejax.aot.hlo import parse
+  from moejax.aot.profile import kernel_name, kernels_by_instruction
+  with gzip.open(os.path.join(folder, "kernel_profiles.json.gz")) as f:
+    profiles = json.load(f)
+  with gzip.open(os.path.join(folder, "step_hlos.json.gz")) as f:
+    hlos = json.load(f)
+  rates = Rates.for_gpu("h200", "1x1x1")
+  out = {}
+  for shape, prof in profiles.items():
+    module, measured = parse(hlos[shape]), {}
+    for name, _, _, us, _ in prof["kernels"]:
+      measured[name] = measured.get(name, 0.0) + us * 1e-6
+    groups: dict[str, list[float]] = {}
+    for ins, shapes, runs, done in kernels_by_instruction(module):
+      f32 = bool(ins.arrays()) and all(t == "f32" for t, _ in ins.arrays())
+      kind = work.memory_kind(module, ins)
+      if kind == "fill":
+        group = ("f32 fills a microbatch" if f32 and runs > 1 else
+                 "f32 fills of the loop's sums" if f32 and ins.arrays()[0][1][:2] == (1, 1)
+                 else "other fills")
+      elif f32 and runs > 1 and "transpose(jvp())/while/body/eval_jaxpr/vmap()/add_any" in (
+          ins.line):
+        group = "stack adds a microbatch"
+      else:
+        continue
+      g = groups.setdefault(group, [0.0, 0.0, 0.0])
+      g[0] += work.kernel_bytes(module, ins, shapes, done) * runs
+      g[1] += kernel(module, ins, shapes, rates, done).seconds * runs
+      g[2] += measured.get(kernel_name(ins.name), 0.0)
+    launches = sum(k[4] for k in prof["kernels"])
+    inside = sum(k[4] for k in prof["kernels"] if k[1].startswith("command_buffer"))
+    out[shape] = {"step_s": prof["span_us_per_step"] * 1e-6,
+                  "bytes_estimate_measured": groups, "launches": launches,
+                  "in_command_buffers": inside,
+                  "idle_s": (prof["span_us_per_step"] - prof["busy_us_per_step"]) * 1e-6}
+  return out
+
+
 def main(argv=None) -> int:
   from benchmarks.gpu.gpu_train_step import SHAPES
   ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu.gpu_levers",
@@ -180,18 +245,27 @@ def main(argv=None) -> int:
   ap.add_argument("--shapes", default=",".join(SHAPES),
                   help=f"comma-separated shapes of gpu_train_step.SHAPES ({', '.join(SHAPES)})")
   ap.add_argument("--levers", default=None,
-                  help="comma-separated lever names (default: every lever of each shape)")
+                  help="comma-separated lever names, a comma and space inside a name "
+                       "(default: every lever of each shape)")
   ap.add_argument("--gpu", default="h200", choices=("h100", "h200"))
   ap.add_argument("--tiny", action="store_true", help="tiny models of each shape's kind")
   ap.add_argument("--json", default=None, help="write the rows here")
+  ap.add_argument("--measured", default=None, metavar="DIR",
+                  help="instead: read a measured run's folder (on_gpu's kernel tables and HLO) "
+                       "for the fills and stack adds of the microbatch accumulation and the "
+                       "launches inside command buffers; prints, compiles nothing")
   args = ap.parse_args(argv)
+  if args.measured:
+    print(json.dumps(measured_run(args.measured), indent=1))
+    return 0
   os.environ.setdefault("JAX_PLATFORMS", "cpu")   # compile-only: no GPU is started
   from benchmarks.common import command, write_result
   from moejax.aot.gpus import has_cuda_plugin
   if why := has_cuda_plugin():
     print(f"error: {why}", file=sys.stderr)
     return 2
-  levers = args.levers.split(",") if args.levers else None
+  # a lever's name may hold ", " (a code lever's row at a binding lever): split on the others
+  levers = re.split(r",(?! )", args.levers) if args.levers else None
   rows = []
   for shape in args.shapes.split(","):
     if shape not in SHAPES:

@@ -94,7 +94,7 @@ class Program:
   strategy: Strategy
   cfg: Config
   mesh: Mesh
-  model: Transformer | Pipelined   # Pipelined: mesh.stage, train.microbatches or V > 1
+  model: Transformer | Pipelined   # Pipelined: mesh.stage or V > 1
   shardings: TrainState
   batch_sharding: Any
   layout_sharding: Any
@@ -150,8 +150,12 @@ def build_program(cfg: Config, strategy: Strategy, tx: optax.GradientTransformat
   _check_split(cfg, mesh)
   cfg = dataclasses.replace(cfg, model=resolve_attention(cfg.model, mesh))
   model = Transformer(cfg.model, cfg.moe, mesh, cfg.mesh.fsdp)
-  if cfg.mesh.stage > 1 or cfg.train.microbatches > 1 or cfg.train.virtual_stages > 1:
-    model = Pipelined(model, cfg.train.microbatches, cfg.train.virtual_stages)
+  # Microbatches on one stage are the train step's loop (step_lib.accumulated_loss_and_grads:
+  # gradients added in place), not a pipeline of one stage, whose differentiated tick loop
+  # zero-fills and adds a stack of every layer's gradients per microbatch.
+  micro = cfg.train.microbatches
+  if cfg.mesh.stage > 1 or cfg.train.virtual_stages > 1:
+    model, micro = Pipelined(model, micro, cfg.train.virtual_stages), 1
   layout_sh = replicated(mesh)
   layout = start_layout(cfg, mesh.shape["expert"])
   if mesh.devices.flat[0].client.runtime_type != "compile_only_runtime":   # those hold no data
@@ -166,11 +170,11 @@ def build_program(cfg: Config, strategy: Strategy, tx: optax.GradientTransformat
   prog = Program(strategy, cfg, mesh, model, shardings, batch_sharding(mesh), layout_sh, layout)
   step = jax.jit(
       functools.partial(step_lib.train_step, model=model, tx=tx, moe_cfg=cfg.moe,
-                        lr_schedule=lr_schedule),
+                        lr_schedule=lr_schedule, microbatches=micro),
       in_shardings=(shardings, prog.batch_sharding, layout_sh),
       out_shardings=(shardings, layout_sh), donate_argnums=0)   # metrics replicated
   prog.eval_step = jax.jit(
-      functools.partial(step_lib.eval_step, model=model, moe_cfg=cfg.moe),
+      functools.partial(step_lib.eval_step, model=model, moe_cfg=cfg.moe, microbatches=micro),
       in_shardings=(shardings.params, prog.batch_sharding, layout_sh))
   if compile_now:
     batch = jax.ShapeDtypeStruct((b, length + 1), "int32", sharding=prog.batch_sharding)

@@ -40,6 +40,34 @@ def loss_fn(params, model: nn.Module, moe_cfg: MoEConfig, batch_BxQ1: jax.Array,
                 "received_LxWxN": stats.received_WxN, "overflow_LxW": stats.overflow_W}
 
 
+def accumulated_loss_and_grads(params, model: nn.Module, moe_cfg: MoEConfig,
+                               batch_BxQ1: jax.Array, layout: Layout, microbatches: int):
+  """`jax.value_and_grad(loss_fn, has_aux=True)` of the batch as the mean over `microbatches`
+  microbatches (rows i % M == m: each device's rows of a microbatch are rows it holds), one
+  forward and backward pass at a time. The gradients add into one buffer per parameter
+  (`vjp.with_refs`): each layer's weight gradient is added into its row of the stacked buffer
+  inside the backward layer loop, where a differentiated loop over microbatches writes each
+  microbatch's layer gradients into a zero-filled stack and then adds the stack to a carried
+  sum. The aux's floats are the microbatches' mean, its counts their sum."""
+  rows = batch_BxQ1.shape[0] // microbatches
+  parts_MxBxQ1 = batch_BxQ1.reshape(rows, microbatches, -1).swapaxes(0, 1)
+  grads = jax.tree.map(lambda p: jax.new_ref(jnp.zeros_like(p)), params)
+
+  def microbatch(m, total):
+    part_BxQ1 = jax.lax.dynamic_index_in_dim(parts_MxBxQ1, m, 0, keepdims=False)
+    loss, vjp, aux = jax.vjp(
+        lambda p: loss_fn(p, model, moe_cfg, part_BxQ1, layout), params, has_aux=True)
+    vjp.with_refs(grads)(jnp.ones_like(loss) / microbatches)
+    return jax.tree.map(
+        lambda t, a: t + (a / microbatches if jnp.issubdtype(a.dtype, jnp.floating) else a),
+        total, (loss, aux))
+
+  shapes = jax.eval_shape(lambda: loss_fn(params, model, moe_cfg, parts_MxBxQ1[0], layout))
+  zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+  return (jax.lax.fori_loop(0, microbatches, microbatch, zero),
+          jax.tree.map(jax.freeze, grads))
+
+
 def biased_layout(layout: Layout, router_bias_LxE: jax.Array) -> Layout:
   """The layout the model routes with: the train state's balancing bias added to the
   layout's own (zeros, or a benchmark's load injection)."""
@@ -54,12 +82,18 @@ def update_bias(bias_LxE: jax.Array, counts_LxWxE: jax.Array, rate: float) -> ja
 
 
 def train_step(state: TrainState, batch_BxQ1: jax.Array, layout: Layout, *, model: nn.Module,
-               tx: optax.GradientTransformation, moe_cfg: MoEConfig, lr_schedule):
-  """One AdamW step. A non-finite loss or gradient norm keeps the old params and optimizer
+               tx: optax.GradientTransformation, moe_cfg: MoEConfig, lr_schedule,
+               microbatches: int = 1):
+  """One AdamW step, its gradient accumulated over `microbatches` (a Pipelined model splits
+  the batch itself: 1). A non-finite loss or gradient norm keeps the old params and optimizer
   state (a data-dependent select, same program) and reports `skipped`; `step` advances."""
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-  (loss, aux), grads = grad_fn(state.params, model, moe_cfg, batch_BxQ1,
-                               biased_layout(layout, state.router_bias_LxE))
+  layout = biased_layout(layout, state.router_bias_LxE)
+  if microbatches > 1:
+    (loss, aux), grads = accumulated_loss_and_grads(state.params, model, moe_cfg, batch_BxQ1,
+                                                    layout, microbatches)
+  else:
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    (loss, aux), grads = grad_fn(state.params, model, moe_cfg, batch_BxQ1, layout)
   grad_norm = optax.tree.norm(grads)
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
@@ -76,6 +110,13 @@ def train_step(state: TrainState, batch_BxQ1: jax.Array, layout: Layout, *, mode
 
 
 def eval_step(params, batch_BxQ1: jax.Array, layout: Layout, *, model: nn.Module,
-              moe_cfg: MoEConfig):
-  _, aux = loss_fn(params, model, moe_cfg, batch_BxQ1, layout)
-  return aux["ce"]
+              moe_cfg: MoEConfig, microbatches: int = 1):
+  """The batch's cross-entropy, `microbatches` rows apart at a time as the train step takes
+  them (the mean of theirs: the microbatches are of one size)."""
+  if microbatches == 1:
+    return loss_fn(params, model, moe_cfg, batch_BxQ1, layout)[1]["ce"]
+  rows = batch_BxQ1.shape[0] // microbatches
+  parts_MxBxQ1 = batch_BxQ1.reshape(rows, microbatches, -1).swapaxes(0, 1)
+  return jax.lax.fori_loop(0, microbatches, lambda m, total: total + loss_fn(
+      params, model, moe_cfg, jax.lax.dynamic_index_in_dim(parts_MxBxQ1, m, 0, keepdims=False),
+      layout)[1]["ce"] / microbatches, jnp.zeros((), jnp.float32))
