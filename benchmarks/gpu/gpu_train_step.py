@@ -190,7 +190,8 @@ def _batch(prog, seed):
 
 def time_interleaved(built, rounds: int, steps: int, budget: Budget) -> dict:
   """Median step seconds per path over `rounds` x `steps` timed steps after one warm-up
-  step each; the paths take turns every round (one machine state for all)."""
+  step each (fewer rounds where the budget runs out, never fewer than one); the paths take
+  turns every round (one machine state for all)."""
   import jax
   import numpy as np
   live = {name: [prog, state] for name, prog, state, _, _ in built if prog is not None}
@@ -208,7 +209,7 @@ def time_interleaved(built, rounds: int, steps: int, budget: Budget) -> dict:
           times[name].append(time.perf_counter() - tick)
       slot[1] = state
       losses[name] = float(metrics["loss"])
-    if budget.left() < 30:
+    if r and budget.left() < 30:   # one timed round always: a row without a time says nothing
       break
   timed = {name: {"step_s_median": float(np.median(t)) if t else None, "steps_timed": len(t),
                   "step_s_all": [round(x, 6) for x in t], "loss_last": losses.get(name)}

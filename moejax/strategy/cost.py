@@ -367,10 +367,15 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
         mb * moe_layers)
   experts = expert_bytes(strategy.expert_mode, w.moe_layers // p, e, d, f, n, m, c,
                          w.act_bytes, fs, stages=p)
+  # One stage runs its microbatches one forward and backward at a time, adding gradients in
+  # place (moejax.train.step.accumulated_loss_and_grads): a microbatch's activations at the
+  # peak. Stages keep every tick's (a pipeline's scan over ticks).
+  act_tokens, act_rows, act_mb = (tokens / mb, buffer_rows / mb, 1) if p == 1 else (
+      tokens, buffer_rows, mb)
   memory_bytes = step_bytes(
       dense_dev / fs, experts,
-      activation_bytes(tokens, d, layers, w.vocab_size, buffer_rows, w.act_bytes, m,
-                       groups=round(moe_layers), remat=w.remat, microbatches=mb,
+      activation_bytes(act_tokens, d, layers, w.vocab_size, act_rows, w.act_bytes, m,
+                       groups=round(moe_layers), remat=w.remat, microbatches=act_mb,
                        stretch=stretch, heads=w.num_heads, seq_len=w.seq_len,
                        attention_scores=w.attention_scores, loss_chunk=w.loss_chunk,
                        remat_blocks=strategy.expert_mode == "fsep",
