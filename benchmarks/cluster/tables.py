@@ -54,7 +54,7 @@ def _goals(name: str, d: dict) -> list[tuple[str, str, str]]:
   ok = [r for r in d["rows"] if "step_s" in r]
   for model, label in MODEL_NAMES.items():
     for gpus in (64, 256, 8):
-      cells = []
+      cells, over = [], []
       for routing in GOAL_ROUTINGS:
         got = {r["policy"]: r for r in ok if r["model"] == model and r["gpus"] == gpus and
                r["routing"] == routing}
@@ -68,6 +68,10 @@ def _goals(name: str, d: dict) -> list[tuple[str, str, str]]:
                      f"{_f(smart and smart['fraction_of_balanced'])}, best "
                      f"({best['policy']}) {best['speedup_over_static']:.2f}x static EP")
         cut = best.get("extrapolated_from")
+        over += [r["peak_gib"] for r in got.values() if not r["fits"]]
+      if over:
+        cells.append(f"peak {min(over):.0f}-{max(over):.0f} GiB a GPU, over its memory: "
+                     "estimated as if it fit")
       if cells:
         how = (f"programs at {cut[0]} and {cut[1]} layers extrapolated to the model's depth, "
                if cut else "")
