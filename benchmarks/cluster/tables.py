@@ -68,10 +68,12 @@ def _goals(name: str, d: dict) -> list[tuple[str, str, str]]:
                      f"{_f(smart and smart['fraction_of_balanced'])}, best "
                      f"({best['policy']}) {best['speedup_over_static']:.2f}x static EP")
         cut = best.get("extrapolated_from")
-        over += [r["peak_gib"] for r in got.values() if not r["fits"]]
+        over += [r for r in got.values() if not r["fits"]]
       if over:
-        cells.append(f"peak {min(over):.0f}-{max(over):.0f} GiB a GPU, over its memory: "
-                     "estimated as if it fit")
+        peaks = [r["peak_gib"] for r in over]
+        cells.append(f"over the GPU's memory, estimated as if they fit: "
+                     f"{', '.join(dict.fromkeys(r['policy'] for r in over))} "
+                     f"({min(peaks):.0f}-{max(peaks):.0f} GiB)")
       if cells:
         how = (f"programs at {cut[0]} and {cut[1]} layers extrapolated to the model's depth, "
                if cut else "")
