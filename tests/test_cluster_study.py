@@ -5,6 +5,7 @@ end: 8 GPUs, Mixtral-8x7B cut to 2 layers, static EP and fsep on drift-bursts.""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -106,6 +107,73 @@ def test_replays_use_the_trainers_planner_options():
   assert fsep["options"]["capacity"] == "device" and fsep["profile"] == "h100_node"
   for r in got.values():
     assert 0.5 < r["capacity_factor"] < 8 and r["busiest_over_mean"] >= 0.99
+
+
+def _program(spec: programs.Spec) -> dict:
+  """A program row as `programs.compile_row` reads one, every number a fixed part plus
+  layers x a per-layer part that grows with the buffer."""
+  per = 0.1 + 0.05 * spec.factor
+
+  def lin(fixed, per_layer):
+    return fixed + spec.layers * per_layer
+
+  return {"spec": dataclasses.asdict(spec), "gpu": "h100", "compiled": True, "strategy": "",
+          "lower_s": 1.0, "compile_s": 2.0, "wall_s": 3.0,
+          "step_s": lin(0.3, per), "compute_s": lin(0.2, 0.8 * per),
+          "comm_s": lin(0.1, 0.3 * per), "exposed_comm_s": lin(0.1, 0.2 * per),
+          "by_category": {"gemm": lin(0.1, 0.5 * per)}, "comm_by": {"all-to-all": lin(0, per)},
+          "exposed_by": {"all-to-all": lin(0.05, 0.1 * per)},
+          "compute_by": {"gemm": lin(0.1, 0.5 * per)},
+          "grouped_matmul": {"seconds": lin(0.0, 0.4 * per), "rows": 4096},
+          "peak_bytes": lin(2e9, 1e8 * spec.factor), "fits": True}
+
+
+def test_extrapolated_row_is_the_program_at_the_models_depth():
+  """Two cut depths give every number of the row at the full depth (fixed + layers x
+  per-layer), nested ones too, and say which depths they came from."""
+  spec = programs.Spec("mixtral_8x7b", "1x1x8", "ep", 1.25)
+  cut = {d: _program(dataclasses.replace(spec, layers=d)) for d in (4, 2)}
+  got = programs.extrapolate(cut, 32)
+  want = _program(dataclasses.replace(spec, layers=32))
+  for key in ("step_s", "compute_s", "exposed_comm_s", "peak_bytes"):
+    assert got[key] == pytest.approx(want[key])
+  assert got["grouped_matmul"]["seconds"] == pytest.approx(want["grouped_matmul"]["seconds"])
+  assert got["exposed_by"]["all-to-all"] == pytest.approx(want["exposed_by"]["all-to-all"])
+  assert got["per_layer_s"] == pytest.approx(0.1 + 0.05 * 1.25)
+  assert got["extrapolated"] == [2, 4] and got["depth"] == 32 and got["compiled"]
+
+
+def test_study_rows_extrapolate_from_the_cut_depths(monkeypatch):
+  """With depths, every program the study compiles is at one of the two cut depths, and
+  each row's program (and the denominator) is the one at the model's depth, interpolated in
+  the buffer and extrapolated in depth; the rows say from which depths."""
+  compiled = []
+
+  def compile_row(spec, gpu="h100", hlo_dir=None):
+    compiled.append(spec)
+    return _program(spec)
+
+  monkeypatch.setattr(programs, "compile_row", compile_row)
+  d = study.run(["mixtral_8x7b"], {"mixtral_8x7b": (8,)}, ["uniform", "drift_bursts"],
+                ["static", "fsep_planned"], programs.Cache(None), study.GRID, 12,
+                depths=(2, 4), log=lambda *_: None)
+  depth = parse_config([programs.MODELS["mixtral_8x7b"]], ["data.path = None"]).model.num_layers
+  assert compiled and {s.layers for s in compiled} == {2, 4}
+  den = d["denominators"]["mixtral_8x7b/8"]
+  base = programs.Spec("mixtral_8x7b", "1x1x8", "ep", 1.0, depth)
+  assert den["step_s"] == pytest.approx(_program(base)["step_s"])
+  assert den["extrapolated_from"] == [2, 4]
+  assert len(d["rows"]) == 4
+  for r in d["rows"]:
+    want = _program(dataclasses.replace(base, kind=programs.KIND_OF_POLICY[r["policy"]],
+                                        factor=r["factor"]))
+    assert r["layers"] == depth and r["extrapolated_from"] == [2, 4]
+    assert r["program_step_s"] == pytest.approx(want["step_s"])
+    assert r["program_grouped_matmul_s"] == pytest.approx(want["grouped_matmul"]["seconds"])
+    assert set(r["programs"]) <= {s.key() for s in compiled}
+    assert len(r["programs"]) == (2 if r["factor"] == 1.0 else 4)
+  skewed = [r for r in d["rows"] if r["routing"] == "drift_bursts" and r["policy"] == "static"]
+  assert skewed[0]["factor"] > 1.0     # its row was read between two buffers, each extrapolated
 
 
 @pytest.mark.slow

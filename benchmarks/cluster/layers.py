@@ -23,18 +23,6 @@ CASES = (("mixtral_8x7b", "8x1x8", "ep", True), ("mixtral_8x7b", "8x1x8", "fsep_
 DEPTHS = (8, 16)
 
 
-def extrapolate(cut: dict[int, dict], depth: int) -> dict:
-  """Step, exposed communication and grouped matmul at `depth` from two cut depths."""
-  (a, ra), (b, rb) = sorted(cut.items())
-
-  def at(key, f=lambda r, k: r[k]):
-    return f(ra, key) + (depth - a) * (f(rb, key) - f(ra, key)) / (b - a)
-
-  return {"step_s": at("step_s"), "exposed_comm_s": at("exposed_comm_s"),
-          "grouped_matmul_s": at("grouped_matmul", lambda r, k: r[k]["seconds"]),
-          "per_layer_s": (rb["step_s"] - ra["step_s"]) / (b - a)}
-
-
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m benchmarks.cluster.layers",
                                description=__doc__.splitlines()[0])
@@ -56,7 +44,10 @@ def main(argv=None) -> int:
            "full": {k: full.get(k) for k in ("step_s", "exposed_comm_s", "peak_bytes", "fits",
                                              "compile_s", "lower_s")}}
     if all(r["compiled"] for r in cut.values()):
-      row["extrapolated"] = extrapolate(cut, depth)
+      ext = programs.extrapolate(cut, depth)
+      row["extrapolated"] = {"step_s": ext["step_s"], "exposed_comm_s": ext["exposed_comm_s"],
+                             "grouped_matmul_s": ext["grouped_matmul"]["seconds"],
+                             "per_layer_s": ext["per_layer_s"]}
       row["extrapolated_over_full"] = row["extrapolated"]["step_s"] / full["step_s"]
     rows.append(row)
     print(row)

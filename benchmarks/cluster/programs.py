@@ -11,6 +11,10 @@ with the grouped-matmul kernels (moe.kernels = 'pallas'): every (source, device)
 `factor` x the balanced share goes through the exchange whole, and the grouped kernel
 computes the rows its group sizes hold, so `busiest_step` scales the grouped matmul's time
 by the busiest device's rows over the buffer's, the rest of the program as compiled.
+
+Where the full depth takes too long to compile, `at_depth` compiles a program at two cut
+depths and extrapolates its row to the model's (`extrapolate`: the layers are one scanned
+loop; `benchmarks.cluster.layers` checks it against programs compiled at full depth).
 """
 
 from __future__ import annotations
@@ -204,10 +208,14 @@ class Cache:
       os.replace(self.path + ".tmp", self.path)
 
 
-def interpolate(lo: dict, hi: dict, f_lo: float, f_hi: float, factor: float) -> dict:
-  """A program row at `factor` between two compiled ones: every number linear between them
-  (the step, the grouped matmul, each collective's time and exposure, the peak)."""
-  w = (factor - f_lo) / (f_hi - f_lo)
+# The numbers of a program row that scale with its buffer and with its depth.
+SCALED = ("step_s", "compute_s", "comm_s", "exposed_comm_s", "by_category", "comm_by",
+          "exposed_by", "compute_by", "grouped_matmul", "peak_bytes")
+
+
+def _linear(lo: dict, hi: dict, w: float) -> dict:
+  """`lo` + w (`hi` - `lo`) for every number of `SCALED` (nested dicts key by key); whether
+  the result fits its GPU from its peak."""
 
   def mix(a, b):
     if isinstance(a, dict):
@@ -216,12 +224,45 @@ def interpolate(lo: dict, hi: dict, f_lo: float, f_hi: float, factor: float) -> 
       return b
     return a + w * (b - a)
 
-  keys = ("step_s", "compute_s", "comm_s", "exposed_comm_s", "by_category", "comm_by",
-          "exposed_by", "compute_by", "grouped_matmul", "peak_bytes")
-  out = {k: mix(lo[k], hi[k]) for k in keys}
-  out.update(compiled=True, fits=out["peak_bytes"] <= gpu_info(lo["gpu"]).memory_bytes,
-             interpolated=[f_lo, f_hi])
+  out = {k: mix(lo[k], hi[k]) for k in SCALED}
+  out.update(compiled=True, gpu=lo["gpu"],
+             fits=out["peak_bytes"] <= gpu_info(lo["gpu"]).memory_bytes)
   return out
+
+
+def interpolate(lo: dict, hi: dict, f_lo: float, f_hi: float, factor: float) -> dict:
+  """A program row at `factor` between two compiled ones: every number linear between them
+  (the step, the grouped matmul, each collective's time and exposure, the peak)."""
+  return {**_linear(lo, hi, (factor - f_lo) / (f_hi - f_lo)), "interpolated": [f_lo, f_hi]}
+
+
+def extrapolate(cut: dict[int, dict], depth: int) -> dict:
+  """A program row at `depth` layers from the rows of the same program compiled at two cut
+  depths: the layers are one scanned loop, so every number is a fixed part (embedding, loss,
+  optimizer over the rest) plus depth x a per-layer part: the step, each category and
+  collective and its exposure, the grouped matmul, the peak. `per_layer_s` is the step's
+  per-layer part; `extrapolated` the two depths."""
+  (a, ra), (b, rb) = sorted((int(d), r) for d, r in cut.items())
+  per_layer = (rb["step_s"] - ra["step_s"]) / (b - a)
+  return {**_linear(ra, rb, (depth - a) / (b - a)), "extrapolated": [a, b], "depth": depth,
+          "per_layer_s": per_layer}
+
+
+def at_depth(cache: Cache, spec: Spec, depths: tuple[int, int] | None = None,
+             hlo_dir: str | None = None, log=print) -> dict:
+  """`spec`'s program row with the keys of the programs compiled for it (`programs`): the
+  program itself, or, with `depths`, the program at those two depths and its row
+  extrapolated to `spec`'s depth (`spec.layers`, 0: the model's)."""
+  if not depths:
+    return {**cache.get(spec, hlo_dir=hlo_dir, log=log), "programs": [spec.key()]}
+  cuts = [dataclasses.replace(spec, layers=d) for d in depths]
+  cut = {s.layers: cache.get(s, hlo_dir=hlo_dir, log=log) for s in cuts}
+  keys = [s.key() for s in cuts]
+  failed = [r for r in cut.values() if not r["compiled"]]
+  if failed:
+    return {"compiled": False, "error": failed[0]["error"], "programs": keys}
+  depth = spec.layers or config(spec).model.num_layers
+  return {**extrapolate(cut, depth), "programs": keys}
 
 
 def busiest_step(row: dict, busiest_over_mean: float, factor: float) -> dict:

@@ -8,7 +8,13 @@ beyond the step in flight and the ep migrations, per step, as the trainer pays t
 per second, the fraction of the force-balanced throughput (static EP at capacity factor 1.0
 under uniform routing) and the speedup over static EP on the same routing.
 
+With `--depths A B` every program is compiled at A and at B layers and its row (step, each
+category and collective and its exposure, grouped matmul, peak) extrapolated to the model's
+depth (`programs.extrapolate`); the planner's time and the migrations are priced per model
+layer either way. The rows say so (`extrapolated_from`).
+
   python -m benchmarks.cluster.study --json benchmarks/cluster/results/cluster_h100.json
+  python -m benchmarks.cluster.study --models qwen3_30b_a3b --gpus 8 --depths 2 4
   python -m benchmarks.cluster.study --smoke     # the smallest case: 8 GPUs, Mixtral-8x7B, 2 layers
 """
 
@@ -86,18 +92,22 @@ def ragged_exchange(cfg, choices_per_device: float, n_e: int, exposed_s: float,
           "all_to_all_v_s": sent / link.a2a_bytes_per_s.value}
 
 
-def program_at(cache: programs.Cache, spec: programs.Spec, top: float, hlo_dir, log) -> dict:
+def program_at(cache: programs.Cache, spec: programs.Spec, top: float, hlo_dir, log,
+               depths=None) -> dict:
   """`spec`'s program row at its factor: compiled at 1.0 and at `top` (the largest factor a
   routing needs of this kind), linear between them (every buffer-sized term is linear in the
-  factor: the grouped matmul's rows, the exchange's bytes, the buffer's elementwise passes)."""
-  lo = cache.get(dataclasses.replace(spec, factor=1.0), hlo_dir=hlo_dir, log=log)
+  factor: the grouped matmul's rows, the exchange's bytes, the buffer's elementwise passes);
+  each of the two at `depths` and extrapolated to the model's depth where given
+  (`programs.at_depth`)."""
+  lo = programs.at_depth(cache, dataclasses.replace(spec, factor=1.0), depths, hlo_dir, log)
   if spec.factor == 1.0 or top == 1.0:
-    return {**lo, "programs": [dataclasses.replace(spec, factor=1.0).key()]}
-  hi = cache.get(dataclasses.replace(spec, factor=top), hlo_dir=hlo_dir, log=log)
-  keys = [dataclasses.replace(spec, factor=f).key() for f in (1.0, top)]
+    return lo
+  hi = programs.at_depth(cache, dataclasses.replace(spec, factor=top), depths, hlo_dir, log)
+  keys = lo["programs"] + hi["programs"]
   if not (lo["compiled"] and hi["compiled"]):
     return {"compiled": False, "error": lo.get("error") or hi.get("error"), "programs": keys}
-  return {**programs.interpolate(lo, hi, 1.0, top, spec.factor), "programs": keys}
+  return {**programs.interpolate(lo, hi, 1.0, top, spec.factor), "programs": keys,
+          **({"extrapolated": lo["extrapolated"]} if depths else {})}
 
 
 # Megatron-Core's published run (benchmarks.gpu.published_mixtral).
@@ -174,32 +184,35 @@ def buffers(case: Case, routings, policies, replay_rows: dict, grid: float):
   return need, top
 
 
-def denominator(case: Case, cache: programs.Cache, hlo_dir, log) -> dict | None:
+def denominator(case: Case, cache: programs.Cache, hlo_dir, log, depths=None) -> dict | None:
   """The force-balanced program (static EP at factor 1.0: the fraction's denominator), and
   at the published case static EP's einsum program beside it; None if it did not compile."""
-  den = cache.get(case.base, hlo_dir=hlo_dir, log=log)
+  den = programs.at_depth(cache, case.base, depths, hlo_dir, log)
   if not den["compiled"]:
     log(f"no force-balanced program for {case.model} at {case.gpus} GPUs: {den['error']}")
     return None
-  out = {"step_s": den["step_s"], "program": case.base.key()}
+  out = {"step_s": den["step_s"], "programs": den["programs"],
+         "extrapolated_from": den.get("extrapolated")}
   if (case.model, case.gpus) == PUBLISHED:
-    einsum = dataclasses.replace(case.base, kind="ep_einsum")
-    row = cache.get(einsum, hlo_dir=hlo_dir, log=log)
+    row = programs.at_depth(cache, dataclasses.replace(case.base, kind="ep_einsum"), depths,
+                            hlo_dir, log)
     if row["compiled"]:
-      out["einsum"] = {"step_s": row["step_s"], "program": einsum.key()}
+      out["einsum"] = {"step_s": row["step_s"], "programs": row["programs"]}
   return out
 
 
 def policy_row(case: Case, name: str, policy: str, rp: dict, factor: float, top: float,
-               den_step_s: float, cache: programs.Cache, hlo_dir, log) -> dict:
-  """One row (module doc): the program at `factor`, its grouped matmul scaled to the busiest
-  device, what the trainer pays beside it, and ragged's exchange priced three ways."""
+               den_step_s: float, cache: programs.Cache, hlo_dir, log, depths=None) -> dict:
+  """One row (module doc): the program at `factor` (at the model's depth, or extrapolated
+  to it from `depths`), its grouped matmul scaled to the busiest device, what the trainer
+  pays beside it, and ragged's exchange priced three ways."""
   kind = programs.KIND_OF_POLICY[policy]
   prog = program_at(cache, dataclasses.replace(case.base, kind=kind, factor=factor), top,
-                    hlo_dir, log)
+                    hlo_dir, log, depths)
   row = {"model": case.model, "gpus": case.gpus, "topology": case.base.topology,
          "expert_axis": case.expert_axis, "routing": name, "policy": policy,
          "needed_factor": rp["capacity_factor"], "factor": factor,
+         "layers": case.cfg.model.num_layers, "extrapolated_from": prog.get("extrapolated"),
          "programs": prog["programs"]}
   if not prog["compiled"]:
     return {**row, "error": prog["error"]}
@@ -207,7 +220,9 @@ def policy_row(case: Case, name: str, policy: str, rp: dict, factor: float, top:
   scaled = programs.busiest_step(prog, load, factor)
   paid = priced(scaled["scaled_step_s"], rp, case.cfg.model.num_layers)
   step = scaled["scaled_step_s"] + paid["replan_exposed_s"] + paid["migration_s"]
-  row.update(busiest_over_mean=load, program_step_s=prog["step_s"], **scaled,
+  row.update(busiest_over_mean=load, program_step_s=prog["step_s"],
+             program_compute_s=prog["compute_s"], program_exposed_comm_s=prog["exposed_comm_s"],
+             program_grouped_matmul_s=prog["grouped_matmul"]["seconds"], **scaled,
              **{f"paid_{k}": v for k, v in paid.items()}, step_s=step,
              tokens_per_s=case.gpus * case.tokens / step, fits=prog["fits"],
              peak_gib=prog["peak_bytes"] / 2 ** 30, fraction_of_balanced=den_step_s / step)
@@ -235,16 +250,20 @@ def against_static(rows_by_policy: dict[str, dict]) -> None:
 
 def run(models, gpus_by_model, routings, policies, cache: programs.Cache, grid: float,
         steps: int | None, layers: int = 0, hlo_dir: str | None = None, log=print,
-        done=None) -> dict:
+        done=None, depths: tuple[int, int] | None = None) -> dict:
   """The study's rows (module doc), case by case in ORDER: the planners first (they say which
-  buffers), then the programs. `done(result)` is called after each case with the rows so
-  far."""
+  buffers), then the programs (at `layers`, 0: the model's depth; or compiled at the two
+  `depths` and extrapolated to the model's). `done(result)` is called after each case with
+  the rows so far."""
+  if depths and layers:
+    raise ValueError(f"depths={depths} and layers={layers}: the depths extrapolate to the "
+                     "model's depth; give one of them")
   rows, replay_rows, denominators = [], {}, {}
   for model, n in cases(models, gpus_by_model):
     case = Case.of(model, n, layers)
     replay_case(case, routings, policies, steps, replay_rows, log)
     need, top = buffers(case, routings, policies, replay_rows, grid)
-    den = denominator(case, cache, hlo_dir, log)
+    den = denominator(case, cache, hlo_dir, log, depths)
     if den is None:
       continue
     denominators[f"{model}/{n}"] = den
@@ -254,7 +273,7 @@ def run(models, gpus_by_model, routings, policies, cache: programs.Cache, grid: 
         rp = replay_rows[case.replay_key(name)]["policies"][policy]
         row = policy_row(case, name, policy, rp, need[name, policy],
                          top[programs.KIND_OF_POLICY[policy]], den["step_s"], cache, hlo_dir,
-                         log)
+                         log, depths)
         rows.append(row)
         if "step_s" in row:
           got[policy] = row
@@ -291,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--grid", type=float, default=GRID)
   ap.add_argument("--steps", type=int, default=None, help="the first N steps of each trace")
   ap.add_argument("--layers", type=int, default=0, help="model layers (0: the model's)")
+  ap.add_argument("--depths", nargs=2, type=int, default=None, metavar=("A", "B"),
+                  help="compile every program at A and at B layers and extrapolate its row "
+                       "to the model's depth (faster than compiling the full depth)")
   ap.add_argument("--cache", default=os.path.expanduser("~/.cache/moejax/cluster_programs.json"),
                   help="program rows by spec, compiled once and read back (the result holds "
                        "every program it used)")
@@ -300,8 +322,12 @@ def main(argv: list[str] | None = None) -> int:
                        "drift_bursts")
   ap.add_argument("--json", default=None)
   args = ap.parse_args(argv)
+  if args.depths and (args.layers or args.depths[0] == args.depths[1] or min(args.depths) < 1):
+    ap.error(f"--depths {args.depths} with --layers {args.layers}: give two different depths "
+             ">= 1 and no --layers (the depths extrapolate to the model's depth)")
   if args.smoke:
-    args.models, args.gpus, args.layers = ["mixtral_8x7b"], [8], args.layers or 2
+    args.models, args.gpus = ["mixtral_8x7b"], [8]
+    args.layers = args.layers or (0 if args.depths else 2)
     args.policies, args.routings = ["static", "fsep_planned"], ["uniform", "drift_bursts"]
     args.steps = args.steps or 60
   gpus_by_model = {m: tuple(args.gpus) if args.gpus else GPUS[m] for m in args.models}
@@ -310,9 +336,11 @@ def main(argv: list[str] | None = None) -> int:
 
   def finish(out: dict, complete: bool) -> dict:
     used = {k for r in out["rows"] for k in r["programs"]}
-    used |= {d["program"] for d in out["denominators"].values()}
-    used |= {d["einsum"]["program"] for d in out["denominators"].values() if "einsum" in d}
+    used |= {k for d in out["denominators"].values() for k in d["programs"]}
+    used |= {k for d in out["denominators"].values() if "einsum" in d
+             for k in d["einsum"]["programs"]}
     out.update(command=command("cluster.study", argv), grid=args.grid, complete=complete,
+               depths=args.depths,
                wall_s=time.perf_counter() - tick, published=published_mixtral(),
                programs={k: v for k, v in cache.rows.items() if k in used})
     if args.json:
@@ -324,13 +352,15 @@ def main(argv: list[str] | None = None) -> int:
 
   out = finish(run(args.models, gpus_by_model, args.routings, args.policies, cache, args.grid,
                    args.steps, args.layers, args.hlo_dir,
-                   done=lambda partial: finish(partial, False)), True)
+                   done=lambda partial: finish(partial, False), depths=args.depths), True)
   for r in out["rows"]:
     if "step_s" in r:
       print(f"{r['model']:<14}{r['gpus']:>4} {r['routing']:<17}{r['policy']:<14}"
             f"cf {r['needed_factor']:.3f}->{r['factor']:.3f} step {r['step_s']:.3f} s "
             f"{r['tokens_per_s']:>10,.0f} tok/s  {r['fraction_of_balanced']:.3f} of balanced  "
-            f"{r['speedup_over_static'] or 0:.2f}x static")
+            f"{r['speedup_over_static'] or 0:.2f}x static"
+            + (" (layers {} from {} and {})".format(r["layers"], *r["extrapolated_from"])
+               if r.get("extrapolated_from") else ""))
   return 0
 
 

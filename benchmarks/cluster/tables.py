@@ -21,12 +21,21 @@ def _skew(d: dict, r: dict) -> str:
   return _f(rp.get("skew", {}).get("expert_max_over_mean_median"))
 
 
+def _depth(d: dict, r: dict) -> str:
+  """The row's layers: the model's, or extrapolated to them from two compiled depths."""
+  cut = r.get("extrapolated_from")
+  if cut:
+    return f"{r['layers']} from {cut[0]}, {cut[1]}"
+  return str(r.get("layers") or d["programs"][r["programs"][0]]["spec"]["layers"] or "full")
+
+
 def _row(d: dict, r: dict) -> list:
   if "error" in r:
-    return [MODEL_NAMES[r["model"]], r["gpus"], r["routing"], "", r["policy"],
+    return [MODEL_NAMES[r["model"]], r["gpus"], _depth(d, r), r["routing"], "", r["policy"],
             f"{r['needed_factor']:.3f}", f"not compiled: {r['error'][:80]}", *[""] * 6]
   paid = r["paid_replan_exposed_s"] + r["paid_migration_s"]
-  return [MODEL_NAMES[r["model"]], r["gpus"], r["routing"], _skew(d, r), r["policy"],
+  return [MODEL_NAMES[r["model"]], r["gpus"], _depth(d, r), r["routing"], _skew(d, r),
+          r["policy"],
           f"{r['needed_factor']:.3f} -> {r['factor']:.3f}", _f(r["busiest_over_mean"]),
           _f(r["step_s"], 3), num(r["tokens_per_s"], 0), _f(r["fraction_of_balanced"], 3),
           f"{r['speedup_over_static']:.2f}x" if r.get("speedup_over_static") else "",
@@ -38,14 +47,38 @@ def _best(rows: list[dict]) -> dict:
   return max(rows, key=lambda r: r["tokens_per_s"])
 
 
+def _published(d: dict, ok: list[dict]) -> str | None:
+  """Mixtral's uniform step against Megatron-Core's published one, where the file has it."""
+  uniform = [r for r in ok if r["model"] == "mixtral_8x7b" and r["gpus"] == 64 and
+             r["routing"] == "uniform" and r["policy"] == "static"]
+  published = d.get("published", {}).get("step_s")
+  if not (uniform and published):
+    return None
+  r = uniform[0]
+  prog = d["programs"][r["programs"][0]]
+  # The program's own numbers (extrapolated where the row is), else its compiled row's.
+  compute = r.get("program_compute_s", prog["compute_s"])
+  gmm = r.get("program_grouped_matmul_s", prog["grouped_matmul"]["seconds"])
+  exposed = r.get("program_exposed_comm_s", prog["exposed_comm_s"])
+  einsum = d["denominators"].get("mixtral_8x7b/64", {}).get("einsum")
+  return (f"uniform routing, static EP at factor 1.0 (fused attention costed): "
+          f"{r['step_s']:.2f} s a step, {r['step_s'] / published:.2f}x Megatron-Core's "
+          f"published {published:.2f} s; compute {compute:.2f} s ({gmm:.2f} s the grouped "
+          f"expert matmul), communication exposed {exposed:.2f} s"
+          + (f"; per-slot einsum program {einsum['step_s']:.2f} s, "
+             f"{einsum['step_s'] / published:.2f}x" if einsum else ""))
+
+
 def _goals(name: str, d: dict) -> list[tuple[str, str, str]]:
-  """README rows: the 64-GPU goals per model on the goal routings, Mixtral's uniform step
-  against Megatron-Core's published one."""
+  """README rows, one per model at the goals' GPU counts (64, 256) in the file: fsep's and
+  SmartMoE's fraction of force-balanced and the best policy over static EP on the goal
+  routings; at 64, Mixtral's uniform step against Megatron-Core's published one."""
   head = []
   ok = [r for r in d["rows"] if "step_s" in r]
+  published = _published(d, ok)
   for model, label in MODEL_NAMES.items():
     for gpus in (64, 256):
-      cells = []
+      cells, over, cut = [], [], None
       for routing in GOAL_ROUTINGS:
         got = {r["policy"]: r for r in ok if r["model"] == model and r["gpus"] == gpus and
                r["routing"] == routing}
@@ -58,25 +91,24 @@ def _goals(name: str, d: dict) -> list[tuple[str, str, str]]:
         cells.append(f"{routing}: fsep {_f(fsep and fsep['fraction_of_balanced'])}, SmartMoE "
                      f"{_f(smart and smart['fraction_of_balanced'])}, best "
                      f"({best['policy']}) {best['speedup_over_static']:.2f}x static EP")
-      if cells:
-        head.append((f"{label} on {gpus} compile-only H100s (schedule estimate, trainer's "
-                     "planners replayed): fraction of force-balanced throughput at <= 1% "
-                     "drops; best policy over static EP", "; ".join(cells), name))
-  uniform = [r for r in ok if r["model"] == "mixtral_8x7b" and r["gpus"] == 64 and
-             r["routing"] == "uniform" and r["policy"] == "static"]
-  published = d.get("published", {}).get("step_s")
-  if uniform and published:
-    r = uniform[0]
-    prog = d["programs"][r["programs"][0]]
-    einsum = d["denominators"].get("mixtral_8x7b/64", {}).get("einsum")
-    head.append(("Mixtral-8x7B on 64 compile-only H100s, uniform routing, static EP at "
-                 "factor 1.0 (fused attention costed): estimated step vs Megatron-Core's "
-                 f"published {published:.2f} s",
-                 f"{r['step_s']:.2f} s, {r['step_s'] / published:.2f}x; compute "
-                 f"{prog['compute_s']:.2f} s ({prog['grouped_matmul']['seconds']:.2f} s the "
-                 f"grouped expert matmul), communication exposed {prog['exposed_comm_s']:.2f} s"
-                 + (f"; per-slot einsum program {einsum['step_s']:.2f} s, "
-                    f"{einsum['step_s'] / published:.2f}x" if einsum else ""), name))
+        cut = best.get("extrapolated_from")
+        over += [r for r in got.values() if not r["fits"]]
+      if not cells:
+        continue
+      if over:
+        peaks = [r["peak_gib"] for r in over]
+        cells.append(f"over the GPU's memory, estimated as if they fit: "
+                     f"{', '.join(dict.fromkeys(r['policy'] for r in over))} "
+                     f"({min(peaks):.0f}-{max(peaks):.0f} GiB)")
+      what = (f"{label} on {gpus} compile-only H100s (schedule estimate, "
+              + (f"programs at {cut[0]} and {cut[1]} layers extrapolated to the model's depth, "
+                 if cut else "")
+              + "trainer's planners replayed): fraction of force-balanced throughput at <= 1% "
+              "drops; best policy over static EP")
+      if published and (model, gpus) == ("mixtral_8x7b", 64):
+        what += "; the force-balanced step against Megatron-Core's published one"
+        cells.append(published)
+      head.append((what, "; ".join(cells), name))
   return head
 
 
@@ -86,7 +118,8 @@ def _cluster(files):
   lines, head = [], []
   for name, d in files.items():
     rows = [_row(d, r) for r in d["rows"]]
-    programs = [[MODEL_NAMES[p["spec"]["model"]], p["spec"]["topology"], p["spec"]["kind"],
+    programs = [[MODEL_NAMES[p["spec"]["model"]], p["spec"]["topology"],
+                 p["spec"]["layers"] or "full", p["spec"]["kind"],
                  _f(p["spec"]["factor"], 3), p.get("strategy", ""),
                  _f(p.get("lower_s"), 0), _f(p.get("compile_s"), 0),
                  _f(p.get("step_s"), 3), _f(p.get("exposed_comm_s"), 3),
@@ -99,14 +132,16 @@ def _cluster(files):
               "matmul scaled to the busiest device's rows, plus the re-plan time beyond the "
               "step in flight and ep migrations; tokens/s; the fraction of the force-"
               "balanced throughput (static EP at factor 1.0 on uniform routing) and the "
-              "speedup over static EP on the routing. Every step is an estimate "
+              "speedup over static EP on the routing. `layers` says where a row's programs were "
+              "compiled at two cut depths and extrapolated to the model's (fixed part + "
+              "layers x per-layer part). Every step is an estimate "
               "(docs/guide/cluster-study.md).", "",
-              *table(["model", "GPUs", "routing", "expert max/mean", "policy",
+              *table(["model", "GPUs", "layers", "routing", "expert max/mean", "policy",
                       "factor needed -> compiled", "busiest/mean", "step s", "tokens/s",
                       "of balanced", "vs static", "re-plan s / paid ms", "peak GiB (fits)"],
                      rows), "",
               "The programs (compiled once each, read by every routing at that buffer):", "",
-              *table(["model", "topology", "kind", "factor", "strategy", "lower s",
+              *table(["model", "topology", "layers", "kind", "factor", "strategy", "lower s",
                       "compile s", "step s", "exposed comm s", "grouped matmul s"], programs),
               ""]
     head += _goals(name, d)
