@@ -72,8 +72,8 @@ def test_dense_first_blocks_run_on_the_whole_batch():
 def test_fsep_under_fsdp_counts_restored_layers_on_the_shards():
   """Under FSDP (data 4) fsep's restores keep the embed shards: the three live restored layers
   and their gradients are a quarter of a layer each, beside one layer gathered whole for the
-  MoE layer; without FSDP, or under pipeline stages (whose restores gather the stored
-  layer), they are whole."""
+  MoE layer; without FSDP they are whole. Pipeline stages keep every layer of a stage's
+  restores (their backward differentiates through the forward's), on the shards as well."""
   kw = dict(layers=4, experts=8, d_model=4, d_ff=8, devices=4, slots_per_device=4,
             compute_bytes=2)
   layer = 4 * 3 * 4 * 8 * 2                          # one layer's restored slots, bf16 bytes
@@ -83,4 +83,5 @@ def test_fsep_under_fsdp_counts_restored_layers_on_the_shards():
   assert whole["transient"] == grads + 2 * 3 * layer
   assert shards["transient"] == grads / 4 + 2 * 3 * layer / 4 + layer
   staged = expert_bytes("fsep", **kw, param_shards=4, stages=2)
-  assert staged["transient"] == grads / 4 + 2 * 4 * layer
+  assert staged["transient"] == grads / 4 + 2 * 4 * layer / 4 + layer
+  assert expert_bytes("fsep", **kw, stages=2)["transient"] == grads + 2 * 4 * layer

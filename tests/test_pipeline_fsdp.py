@@ -1,5 +1,6 @@
 """Pipeline stages under FSDP (mesh.fsdp): each layer's expert weights are gathered inside the
-tick loop, one layer at a time, and the step equals one device's.
+tick loop, one layer at a time, and the step equals one device's; fsep's stages restore each
+layer on its FSDP shards, as one stage does (tests/test_fsep_fsdp.py).
 
 The stage's weights are the same in every tick, so JAX's scan linearization hoists what is
 computed from them alone (the bf16 weights, and with them FSDP's gather) out of the tick loop:
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 
 from moejax.aot.hlo import parse
-from moejax.config import OptimConfig, num_moe_layers
+from moejax.config import OptimConfig, default_fsep_slots, num_moe_layers
 from moejax.model.mesh import mesh_of_shape, param_rules
 from moejax.model.pipeline import Pipelined
 from moejax.model.transformer import Transformer
@@ -40,21 +41,24 @@ CASES = {"p2": (2, (2, 2, 1)), "m2": (1, (2, 2, 1))}
 # 4 MoE layers, K = 2 a stage; bf16 as the GPU configs (the hoisted values are its casts)
 MODEL = dataclasses.replace(TINY_MODEL, num_layers=8, remat=True, dtype="bfloat16")
 F32_MODEL = dataclasses.replace(MODEL, dtype="float32")
+# d_ff 48: a layer's stored shards ([E, D, 24] a device) are not shaped like an activation
+FSEP_MOE = dataclasses.replace(TINY_MOE, expert_mode="fsep", d_ff=48)
 
 
 @functools.cache
-def _step_parts(model_cfg, case: str = "p2"):
+def _step_parts(model_cfg, case: str = "p2", moe_cfg=TINY_MOE):
   stages, shape = CASES[case]
   mesh = mesh_of_shape(shape, stage=stages)
-  model = Transformer(model_cfg, TINY_MOE, mesh)
-  layout = jax.device_put(initial_layout(TINY_MOE, num_moe_layers(model_cfg, TINY_MOE), shape[1]),
+  model = Transformer(model_cfg, moe_cfg, mesh, fsdp=True)   # as the trainer builds it
+  layout = jax.device_put(initial_layout(moe_cfg, num_moe_layers(model_cfg, moe_cfg), shape[1]),
                           jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
   tx = optimizer(OptimConfig(learning_rate=1e-2, warmup_steps=1), 10)
   shardings = state_shardings(model, tx, mesh, layout, BATCH, SEQ,
                               param_rules(fsdp=True, stage=stages > 1))
   state = init_state(model, tx, shardings, layout, BATCH, SEQ, 0)
-  assert "data" in tuple(state.params["layers"]["moe"]["w_gate"].sharding.spec)
-  loss_fn = lambda p, b: step_lib.loss_fn(p, Pipelined(model, MICRO), TINY_MOE, b, layout)
+  experts = state.params.get("fsep_experts") or state.params["layers"]["moe"]
+  assert "data" in tuple(experts["w_gate"].sharding.spec)
+  loss_fn = lambda p, b: step_lib.loss_fn(p, Pipelined(model, MICRO), moe_cfg, b, layout)
   f = jax.jit(jax.value_and_grad(loss_fn, has_aux=True),
               in_shardings=(shardings.params, None), out_shardings=(None, shardings.params))
   compiled = f.lower(state.params, tokens()).compile()
@@ -87,11 +91,7 @@ def test_each_layer_is_gathered_inside_the_tick_loop(case):
   hlo = _step_parts(MODEL, case)[3]
   module = parse(hlo)
   one_layer = _gathered_expert_dims(MODEL, shape[1])
-  ticks = stage_cost.ticks(stages, MICRO)
-  in_ticks: set = set()
-  for ins in module.computations[module.entry]:
-    if ins.opcode == "while" and ins.trip_count() == ticks:
-      _reachable(module, ins.attr("body"), in_ticks)
+  in_ticks = _in_tick_loops(module, stage_cost.ticks(stages, MICRO))
   gathers = [(comp, ins) for comp, body in module.computations.items() for ins in body
              if ins.opcode in ("all-gather", "all-gather-start")
              and one_layer & set(array_dims(ins))]
@@ -116,3 +116,56 @@ def test_pipeline_under_fsdp_matches_one_device():
   assert_close(loss, ref_loss, loss_len, err_msg="loss")
   np.testing.assert_array_equal(np.asarray(aux["counts_LxWxE"]).sum(1), ref_counts)
   assert_trees_close(jax.device_get(grads), ref_grads, grad_len)
+
+
+def _in_tick_loops(module, ticks: int) -> set:
+  """The computations a tick loop (forward or backward: the entry's loops of `ticks`
+  iterations) runs."""
+  inside: set = set()
+  for ins in module.computations[module.entry]:
+    if ins.opcode == "while" and ins.trip_count() == ticks:
+      _reachable(module, ins.attr("body"), inside)
+  return inside
+
+
+def test_fsep_stages_restore_on_the_shards():
+  """fsep under stages and FSDP gathers no stored expert weights: every restore's exchange
+  holds 1/data of the embed dim, and the restored layer is gathered whole only where the MoE
+  layer takes it, one layer a tick (before, each restore gathered the stored layer's float32
+  shards over data and exchanged the whole embed dim)."""
+  stages, (data, expert, model) = CASES["p2"]
+  hlo = _step_parts(F32_MODEL, "p2", FSEP_MOE)[3]
+  module = parse(hlo)
+  e, d, f = FSEP_MOE.num_experts, F32_MODEL.d_model, FSEP_MOE.d_ff
+  stored = {(e, d, f // (expert * model)), (e, f // (expert * model), d)}   # a layer's shards
+  slots = default_fsep_slots(e, expert)
+  restored = {(slots, d, f // model), (slots, f // model, d)}               # one layer, whole
+  gathers = [(comp, ins) for comp, body in module.computations.items() for ins in body
+             if ins.opcode in ("all-gather", "all-gather-start")]
+  assert not [ins.name for _, ins in gathers if stored & set(array_dims(ins))], \
+      "stored fsep weights gathered before their restore"
+  exchanges = [dims for body in module.computations.values() for ins in body
+               if ins.opcode in ("all-to-all", "all-to-all-start")
+               and "fsep_restore" in ins.op_name for dims in array_dims(ins)]
+  assert exchanges, "no fsep_restore all-to-all in the program"
+  assert all(d // data in s and d not in s for s in exchanges), exchanges
+  whole = [(comp, ins) for comp, ins in gathers if restored & set(array_dims(ins))]
+  assert len(whole) >= 6, "forward and backward gather each restored w_gate, w_up, w_down"
+  in_ticks = _in_tick_loops(module, stage_cost.ticks(stages, MICRO))
+  assert all(comp in in_ticks for comp, _ in whole), \
+      [ins.name for comp, ins in whole if comp not in in_ticks]
+
+
+def test_fsep_under_stages_and_fsdp_matches_one_device():
+  """fsep on two stages of data 2 (FSDP's) x expert 2, restoring on the shards: loss, counts
+  and every gradient equal the one-device Transformer's, microbatch by microbatch (float32,
+  remat on). Shares the program of the restore test above."""
+  ref_loss, ref_grads, ref_counts = pipeline_reference(F32_MODEL, FSEP_MOE, MICRO)
+  loss, aux, grads, _ = _step_parts(F32_MODEL, "p2", FSEP_MOE)
+  loss_len, grad_len = model_lengths(F32_MODEL, FSEP_MOE)
+  assert int(np.sum(aux["dropped_LxW"])) == 0
+  assert_close(loss, ref_loss, loss_len, err_msg="loss")
+  np.testing.assert_array_equal(np.asarray(aux["counts_LxWxE"]).sum(1), ref_counts)
+  grads = jax.device_get(grads)
+  assert_trees_close(grads, ref_grads, grad_len)
+  assert all(np.abs(g).max() > 0 for g in jax.tree.leaves(grads)), "a parameter got no gradient"

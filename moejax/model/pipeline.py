@@ -114,7 +114,7 @@ def _chunk_runner(model: Transformer, virtual: int):
     carry, broadcast = GroupCarry(x), ()
     if fsep:   # this chunk's experts only: the first layer now, the scan the next one a step
       table = layout.slot_expert_LxS
-      carry = GroupCarry(x, restore_layer(stored, table, 0, mesh, dtype))
+      carry = GroupCarry(x, restore_layer(stored, table, 0, mesh, dtype, model.fsdp))
       broadcast = ((stored, table),)
     carry, stats = jax.lax.scan(lambda c, xs: one_group(c, xs, broadcast), carry,
                                 (params, layout, layers))
@@ -154,7 +154,8 @@ def pipelined_apply(model: Transformer, microbatches: int, params, tokens_BxQ: j
   Every stage runs the same program: the stages are one `vmap` over the stage axis whose
   `spmd_axis_name` is `stage`, so each MoE layer's `shard_map` keeps its expert parallelism over
   `expert` inside each stage. In fsep mode a stage restores only its chunk's experts, layer by
-  layer as the Transformer does (the first before the chunk's scan, the next in each step). The
+  layer as the Transformer does (the first before the chunk's scan, the next in each step;
+  under FSDP on the stored weights' `data` shards, the MoE layer gathering its layer). The
   backward pass is the ticks' autodiff, which runs them in reverse.
 
   The Transformer's other parts, `embed` (the embedding and the dense first blocks) and

@@ -348,8 +348,9 @@ class Transformer(nn.Module):
   def layer_group(self, backward: str) -> LayerGroup:
     """One layer group's module (unbound; parameters: one [G, ...] row of `group_params`),
     its fsep backward pass as `backward` says (fsep_backward: the pipeline's stage vmap cannot
-    carry PREFETCH's channel across its ticks)."""
-    return LayerGroup(self.cfg, self.moe_cfg, self.mesh, backward, parent=None)
+    carry PREFETCH's channel across its ticks); its fsep restores keep FSDP's shards as the
+    Transformer's own groups' do (`fsdp`)."""
+    return LayerGroup(self.cfg, self.moe_cfg, self.mesh, backward, self.fsdp, parent=None)
 
   @staticmethod
   def group_params(params: dict) -> GroupParams:

@@ -12,7 +12,8 @@ Experts, per device, for `ep` and `fsep`:
               layers are 1/data of a layer each, and one layer is gathered whole where the MoE
               layer takes it (tests/test_fsep_fsdp.py checks it on XLA's peak). Under pipeline
               stages the backward keeps every layer's restored weights from the forward (the
-              stage vmap cannot re-restore), restored whole: a stage's layers are all live.
+              stage vmap cannot re-restore): a stage's layers are all live, under FSDP on
+              the shards as with one stage (tests/test_pipeline_fsdp.py reads the restores).
 `step_bytes` adds the dense parameters (with gradients and Adam moments) and the activations:
 the peak the strategy cost model reports and the offline stage checks against the device.
 Under P pipeline stages a device holds 1/P of the layer groups (their parameters, moments and
@@ -61,7 +62,7 @@ def expert_bytes(mode: str, layers: int, experts: int, d_model: int, d_ff: int, 
   per element of the compute dtype (`model.dtype`); `param_shards`: FSDP's data axis, which
   splits the stored weights, their moments and gradients, and the layer scan's restored slot
   weights (restored on its shards), which the MoE layer gathers one layer at a time;
-  `stages` > 1: the backward keeps every layer's restored weights, restored whole."""
+  `stages` > 1: the backward keeps every layer's restored weights (on the shards under FSDP)."""
   slots = expert_slots(mode, experts, devices, slots_per_device)
   params = expert_params(mode, layers, experts, d_model, d_ff, devices, model_shards) / param_shards
   live = layers if stages > 1 else min(layers, LIVE_RESTORED_LAYERS)
@@ -70,8 +71,9 @@ def expert_bytes(mode: str, layers: int, experts: int, d_model: int, d_ff: int, 
   # and the MoE layer computes on its layer gathered whole, counted beside them (XLA:GPU's
   # peak on 8 compile-only H100s holds the 1/data-sized buffers and up to a third of a
   # gathered layer: the model within 5% of it, tests/test_fsep_fsdp.py).
-  on_shards = stages == 1 and param_shards > 1
-  restored = 2 * live * layer / param_shards + layer if on_shards else 2 * live * layer
+  # Under stages as well: a stage's layers, each restored on the shards, all live at once.
+  restored = (2 * live * layer / param_shards + layer if param_shards > 1 else
+              2 * live * layer)
   return {"mode": mode, "slots_per_device": slots,
           "persistent": 3 * params * FP32,               # params + Adam mu, nu
           "transient": params * FP32 + restored * compute_bytes}      # grads + restored
