@@ -259,7 +259,8 @@ def main(argv=None) -> int:
     print(json.dumps(measured_run(args.measured), indent=1))
     return 0
   os.environ.setdefault("JAX_PLATFORMS", "cpu")   # compile-only: no GPU is started
-  from benchmarks.common import command, write_result
+  from benchmarks.common import command
+  from benchmarks.gpu.gpu_program import write
   from moejax.aot.gpus import has_cuda_plugin
   if why := has_cuda_plugin():
     print(f"error: {why}", file=sys.stderr)
@@ -283,7 +284,7 @@ def main(argv=None) -> int:
                 if s["moe_over_dense_throughput"] else ""))
   if args.json:
     result["metadata"] = {"command": command("gpu.gpu_levers", argv)}
-    write_result(result, args.json)
+    write(result, args.json, args.gpu)   # the device: the compile-only GPU, not the host's
   return 0
 
 

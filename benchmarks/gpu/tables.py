@@ -288,7 +288,7 @@ def _gpu_levers(files):
                         for b in before]), ""]
     for shape in dict.fromkeys(r["shape"] for r in d["rows"]):
       code = "; ".join(f"{b['lever']} alone {_ms(b['saved_s'])}" + (
-                           f" at {b['at']}" if b["at"] != "as configured" else "")
+                           f" at {b['at']}" if b["at"] != "as configured" else " as configured")
                        for b in before if b["shape"] == shape and b["path"] != "dense_equivalent")
       levers = {r["lever"] for r in d["rows"] if "before" not in r}
       saved = [s for s in d["savings"] if s["shape"] == shape and s["path"] != "dense_equivalent"
