@@ -50,10 +50,15 @@ def test_gloos_lines_are_left_out_also_when_its_threads_interleave_them():
   cut = (b"[Gloo] Rank 1[Gloo] Rank 0 is connected to 3 peer ranks. Expected number of "
          b"connected peer ranks is : 3\n")
   tail = b" is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\n"
+  # the same, the rank's number kept with its statement on the next line
+  numbered = b"2 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\n"
   for noise in (GLOO % (0, 7, 7), b"[Gloo] Rank " + GLOO % (1, 7, 7), interleaved,
-                b"Expected number of connected peer ranks is : 3\n", cut, tail):
+                b"Expected number of connected peer ranks is : 3\n", cut, tail, numbered,
+                b"[Gloo] Rank [Gloo] Rank \n"):
     assert not keep_line(noise), noise
   for kept in (GLOO % (2, 6, 7), b"[Gloo] Rank 2 is NOT connected to: [1]\n", b"\n",
+               b"2 is connected to 1 peer ranks. Expected number of connected peer ranks is : 3\n",
+               b"3 steps\n", b"12\n",
                b"Expected number of steps: 3\n", b"steps 0..29: loss 5.6 -> 3.1\n"):
     assert keep_line(kept), kept
 

@@ -24,9 +24,11 @@ __all__ = ["Screen", "Terminal", "filter_own_stdout", "keep_line", "pump"]
 _GLOO_CONNECTED = re.compile(rb"is connected to (\d+) peer ranks\. Expected number of "
                              rb"connected peer ranks is : (\d+)")
 _GLOO_PIECES = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. ?|"
-                          rb"\[Gloo\] Rank (\d+ ?)?|is connected to \d+ peer ranks\. ?|"
+                          rb"\[Gloo\] Rank (\d+ ?)?|(\d+ )?is connected to \d+ peer ranks\. ?|"
                           rb"Expected number of connected peer ranks is : \d+|\s+")
 _GLOO_STARTS = (b"[Gloo]", b"Expected number of connected", b"is connected to")
+# a statement whose "[Gloo] Rank " went to the line before starts with the rank's number
+_RANK = re.compile(rb"\d+ ?")
 _ENDS = re.compile(rb"[\r\n]")
 
 
@@ -34,7 +36,9 @@ def keep_line(line: bytes) -> bool:
   """False for Gloo's "connected to all N peers" lines, whole or in interleaved pieces."""
   if any(m.group(1) != m.group(2) for m in _GLOO_CONNECTED.finditer(line)):
     return True
-  return not (line.strip() and line.lstrip().startswith(_GLOO_STARTS) and
+  bare = line.lstrip()
+  bare = bare[_RANK.match(bare).end():] if _RANK.match(bare) else bare
+  return not (line.strip() and bare.startswith(_GLOO_STARTS) and
               not _GLOO_PIECES.sub(b"", line))
 
 
@@ -103,7 +107,8 @@ def pump(stream, prefix: bytes, out, terminal: Terminal | None = None) -> None:
       if whole:
         after_cr = end == b"\r"
       if not end:   # the unfinished rest: pass it on unless it may become a Gloo line
-        if piece and at_start and any(piece.startswith(g) or g.startswith(piece)
+        bare = piece[_RANK.match(piece).end():] if _RANK.match(piece) else piece
+        if piece and at_start and any(bare.startswith(g) or g.startswith(bare)
                                       for g in _GLOO_STARTS):
           held = piece
         elif piece:
