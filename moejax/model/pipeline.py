@@ -35,6 +35,12 @@ from moejax.model.transformer import GroupCarry, Head, Transformer
 from pallas_kernels import compat
 
 
+def microbatch_rows(a, micro: int):
+  """[B, ...] -> [M, B/M, ...]: microbatch m is the rows i with i % M == m, so that each
+  device's rows of a microbatch are rows it holds (the split moves no data)."""
+  return a.reshape((a.shape[0] // micro, micro) + a.shape[1:]).swapaxes(0, 1)
+
+
 def _split(tree, stages: int, virtual: int):
   """Every leaf [G, ...] in storage order -> [stages, virtual, K, ...]."""
   return jax.tree.map(lambda a: a.reshape((stages, virtual, -1) + a.shape[1:]), tree)
@@ -173,8 +179,7 @@ def pipelined_apply(model: Transformer, microbatches: int, params, tokens_BxQ: j
   act = NamedSharding(mesh, logical_to_spec(("batch", "length", "embed")))
   x_BxQxD = model.apply({"params": params}, tokens_BxQ, method=Transformer.embed)
   d_model = x_BxQxD.shape[-1]
-  # [micro, rows, Q, D]: microbatch m = the rows i with i % micro == m
-  feed = x_BxQxD.reshape(rows, micro, length, d_model).transpose(1, 0, 2, 3)
+  feed = microbatch_rows(x_BxQxD, micro)   # [micro, rows, Q, D]
 
   run_chunk = _chunk_runner(model, virtual)
   run_stages = jax.vmap(run_chunk, spmd_axis_name=STAGE if stages > 1 else None)

@@ -29,6 +29,11 @@ _GLOO_PIECES = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. 
 _GLOO_STARTS = (b"[Gloo]", b"Expected number of connected", b"is connected to")
 # a statement whose "[Gloo] Rank " went to the line before starts with the rank's number
 _RANK = re.compile(rb"\d+ ?")
+
+
+def _after_rank(text: bytes) -> bytes:
+  """`text` without a leading rank number."""
+  return text[_RANK.match(text).end():] if _RANK.match(text) else text
 _ENDS = re.compile(rb"[\r\n]")
 
 
@@ -36,8 +41,7 @@ def keep_line(line: bytes) -> bool:
   """False for Gloo's "connected to all N peers" lines, whole or in interleaved pieces."""
   if any(m.group(1) != m.group(2) for m in _GLOO_CONNECTED.finditer(line)):
     return True
-  bare = line.lstrip()
-  bare = bare[_RANK.match(bare).end():] if _RANK.match(bare) else bare
+  bare = _after_rank(line.lstrip())
   return not (line.strip() and bare.startswith(_GLOO_STARTS) and
               not _GLOO_PIECES.sub(b"", line))
 
@@ -107,7 +111,7 @@ def pump(stream, prefix: bytes, out, terminal: Terminal | None = None) -> None:
       if whole:
         after_cr = end == b"\r"
       if not end:   # the unfinished rest: pass it on unless it may become a Gloo line
-        bare = piece[_RANK.match(piece).end():] if _RANK.match(piece) else piece
+        bare = _after_rank(piece)
         if piece and at_start and any(bare.startswith(g) or g.startswith(bare)
                                       for g in _GLOO_STARTS):
           held = piece

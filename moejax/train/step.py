@@ -9,6 +9,7 @@ import optax
 
 from moejax.config import MoEConfig
 from moejax.layout.tables import Layout
+from moejax.model.pipeline import microbatch_rows
 from moejax.train.loss import head_loss
 from moejax.train.state import TrainState
 
@@ -49,8 +50,7 @@ def accumulated_loss_and_grads(params, model: nn.Module, moe_cfg: MoEConfig,
   inside the backward layer loop, where a differentiated loop over microbatches writes each
   microbatch's layer gradients into a zero-filled stack and then adds the stack to a carried
   sum. The aux's floats are the microbatches' mean, its counts their sum."""
-  rows = batch_BxQ1.shape[0] // microbatches
-  parts_MxBxQ1 = batch_BxQ1.reshape(rows, microbatches, -1).swapaxes(0, 1)
+  parts_MxBxQ1 = microbatch_rows(batch_BxQ1, microbatches)
   grads = jax.tree.map(lambda p: jax.new_ref(jnp.zeros_like(p)), params)
 
   def microbatch(m, total):
@@ -115,8 +115,7 @@ def eval_step(params, batch_BxQ1: jax.Array, layout: Layout, *, model: nn.Module
   them (the mean of theirs: the microbatches are of one size)."""
   if microbatches == 1:
     return loss_fn(params, model, moe_cfg, batch_BxQ1, layout)[1]["ce"]
-  rows = batch_BxQ1.shape[0] // microbatches
-  parts_MxBxQ1 = batch_BxQ1.reshape(rows, microbatches, -1).swapaxes(0, 1)
+  parts_MxBxQ1 = microbatch_rows(batch_BxQ1, microbatches)
   return jax.lax.fori_loop(0, microbatches, lambda m, total: total + loss_fn(
       params, model, moe_cfg, jax.lax.dynamic_index_in_dim(parts_MxBxQ1, m, 0, keepdims=False),
       layout)[1]["ce"] / microbatches, jnp.zeros((), jnp.float32))
