@@ -27,6 +27,17 @@ import numpy as np
 from moejax.config import ConfigError
 
 
+def check_trace_shape(fn: str, steps: int, layers: int, sources: int, experts: int,
+                      top_k: int, tokens_per_source: int) -> None:
+  """A one-line ConfigError, naming `fn`, for a trace's shape arguments out of range."""
+  for name, v in (("steps", steps), ("layers", layers), ("sources", sources),
+                  ("experts", experts), ("tokens_per_source", tokens_per_source)):
+    if int(v) < 1:
+      raise ConfigError(f"{fn} {name}={v} must be >= 1.")
+  if not 1 <= top_k <= experts:
+    raise ConfigError(f"{fn} top_k={top_k} must be in [1, experts={experts}].")
+
+
 def drift_bursts_trace(steps: int = 600, layers: int = 2, sources: int = 16, experts: int = 32,
                        top_k: int = 2, tokens_per_source: int = 2048, sigma: float = 1.0,
                        drift_std: float = 0.3, drift_steps: int = 100, noise: float = 0.014,
@@ -36,12 +47,8 @@ def drift_bursts_trace(steps: int = 600, layers: int = 2, sources: int = 16, exp
                        seed: int = 0) -> dict:
   """Returns dict(counts=int64 [steps, layers, sources, experts], top_k=, step=, bursts=
   int64 [B, 4] rows (layer, expert, first step, steps))."""
-  for name, v in (("steps", steps), ("layers", layers), ("sources", sources),
-                  ("experts", experts), ("tokens_per_source", tokens_per_source)):
-    if int(v) < 1:
-      raise ConfigError(f"drift_bursts_trace {name}={v} must be >= 1.")
-  if not 1 <= top_k <= experts:
-    raise ConfigError(f"drift_bursts_trace top_k={top_k} must be in [1, experts={experts}].")
+  check_trace_shape("drift_bursts_trace", steps, layers, sources, experts, top_k,
+                    tokens_per_source)
   lo, hi = burst_steps
   if not 1 <= lo <= hi or not 0 <= burst_rate <= 1 or burst_factor <= 0:
     raise ConfigError(f"drift_bursts_trace bursts: steps {burst_steps} must be 1 <= lo <= hi, "

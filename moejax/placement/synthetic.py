@@ -32,6 +32,7 @@ import zipfile
 import numpy as np
 
 from moejax.config import ConfigError
+from moejax.placement.drift import check_trace_shape
 
 KINDS = ("lognormal", "zipf", "collapse", "early_collapse")
 
@@ -75,12 +76,7 @@ def synthetic_trace(steps: int, layers: int, sources: int, experts: int, top_k: 
                     collapse_steps: int = 3) -> dict:
   """Returns dict(counts=int64 [steps, layers, sources, experts], top_k=, step=arange(steps)).
   `collapse_steps`: early_collapse's steps from near-uniform to fully collapsed."""
-  for name, v in (("steps", steps), ("layers", layers), ("sources", sources),
-                  ("experts", experts), ("tokens_per_source", tokens_per_source)):
-    if int(v) < 1:
-      raise ConfigError(f"synthetic_trace {name}={v} must be >= 1.")
-  if not 1 <= top_k <= experts:
-    raise ConfigError(f"synthetic_trace top_k={top_k} must be in [1, experts={experts}].")
+  check_trace_shape("synthetic_trace", steps, layers, sources, experts, top_k, tokens_per_source)
   if kind not in KINDS:
     raise ConfigError(f"synthetic_trace kind={kind!r} is unknown; choose one of {list(KINDS)}.")
   if int(collapse_steps) < 1:
