@@ -23,27 +23,29 @@ __all__ = ["Screen", "Terminal", "filter_own_stdout", "keep_line", "pump"]
 # statements can interleave: a line may hold pieces of several, or only a piece of one.
 _GLOO_CONNECTED = re.compile(rb"is connected to (\d+) peer ranks\. Expected number of "
                              rb"connected peer ranks is : (\d+)")
-_GLOO_PIECES = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. ?|"
-                          rb"\[Gloo\] Rank (\d+ ?)?|(\d+ )?is connected to \d+ peer ranks\. ?|"
-                          rb"Expected number of connected peer ranks is : \d+|\s+")
-_GLOO_STARTS = (b"[Gloo]", b"Expected number of connected", b"is connected to")
-# a statement whose "[Gloo] Rank " went to the line before starts with the rank's number
-_RANK = re.compile(rb"\d+ ?")
-
-
-def _after_rank(text: bytes) -> bytes:
-  """`text` without a leading rank number."""
-  return text[_RANK.match(text).end():] if _RANK.match(text) else text
+# The statement is written piece by piece ("[Gloo] Rank ", the rank, " is connected to ", the
+# count, " peer ranks. Expected ... is : ", the count), so another thread's pieces can land
+# between any two: a line is Gloo's when it holds one of its words and nothing but its words,
+# numbers and spaces.
+_GLOO_WORDS = (b"[Gloo] Rank", b"is connected to", b"peer ranks.",
+               b"Expected number of connected peer ranks is :")
+_GLOO_PIECES = re.compile(b"|".join(re.escape(w) for w in _GLOO_WORDS) + rb"|\d+|\s+")
+# a line may begin with any piece, a number (a rank's or a count's) included
+_NUMBER = re.compile(rb"\s*\d*\s*")
 _ENDS = re.compile(rb"[\r\n]")
+
+
+def _may_become_gloos(start: bytes) -> bool:
+  """Whether a line beginning `start` may still turn out to be one of Gloo's."""
+  bare = start[_NUMBER.match(start).end():]
+  return any(bare.startswith(w) or w.startswith(bare) for w in _GLOO_WORDS)
 
 
 def keep_line(line: bytes) -> bool:
   """False for Gloo's "connected to all N peers" lines, whole or in interleaved pieces."""
   if any(m.group(1) != m.group(2) for m in _GLOO_CONNECTED.finditer(line)):
     return True
-  bare = _after_rank(line.lstrip())
-  return not (line.strip() and bare.startswith(_GLOO_STARTS) and
-              not _GLOO_PIECES.sub(b"", line))
+  return not any(w in line for w in _GLOO_WORDS) or bool(_GLOO_PIECES.sub(b"", line))
 
 
 class Screen:
@@ -111,9 +113,7 @@ def pump(stream, prefix: bytes, out, terminal: Terminal | None = None) -> None:
       if whole:
         after_cr = end == b"\r"
       if not end:   # the unfinished rest: pass it on unless it may become a Gloo line
-        bare = _after_rank(piece)
-        if piece and at_start and any(bare.startswith(g) or g.startswith(bare)
-                                      for g in _GLOO_STARTS):
+        if piece and at_start and _may_become_gloos(piece):
           held = piece
         elif piece:
           terminal.write(stream, prefix, piece, at_start)
