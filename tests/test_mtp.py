@@ -1,8 +1,8 @@
 """Multi-token prediction (moejax.model.mtp, one extra depth): the train step's loss equals a
 reference written from DeepSeek-V3's definition (h'_i = W [norm(emb(t_{i+1})); norm(h_i)],
 one block, a final norm, the shared unembedding, the cross-entropy of t_{i+2} where there is
-one, weighted), loss and gradients, on a mesh; off by default; with stages or microbatches
-it stops with one line."""
+one, weighted), loss and gradients, on a mesh, and with microbatches; off by default; with
+pipeline stages it stops with one line."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.config import Config, ConfigError, MeshConfig, ModelConfig, MoEConfig
+from moejax.config import Config, ConfigError, DataConfig, MeshConfig, ModelConfig, MoEConfig
 from moejax.model.moe.reference import moe_reference
 from moejax.model.transformer import attention_class
 from moejax.train import step as step_lib
 from moejax.train.loss import cross_entropy
-from tests.helpers import tokens
-from tests.moe_helpers import cached_setup, model_lengths
+from tests.helpers import BATCH, SEQ, tokens
+from tests.moe_helpers import cached_setup, model_lengths, pipeline_reference, stage_setup
 from tests.numerics import assert_close, assert_trees_close
 
 MODEL = ModelConfig(d_model=16, num_layers=2, num_heads=2, d_ff=16, max_seq_len=16,
@@ -94,13 +94,37 @@ def test_mtp_loss_equals_its_definition(model_cfg):
   assert not np.any(grads["mtp"]["router_bias"])    # held as converted, not trained
 
 
-def test_mtp_is_off_by_default_and_refuses_stages_and_microbatches():
-  """Stages, or microbatches on one stage: both run the model as moejax.model.pipeline."""
+def test_mtp_is_off_by_default_and_refuses_stages():
+  """Stages run the model as moejax.model.pipeline, which has no multi-token head."""
   assert ModelConfig().mtp_depth == 0
-  for stage in (2, 1):
+  for stage, virtual in ((2, 1), (2, 2)):
     cfg = Config(mesh=MeshConfig(data=1, expert=2, stage=stage, host_device_count=2 * stage),
-                 model=dataclasses.replace(MODEL, num_layers=4),
-                 moe=MOE, train=dataclasses.replace(Config().train, microbatches=2))
+                 model=dataclasses.replace(MODEL, num_layers=4), moe=MOE,
+                 train=dataclasses.replace(Config().train, microbatches=4,
+                                           virtual_stages=virtual,
+                                           pipeline_schedule=("gpipe", "circular")[virtual > 1]))
     with pytest.raises(ConfigError, match=rf"model.mtp_depth=1 runs without pipeline stages "
-                       rf"or microbatches \(mesh.stage={stage}, train.microbatches=2\)"):
+                       rf"\(mesh.stage={stage}, train.virtual_stages={virtual}\)"):
       cfg.validate()
+
+
+def test_mtp_with_microbatches_matches_the_microbatch_by_microbatch_reference():
+  """One stage's microbatches are the train step's loop (each a whole forward and backward
+  pass, the multi-token head included): its loss, mtp_ce and every gradient are the mean of
+  the microbatches run one by one, on a data x expert mesh."""
+  model_cfg = dataclasses.replace(MODEL, kv_lora_rank=8, qk_nope_head_dim=4,
+                                  qk_rope_head_dim=4, v_head_dim=6)
+  cfg = Config(mesh=MeshConfig(data=2, expert=2, host_device_count=4), model=model_cfg, moe=MOE,
+               data=DataConfig(seq_len=SEQ, global_batch_size=BATCH),
+               train=dataclasses.replace(Config().train, microbatches=2))
+  cfg.validate()
+  ref_loss, ref_grads, ref_counts = pipeline_reference(model_cfg, MOE, 2)
+  model, layout, state = stage_setup(model_cfg, MOE, (2, 2, 1))
+  (loss, aux), grads = jax.jit(lambda p, b: step_lib.accumulated_loss_and_grads(
+      p, model, MOE, b, layout, 2))(state.params, tokens())
+  loss_len, grad_len = model_lengths(model_cfg, MOE)
+  assert_close(loss, ref_loss, loss_len, err_msg="loss")
+  assert float(aux["mtp_ce"]) > 0
+  np.testing.assert_array_equal(np.asarray(aux["counts_LxWxE"]).sum(1), ref_counts)
+  assert_trees_close(jax.device_get(grads), ref_grads, 2 * grad_len)
+  assert np.abs(grads["mtp"]["eh_proj"]).max() > 0

@@ -193,10 +193,13 @@ class Config:
     groups, virtual = num_moe_layers(self.model, moe), t.virtual_stages
     if stage < 1:
       raise ConfigError(f"mesh.stage={stage} must be >= 1 (1: no pipeline).")
-    if self.model.mtp_depth and (stage > 1 or micro > 1):   # both run moejax.model.pipeline
+    # Stages run the model as moejax.model.pipeline, which has no multi-token head; one
+    # stage's microbatches are the train step's own loop, which runs the whole model.
+    if self.model.mtp_depth and (stage > 1 or virtual > 1):
       raise ConfigError(f"model.mtp_depth={self.model.mtp_depth} runs without pipeline stages "
-                        f"or microbatches (mesh.stage={stage}, train.microbatches={micro}); use "
-                        "mesh.stage = 1 and train.microbatches = 1, or model.mtp_depth = 0.")
+                        f"(mesh.stage={stage}, train.virtual_stages={virtual}); use mesh.stage = "
+                        "1 and train.virtual_stages = 1 (microbatches are fine), or "
+                        "model.mtp_depth = 0.")
     if (t.pipeline_schedule, min(virtual, 2)) not in (("gpipe", 1), ("circular", 2)):
       raise ConfigError(f"train.pipeline_schedule={t.pipeline_schedule!r} with train.virtual_"
                         f"stages={virtual}: use 'gpipe' with 1, or 'circular' with 2 or more.")
