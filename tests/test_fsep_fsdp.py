@@ -99,6 +99,25 @@ def test_restore_exchanges_the_embed_shards():
   assert all(d_shard in s and d not in s for s in exchanges), exchanges
 
 
+def test_cost_model_restores_what_the_program_exchanges():
+  """The step-time model's restore volume (moejax.strategy.cost.restore_bytes) is what each
+  compiled restore exchanges: w_gate, w_up and w_down of a device's slots, in the compute
+  dtype, 1/data of the embed dim under FSDP."""
+  from moejax.aot.hlo import parse
+  from moejax.config import Config, DataConfig, MeshConfig
+  from moejax.strategy import cost, offline, spec
+
+  cfg = Config(mesh=MeshConfig(*SHAPE, fsdp=True, host_device_count=8), model=MODEL, moe=MOE,
+               data=DataConfig(seq_len=SEQ, global_batch_size=BATCH))
+  strategy, work = spec.from_config(cfg, 8), offline.workload_of(cfg)
+  module = parse(_step_parts(True, model_knows=True)[3])
+  exchanged = {ins.bytes() for comp in module.computations.values() for ins in comp
+               if ins.opcode in ("all-to-all", "all-to-all-start") and "fsep_restore" in ins.line}
+  assert exchanged == {cost.restore_bytes(strategy, work) / 3}, (exchanged, strategy.spec)
+  whole = dataclasses.replace(strategy, fsdp=False)
+  assert cost.restore_bytes(whole, work) == SHAPE[0] * cost.restore_bytes(strategy, work)
+
+
 @pytest.mark.parametrize("model_knows", [False, True], ids=["gathered", "restored_on_shards"])
 def test_fsep_under_fsdp_matches_one_device(model_knows):
   """fsep with FSDP on (2, 4, 1) (the embed dim of every parameter over data = 2, 4 slots a

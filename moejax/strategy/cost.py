@@ -256,6 +256,15 @@ def _expert_rows(strategy, w: Workload, p_E: np.ndarray, tokens: float,
   return float(n * c * cap), dropped
 
 
+def restore_bytes(strategy, w: Workload) -> float:
+  """Bytes of one MoE layer's slot weights (w_gate, w_up, w_down) an fsep device restores:
+  cast to the compute dtype before the exchange (moejax.model.moe.restore), and under FSDP
+  each restore moves its 1/data of the embed dim (the stored shards as they lie)."""
+  fs = strategy.data if strategy.fsdp else 1
+  return (strategy.slots(w.num_experts) * 3 * w.d_model * w.expert_d_ff / strategy.model *
+          w.act_bytes / fs)
+
+
 def predict_step(strategy, w: Workload, profile: HardwareProfile,
                  load_LxE: np.ndarray | None = None, dispersion: float = 1.0) -> StepCost:
   """Predicted step time of `strategy` (moejax.strategy.Strategy) on `profile` when the MoE
@@ -318,7 +327,7 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
         runs * call(n) + buf * (n - 1) / n / profile.a2a_bytes_per_s) * scale
   restore_s = 0.0
   if strategy.expert_mode == "fsep" and n > 1:   # 3 weights: restore twice, gradient return
-    per_layer = c * 3 * d * f / m * 4             # fp32 slot weights restored per device
+    per_layer = restore_bytes(strategy, w)
     moved = per_layer * (n - 1) / n / profile.a2a_bytes_per_s
     restore_s = (runs * (calls.RESTORE_PER_RUN * call(n) + 3 * moved) +
                  calls.restore_per_step(p) * call(n) + 2 * moved) * scale
