@@ -110,8 +110,9 @@ def test_mtp_is_off_by_default_and_refuses_stages():
 
 def test_mtp_with_microbatches_matches_the_microbatch_by_microbatch_reference():
   """One stage's microbatches are the train step's loop (each a whole forward and backward
-  pass, the multi-token head included): its loss, mtp_ce and every gradient are the mean of
-  the microbatches run one by one, on a data x expert mesh."""
+  pass, the multi-token head included): its loss (the weighted mtp_ce in it) and every
+  gradient are the mean of the microbatches run one by one, its counts their sum, on a data x
+  expert mesh."""
   model_cfg = dataclasses.replace(MODEL, kv_lora_rank=8, qk_nope_head_dim=4,
                                   qk_rope_head_dim=4, v_head_dim=6)
   cfg = Config(mesh=MeshConfig(data=2, expert=2, host_device_count=4), model=model_cfg, moe=MOE,

@@ -70,16 +70,22 @@ class Terminal:
   def write(self, source: object, prefix: bytes, text: bytes, at_start: bool) -> None:
     """`text` of `source`, ending in at most one `\\r` or `\\n`; `at_start`: it begins a line
     (or a redraw) of that source."""
+    self.write_all(source, prefix, [(text, at_start)])
+
+  def write_all(self, source: object, prefix: bytes, pieces: list[tuple[bytes, bool]]) -> None:
+    """`write` of each (text, at_start) in turn, no other source writing between them: what
+    arrived in one read (a redraw's `\\r` and its text) is not split by another source's line."""
     screen = self.screen
     with screen.lock:
-      if screen.open is not None and screen.open[0] is not source:
-        _write(screen.open[1], b"\n")   # another source's line is unfinished: keep it, above
-        screen.open = None
-      mine = screen.open is not None
-      if (at_start or not mine) and text != b"\r":
-        self.out.write(prefix)
-      _write(self.out, text)
-      screen.open = None if text.endswith(b"\n") else (source, self.out)
+      for text, at_start in pieces:
+        if screen.open is not None and screen.open[0] is not source:
+          _write(screen.open[1], b"\n")   # another source's line is unfinished: keep it, above
+          screen.open = None
+        mine = screen.open is not None
+        if (at_start or not mine) and text != b"\r":
+          self.out.write(prefix)
+        _write(self.out, text)
+        screen.open = None if text.endswith(b"\n") else (source, self.out)
 
   def finish(self, source: object) -> None:
     """`source` ended: its unfinished line (a last redraw without a newline) is ended."""
@@ -106,6 +112,7 @@ def pump(stream, prefix: bytes, out, terminal: Terminal | None = None) -> None:
     pieces = _ENDS.split(held + chunk)
     ends = _ENDS.findall(held + chunk)
     held = b""
+    out_pieces = []       # what this read passes on, written together
     for piece, end in zip(pieces, [*ends, b""]):
       whole = piece + end
       if whole == b"\n" and after_cr:   # "\r\n": the line ends where the redraw left it
@@ -116,14 +123,15 @@ def pump(stream, prefix: bytes, out, terminal: Terminal | None = None) -> None:
         if piece and at_start and _may_become_gloos(piece):
           held = piece
         elif piece:
-          terminal.write(stream, prefix, piece, at_start)
+          out_pieces.append((piece, at_start))
           at_start = False
         continue
       if at_start and not keep_line(whole):
         continue
       if whole:
-        terminal.write(stream, prefix, whole, at_start)
+        out_pieces.append((whole, at_start))
       at_start = True
+    terminal.write_all(stream, prefix, out_pieces)
   if held:
     terminal.write(stream, prefix, held, at_start)
   terminal.finish(stream)

@@ -352,8 +352,12 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
       gathers * moe_layers)) * scale
   gather_bytes = 0.0
   if strategy.fsdp and dd > 1:   # in the compute dtype: the weights are cast, then gathered
+    # ep gathers its E/N stored experts; fsep each layer's C restored slots (restored on the
+    # shards, then gathered whole where the MoE layer computes)
+    ep_gathered = (restore_bytes(strategy, w) * dd / w.act_bytes * w.moe_layers / p
+                   if strategy.expert_mode == "fsep" else ep_local)
     gather_bytes = (
-        stages.fsdp_gather_bytes(w.act_bytes * (stage_dense + ep_local), dd, gathers) +
+        stages.fsdp_gather_bytes(w.act_bytes * (stage_dense + ep_gathered), dd, gathers) +
         stages.fsdp_gather_bytes(w.act_bytes * (dense_dev - stage_dense), dd))
     param_bytes += gather_bytes
   param_s = param_bytes / profile.reduce_bytes_per_s * scale
