@@ -258,23 +258,3 @@ def test_host_split_uses_each_sources_device_phase_with_data_rows():
   for s in range(rows * n):       # each source alone, on its own device
     np.testing.assert_array_equal(got[s], placement_lib.split_loads(
         placement, np.eye(1, rows * n, s, dtype=np.int64) @ counts, np.full(1, src[s]))[0])
-
-
-def test_restore_gather_transposes_to_a_replica_sum_without_scatter():
-  """The restore's slot gather (moejax.model.moe.restore.take_slots) gives the gradient
-  autodiff's gather gives (each expert the sum of its slots', empty slots on expert 0; fp32,
-  summed in another order), and its compiled gradient has no scatter: XLA:GPU runs a
-  scatter-add as atomic adds."""
-  from moejax.model.moe.restore import take_slots
-
-  rng = np.random.default_rng(0)
-  w = jnp.asarray(rng.standard_normal((2, 4, 3, 5)), jnp.float32)
-  idx = jnp.asarray([[0, 2, 2, 1, 3, 0], [3, 3, 1, 0, 2, 1]], jnp.int32)   # replicas
-  g = jnp.asarray(rng.standard_normal((2, 6, 3, 5)), jnp.float32)
-  ours = jax.jit(jax.vjp(lambda a: take_slots(a, idx, 4), w)[1])
-  plain = jax.vjp(lambda a: jnp.take_along_axis(a, idx[:, :, None, None], axis=1), w)[1]
-  np.testing.assert_array_equal(take_slots(w, idx, 4),
-                                jnp.take_along_axis(w, idx[:, :, None, None], axis=1))
-  np.testing.assert_allclose(ours(g)[0], plain(g)[0], rtol=1e-6, atol=1e-6)
-  hlo = ours.lower(g).compile().as_text()
-  assert " scatter(" not in hlo and "scatter-add" not in hlo, hlo
