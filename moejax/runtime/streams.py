@@ -19,14 +19,12 @@ __all__ = ["Screen", "Terminal", "filter_own_stdout", "keep_line", "pump"]
 
 # Gloo prints a line per rank for every communicator it sets up (dozens per run); one that
 # reached all its peers says nothing a user can act on. A shortfall is still shown (Gloo then
-# adds an "is NOT connected to" line). Ranks print from several threads at once, so their
-# statements can interleave: a line may hold pieces of several, or only a piece of one.
+# adds an "is NOT connected to" line). Ranks print from several threads at once, each
+# statement piece by piece ("[Gloo] Rank ", the rank, " is connected to ", the count, " peer
+# ranks. Expected ... is : ", the count), so another thread's pieces can land between any two:
+# a line is Gloo's when it holds one of its words and nothing but its words, numbers and spaces.
 _GLOO_CONNECTED = re.compile(rb"is connected to (\d+) peer ranks\. Expected number of "
                              rb"connected peer ranks is : (\d+)")
-# The statement is written piece by piece ("[Gloo] Rank ", the rank, " is connected to ", the
-# count, " peer ranks. Expected ... is : ", the count), so another thread's pieces can land
-# between any two: a line is Gloo's when it holds one of its words and nothing but its words,
-# numbers and spaces.
 _GLOO_WORDS = (b"[Gloo] Rank", b"is connected to", b"peer ranks.",
                b"Expected number of connected peer ranks is :")
 _GLOO_PIECES = re.compile(b"|".join(re.escape(w) for w in _GLOO_WORDS) + rb"|\d+|\s+")

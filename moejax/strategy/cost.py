@@ -256,13 +256,17 @@ def _expert_rows(strategy, w: Workload, p_E: np.ndarray, tokens: float,
   return float(n * c * cap), dropped
 
 
+def slot_weights(strategy, w: Workload) -> float:
+  """Elements of one MoE layer's slot weights (w_gate, w_up, w_down) a device computes with:
+  its C slots, the FFN dim split over `model`."""
+  return strategy.slots(w.num_experts) * 3 * w.d_model * w.expert_d_ff / strategy.model
+
+
 def restore_bytes(strategy, w: Workload) -> float:
-  """Bytes of one MoE layer's slot weights (w_gate, w_up, w_down) an fsep device restores:
-  cast to the compute dtype before the exchange (moejax.model.moe.restore), and under FSDP
-  each restore moves its 1/data of the embed dim (the stored shards as they lie)."""
-  fs = strategy.data if strategy.fsdp else 1
-  return (strategy.slots(w.num_experts) * 3 * w.d_model * w.expert_d_ff / strategy.model *
-          w.act_bytes / fs)
+  """Bytes of one MoE layer's slot weights an fsep device restores: cast to the compute dtype
+  before the exchange (moejax.model.moe.restore), and under FSDP each restore moves its 1/data
+  of the embed dim (the stored shards as they lie)."""
+  return slot_weights(strategy, w) * w.act_bytes / (strategy.data if strategy.fsdp else 1)
 
 
 def predict_step(strategy, w: Workload, profile: HardwareProfile,
@@ -354,7 +358,7 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
   if strategy.fsdp and dd > 1:   # in the compute dtype: the weights are cast, then gathered
     # ep gathers its E/N stored experts; fsep each layer's C restored slots (restored on the
     # shards, then gathered whole where the MoE layer computes)
-    ep_gathered = (restore_bytes(strategy, w) * dd / w.act_bytes * w.moe_layers / p
+    ep_gathered = (slot_weights(strategy, w) * w.moe_layers / p
                    if strategy.expert_mode == "fsep" else ep_local)
     gather_bytes = (
         stages.fsdp_gather_bytes(w.act_bytes * (stage_dense + ep_gathered), dd, gathers) +
