@@ -161,3 +161,4 @@ def test_plan_verify_compiles_the_top_candidate(capsys):
   lines = out[out.index("verify:"):].splitlines()
   assert "1x1x8 h100" in lines[0], out
   assert lines[2].split()[-1] == "yes" and lines[3].startswith("mean |error|"), lines
+  assert lines[4].startswith(f"fastest compiled program that fits: {lines[2].split()[0]}, "), lines

@@ -45,7 +45,7 @@ MEGATRON = "PP4 VP8 EP8 DP2 (Megatron's)"
 LAYOUTS = {
     MEGATRON: Strategy(2, 8, 1, dispatch="ragged", stage=4, microbatches=16, virtual=8),
     MEGATRON + ", capacity cf1.25": Strategy(2, 8, 1, capacity_factor=1.25, stage=4,
-                                             microbatches=16, virtual=8),
+                                             microbatches=16, virtual=8, kernels="xla"),
     "data 8 x expert 8 (0038)": Strategy(8, 8, 1, dispatch="ragged"),
 }
 DOT_RATE = "h100_ep_node, grouped at dot rate"

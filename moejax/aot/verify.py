@@ -56,4 +56,15 @@ def verify(cfg: Config, rows: list, k: int, regime: str, max_drop: float, profil
     mean = lambda key: sum(abs(f[key]) for f in found) / len(found)
     out(f"mean |error|: memory model {mean('memory_model_error'):.1%}, cost model vs schedule "
         f"{mean('step_error'):.0%}")
+  best = fastest(found)
+  if best:
+    out(f"fastest compiled program that fits: {best['strategy']}, {best['step_s'] * 1e3:.1f} ms "
+        f"a step by the schedule estimate (the cost model's first: {ok[0].strategy.spec})")
   return found
+
+
+def fastest(found: list[dict]) -> dict | None:
+  """The compiled candidate that fits with the shortest schedule estimate (None: none does):
+  among candidates the cost model puts within its error of each other, the program decides."""
+  return min((f for f in found if f.get("compiled") and f["fits"]), key=lambda f: f["step_s"],
+             default=None)

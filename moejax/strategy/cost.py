@@ -54,16 +54,18 @@ class HardwareProfile:
   # what the matmuls cannot cover is step time. Not on fake CPU devices, which share cores.
   overlap_param_comm: bool = False
   p2p_bytes_per_s: float = 0.0   # stage-boundary sends (0: the all_to_all rate)
-  # Ragged dispatch runs the experts as one grouped matmul over uneven groups (a Pallas
-  # kernel on GPU), which runs well below a dense dot of the same size (decision 0058).
+  # A grouped matmul over uneven row groups (ragged dispatch, pooled capacity, or per-slot
+  # buffers through moe.kernels = 'pallas': a Pallas kernel on GPU) runs well below a dense
+  # dot of the same size (decision 0058).
   grouped_flops_per_s: float = 0.0   # 0: flops_per_s
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
 
-  def expert_flops_per_s(self, dispatch: str) -> float:
-    """The expert matmuls' rate: dense dispatch's capacity buffers are a batched dense dot."""
-    if dispatch == "ragged" and self.grouped_flops_per_s:
+  def expert_flops_per_s(self, grouped: bool) -> float:
+    """The expert matmuls' rate: a grouped matmul's (`grouped_experts`), else a batched dense
+    dot's (per-slot capacity buffers through XLA's einsum)."""
+    if grouped and self.grouped_flops_per_s:
       return self.grouped_flops_per_s
     return self.flops_per_s
 
@@ -147,6 +149,8 @@ class Workload:
   loss_chunk: int = 0            # model.loss_chunk: positions of logits per loss tile (0: all)
   attention_scores: bool = True  # XLA's attention materialises [B, H, Q, Q] (cuDNN's: none)
   ragged_buffer_factor: float = 2.0   # moe.ragged_buffer_factor: the ragged receive buffer
+  kernels: str = "xla"           # moe.kernels (a strategy's own `kernels` overrides it)
+  pooled: bool = False           # moe.capacity = 'device'
   # Per layer, the attention's projection parameters (0: multi-head's 4 d^2) and per token the
   # heads' q.k plus value widths (0: 2 d); multi-head latent attention sets both.
   attention_params: int = 0
@@ -239,12 +243,11 @@ def _expert_rows(strategy, w: Workload, p_E: np.ndarray, tokens: float,
   n, e, k = strategy.expert, w.num_experts, w.top_k
   c = strategy.slots(e)
   choices = tokens * k                             # per source device
+  if strategy.expert_mode == "ep":                 # the busiest device's share of the rows
+    share = _lpt_max_share(p_E, n, c)
+  else:
+    share = max(float(np.max(p_E / dhondt_counts(p_E, n * c, n))) * c, 1.0 / n)
   if strategy.dispatch == "ragged":                # dropless: rows follow the load
-    if strategy.expert_mode == "ep":
-      share = _lpt_max_share(p_E, n, c)
-    else:
-      r_E = dhondt_counts(p_E, n * c, n)
-      share = max(float(np.max(p_E / r_E)) * c, 1.0 / n)
     return choices * n * share, 0.0
   cap = np.ceil(strategy.capacity_factor * choices / (n * c))
   if strategy.expert_mode == "ep":
@@ -253,7 +256,22 @@ def _expert_rows(strategy, w: Workload, p_E: np.ndarray, tokens: float,
     reps = dhondt_counts(p_E, n * c, n).astype(np.float64)
   mean = choices * p_E / reps
   dropped = float(np.sum(expected_overflow(mean, cap, dispersion * mean / reps) * reps)) / choices
-  return float(n * c * cap), dropped
+  buffer = float(n * c * cap)
+  # A grouped matmul computes the rows the buffer holds, not its padding: at most the
+  # routed rows of the busiest device.
+  return (min(buffer, choices * n * share) if grouped_experts(strategy, w) else buffer), dropped
+
+
+def runs_grouped(dispatch: str, kernels: str, pooled: bool) -> bool:
+  """Whether the experts run as a grouped matmul over their row groups (ragged dispatch;
+  pooled capacity; per-slot buffers with moe.kernels = 'pallas'), not as XLA's batched einsum
+  over whole per-slot buffers (moejax.model.moe.layer)."""
+  return dispatch == "ragged" or pooled or kernels == "pallas"
+
+
+def grouped_experts(strategy, w: Workload) -> bool:
+  """`runs_grouped` for `strategy` (its `kernels`, else the config's) on `w`."""
+  return runs_grouped(strategy.dispatch, strategy.kernels or w.kernels, w.pooled)
 
 
 def slot_weights(strategy, w: Workload) -> float:
@@ -314,7 +332,7 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
                  (6 * tokens * first + 3 * tokens * w.first_dense * attn_flops) / m * recompute)
   expert_flops = 6 * stage_rows * 3 * d * f / m * stretch * recompute
   compute_s = dense_flops * scale / profile.flops_per_s
-  expert_s = expert_flops * scale / profile.expert_flops_per_s(strategy.dispatch)
+  expert_s = expert_flops * scale / profile.expert_flops_per_s(grouped_experts(strategy, w))
 
   ep_local = expert_params(strategy.expert_mode, w.moe_layers, e, d, f, n, m) / p
   dense_dev = (layer_dense / p + first + 2 * w.vocab_size * d) / m     # before FSDP

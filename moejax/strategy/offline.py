@@ -54,7 +54,8 @@ def workload_of(cfg: Config) -> Workload:
                   shared_d_ff=moe.num_shared_experts * (moe.shared_d_ff or moe.d_ff),
                   remat=m.remat, loss_chunk=m.loss_chunk,
                   attention_scores=m.attention != "cudnn",
-                  ragged_buffer_factor=moe.ragged_buffer_factor, **_latent(m))
+                  ragged_buffer_factor=moe.ragged_buffer_factor, kernels=moe.kernels,
+                  pooled=moe.capacity == "device", **_latent(m))
 
 
 def _latent(m) -> dict:
@@ -102,7 +103,9 @@ def rank(cfg: Config, profile: HardwareProfile, num_devices: int,
     else:
       loads[r] = regime_load(r, cfg.moe.num_experts)[None]
   rows = []
-  for s in candidates if candidates is not None else space(cfg, num_devices):
+  if candidates is None:
+    candidates = space(cfg, num_devices, kernel_options=kernel_options(cfg, profile))
+  for s in candidates:
     reason = why_invalid(s, cfg)
     if reason:
       rows.append(Row(s, {}, reason))
@@ -113,6 +116,16 @@ def rank(cfg: Config, profile: HardwareProfile, num_devices: int,
       reason = f"needs {mem / 2**30:.2f} GiB > {profile.memory_bytes / 2**30:.2f} GiB"
     rows.append(Row(s, costs, reason))
   return rows
+
+
+def kernel_options(cfg: Config, profile: HardwareProfile) -> tuple[str, ...]:
+  """The expert kernels the search tries for per-slot buffers: the config's, and where the
+  profile rates a grouped matmul apart from a dense dot (a GPU's) the other as well, since
+  which pays turns on the capacity factor: XLA's einsum computes the whole buffer at the dense
+  dot's rate, the grouped kernel the rows it holds at its own."""
+  if not profile.grouped_flops_per_s:
+    return ("",)
+  return ("", "xla" if cfg.moe.kernels == "pallas" else "pallas")
 
 
 def _kind(reason: str) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from moejax.config import Config, ModelConfig, MoEConfig
 from moejax.placement.layer_cost import CostModel
-from moejax.strategy.cost import HardwareProfile, load_profile
+from moejax.strategy.cost import HardwareProfile, load_profile, runs_grouped
 
 ACT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -18,7 +18,9 @@ ACT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 def placement_cost(model: ModelConfig, moe: MoEConfig, profile: HardwareProfile) -> CostModel:
   """The CostModel of one MoE layer of `model` / `moe` on `profile`'s devices."""
   return CostModel(d_model=model.d_model, d_ff=moe.d_ff,
-                   flops_per_s=profile.expert_flops_per_s(moe.dispatch) / profile.compute_scale,
+                   flops_per_s=profile.expert_flops_per_s(runs_grouped(
+                       moe.dispatch, moe.kernels, moe.capacity == "device")) /
+                   profile.compute_scale,
                    link_bytes_per_s=profile.a2a_bytes_per_s / profile.comm_scale,
                    act_bytes=ACT_BYTES[model.dtype])
 

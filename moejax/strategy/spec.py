@@ -5,13 +5,17 @@ expert x model; the data axis doubles as the expert-data-parallel group, i.e. ea
 expert is replicated over `data`), the pipeline (P stages of data x expert x model
 devices each, M microbatches, V virtual stages per device: 1 = GPipe, more = the
 circular schedule), ZeRO-3 (`fsdp`: parameters and Adam moments sharded over data),
-the expert mode (`ep` / `fsep`), the slots per device C, the capacity factor and the
-dispatch kind. One strategy = one compiled program; the layout inside it stays data.
+the expert mode (`ep` / `fsep`), the slots per device C, the capacity factor, the
+dispatch kind and, for per-slot buffers, the expert kernels (XLA's batched einsum over whole
+buffers or the grouped matmul over the rows they hold). One strategy = one compiled program;
+the layout inside it stays data.
 JAX-free, so planners and the offline search are plain Python.
 
 A strategy is written as a short spec, e.g. `ep/2x4x1/cf1.25`,
-`fsep/1x8x1/c2/cf1.25[/ragged]` or `ep/1x4x1/p2/m8/cf1.25/fsdp` (`pP`, `vV`, `mM` and
-`fsdp` appear only when not 1 / off, so a spec without them is the one of before).
+`fsep/1x8x1/c2/cf1.25[/ragged]`, `ep/1x4x1/p2/m8/cf1.25/fsdp` or `ep/8x8x1/cf1/xla`
+(`pP`, `vV`, `mM` and `fsdp` appear only when not 1 / off, and `xla` / `pallas` only where
+the strategy sets moe.kernels rather than keeping the config's, so a spec without them is the
+one of before).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from moejax.config import (
 
 _MODES = ("ep", "fsep")
 _DISPATCH = ("dense", "ragged")
+_KERNELS = ("xla", "pallas")       # moe.kernels
 _COUNTS = {"p": "stage", "v": "virtual", "m": "microbatches"}     # spec letter -> field
 
 
@@ -46,6 +51,7 @@ class Strategy:
   microbatches: int = 1            # M (train.microbatches)
   virtual: int = 1                 # V: layer chunks per stage (train.virtual_stages)
   fsdp: bool = False               # mesh.fsdp
+  kernels: str = ""                # moe.kernels ("": the config's)
 
   @property
   def num_devices(self) -> int:
@@ -68,6 +74,8 @@ class Strategy:
     parts.append(f"cf{self.capacity_factor:g}")
     if self.dispatch != "dense":
       parts.append(self.dispatch)
+    if self.kernels:
+      parts.append(self.kernels)
     if self.fsdp:
       parts.append("fsdp")
     return "/".join(parts)
@@ -86,7 +94,8 @@ class Strategy:
     moe = dataclasses.replace(cfg.moe, expert_mode=self.expert_mode,
                               slots_per_device=self.slots_per_device if
                               self.expert_mode == "fsep" else 0,
-                              capacity_factor=self.capacity_factor, dispatch=self.dispatch)
+                              capacity_factor=self.capacity_factor, dispatch=self.dispatch,
+                              kernels=self.kernels or cfg.moe.kernels)
     policy = cfg.planner.policy
     if policy != "static":
       policy = "smartmoe" if self.expert_mode == "ep" else "fsep"
@@ -120,6 +129,8 @@ def parse(spec: str) -> Strategy:
     try:
       if part in _DISPATCH:
         fields["dispatch"] = part
+      elif part in _KERNELS:
+        fields["kernels"] = part
       elif part == "fsdp":
         fields["fsdp"] = True
       elif part[:1] in _COUNTS and part[1:].isdigit():
@@ -183,6 +194,8 @@ def why_invalid(s: Strategy, cfg: Config) -> str | None:
       return f"fsep needs moe.d_ff={moe.d_ff} divisible by expert*model={n * mm}"
   if s.dispatch not in _DISPATCH:
     return f"dispatch {s.dispatch!r} unknown"
+  if s.kernels and s.kernels not in _KERNELS:
+    return f"kernels {s.kernels!r} unknown"
   for name, size in m.fsdp_dims().items() if s.fsdp else ():
     if size % s.data:
       return f"fsdp needs {name}={size} divisible by data axis {s.data}"
@@ -209,12 +222,15 @@ def _microbatch_options(stages: int, batch: int, shards: int) -> list[int]:
 
 def space(cfg: Config, num_devices: int, capacity_factors=(1.0, 1.25, 1.5, 2.0, 3.0),
           fsep_slot_options: tuple[int, ...] = (0,), dispatches=None, modes=_MODES,
-          stage_options=None, virtual_options=(1,), fsdp_options=(False, True)) -> list[Strategy]:
+          stage_options=None, virtual_options=(1,), fsdp_options=(False, True),
+          kernel_options: tuple[str, ...] = ("",)) -> list[Strategy]:
   """The whole candidate space (valid or not): stages x factorizations x mode x C x factor x
-  dispatch x microbatches x FSDP. fsep C = 0 means config.default_fsep_slots; other values
-  are tried as given. `dispatches` None: dense, and the config's own when it is ragged (whose
-  time does not depend on the factor: one factor, the config's). `stage_options` None: every
-  P dividing the devices and the model's layer groups. FSDP only where data > 1."""
+  dispatch x kernels x microbatches x FSDP. fsep C = 0 means config.default_fsep_slots; other
+  values are tried as given. `dispatches` None: dense, and the config's own when it is ragged
+  (whose time does not depend on the factor: one factor, the config's). `kernel_options`: the
+  expert kernels of dense per-slot buffers ("": the config's; pooled and ragged keep theirs).
+  `stage_options` None: every P dividing the devices and the model's layer groups. FSDP only
+  where data > 1."""
   if dispatches is None:
     dispatches = tuple(dict.fromkeys(("dense", cfg.moe.dispatch)))
   if stage_options is None:
@@ -232,14 +248,15 @@ def space(cfg: Config, num_devices: int, capacity_factors=(1.0, 1.25, 1.5, 2.0, 
         continue                                     # nothing to shard experts over
       factors = (cfg.moe.capacity_factor,) if dispatch == "ragged" else capacity_factors
       slot_options = fsep_slot_options if mode == "fsep" else (0,)
+      kernels = kernel_options if dispatch == "dense" and cfg.moe.capacity == "slot" else ("",)
       pipe = [(v, mb) for v in (virtual_options if stages > 1 else (1,))
               for mb in _microbatch_options(stages, batch, data * expert)]
-      for cf, c, (v, mb), fsdp in itertools.product(
-          factors, slot_options, pipe, [f for f in fsdp_options if data > 1 or not f]):
+      for cf, c, (v, mb), fsdp, kernel in itertools.product(
+          factors, slot_options, pipe, [f for f in fsdp_options if data > 1 or not f], kernels):
         if mode == "fsep" and c == 0:
           c = Strategy(data, expert, model, "fsep").slots(cfg.moe.num_experts)
         out.append(Strategy(data, expert, model, mode, c, float(cf), dispatch, stages, mb, v,
-                            fsdp))
+                            fsdp, kernel))
   return sorted(set(out))
 
 
