@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from moejax.strategy.memory import FP32, expert_bytes, report
 
 
@@ -48,6 +50,38 @@ def test_activation_terms_name_the_peak():
   t = activation_terms(**base, attention_scores=True, loss_chunk=256)
   assert activation_bytes(**base, attention_scores=True, loss_chunk=256) == (
       t["kept"] + max(t["work"], t["loss"]))
+
+
+def test_keeping_the_exchange_keeps_two_buffers_a_layer_and_recomputes_two_thirds():
+  """model.remat_keeps_exchange: every MoE layer's received and returned rows stay through the
+  backward (the memory model), and the experts' recomputed forward is gate and up only (the
+  cost model): expert time 11/9 of the plain step's where full remat is 4/3; not for fsep or
+  ragged dispatch, whose exchanges it does not name."""
+  import dataclasses
+
+  from moejax.config import Config
+  from moejax.strategy.cost import PRESETS, predict_step
+  from moejax.strategy.memory import activation_terms
+  from moejax.strategy.offline import workload_of
+  from moejax.strategy.spec import parse
+
+  base = dict(tokens=8192, d_model=768, num_layers=12, vocab_size=50304, expert_rows=6 * 20480,
+              act_bytes=2, groups=6, remat=True, heads=12, seq_len=1024)
+  plain, keeps = activation_terms(**base), activation_terms(**base, keeps_exchange=True)
+  assert keeps["kept"] - plain["kept"] == 2 * 6 * 20480 * 768 * 2
+  assert keeps["work"] == plain["work"]
+  w = workload_of(Config())
+  remat = dataclasses.replace(w, remat=True)
+  kept = dataclasses.replace(remat, remat_keeps_exchange=True)
+  prof = PRESETS["h100_node"]
+  ep = parse("ep/1x8x1/cf1.25")
+  one, full, part = (predict_step(ep, x, prof) for x in (w, remat, kept))
+  assert full.expert_s == pytest.approx(one.expert_s * 4 / 3, rel=1e-12)
+  assert part.expert_s == pytest.approx(one.expert_s * 11 / 9, rel=1e-12)
+  assert part.memory_bytes > full.memory_bytes
+  for other in ("fsep/1x8x1/c2/cf1.25", "ep/1x8x1/cf1.25/ragged"):
+    s = parse(other)
+    assert predict_step(s, kept, prof) == predict_step(s, remat, prof)
 
 
 def test_dense_first_blocks_run_on_the_whole_batch():

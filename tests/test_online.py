@@ -245,7 +245,10 @@ def test_the_trainers_planner_plans_with_the_runs_model_hardware_and_capacity():
   planner = online_planner(cfg, 4)
   profile = PRESETS["h100_node"]
   assert (planner.cost.d_model, planner.cost.d_ff, planner.cost.act_bytes) == (48, 80, 2)
-  assert planner.cost.flops_per_s == profile.flops_per_s / profile.compute_scale
+  # pooled capacity runs the grouped kernel; per-slot buffers through XLA a dense dot
+  assert planner.cost.flops_per_s == profile.grouped_flops_per_s / profile.compute_scale
+  slot = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, capacity="slot"))
+  assert online_planner(slot, 4).cost.flops_per_s == profile.flops_per_s / profile.compute_scale
   assert planner.cost.link_bytes_per_s == profile.a2a_bytes_per_s / profile.comm_scale
   assert (planner.options.capacity_factor, planner.options.capacity) == (1.5, "device")
   ragged = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, dispatch="ragged"))

@@ -31,7 +31,7 @@ from moejax.model.mesh import BATCH_AXES, STAGE, logical_to_spec, num_stages
 from moejax.model.moe import fsep_backward
 from moejax.model.moe.fsep_experts import restore_layer
 from moejax.model.moe.layer import MoEStats
-from moejax.model.transformer import GroupCarry, Head, Transformer
+from moejax.model.transformer import GroupCarry, Head, Transformer, remat_kwargs
 from pallas_kernels import compat
 
 
@@ -110,7 +110,7 @@ def _chunk_runner(model: Transformer, virtual: int):
     return group.apply({"params": group_params}, carry, (layout_row, layer), *stored)
 
   if remat:
-    one_group = jax.checkpoint(one_group)
+    one_group = jax.checkpoint(one_group, **remat_kwargs(cfg))
 
   def run(stage_args, chunk, x):
     pick = ((lambda a: a[0]) if virtual == 1 else

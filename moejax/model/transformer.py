@@ -28,7 +28,7 @@ from moejax.config import ModelConfig, MoEConfig, num_moe_layers
 from moejax.layout.tables import Layout
 from moejax.model import mla
 from moejax.model.mesh import logical_to_spec
-from moejax.model.moe import fsep_backward
+from moejax.model.moe import dispatch, fsep_backward
 from moejax.model.moe.fsep_experts import FsepExperts, restore_layer
 from moejax.model.moe.layer import MoELayer, MoEStats, no_moe_stats
 from moejax.model.mtp import MultiTokenPrediction
@@ -134,6 +134,14 @@ class DenseMLP(nn.Module):
 def attention_class(cfg: ModelConfig) -> type[nn.Module]:
   """Multi-head latent attention where model.kv_lora_rank > 0, else (grouped) multi-head."""
   return mla.MLAttention if cfg.kv_lora_rank else Attention
+
+
+def remat_kwargs(cfg: ModelConfig) -> dict:
+  """The checkpoint policy of a rematerialised layer group: everything recomputed, or with
+  `model.remat_keeps_exchange` the MoE exchanges' outputs kept (moejax.model.moe.dispatch)."""
+  if cfg.remat_keeps_exchange:
+    return {"policy": jax.checkpoint_policies.save_only_these_names(dispatch.EXCHANGED)}
+  return {}
 
 
 def dense_modules(cfg: ModelConfig, remat: bool) -> tuple[type[nn.Module], type[nn.Module]]:
@@ -285,7 +293,7 @@ class Transformer(nn.Module):
     if fsep:   # restores the first layer; the scan the others
       self.fsep_experts = FsepExperts(num_groups, moe_cfg.num_experts, cfg.d_model,
                                       moe_cfg.d_ff, self.mesh, jnp.dtype(cfg.dtype), self.fsdp)
-    group = nn.remat(LayerGroup) if cfg.remat and not fsep else LayerGroup
+    group = nn.remat(LayerGroup, **remat_kwargs(cfg)) if cfg.remat and not fsep else LayerGroup
     self.layers = nn.scan(group, variable_axes={"params": 0}, split_rngs={"params": True},
                           in_axes=(0, nn.broadcast) if fsep else 0, length=num_groups,
                           metadata_params={nn.PARTITION_NAME: "layers"})(

@@ -146,6 +146,7 @@ class Workload:
   first_dense: int = 0           # dense first layers (moe.first_dense)
   shared_d_ff: int = 0           # all shared experts' width together, per MoE layer
   remat: bool = False            # model.remat: each layer group's forward runs again
+  remat_keeps_exchange: bool = False   # ... but for the MoE exchanges and the down projection
   loss_chunk: int = 0            # model.loss_chunk: positions of logits per loss tile (0: all)
   attention_scores: bool = True  # XLA's attention materialises [B, H, Q, Q] (cuDNN's: none)
   ragged_buffer_factor: float = 2.0   # moe.ragged_buffer_factor: the ragged receive buffer
@@ -269,6 +270,14 @@ def runs_grouped(dispatch: str, kernels: str, pooled: bool) -> bool:
   return dispatch == "ragged" or pooled or kernels == "pallas"
 
 
+def keeps_exchange(strategy, w: Workload) -> bool:
+  """Whether `model.remat_keeps_exchange` applies: a rematerialised layer group whose MoE layer
+  exchanges through the named dense all_to_all (not fsep's, which is not rematerialised with
+  its group, nor ragged dispatch's)."""
+  return (w.remat and w.remat_keeps_exchange and strategy.dispatch == "dense" and
+          strategy.expert_mode == "ep")
+
+
 def grouped_experts(strategy, w: Workload) -> bool:
   """`runs_grouped` for `strategy` (its `kernels`, else the config's) on `w`."""
   return runs_grouped(strategy.dispatch, strategy.kernels or w.kernels, w.pooled)
@@ -322,6 +331,9 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
   moe_layers = w.moe_layers / p
   runs = moe_layers * mb * stretch                 # MoE layer runs per device (every tick)
   recompute = 4 / 3 if w.remat else 1.0            # remat runs the forward twice
+  keeps = keeps_exchange(strategy, w)
+  # with the exchanges' outputs kept, the experts' recomputed forward is gate and up only
+  expert_recompute = 11 / 9 if keeps else recompute
 
   # causal QK^T and AV per token, over the heads' widths (multi-head: d each)
   attn_flops = 2 * w.seq_len * (w.attention_width or 2 * d) / 2
@@ -330,7 +342,7 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
   dense_flops = ((6 * tokens * layer_dense / p + 3 * tokens * (layers - w.first_dense) *
                   attn_flops) / m * stretch * recompute + 6 * tokens * w.vocab_size * d / m +
                  (6 * tokens * first + 3 * tokens * w.first_dense * attn_flops) / m * recompute)
-  expert_flops = 6 * stage_rows * 3 * d * f / m * stretch * recompute
+  expert_flops = 6 * stage_rows * 3 * d * f / m * stretch * expert_recompute
   compute_s = dense_flops * scale / profile.flops_per_s
   expert_s = expert_flops * scale / profile.expert_flops_per_s(grouped_experts(strategy, w))
 
@@ -414,7 +426,8 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
                        stretch=stretch, heads=w.num_heads, seq_len=w.seq_len,
                        attention_scores=w.attention_scores, loss_chunk=w.loss_chunk,
                        remat_blocks=strategy.expert_mode == "fsep",
-                       residual_width=w.residual_width, first_dense=w.first_dense))
+                       residual_width=w.residual_width, first_dense=w.first_dense,
+                       keeps_exchange=keeps))
   cs, ms = profile.compute_scale, profile.comm_scale
   return StepCost(compute_s * cs, expert_s * cs, memory_s * cs, a2a_s * ms, restore_s * ms,
                   reduce_s * ms, tp_s * profile.tp_scale, profile.overhead_s,

@@ -107,7 +107,7 @@ def activation_terms(tokens: float, d_model: int, num_layers: int, vocab_size: i
                      stretch: float = 1.0, heads: int = 0, seq_len: int = 0,
                      attention_scores: bool = False, loss_chunk: int = 0,
                      remat_blocks: bool = False, residual_width: float = 0.0,
-                     first_dense: int = 0) -> dict:
+                     first_dense: int = 0, keeps_exchange: bool = False) -> dict:
   """The activation memory of a step, in named parts: `kept` (saved by the forward pass for
   the backward, live through the whole backward pass), `work` (one layer group's backward:
   what its recomputed forward saves, and its gradients), `loss` (the loss's backward) and
@@ -129,7 +129,9 @@ def activation_terms(tokens: float, d_model: int, num_layers: int, vocab_size: i
   MLP blocks one by one and keeps their two inputs; with `remat_blocks` (fsep) every layer
   (moejax.model.transformer.LayerGroup) checkpoints the blocks before its MoE layer as one
   and keeps two compute-dtype arrays (the layer's input and the MoE layer's normed input);
-  only the block being differentiated holds its recomputed attention scores. With
+  only the block being differentiated holds its recomputed attention scores;
+  `keeps_exchange` (model.remat_keeps_exchange) keeps every MoE layer's two exchanged buffers
+  (2 x its expert rows x D) through the backward as well. With
   `attention_scores` (XLA's attention) every attention layer whose forward is live holds
   `attention_score_bytes`. With M > 1 the step also holds the embedded batch and the finished
   outputs (two [T, D] buffers)."""
@@ -147,6 +149,8 @@ def activation_terms(tokens: float, d_model: int, num_layers: int, vocab_size: i
     else:
       kept = tokens * d_model * groups * stretch * act_bytes  # group inputs: not split over `model`
       live_scores = layers_per_group
+    if keeps_exchange:     # whole [rows, D] buffers on every `model` shard
+      kept += 2 * expert_rows * d_model * act_bytes * stretch
     work = ((per_token * tokens * layers_per_group + 6 * rows_per_layer * d_model) *
             act_bytes / model_shards + (live_scores + 1) * scores) / microbatches
     first_kept = first_dense * 2 * tokens * d_model * act_bytes   # its blocks' two inputs

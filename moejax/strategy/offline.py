@@ -52,7 +52,8 @@ def workload_of(cfg: Config) -> Workload:
                   moe.moe_every, act_bytes=4 if m.dtype == "float32" else 2,
                   first_dense=moe.first_dense,
                   shared_d_ff=moe.num_shared_experts * (moe.shared_d_ff or moe.d_ff),
-                  remat=m.remat, loss_chunk=m.loss_chunk,
+                  remat=m.remat, remat_keeps_exchange=m.remat_keeps_exchange,
+                  loss_chunk=m.loss_chunk,
                   attention_scores=m.attention != "cudnn",
                   ragged_buffer_factor=moe.ragged_buffer_factor, kernels=moe.kernels,
                   pooled=moe.capacity == "device", **_latent(m))

@@ -14,9 +14,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from moejax.layout import capacity as capacity_lib
 from pallas_kernels import compat
+
+EXCHANGED = "moe_exchanged"     # the name of an exchange's output, for remat policies
 
 
 class BufferIndex(NamedTuple):
@@ -122,7 +125,8 @@ def exchange(buf_rowsxD: jax.Array, num_devices: int, axis_name: str) -> jax.Arr
   rows, d = buf_rowsxD.shape
   x_NxrowsxD = buf_rowsxD.reshape(num_devices, rows // num_devices, d)
   y_NxrowsxD = jax.lax.all_to_all(x_NxrowsxD, axis_name, 0, 0)
-  return y_NxrowsxD.reshape(rows, d)
+  # named for a remat policy that keeps it (model.remat_keeps_exchange); no-op otherwise
+  return checkpoint_name(y_NxrowsxD.reshape(rows, d), EXCHANGED)
 
 
 def to_slot_major(recv_rowsxD: jax.Array, num_devices: int, slots: int) -> jax.Array:

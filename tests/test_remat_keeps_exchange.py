@@ -1,0 +1,60 @@
+"""`model.remat_keeps_exchange`: under remat the MoE exchanges' outputs are kept for the
+backward, which then runs no exchange again; loss and gradients are those of the plain step."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import pytest
+
+from moejax.config import Config, ConfigError
+from moejax.train import step as step_lib
+from tests import hlo
+from tests.helpers import TINY_MODEL, TINY_MOE, tokens
+from tests.moe_helpers import cached_setup, check_pipeline, model_lengths, model_loss_and_grads
+from tests.numerics import assert_close, assert_trees_close
+
+SHAPE = (1, 4, 1)
+REMAT = dataclasses.replace(TINY_MODEL, remat=True)
+KEEPS = dataclasses.replace(REMAT, remat_keeps_exchange=True)
+
+
+def _exchanges(model_cfg) -> int:
+  """All-to-all calls per step of the tiny model's loss and gradient on SHAPE's mesh."""
+  _, model, _, layout, _, state = cached_setup(SHAPE, model_cfg, TINY_MOE)
+  f = jax.jit(jax.value_and_grad(
+      functools.partial(step_lib.loss_fn, model=model, moe_cfg=TINY_MOE), has_aux=True))
+  text = f.lower(state.params, batch_BxQ1=tokens(), layout=layout).compile().as_text()
+  return hlo.collective_calls(text).get("all-to-all", 0)
+
+
+def test_keeping_the_exchange_gives_the_plain_steps_loss_and_gradients():
+  loss_len, grad_len = model_lengths()
+  ref_loss, ref_grads = model_loss_and_grads(SHAPE)[:2]
+  loss, grads = model_loss_and_grads(SHAPE, KEEPS)[:2]
+  assert_close(loss, ref_loss, loss_len, err_msg="loss")
+  assert_trees_close(grads, ref_grads, grad_len)
+
+
+def test_pipeline_ticks_keeping_the_exchange_give_the_reference():
+  check_pipeline(KEEPS, TINY_MOE, (1, 2, 1), stages=2, micro=2)
+
+
+def test_the_backward_runs_no_exchange_again():
+  layers = TINY_MODEL.num_layers // TINY_MOE.moe_every
+  plain, remat, keeps = (_exchanges(cfg) for cfg in (TINY_MODEL, REMAT, KEEPS))
+  # dispatch and combine forward, their transposes backward; full remat runs the forward's
+  # two again in the backward
+  assert plain == 4 * layers, plain
+  assert remat == 6 * layers, remat
+  assert keeps == plain, keeps
+
+
+def test_it_needs_remat():
+  cfg = Config()
+  bad = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+                                                          remat_keeps_exchange=True))
+  with pytest.raises(ConfigError, match="model.remat_keeps_exchange=True .*model.remat = True"):
+    bad.validate()
