@@ -69,7 +69,8 @@ def test_keeping_the_exchange_keeps_two_buffers_a_layer_and_recomputes_two_third
               act_bytes=2, groups=6, remat=True, heads=12, seq_len=1024)
   plain, keeps = activation_terms(**base), activation_terms(**base, keeps_exchange=True)
   assert keeps["kept"] - plain["kept"] == 2 * 6 * 20480 * 768 * 2
-  assert keeps["work"] == plain["work"]
+  # a group's recomputed forward makes no exchange buffers of its own
+  assert plain["work"] - keeps["work"] == 2 * 20480 * 768 * 2
   w = workload_of(Config())
   remat = dataclasses.replace(w, remat=True)
   kept = dataclasses.replace(remat, remat_keeps_exchange=True)

@@ -9,7 +9,7 @@ import functools
 import jax
 import pytest
 
-from moejax.config import Config, ConfigError
+from moejax.config import Config
 from moejax.train import step as step_lib
 from tests import hlo
 from tests.helpers import TINY_MODEL, TINY_MOE, tokens
@@ -21,11 +21,11 @@ REMAT = dataclasses.replace(TINY_MODEL, remat=True)
 KEEPS = dataclasses.replace(REMAT, remat_keeps_exchange=True)
 
 
-def _exchanges(model_cfg) -> int:
+def _exchanges(model_cfg, moe_cfg=TINY_MOE) -> int:
   """All-to-all calls per step of the tiny model's loss and gradient on SHAPE's mesh."""
-  _, model, _, layout, _, state = cached_setup(SHAPE, model_cfg, TINY_MOE)
+  _, model, _, layout, _, state = cached_setup(SHAPE, model_cfg, moe_cfg)
   f = jax.jit(jax.value_and_grad(
-      functools.partial(step_lib.loss_fn, model=model, moe_cfg=TINY_MOE), has_aux=True))
+      functools.partial(step_lib.loss_fn, model=model, moe_cfg=moe_cfg), has_aux=True))
   text = f.lower(state.params, batch_BxQ1=tokens(), layout=layout).compile().as_text()
   return hlo.collective_calls(text).get("all-to-all", 0)
 
@@ -42,19 +42,28 @@ def test_pipeline_ticks_keeping_the_exchange_give_the_reference():
   check_pipeline(KEEPS, TINY_MOE, (1, 2, 1), stages=2, micro=2)
 
 
-def test_the_backward_runs_no_exchange_again():
+# (exchanges a layer's forward runs, its backward's transposes): the per-slot einsum
+# exchanges rows both ways; the grouped and pooled paths also the kept-row counts, integers
+# with no transpose, named alike
+PATHS = {"einsum": ({}, 2, 2), "grouped": ({"kernels": "pallas"}, 3, 2),
+         "pooled": ({"capacity": "device"}, 3, 2)}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_the_backward_runs_no_exchange_again(path):
+  fields, forward, backward = PATHS[path]
+  moe = dataclasses.replace(TINY_MOE, **fields)
   layers = TINY_MODEL.num_layers // TINY_MOE.moe_every
-  plain, remat, keeps = (_exchanges(cfg) for cfg in (TINY_MODEL, REMAT, KEEPS))
-  # dispatch and combine forward, their transposes backward; full remat runs the forward's
-  # two again in the backward
-  assert plain == 4 * layers, plain
-  assert remat == 6 * layers, remat
+  plain, remat, keeps = (_exchanges(cfg, moe) for cfg in (TINY_MODEL, REMAT, KEEPS))
+  assert plain == (forward + backward) * layers, plain
+  assert remat == plain + forward * layers, remat      # full remat runs the forward's again
   assert keeps == plain, keeps
 
 
-def test_it_needs_remat():
+def test_without_remat_it_changes_nothing():
   cfg = Config()
-  bad = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+  off = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
                                                           remat_keeps_exchange=True))
-  with pytest.raises(ConfigError, match="model.remat_keeps_exchange=True .*model.remat = True"):
-    bad.validate()
+  off.validate()           # a config that sets it beside model.remat = False stays valid
+  assert _exchanges(dataclasses.replace(TINY_MODEL, remat_keeps_exchange=True)) == \
+      _exchanges(TINY_MODEL)

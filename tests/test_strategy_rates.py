@@ -53,6 +53,10 @@ def test_per_slot_buffers_are_priced_as_the_kernel_that_runs_them():
   assert predict_step(parse("ep/1x8x1/cf2/xla"), W, prof).expert_s == pytest.approx(
       2 * einsum, rel=1e-2)
   assert predict_step(parse("ep/1x8x1/cf2/pallas"), W, prof).expert_s == grouped
+  # either kernel's exchange moves, and its program holds, the whole buffer
+  x, g = (predict_step(parse(f"ep/1x8x1/cf2/{k}"), W, prof) for k in ("xla", "pallas"))
+  assert (x.a2a_s, x.memory_bytes) == (g.a2a_s, g.memory_bytes)
+  assert x.memory_bytes > predict_step(parse("ep/1x8x1/cf1/xla"), W, prof).memory_bytes
   # A strategy without kernels is priced as the config's.
   pallas_w = dataclasses.replace(W, kernels="pallas")
   assert predict_step(parse("ep/1x8x1/cf2"), pallas_w, prof).expert_s == grouped

@@ -59,15 +59,19 @@ _BIG_LEVERS = (("microbatches 2", _MICRO2, False),
                ("microbatches 2, no remat", {**_MICRO2, "model.remat": False}, False),
                ("microbatches 2, bf16 moments", {**_MICRO2, "optim.moments_dtype": "bfloat16"},
                 False))
+# Under remat, the MoE exchanges' outputs kept or recomputed (configs/mixtral_8x7b.gin keeps
+# them, configs/qwen3_moe.gin does not): each shape tries the other choice.
+_KEEPS = ("exchange kept", {"model.remat_keeps_exchange": True}, True)
+_RECOMPUTES = ("exchange recomputed", {"model.remat_keeps_exchange": False}, True)
 SHAPES = {
     # Mixtral-8x7B's layer (d 4096, GQA 32/8, 8 experts of 14336, top-2), 2 layers: ~3.1B
     # parameters, whose fp32 state and Adam moments (~37 GB) leave room for the dense twin.
     "mixtral_2l": Shape("configs/mixtral_8x7b.gin", {"model.num_layers": 2, **_BIG_STEP},
-                        (_DENSE, _DENSE_EQ), levers=_BIG_LEVERS),
+                        (_DENSE, _DENSE_EQ), levers=_BIG_LEVERS + (_RECOMPUTES,)),
     # Qwen3-30B-A3B's layer (d 2048, GQA 32/4 of dim 128, QK-norm, 128 experts of 768, top-8),
     # 4 layers: ~3.1B parameters, 0.6B of them the 151936-token embedding and head.
     "qwen3_4l": Shape("configs/qwen3_moe.gin", {"model.num_layers": 4, **_BIG_STEP},
-                      (_DENSE, PATHS[1], _DENSE_EQ), levers=_BIG_LEVERS),
+                      (_DENSE, PATHS[1], _DENSE_EQ), levers=_BIG_LEVERS + (_KEEPS,)),
     # One GPU's share of an 8-GPU expert-parallel node: E/8 = 4 experts a layer, the node's
     # tokens per GPU; the exchange is left out, the optimizer's share is the one a user sees.
     "gpu_config_ep8_slice": Shape(GPU_CONFIG, {"moe.num_experts": 4}, (_DENSE, _DENSE_EQ),

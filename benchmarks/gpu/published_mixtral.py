@@ -23,8 +23,9 @@ import os
 
 from benchmarks.common import REPO, command, start, write_result
 from benchmarks.gpu import RESULTS
+from benchmarks.gpu.tables import remat_text
 from moejax.frontend import parse_config
-from moejax.strategy.cost import PRESETS, predict_step
+from moejax.strategy.cost import PRESETS, keeps_exchange, predict_step
 from moejax.strategy.offline import workload_of
 from moejax.strategy.spec import Strategy
 
@@ -70,7 +71,8 @@ def compare() -> dict:
       for profile, hardware in profiles(layout).items():
         cost = predict_step(strategy, w, hardware)
         rows.append({"layout": layout, "profile": profile, "strategy": strategy.spec,
-                     "remat": remat, "predicted_step_s": cost.total_s,
+                     "remat": remat, "keeps_exchange": keeps_exchange(strategy, w),
+                     "predicted_step_s": cost.total_s,
                      "predicted_tflops_per_gpu": flops / (GPUS * cost.total_s) / 1e12,
                      "error": cost.total_s / published_s - 1,
                      "memory_gib": cost.memory_bytes / 2**30,
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
   for r in result["rows"]:
     terms = sorted(((v, k) for k, v in r["terms_s"].items()
                     if k not in ("total_s", "hidden_s")), reverse=True)
-    print(f"| {r['layout']} | {r['profile']} | {'on' if r['remat'] else 'off'} | "
+    print(f"| {r['layout']} | {r['profile']} | {remat_text(r)} | "
           f"{r['predicted_step_s']:.3f} | {r['predicted_tflops_per_gpu']:.0f} | "
           f"{r['error']:+.0%} | {r['memory_gib']:.1f}{'' if r['fits_80gib'] else ' (over)'} | "
           + ", ".join(f"{k[:-2]} {v:.3f}" for v, k in terms[:5]) +

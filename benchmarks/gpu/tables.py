@@ -11,13 +11,21 @@ from benchmarks.families import Section, family, num, pct, ratio, table
 ESTIMATE_ERROR = "within 9% per category and 5% per step of four measured H200 steps"
 
 
+def remat_text(row: dict) -> str:
+  """A row's remat column: off, on, or on with the MoE exchanges kept (the config's
+  model.remat_keeps_exchange, where the layout's dispatch takes it)."""
+  if not row["remat"]:
+    return "off"
+  return "on, exchange kept" if row.get("keeps_exchange") else "on"
+
+
 @family("published_mixtral", "Mixtral-8x7B on 64 H100: the cost model vs Megatron-Core")
 def _published(files):
   rows, head = [], []
   for name, d in files.items():
     p = d["published"]
     for r in d["rows"]:
-      rows.append([r["layout"], r["profile"], "on" if r["remat"] else "off",
+      rows.append([r["layout"], r["profile"], remat_text(r),
                    f"{r['predicted_step_s']:.3f}", num(r["predicted_tflops_per_gpu"], 0),
                    f"{r['error']:+.0%}", f"{r['memory_gib']:.1f}", f"`{name}`"])
     megatron = {r["profile"]: r for r in d["rows"] if not r["remat"]
@@ -154,7 +162,7 @@ def _gpu_program(files):
       for n in r["topology"].split("x"):
         gpus *= int(n)
       label = r["family"] + (" (remat off)" if "model.remat = False" in r.get("bindings", [])
-                             else "")
+                             else "") + (" (verified pick)" if r.get("verified_pick") else "")
       if not r.get("compiled"):
         rows.append([label, f"`{r['spec']}`", gpus, "not compiled", "", "", "", "", f"`{name}`"])
         continue
@@ -183,7 +191,8 @@ def _gpu_program(files):
                    f"{max(errors, key=abs):+.1%}", name))
     head += _mixtral_head(name, d)
   return Section(["XLA:GPU's program of the GPU config's strategy families (and Mixtral-8x7B at "
-                  "its plan's strategy), compiled on a CPU host: XLA's peak memory per GPU "
+                  "the plan's top candidates, the fastest that fits marked), compiled on a CPU "
+                  "host: XLA's peak memory per GPU "
                   "beside the memory model's, the share of collective bytes overlapped with "
                   "compute, and the schedule estimate of the exposed communication and the "
                   "step beside the cost model's (docs/guide/gpu-program.md).", "",

@@ -181,7 +181,8 @@ class ModelConfig:
   # Under remat, keep the MoE layer's exchanged rows (each dispatch's received rows and each
   # combine's returned rows, the exchange's outputs) for the backward instead of running the
   # exchanges and the down projection again: 2 x rows x d_model a layer more memory, a third
-  # of the experts' recomputed forward less (dense dispatch; fsep and ragged recompute as before).
+  # of the experts' recomputed forward less. Dense ep dispatch only (fsep's MoE layer is not
+  # rematerialised; ragged's exchange is not named); without remat nothing to keep: no-op.
   remat_keeps_exchange: bool = False
   # "auto": the fused cuDNN kernel on GPU where it applies (bf16/fp16, head dim a multiple of
   # 8 up to 128), XLA's attention elsewhere; "xla" | "cudnn" force one (chosen at build time).
@@ -259,9 +260,6 @@ class ModelConfig:
     if self.attention not in ("auto", "xla", "cudnn"):
       raise ConfigError(f"model.attention={self.attention!r} is not supported; use 'auto', "
                         "'xla' or 'cudnn'.")
-    if self.remat_keeps_exchange and not self.remat:
-      raise ConfigError("model.remat_keeps_exchange=True keeps rows that only a rematerialised "
-                        "step would recompute; set model.remat = True with it, or drop it.")
     if self.loss_chunk < 0:
       raise ConfigError(f"model.loss_chunk={self.loss_chunk} must be >= 0; use e.g. 256 "
                         "(0: plain logits).")

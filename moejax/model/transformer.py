@@ -302,7 +302,8 @@ class Transformer(nn.Module):
     self.unembedding = _dense(("embed", "vocab"), (cfg.d_model, cfg.vocab_size), cfg.d_model,
                               self, "unembed")
     if cfg.mtp_depth:   # its block's modules as the others', the whole block rematerialised
-      mtp = nn.remat(MultiTokenPrediction) if cfg.remat else MultiTokenPrediction
+      mtp = nn.remat(MultiTokenPrediction, **remat_kwargs(cfg)) if cfg.remat else \
+          MultiTokenPrediction
       self.mtp = mtp(cfg, moe_cfg, self.mesh, RMSNorm, *dense_modules(cfg, False))
 
   def embed(self, tokens_BxQ: jax.Array) -> jax.Array:

@@ -55,8 +55,9 @@ class HardwareProfile:
   overlap_param_comm: bool = False
   p2p_bytes_per_s: float = 0.0   # stage-boundary sends (0: the all_to_all rate)
   # A grouped matmul over uneven row groups (ragged dispatch, pooled capacity, or per-slot
-  # buffers through moe.kernels = 'pallas': a Pallas kernel on GPU) runs well below a dense
-  # dot of the same size (decision 0058).
+  # buffers through moe.kernels = 'pallas': the Pallas kernel on GPU, or with 'xla' JAX's
+  # ragged_dot, taken at the same rate) runs well below a dense dot of the same size
+  # (decision 0058).
   grouped_flops_per_s: float = 0.0   # 0: flops_per_s
 
   def to_dict(self) -> dict:
@@ -236,8 +237,9 @@ def expected_overflow(mean: np.ndarray, cap: float, var: np.ndarray | None = Non
 
 
 def _expert_rows(strategy, w: Workload, p_E: np.ndarray, tokens: float,
-                 dispersion: float = 1.0) -> tuple[float, float]:
-  """(rows the busiest device computes per MoE layer, dropped fraction) for one layer's
+                 dispersion: float = 1.0) -> tuple[float, float, float]:
+  """(rows the busiest device holds per MoE layer, dropped fraction, rows its expert matmuls
+  compute) for one layer's
   expert shares `p_E` (summing to 1); `tokens` per source device. A source's count to an
   expert has variance `dispersion` x its mean (1: independent tokens; real batches cluster,
   see `load_dispersion`); r replicas split it in fixed parts, so each part has 1/r^2 of it."""
@@ -249,7 +251,7 @@ def _expert_rows(strategy, w: Workload, p_E: np.ndarray, tokens: float,
   else:
     share = max(float(np.max(p_E / dhondt_counts(p_E, n * c, n))) * c, 1.0 / n)
   if strategy.dispatch == "ragged":                # dropless: rows follow the load
-    return choices * n * share, 0.0
+    return choices * n * share, 0.0, choices * n * share
   cap = np.ceil(strategy.capacity_factor * choices / (n * c))
   if strategy.expert_mode == "ep":
     reps = np.ones(e)                              # one slot per expert
@@ -258,9 +260,10 @@ def _expert_rows(strategy, w: Workload, p_E: np.ndarray, tokens: float,
   mean = choices * p_E / reps
   dropped = float(np.sum(expected_overflow(mean, cap, dispersion * mean / reps) * reps)) / choices
   buffer = float(n * c * cap)
-  # A grouped matmul computes the rows the buffer holds, not its padding: at most the
-  # routed rows of the busiest device.
-  return (min(buffer, choices * n * share) if grouped_experts(strategy, w) else buffer), dropped
+  # The exchange moves and the program holds the whole buffer; a grouped matmul computes
+  # only the rows in it, not its padding: at most the routed rows of the busiest device.
+  computed = min(buffer, choices * n * share) if grouped_experts(strategy, w) else buffer
+  return buffer, dropped, computed
 
 
 def runs_grouped(dispatch: str, kernels: str, pooled: bool) -> bool:
@@ -319,11 +322,12 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
   for row in np.broadcast_to(load_LxE, (w.moe_layers, e)):
     key = row.tobytes()
     if key not in per_row:
-      rows, dropped = _expert_rows(strategy, w, row, tokens / mb, dispersion)
-      per_row[key] = (rows * mb, dropped)         # capacity is per microbatch
-  rows_L, drops_L = (np.array([per_row[r.tobytes()][i] for r in np.broadcast_to(
-      load_LxE, (w.moe_layers, e))]) for i in (0, 1))
+      rows, dropped, computed = _expert_rows(strategy, w, row, tokens / mb, dispersion)
+      per_row[key] = (rows * mb, dropped, computed * mb)   # capacity is per microbatch
+  rows_L, drops_L, computed_L = (np.array([per_row[r.tobytes()][i] for r in np.broadcast_to(
+      load_LxE, (w.moe_layers, e))]) for i in (0, 1, 2))
   stage_rows = stages.busiest_stage(rows_L, p, v)  # the stage's expert rows, all microbatches
+  computed_rows = stages.busiest_stage(computed_L, p, v)   # ... that its matmuls compute
   stretch = stages.stretch(p, mb, v)               # ticks / busy ticks: the bubble
   # A device's layers: 1/P of the groups, and every dense first layer, which each stage
   # computes on the whole batch like the embedding (moejax.model.pipeline).
@@ -342,7 +346,7 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
   dense_flops = ((6 * tokens * layer_dense / p + 3 * tokens * (layers - w.first_dense) *
                   attn_flops) / m * stretch * recompute + 6 * tokens * w.vocab_size * d / m +
                  (6 * tokens * first + 3 * tokens * w.first_dense * attn_flops) / m * recompute)
-  expert_flops = 6 * stage_rows * 3 * d * f / m * stretch * expert_recompute
+  expert_flops = 6 * computed_rows * 3 * d * f / m * stretch * expert_recompute
   compute_s = dense_flops * scale / profile.flops_per_s
   expert_s = expert_flops * scale / profile.expert_flops_per_s(grouped_experts(strategy, w))
 

@@ -151,7 +151,9 @@ def activation_terms(tokens: float, d_model: int, num_layers: int, vocab_size: i
       live_scores = layers_per_group
     if keeps_exchange:     # whole [rows, D] buffers on every `model` shard
       kept += 2 * expert_rows * d_model * act_bytes * stretch
-    work = ((per_token * tokens * layers_per_group + 6 * rows_per_layer * d_model) *
+    # the recomputed forward makes no new exchange buffers where they are kept
+    buffers = 4 if keeps_exchange else 6
+    work = ((per_token * tokens * layers_per_group + buffers * rows_per_layer * d_model) *
             act_bytes / model_shards + (live_scores + 1) * scores) / microbatches
     first_kept = first_dense * 2 * tokens * d_model * act_bytes   # its blocks' two inputs
     first = per_token * tokens * act_bytes / model_shards + 2 * scores

@@ -114,7 +114,8 @@ def _schedule_fields(cfg: Config, virtual: int) -> dict:
 def parse(spec: str) -> Strategy:
   """`ep/2x4x1/cf1.25`, `fsep/1x8x1/c2/cf1.5/ragged`, `ep/1x4x1/p2/m8/cf1.25/fsdp` ->
   Strategy (one-line errors)."""
-  example = "e.g. 'ep/2x4x1/cf1.25', 'fsep/1x8x1/c2/cf1.25' or 'ep/1x4x1/p2/m8/cf1.25/fsdp'"
+  example = ("e.g. 'ep/2x4x1/cf1.25', 'fsep/1x8x1/c2/cf1.25', 'ep/8x8x1/cf1/xla' or "
+             "'ep/1x4x1/p2/m8/cf1.25/fsdp'")
   parts = spec.strip().split("/")
   if len(parts) < 2 or parts[0] not in _MODES:
     raise ConfigError(f"strategy {spec!r} must start with a mode in {_MODES} and a mesh; "

@@ -129,6 +129,15 @@ def exchange(buf_rowsxD: jax.Array, num_devices: int, axis_name: str) -> jax.Arr
   return checkpoint_name(y_NxrowsxD.reshape(rows, d), EXCHANGED)
 
 
+def exchange_counts(kept_S: jax.Array, num_devices: int, axis_name: str) -> jax.Array:
+  """[S] rows this device kept for each slot -> [sources, C]: the rows each source kept for
+  each of this device's C slots (what a grouped matmul over the received rows needs). Named
+  like the rows' exchange, so that a remat keeping one keeps both."""
+  slots = kept_S.shape[0] // num_devices
+  got = jax.lax.all_to_all(kept_S.reshape(num_devices, slots), axis_name, 0, 0)
+  return checkpoint_name(got, EXCHANGED)
+
+
 def to_slot_major(recv_rowsxD: jax.Array, num_devices: int, slots: int) -> jax.Array:
   """[N*C*cap, D] (source-major) -> [C, N*cap, D] for per-slot matmuls."""
   rows, d = recv_rowsxD.shape

@@ -100,7 +100,7 @@ def _dense_grouped(x_TxD, slot_TK, gate_TxK, weights, ops, num_dev, slots, cap, 
   recv = yield recv
   # Rows each source kept for each of my slots: [sources, C].
   kept_S = jnp.minimum(index.slot_counts_S, cap)
-  kept_NxC = jax.lax.all_to_all(kept_S.reshape(num_dev, slots), "expert", 0, 0)
+  kept_NxC = dispatch_lib.exchange_counts(kept_S, num_dev, "expert")
   g = grouping.group_received(grouping.dense_starts(num_dev, slots, cap), kept_NxC,
                               recv.shape[0])
   out = yield grouped_ffn(recv, g, weights, ops, dtype)

@@ -83,7 +83,7 @@ def pooled_dispatch_combine(x_TxD, slot_TK, gate_TxK, weights, ops, num_dev, slo
                                "expert")
   recv = yield recv
   # Rows each source kept for each of my slots: [sources, C].
-  kept_NxC = jax.lax.all_to_all(p.kept_S.reshape(num_dev, slots), "expert", 0, 0)
+  kept_NxC = dispatch_lib.exchange_counts(p.kept_S, num_dev, "expert")
   starts_NxC = pooled_starts(kept_NxC, cap_dev)
   if ops.name == "xla":
     out = _tiled_ffn(recv, starts_NxC, kept_NxC, weights, ops, dtype)
