@@ -306,9 +306,9 @@ def _gpu_levers(files):
                          num(1e3 * b["new_s"], 1), num(1e3 * b["saved_s"], 1)]
                         for b in before]), ""]
     for shape in dict.fromkeys(r["shape"] for r in d["rows"]):
-      code = "; ".join(f"{b['lever']} alone {_ms(b['saved_s'])}" + (
-                           f" at {b['at']}" if b["at"] != "as configured" else " as configured")
-                       for b in before if b["shape"] == shape and b["path"] != "dense_equivalent")
+      code = [((b["lever"], b["at"]), f"{b['lever']} alone {_ms(b['saved_s'])}" + (
+                   f" at {b['at']}" if b["at"] != "as configured" else " as configured"))
+              for b in before if b["shape"] == shape and b["path"] != "dense_equivalent"]
       levers = {r["lever"] for r in d["rows"] if "before" not in r}
       saved = [s for s in d["savings"] if s["shape"] == shape and s["path"] != "dense_equivalent"
                and s["lever"] != "as configured" and s["lever"] in levers]
@@ -324,10 +324,15 @@ def _gpu_levers(files):
               f"{ratio(base['moe_over_dense_throughput'])} -> "
               f"{ratio(best['moe_over_dense_throughput'])}" if best else "")
       heads.setdefault(shape, []).append((d["metadata"]["date"], name, what, code))
-  # one headline a shape: the newest file's best lever, every file's code levers
+  # one headline a shape: the newest file's best lever, each code lever (at its bindings) from
+  # the newest file that prices it
   for shape, found in heads.items():
     _, name, what, _ = max(found)
-    code = "; ".join(c for _, _, _, c in sorted(found, reverse=True) if c)
+    newest = {}
+    for _, _, _, code in sorted(found, reverse=True):
+      for key, text in code:
+        newest.setdefault(key, text)
+    code = "; ".join(newest.values())
     head.append((f"{shape} on one compile-only H200, the schedule estimate ({ESTIMATE_ERROR}): "
                  "best lever's saving; MoE tokens/s over the dense twin's, as configured -> "
                  "with it; each code lever's saving alone (the old path put back)",
