@@ -10,8 +10,8 @@ import json
 import pytest
 
 from moejax.config import Config
-from moejax.strategy.cost import PRESETS, load_profile, predict_step
 from moejax.frontend import parse_config
+from moejax.strategy.cost import PRESETS, load_profile, predict_step
 from moejax.strategy.offline import rank, workload_of
 from moejax.strategy.spec import from_config, parse, space
 
