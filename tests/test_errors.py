@@ -282,12 +282,13 @@ def test_plan_that_fits_nothing_prints_why_and_the_smallest_changes(capsys):
   assert err.splitlines() == ["error: no strategy fits this model on 1024 devices; the lines "
                               "above say why and what would make one fit."], err
   lines = out.splitlines()
-  assert lines[1].startswith("strategy") and len(lines) > 2166   # the whole table
-  # The space: every factorization, mode, factor and dispatch, with pipeline stages (and their
-  # microbatch counts) and FSDP where data > 1.
-  assert any(line.startswith("648 of 2166 rejected for global batch over data*expert, e.g. ")
+  assert lines[1].startswith("strategy") and len(lines) > 3971   # the whole table
+  # The space: every factorization, mode, factor and dispatch, both expert kernels for dense
+  # per-slot buffers (a GPU profile), with pipeline stages (and their microbatch counts) and
+  # FSDP where data > 1.
+  assert any(line.startswith("1188 of 3971 rejected for global batch over data*expert, e.g. ")
              for line in lines), lines[-4:]
-  assert any(line.startswith("1518 of 2166 rejected for model axis divisibility")
+  assert any(line.startswith("2783 of 3971 rejected for model axis divisibility")
              for line in lines), lines[-4:]
   assert lines[-1] == ("smallest changes that make one fit: data.global_batch_size = 256 (a "
                        "multiple of data*expert for some mesh of 1024 devices); or --devices 256 "
