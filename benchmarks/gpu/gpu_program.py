@@ -35,7 +35,7 @@ from moejax.config import Config
 from moejax.frontend import parse_config
 from moejax.runtime.xla_flags import GPU_FLAGS
 from moejax.strategy.cost import load_profile, predict_step
-from moejax.strategy.offline import rank, workload_of
+from moejax.strategy.offline import best_rows, rank, workload_of
 from moejax.strategy.spec import from_config
 
 ROOT = REPO
@@ -134,8 +134,8 @@ def megatron_mixtral() -> dict:
 def mixtral_candidates(cfg: Config, gpus: int, k: int) -> list:
   """The K strategies `python -m moejax.plan --profile h100_ep_node --devices N --verify K`
   compiles: the best under uniform load at <= 1% drops, in the cost model's order."""
-  rows = [r for r in rank(cfg, load_profile("h100_ep_node"), gpus) if r.rejected is None]
-  return [r.strategy for r in sorted(rows, key=lambda r: r.score("uniform", 0.01))[:k]]
+  rows = best_rows(rank(cfg, load_profile("h100_ep_node"), gpus), "uniform", 0.01)
+  return [r.strategy for r in rows[:k]]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from moejax.aot.compile import compile_train_step
 from moejax.aot.summary import summarize
 from moejax.config import Config, ConfigError
+from moejax.strategy.offline import best_rows
 
 
 def topology_for(devices: int) -> str:
@@ -31,7 +32,7 @@ def verify(cfg: Config, rows: list, k: int, regime: str, max_drop: float, profil
   if k < 1:
     raise ConfigError(f"--verify={k} must be >= 1 (candidates to compile).")
   gpu, topology = gpu_of(profile_name), topology_for(devices)
-  ok = sorted((r for r in rows if r.rejected is None), key=lambda r: r.score(regime, max_drop))
+  ok = best_rows(rows, regime, max_drop)
   out(f"verify: top {min(k, len(ok))} compiled by XLA:GPU for {topology} {gpu} "
       f"(the {regime} regime's prediction)")
   out(f"{'strategy':<28}{'model GiB':>10}{'XLA GiB':>9}{'mem err':>8}{'model ms':>10}"

@@ -119,6 +119,11 @@ def rank(cfg: Config, profile: HardwareProfile, num_devices: int,
   return rows
 
 
+def best_rows(rows: list[Row], regime: str, max_drop: float) -> list[Row]:
+  """The valid rows, best first by `regime`'s score (what `moejax.plan --verify` compiles)."""
+  return sorted((r for r in rows if r.rejected is None), key=lambda r: r.score(regime, max_drop))
+
+
 def kernel_options(cfg: Config, profile: HardwareProfile) -> tuple[str, ...]:
   """The expert kernels the search tries for per-slot buffers: the config's, and where the
   profile rates a grouped matmul apart from a dense dot (a GPU's) the other as well, since
