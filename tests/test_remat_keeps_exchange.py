@@ -1,5 +1,6 @@
 """`model.remat_keeps_exchange`: under remat the MoE exchanges' outputs are kept for the
-backward, which then runs no exchange again; loss and gradients are those of the plain step."""
+backward, which then runs no exchange again; loss and gradients are those of the plain step,
+on the mesh and on one device."""
 
 from __future__ import annotations
 
@@ -32,10 +33,11 @@ def _exchanges(model_cfg, moe_cfg=TINY_MOE) -> int:
 
 def test_keeping_the_exchange_gives_the_plain_steps_loss_and_gradients():
   loss_len, grad_len = model_lengths()
-  ref_loss, ref_grads = model_loss_and_grads(SHAPE)[:2]
   loss, grads = model_loss_and_grads(SHAPE, KEEPS)[:2]
-  assert_close(loss, ref_loss, loss_len, err_msg="loss")
-  assert_trees_close(grads, ref_grads, grad_len)
+  for reference in (SHAPE, (1, 1, 1)):       # the plain step on the mesh and on one device
+    ref_loss, ref_grads = model_loss_and_grads(reference)[:2]
+    assert_close(loss, ref_loss, loss_len, err_msg="loss")
+    assert_trees_close(grads, ref_grads, grad_len)
 
 
 def test_pipeline_ticks_keeping_the_exchange_give_the_reference():
