@@ -226,7 +226,7 @@ def test_backward_prefetch_equals_plain_autodiff(monkeypatch):
 
   f, params, layout = fsep_loss_and_grad(SHAPE, SLOTS)
   (ref_loss, _), ref_grads = f(params, batch_BxQ1=tokens(), layout=layout)
-  monkeypatch.setattr(fsep_backward, "_prefetching_moe", lambda moe, fsdp: (
+  monkeypatch.setattr(fsep_backward, "_prefetching_moe", lambda moe, fsdp, keeps: (
       lambda mdl, x, layout, weights, channel, *rest: (mdl(x, layout, weights), channel)))
   monkeypatch.setattr(fsep_backward, "_seed_backward_restore", lambda mesh, dtype, fsdp: (
       lambda x, *rest: x))

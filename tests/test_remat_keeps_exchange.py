@@ -69,3 +69,37 @@ def test_without_remat_it_changes_nothing():
   off.validate()           # a config that sets it beside model.remat = False stays valid
   assert _exchanges(dataclasses.replace(TINY_MODEL, remat_keeps_exchange=True)) == \
       _exchanges(TINY_MODEL)
+
+
+# fsep's MoE layer recomputes in its own backward pass (moejax.model.moe.fsep_backward), with or
+# without remat: its forward records the exchanges' values and the recompute replays them
+# (moejax.model.moe.kept_exchange). Slots per device: 2 on the mesh, every slot on one device.
+FSEP = {"per_slot": dataclasses.replace(TINY_MOE, expert_mode="fsep", slots_per_device=2),
+        "pooled": dataclasses.replace(TINY_MOE, expert_mode="fsep", slots_per_device=2,
+                                      capacity="device")}
+KEEPS_ONLY = dataclasses.replace(TINY_MODEL, remat_keeps_exchange=True)
+
+
+@pytest.mark.parametrize("path", list(FSEP))
+def test_fsep_keeping_the_exchange_gives_the_plain_fsep_and_one_device(path):
+  moe = FSEP[path]
+  loss_len, grad_len = model_lengths(TINY_MODEL, moe)
+  loss, grads = model_loss_and_grads(SHAPE, KEEPS_ONLY, moe)[:2]
+  one = dataclasses.replace(moe, slots_per_device=moe.num_experts)
+  for shape, reference in ((SHAPE, moe), ((1, 1, 1), one)):
+    ref_loss, ref_grads = model_loss_and_grads(shape, TINY_MODEL, reference)[:2]
+    assert_close(loss, ref_loss, loss_len, err_msg=f"loss against {shape}")
+    assert_trees_close(grads, ref_grads, grad_len)
+
+
+@pytest.mark.parametrize("path", list(FSEP))
+def test_fsep_recompute_runs_no_token_exchange_again(path):
+  """Per layer, the recompute of a plain fsep layer runs the forward's token exchanges again
+  (rows both ways, and the pooled path's kept-row counts); kept, it runs none of them."""
+  moe = FSEP[path]
+  layers = TINY_MODEL.num_layers // moe.moe_every
+  forward = 3 if path == "pooled" else 2
+  plain, keeps, remat_keeps = (_exchanges(cfg, moe) for cfg in (TINY_MODEL, KEEPS_ONLY,
+                                                                  KEEPS))
+  assert keeps == plain - forward * layers, (plain, keeps)
+  assert remat_keeps == keeps, remat_keeps

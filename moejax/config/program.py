@@ -178,11 +178,12 @@ class ModelConfig:
   norm_eps: float = 1e-6
   dtype: str = "float32"          # activation/compute dtype; params are float32
   remat: bool = False
-  # Under remat, keep the MoE layer's exchanged rows (each dispatch's received rows and each
-  # combine's returned rows, the exchange's outputs) for the backward instead of running the
-  # exchanges and the down projection again: 2 x rows x d_model a layer more memory, a third
-  # of the experts' recomputed forward less. Dense ep dispatch only (fsep's MoE layer is not
-  # rematerialised; ragged's exchange is not named); without remat nothing to keep: no-op.
+  # Where the MoE layer is recomputed for the backward, keep its exchanged rows (each
+  # dispatch's received rows and each combine's returned rows, the exchange's outputs) instead
+  # of running the exchanges and the down projection again: 2 x rows x d_model a layer more
+  # memory, a third of the experts' recomputed forward less. Dense dispatch only (ragged's
+  # exchange is not kept). ep: under remat (without it nothing is recomputed: no-op); fsep:
+  # with or without remat, as its layer is always recomputed (moejax.model.moe.fsep_backward).
   remat_keeps_exchange: bool = False
   # "auto": the fused cuDNN kernel on GPU where it applies (bf16/fp16, head dim a multiple of
   # 8 up to 128), XLA's attention elsewhere; "xla" | "cudnn" force one (chosen at build time).

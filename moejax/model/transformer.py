@@ -215,7 +215,8 @@ class LayerGroup(nn.Module):
       if fsep is None:
         y, stats = moe(h_BxQxD, layout)
       else:
-        (y, stats), channel = fsep_backward.fsep_moe(moe, self.backward, self.fsdp)(
+        (y, stats), channel = fsep_backward.fsep_moe(
+            moe, self.backward, self.fsdp, cfg.remat_keeps_exchange)(
             moe, h_BxQxD, layout, carry.weights, channel, stored, slot_expert_LxS, layer)
     if self.moe_cfg.num_shared_experts:   # one SwiGLU as wide as all shared experts together
       width = self.moe_cfg.num_shared_experts * (self.moe_cfg.shared_d_ff or self.moe_cfg.d_ff)

@@ -10,6 +10,7 @@ adds ran at a quarter of a gather's bytes/s on an H200 (moejax.strategy.hardware
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from moejax.layout import capacity as capacity_lib
+from moejax.model.moe import kept_exchange
 from pallas_kernels import compat
 
 EXCHANGED = "moe_exchanged"     # the name of an exchange's output, for remat policies
@@ -119,23 +121,48 @@ def pack(x_TxD: jax.Array, index: BufferIndex) -> jax.Array:
                       index.buf_index_TK.reshape(x_TxD.shape[0], top_k))
 
 
-def exchange(buf_rowsxD: jax.Array, num_devices: int, axis_name: str) -> jax.Array:
-  """all_to_all over the expert axis. Row block d of the input goes to device d;
-  row block s of the output came from device s. The same call reverses itself."""
+def _all_to_all_rows(buf_rowsxD: jax.Array, num_devices: int, axis_name: str) -> jax.Array:
   rows, d = buf_rowsxD.shape
   x_NxrowsxD = buf_rowsxD.reshape(num_devices, rows // num_devices, d)
-  y_NxrowsxD = jax.lax.all_to_all(x_NxrowsxD, axis_name, 0, 0)
+  return jax.lax.all_to_all(x_NxrowsxD, axis_name, 0, 0).reshape(rows, d)
+
+
+def _exchange_transpose(num_devices: int, axis_name: str, ct_rowsxD: jax.Array,
+                        like_buf: jax.Array) -> jax.Array:
+  # a kept value may vary over mesh axes the exchanged buffer did not (it came in through a
+  # shard_map's in_specs): cotangent_of sums over those, as autodiff of that broadcast would
+  return cotangent_of(_all_to_all_rows(ct_rowsxD, num_devices, axis_name), like_buf)
+
+
+def exchange(buf_rowsxD: jax.Array, num_devices: int, axis_name: str) -> jax.Array:
+  """all_to_all over the expert axis. Row block d of the input goes to device d;
+  row block s of the output came from device s. The same call reverses itself.
+  Under a replaying `kept_exchange` tape it returns the forward's value instead, its
+  transpose unchanged; under a recording one it records its value."""
+  tape = kept_exchange.current()
+  if tape is not None and tape.replaying:
+    return kept_exchange.replayed(buf_rowsxD, tape.next_kept(),
+                                  partial(_exchange_transpose, num_devices, axis_name))
   # named for a remat policy that keeps it (model.remat_keeps_exchange); no-op otherwise
-  return checkpoint_name(y_NxrowsxD.reshape(rows, d), EXCHANGED)
+  y = checkpoint_name(_all_to_all_rows(buf_rowsxD, num_devices, axis_name), EXCHANGED)
+  if tape is not None:
+    tape.recorded.append(y)
+  return y
 
 
 def exchange_counts(kept_S: jax.Array, num_devices: int, axis_name: str) -> jax.Array:
   """[S] rows this device kept for each slot -> [sources, C]: the rows each source kept for
   each of this device's C slots (what a grouped matmul over the received rows needs). Named
-  like the rows' exchange, so that a remat keeping one keeps both."""
+  and taped like the rows' exchange, so that what keeps one keeps both."""
+  tape = kept_exchange.current()
+  if tape is not None and tape.replaying:
+    return tape.next_kept()            # integer counts: no cotangent
   slots = kept_S.shape[0] // num_devices
-  got = jax.lax.all_to_all(kept_S.reshape(num_devices, slots), axis_name, 0, 0)
-  return checkpoint_name(got, EXCHANGED)
+  got = checkpoint_name(jax.lax.all_to_all(kept_S.reshape(num_devices, slots), axis_name, 0, 0),
+                        EXCHANGED)
+  if tape is not None:
+    tape.recorded.append(got)
+  return got
 
 
 def to_slot_major(recv_rowsxD: jax.Array, num_devices: int, slots: int) -> jax.Array:

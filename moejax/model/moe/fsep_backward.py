@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from moejax.model.moe.fsep_experts import restore_layer
-from moejax.model.moe.layer import MoELayer
+from moejax.model.moe.layer import RECORD, MoELayer
 
 KEEP, RERESTORE, PREFETCH = "keep", "rerestore", "prefetch"
 
@@ -40,42 +40,50 @@ def _backward_restore(stored, slot_expert_LxS, layer, mesh: Mesh, dtype, fsdp: b
     return restore_layer(stored, slot_expert_LxS, layer, mesh, dtype, fsdp)
 
 
-def _recomputing_moe(moe: MoELayer, backward_weights):
+def _recomputing_moe(moe: MoELayer, backward_weights, keeps_exchange: bool):
   """`moe(x, layout, weights)`, plus a `channel` passed through unchanged, whose backward
   pass recomputes the layer from weights it gets again instead of the forward keeping every
   layer's restored weights until its backward pass: `backward_weights(ct_channel, stored,
-  slot_expert_LxS, layer)` gives (this layer's weights, the cotangent of the channel input)."""
+  slot_expert_LxS, layer)` gives (this layer's weights, the cotangent of the channel input).
+  `keeps_exchange`: the forward keeps what the layer's exchanges returned and the recompute
+  replays them (moejax.model.moe.kept_exchange): no token exchange, no down projection
+  recomputed."""
   def call(mdl, x, layout, weights, channel, stored, slot_expert_LxS, layer):
     del stored, slot_expert_LxS, layer          # the backward pass's inputs
     return mdl(x, layout, weights), channel
 
   def fwd(mdl, x, layout, weights, channel, stored, slot_expert_LxS, layer):
-    res = (mdl.variables["params"], x, layout, stored, slot_expert_LxS, layer)   # no `weights`
-    return (mdl(x, layout, weights), channel), res
+    if keeps_exchange:
+      y, stats, exchanged = mdl(x, layout, weights, RECORD)
+    else:
+      (y, stats), exchanged = mdl(x, layout, weights), None
+    res = (mdl.variables["params"], x, layout, stored, slot_expert_LxS, layer,   # no `weights`
+           exchanged)
+    return ((y, stats), channel), res
 
   def bwd(res, ct):
-    params, x, layout, stored, slot_expert_LxS, layer = res
+    params, x, layout, stored, slot_expert_LxS, layer, exchanged = res
     ct_out, ct_channel = ct
     weights, ct_channel_in = backward_weights(ct_channel, stored, slot_expert_LxS, layer)
     apply = lambda p, x, w: MoELayer(moe.cfg, moe.mesh, moe.dtype).apply({"params": p}, x,
-                                                                          layout, w)
+                                                                          layout, w, exchanged)
     ct_params, ct_x, ct_weights = jax.vjp(apply, params, x, weights)[1](ct_out)
     return {"params": ct_params}, ct_x, None, ct_weights, ct_channel_in, None, None, None
 
   return nn.custom_vjp(call, fwd, bwd)
 
 
-def _rerestoring_moe(moe: MoELayer, fsdp: bool):
+def _rerestoring_moe(moe: MoELayer, fsdp: bool, keeps_exchange: bool):
   """`_recomputing_moe` whose backward pass restores this layer's weights again from the
   stored shards (one more exchange); its channel is None."""
   def backward_weights(ct_channel, stored, slot_expert_LxS, layer):
     del ct_channel
     return _backward_restore(stored, slot_expert_LxS, layer, moe.mesh, moe.dtype, fsdp), None
 
-  return _recomputing_moe(moe, backward_weights)
+  return _recomputing_moe(moe, backward_weights, keeps_exchange)
 
 
-def _prefetching_moe(moe: MoELayer, fsdp: bool):
+def _prefetching_moe(moe: MoELayer, fsdp: bool, keeps_exchange: bool):
   """`_recomputing_moe` whose channel (the shape of one layer's restored weights) carries
   restored weights backwards through the layer scan: layer l's backward pass takes its own
   weights from the cotangent of its channel output (restored during layer l+1's backward, or
@@ -87,25 +95,25 @@ def _prefetching_moe(moe: MoELayer, fsdp: bool):
     return ct_channel, _backward_restore(stored, slot_expert_LxS, previous, moe.mesh, moe.dtype,
                                          fsdp)
 
-  return _recomputing_moe(moe, backward_weights)
+  return _recomputing_moe(moe, backward_weights, keeps_exchange)
 
 
-def _kept(moe: MoELayer, fsdp: bool):
-  del moe, fsdp
+def _kept(moe: MoELayer, fsdp: bool, keeps_exchange: bool):
+  del moe, fsdp, keeps_exchange       # plain autodiff keeps everything the backward reads
   return lambda mdl, x, layout, weights, channel, *backward_inputs: (mdl(x, layout, weights),
                                                                      channel)
 
 
-def fsep_moe(moe: MoELayer, backward: str, fsdp: bool = False):
+def fsep_moe(moe: MoELayer, backward: str, fsdp: bool = False, keeps_exchange: bool = False):
   """call(moe, x, layout, weights, channel, stored, slot_expert_LxS, layer) -> ((y, stats),
   channel): the fsep MoE layer on this layer's restored `weights`, its backward pass getting
   them as `backward` (KEEP, RERESTORE or PREFETCH) says (restored as `restore_layer`'s `fsdp`
-  says); `channel` is None but with PREFETCH."""
+  says); `channel` is None but with PREFETCH. `keeps_exchange`: `_recomputing_moe`'s."""
   # read at call time, so that a test can put plain autodiff in one's place
   wrap = {KEEP: _kept, RERESTORE: _rerestoring_moe, PREFETCH: _prefetching_moe}
   if backward not in wrap:
     raise ValueError(f"fsep backward {backward!r} is not one of {tuple(wrap)}")
-  return wrap[backward](moe, fsdp)
+  return wrap[backward](moe, fsdp, keeps_exchange)
 
 
 def open_channel(first_weights: dict) -> dict:

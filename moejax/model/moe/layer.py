@@ -24,12 +24,13 @@ from moejax.layout import capacity
 from moejax.layout.host_layout import SHARE_PARTS
 from moejax.layout.leaves import EXPERT_WEIGHTS
 from moejax.layout.tables import Layout
-from moejax.model.mesh import BATCH_AXES, logical_to_spec, num_stages
+from moejax.model.mesh import AXES, BATCH_AXES, logical_to_spec, num_stages
 from moejax.model.moe import (
   chunks,
   combine as combine_lib,
   dispatch as dispatch_lib,
   grouping,
+  kept_exchange,
   pooled,
   ragged,
 )
@@ -46,6 +47,7 @@ EXPERT_PARAM_AXES = {
 }
 assert tuple(EXPERT_PARAM_AXES) == EXPERT_WEIGHTS, "expert weight names live in layout.leaves"
 ROUTER_AXES = ("embed", None)
+RECORD = "record"       # moe_apply's `exchanges`: return what the exchanges returned
 
 
 class MoEStats(NamedTuple):
@@ -146,9 +148,14 @@ def dispatch_combine_fn(cfg: MoEConfig):
 
 
 def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
-              mesh: Mesh, dtype=jnp.float32) -> tuple[jax.Array, MoEStats]:
-  """`params`: router [D, E] and slot-ordered expert weights [S, D, ffn] / [S, ffn, D] (the ep
-  params, or the fsep restore); `layout`: one layer's row of a Layout."""
+              mesh: Mesh, dtype=jnp.float32, exchanges=None):
+  """(output, MoEStats). `params`: router [D, E] and slot-ordered expert weights [S, D, ffn] /
+  [S, ffn, D] (the ep params, or the fsep restore); `layout`: one layer's row of a Layout.
+
+  `exchanges` (for a backward pass that recomputes the layer; moejax.model.moe.kept_exchange):
+  RECORD returns (output, MoEStats, exchanged), `exchanged` a tuple of what the layer's
+  exchanges returned, every device's rows along the first axis; such a tuple, given back,
+  makes the recompute take its exchanges' values from it instead of exchanging again."""
   num_dev = mesh.shape["expert"]
   num_slots = params["w_gate"].shape[0]
   if num_slots % num_dev:
@@ -191,7 +198,17 @@ def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
   # Off where these jax releases cannot check it (pallas_kernels.compat says where and why).
   check_vma = compat.checks_varying_axes(ops.backend == "interpret", num_stages(mesh) > 1)
 
-  def local(x, w_router, w_gate, w_up, w_down, expert_slots, expert_parts, local_parts, bias):
+  def local(*inputs):
+    *layer_inputs, replay_shards = inputs
+    if exchanges is None:
+      return layer_shard(*layer_inputs) + ((),)
+    with kept_exchange.taping(None if exchanges is RECORD else replay_shards) as tape:
+      out = layer_shard(*layer_inputs)
+    # every axis in the tape's spec: a buffer that is the same on each `model` shard too
+    return out + (tuple(compat.mark_varying(b, AXES) for b in tape.recorded),)
+
+  def layer_shard(x, w_router, w_gate, w_up, w_down, expert_slots, expert_parts, local_parts,
+                  bias):
     x_TxD = x.reshape(-1, d_model)
     r = route(x_TxD, w_router, cfg.top_k, normalize_top_k=cfg.normalize_top_k,
               token_axes=BATCH_AXES, bias_E=bias, gate=cfg.gate, route_scale=cfg.route_scale,
@@ -213,14 +230,16 @@ def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
   fn = jax.shard_map(
       local, mesh=mesh, check_vma=check_vma,
       in_specs=(P(BATCH_AXES), logical_to_spec(ROUTER_AXES), spec["w_gate"], spec["w_up"],
-                spec["w_down"], P(), P(), P(), P()),
-      out_specs=(P(BATCH_AXES),) * 5 + (P(), P()))
-  y, counts, dropped, slot_counts, kept, bal, z = fn(
+                spec["w_down"], P(), P(), P(), P(), P(AXES)),
+      out_specs=(P(BATCH_AXES),) * 5 + (P(), P(), P(AXES)))
+  replay = () if exchanges is None or exchanges is RECORD else tuple(exchanges)
+  y, counts, dropped, slot_counts, kept, bal, z, exchanged = fn(
       x_BxQxD, params["router"], params["w_gate"], params["w_up"], params["w_down"],
       layout.expert_slots_LxExR, layout.expert_parts_LxExR, layout.slot_local_parts_LxS,
-      layout.router_bias_LxE)
+      layout.router_bias_LxE, replay)
   received, overflow = realised_load(slot_counts, kept, num_dev)
-  return y, MoEStats(counts, dropped, slot_counts, bal, z, received, overflow)
+  stats = MoEStats(counts, dropped, slot_counts, bal, z, received, overflow)
+  return (y, stats, exchanged) if exchanges is RECORD else (y, stats)
 
 
 def no_moe_stats(cfg: MoEConfig, mesh: Mesh, layout: Layout) -> MoEStats:
@@ -260,8 +279,10 @@ class MoELayer(nn.Module):
   dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x_BxQxD: jax.Array, layout: Layout, slot_weights: dict | None = None):
-    """`slot_weights`: fsep mode passes the restored [S, ...] weights; ep mode owns them."""
+  def __call__(self, x_BxQxD: jax.Array, layout: Layout, slot_weights: dict | None = None,
+               exchanges=None):
+    """`slot_weights`: fsep mode passes the restored [S, ...] weights; ep mode owns them.
+    `exchanges`: moe_apply's."""
     d_model = x_BxQxD.shape[-1]
     params = {"router": self.param(
         "router", nn.with_logical_partitioning(nn.initializers.normal(0.02), ROUTER_AXES),
@@ -276,4 +297,4 @@ class MoELayer(nn.Module):
             (self.cfg.num_experts,) + tuple(size[a] for a in axes[1:]), jnp.float32)
     else:
       params.update(slot_weights)
-    return moe_apply(params, x_BxQxD, layout, self.cfg, self.mesh, self.dtype)
+    return moe_apply(params, x_BxQxD, layout, self.cfg, self.mesh, self.dtype, exchanges)
