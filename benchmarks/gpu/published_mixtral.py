@@ -25,7 +25,8 @@ from benchmarks.common import REPO, command, start, write_result
 from benchmarks.gpu import RESULTS
 from benchmarks.gpu.tables import remat_text
 from moejax.frontend import parse_config
-from moejax.strategy.cost import PRESETS, keeps_exchange, predict_step
+from moejax.strategy.calls import keeps_exchange
+from moejax.strategy.cost import PRESETS, predict_step
 from moejax.strategy.offline import workload_of
 from moejax.strategy.spec import Strategy
 

@@ -39,9 +39,11 @@ TP_PER_MOE_LAYER = 1
 TP_PER_STEP = 6
 # Once per step over `stage`: the per-layer metrics of every stage's layers gathered.
 STAGE_METRIC_CALLS = 8
-# Token exchange per MoE layer run: dispatch and combine forward and their transposes; fsep
-# also runs its dispatch and combine again in the backward.
-A2A_PER_RUN = {"ep": 4, "fsep": 6}
+# Token exchange per MoE layer run: dispatch and combine forward and their transposes; a
+# layer recomputed for the backward without its exchanges kept runs the two forward ones again
+# (exchanges_per_run).
+A2A_PER_RUN = 4
+A2A_RECOMPUTED = 2
 # fsep restores three weights forward, again for the backward and returns their gradients
 # (3 x 3 all_to_alls a run), and once a step outside the scans: the first layer's three
 # forward, the last layer's three for the backward (the seed of the backward's restore-ahead;
@@ -49,6 +51,28 @@ A2A_PER_RUN = {"ep": 4, "fsep": 6}
 # back.
 RESTORE_PER_RUN = 9
 RESTORE_PER_STEP = 9
+
+
+def recomputes_moe(strategy, w) -> bool:
+  """Whether the backward recomputes each MoE layer's forward: fsep's layer always does, in
+  its own backward pass (moejax.model.moe.fsep_backward; not under pipeline stages, whose
+  fsep backward is plain autodiff), an ep layer under remat."""
+  if strategy.expert_mode == "fsep":
+    return strategy.stage == 1
+  return bool(w.remat)
+
+
+def keeps_exchange(strategy, w) -> bool:
+  """Whether `model.remat_keeps_exchange` applies: a recomputed MoE layer whose exchanges are
+  the named dense all_to_all (not ragged dispatch's)."""
+  return bool(w.remat_keeps_exchange) and strategy.dispatch == "dense" and recomputes_moe(
+      strategy, w)
+
+
+def exchanges_per_run(strategy, w) -> int:
+  """Token all_to_alls per MoE layer run (the grouped paths' integer counts aside)."""
+  again = recomputes_moe(strategy, w) and not keeps_exchange(strategy, w)
+  return A2A_PER_RUN + (A2A_RECOMPUTED if again else 0)
 
 
 def restore_per_step(stages: int) -> int:
@@ -119,7 +143,7 @@ def collective_counts(strategy, w) -> dict[str, float]:
     sends = stages.SENDS_PER_TICK * stages.ticks(p, mb, v) + stages.SENDS_PER_STEP
   a2a = 0.0
   if strategy.expert > 1:
-    a2a = A2A_PER_RUN[strategy.expert_mode] * runs
+    a2a = exchanges_per_run(strategy, w) * runs
     if strategy.expert_mode == "fsep":
       a2a += RESTORE_PER_RUN * runs + restore_per_step(p)
   return {"reduce": reduce, "all-to-all": a2a, "collective-permute": sends}

@@ -273,14 +273,6 @@ def runs_grouped(dispatch: str, kernels: str, pooled: bool) -> bool:
   return dispatch == "ragged" or pooled or kernels == "pallas"
 
 
-def keeps_exchange(strategy, w: Workload) -> bool:
-  """Whether `model.remat_keeps_exchange` applies: a rematerialised layer group whose MoE layer
-  exchanges through the named dense all_to_all (not fsep's, which is not rematerialised with
-  its group, nor ragged dispatch's)."""
-  return (w.remat and w.remat_keeps_exchange and strategy.dispatch == "dense" and
-          strategy.expert_mode == "ep")
-
-
 def grouped_experts(strategy, w: Workload) -> bool:
   """`runs_grouped` for `strategy` (its `kernels`, else the config's) on `w`."""
   return runs_grouped(strategy.dispatch, strategy.kernels or w.kernels, w.pooled)
@@ -335,9 +327,10 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
   moe_layers = w.moe_layers / p
   runs = moe_layers * mb * stretch                 # MoE layer runs per device (every tick)
   recompute = 4 / 3 if w.remat else 1.0            # remat runs the forward twice
-  keeps = keeps_exchange(strategy, w)
-  # with the exchanges' outputs kept, the experts' recomputed forward is gate and up only
-  expert_recompute = 11 / 9 if keeps else recompute
+  keeps = calls.keeps_exchange(strategy, w)
+  # a recomputed MoE layer (fsep's always) runs its forward twice; with the exchanges' outputs
+  # kept, the experts' recomputed forward is gate and up only
+  expert_recompute = (11 / 9 if keeps else 4 / 3) if calls.recomputes_moe(strategy, w) else 1.0
 
   # causal QK^T and AV per token, over the heads' widths (multi-head: d each)
   attn_flops = 2 * w.seq_len * (w.attention_width or 2 * d) / 2
@@ -359,9 +352,9 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
 
   call = profile.call_s
   a2a_s = 0.0
-  if n > 1:        # dispatch + combine, forward and backward (fsep: its backward twice)
+  if n > 1:        # dispatch + combine, forward and backward, and again where recomputed
     buf = stage_rows * stretch * d * w.act_bytes / m          # bytes over all runs
-    a2a_s = calls.A2A_PER_RUN[strategy.expert_mode] * (
+    a2a_s = calls.exchanges_per_run(strategy, w) * (
         runs * call(n) + buf * (n - 1) / n / profile.a2a_bytes_per_s) * scale
   restore_s = 0.0
   if strategy.expert_mode == "fsep" and n > 1:   # 3 weights: restore twice, gradient return
