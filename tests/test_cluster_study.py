@@ -165,15 +165,38 @@ def test_study_rows_extrapolate_from_the_cut_depths(monkeypatch):
   assert den["extrapolated_from"] == [2, 4]
   assert len(d["rows"]) == 4
   for r in d["rows"]:
-    want = _program(dataclasses.replace(base, kind=programs.KIND_OF_POLICY[r["policy"]],
+    want = _program(dataclasses.replace(base, kind=programs.kind_of(r["policy"], r["kernels"]),
                                         factor=r["factor"]))
     assert r["layers"] == depth and r["extrapolated_from"] == [2, 4]
     assert r["program_step_s"] == pytest.approx(want["step_s"])
     assert r["program_grouped_matmul_s"] == pytest.approx(want["grouped_matmul"]["seconds"])
     assert set(r["programs"]) <= {s.key() for s in compiled}
     assert len(r["programs"]) == (2 if r["factor"] == 1.0 else 4)
+    # the other kernels' program was compiled and kept beside the row
+    assert [a["kernels"] for a in r["alternatives"]] == [
+        k for k in programs.KERNELS if k != r["kernels"]]
+    assert set(r["alternatives"][0]["programs"]) <= {s.key() for s in compiled}
   skewed = [r for r in d["rows"] if r["routing"] == "drift_bursts" and r["policy"] == "static"]
   assert skewed[0]["factor"] > 1.0     # its row was read between two buffers, each extrapolated
+
+
+def test_a_policys_row_is_its_faster_program_that_fits():
+  """Of a policy's programs on the two kernels, the row is the fastest that fits (the
+  fastest of all where none fits), the other kept under `alternatives`; one that did not
+  compile is never picked over one that did."""
+  def row(kernels, step, fits=True):
+    return {"kernels": kernels, "needed_factor": 1.0, "factor": 1.0, "step_s": step,
+            "fits": fits, "peak_gib": 1.0, "programs": [kernels]}
+
+  assert study.faster([row("grouped", 2.0), row("einsum", 1.5)])["kernels"] == "einsum"
+  picked = study.faster([row("grouped", 2.0), row("einsum", 1.5, fits=False)])
+  assert picked["kernels"] == "grouped"
+  assert picked["alternatives"][0]["kernels"] == "einsum"
+  assert picked["alternatives"][0]["fits"] is False
+  assert study.faster([row("grouped", 2.0, False), row("einsum", 3.0, False)])["step_s"] == 2.0
+  failed = {"kernels": "einsum", "error": "no", "programs": ["x"]}
+  assert study.faster([row("grouped", 2.0), failed])["kernels"] == "grouped"
+  assert study.faster([row("grouped", 2.0)]) == row("grouped", 2.0)
 
 
 @pytest.mark.slow
@@ -190,7 +213,9 @@ def test_smallest_case_end_to_end(tmp_path):
   assert set(rows) == {(t, p) for t in ("uniform", "drift_bursts")
                        for p in ("static", "fsep_planned")}
   assert all("step_s" in r and r["gpus"] == 8 for r in rows.values())
+  # the force-balanced step is static EP's faster program on uniform routing
   assert rows["uniform", "static"]["fraction_of_balanced"] == pytest.approx(1.0)
+  assert all(len(r["alternatives"]) == 1 for r in rows.values())     # both kernels compiled
   skewed = rows["drift_bursts", "static"]
   assert skewed["needed_factor"] > 1.5 and skewed["fraction_of_balanced"] < 1.0
   fsep = rows["drift_bursts", "fsep_planned"]

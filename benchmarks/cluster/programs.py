@@ -10,7 +10,9 @@ or 'ragged' (dropless: factor is moe.ragged_buffer_factor). Dense kinds run pool
 with the grouped-matmul kernels (moe.kernels = 'pallas'): every (source, device) buffer of
 `factor` x the balanced share goes through the exchange whole, and the grouped kernel
 computes the rows its group sizes hold, so `busiest_step` scales the grouped matmul's time
-by the busiest device's rows over the buffer's, the rest of the program as compiled.
+by the busiest device's rows over the buffer's, the rest of the program as compiled. Each
+dense kind has an `_einsum` twin (`ep_einsum`, ...): per-(source, slot) buffers through XLA's
+batched einsum, which computes every buffer row, so `busiest_step` leaves it as compiled.
 
 Where the full depth takes too long to compile, `at_depth` compiles a program at two cut
 depths and extrapolates its row to the model's (`extrapolate`: the layers are one scanned
@@ -37,9 +39,23 @@ from moejax.frontend import parse_config
 MODELS = {"mixtral_8x7b": os.path.join(REPO, "configs", "mixtral_8x7b.gin"),
           "qwen3_30b_a3b": os.path.join(REPO, "configs", "qwen3_moe.gin")}
 SEQUENCES_PER_GPU = 4          # Megatron-Core's Mixtral-8x7B run: 256 x 4096 on 64 H100s
-KINDS = ("ep", "fsep_planned", "fsep_adaptive", "ragged", "ep_einsum")
 KIND_OF_POLICY = {"static": "ep", "smartmoe": "ep", "fsep_planned": "fsep_planned",
                   "fsep_adaptive": "fsep_adaptive", "ragged": "ragged"}
+# A dense policy's two programs: pooled (source, device) buffers through the grouped-matmul
+# kernel, which computes the rows the groups hold; or per-(source, slot) buffers through XLA's
+# batched einsum (a cuBLAS GEMM per slot over the whole buffer), at the dense dot's rate.
+KERNELS = ("grouped", "einsum")
+CAPACITY_OF_KERNELS = {"grouped": "device", "einsum": "slot"}   # the buffers each sizes
+
+
+def kind_of(policy: str, kernels: str = "grouped") -> str:
+  """The program kind of `policy` on `kernels` (ragged runs the grouped kernel only)."""
+  kind = KIND_OF_POLICY[policy]
+  return kind if kernels == "grouped" else f"{kind}_einsum"
+
+
+def kernels_of(policy: str, kernels: tuple[str, ...]) -> tuple[str, ...]:
+  return ("grouped",) if policy == "ragged" else kernels
 
 
 def gpus(topology: str) -> int:
@@ -78,17 +94,17 @@ def bindings(model: str, topology: str, layers: int = 0, fsdp: bool = False) -> 
           *([f"model.num_layers = {layers}"] if layers else [])]
 
 
-KIND_BINDINGS = {
+_GROUPED_KINDS = {
     "ep": ["moe.dispatch = 'dense'"],
     "fsep_planned": ["moe.dispatch = 'dense'", "moe.expert_mode = 'fsep'"],
     "fsep_adaptive": ["moe.dispatch = 'dense'", "moe.expert_mode = 'fsep'",
                       "moe.fsep_shares = 'adaptive'"],
     "ragged": ["moe.dispatch = 'ragged'"],
-    # Static EP's other program: per-(source, slot) buffers through XLA's batched einsum (a
-    # cuBLAS GEMM per slot, over the whole buffer), for the force-balanced comparison with
-    # Megatron-Core.
-    "ep_einsum": ["moe.dispatch = 'dense'", "moe.kernels = 'xla'", "moe.capacity = 'slot'"],
 }
+EINSUM = ["moe.kernels = 'xla'", "moe.capacity = 'slot'"]
+KIND_BINDINGS = {**_GROUPED_KINDS, **{f"{k}_einsum": [*v, *EINSUM]
+                                      for k, v in _GROUPED_KINDS.items() if k != "ragged"}}
+KINDS = tuple(KIND_BINDINGS)
 
 
 def run_config(spec: Spec) -> Config:

@@ -145,9 +145,11 @@ def replay_policy(cfg: Config, policy: str, counts_SxLxWxE: np.ndarray,
   slots = fsep_slots(pcfg, devices) if mode == "fsep" else experts // devices
   r = replay_trainer(counts, planner, slots, shares=shares)
   factor = r["needed_capacity_factor"][CAPACITY]
+  slot_factor = r["needed_capacity_factor"]["slot"]
   series = np.asarray(r["series"])                              # [S, L] max/mean, routed
   timed = decision_time(cfg, policy, counts, devices) if planner.active else {}
   return {"capacity_factor": factor, "busiest_over_mean": busiest(series, factor),
+          "slot_capacity_factor": slot_factor,     # per-(source, slot) buffers' (the einsum's)
           "series": series, "decision": timed,
           "max_over_mean_median": r["median"], "max_over_mean_p99": r["p99"],
           "planner_ms_per_layer": r["planner_ms_mean"] if planner.active else None,

@@ -6,7 +6,10 @@ share programs); the program compiled at that buffer and its schedule estimate (
 its grouped matmul scaled to the busiest device's rows; the planner's re-plan time exposed
 beyond the step in flight and the ep migrations, per step, as the trainer pays them; tokens
 per second, the fraction of the force-balanced throughput (static EP at capacity factor 1.0
-under uniform routing) and the speedup over static EP on the same routing.
+under uniform routing) and the speedup over static EP on the same routing. A dense policy is
+compiled on both expert kernels (pooled buffers through the grouped matmul, per-slot buffers
+through XLA's einsum, each at the factor its buffers need) and its row is the faster program
+that fits, the other kept beside it; the force-balanced step is static EP's faster one.
 
 With `--depths A B` every program is compiled at A and at B layers and its row (step, each
 category and collective and its exposure, grouped matmul, peak) extrapolated to the model's
@@ -172,46 +175,62 @@ def replay_case(case: Case, routings, policies, steps: int | None, replay_rows: 
           f"{rp['busiest_over_mean']:.3f} ({rp['replay_s']} s)")
 
 
-def buffers(case: Case, routings, policies, replay_rows: dict, grid: float):
-  """({(routing, policy): the factor compiled, on the grid}, {program kind: the largest})."""
-  need = {(name, p): on_grid(replay_rows[case.replay_key(name)]["policies"][p]
-                             ["capacity_factor"], grid)
-          for name in routings for p in policies}
+def needed(rp: dict, kernels: str) -> float:
+  """The factor a replayed policy needs for <= 1% drops in the buffers `kernels` runs:
+  pooled per (source, device) for the grouped kernel, per (source, slot) for the einsum (read
+  from the same replay, whose planner is told pooled capacity as the trainer's default is)."""
+  return rp["capacity_factor"] if kernels == "grouped" else rp["slot_capacity_factor"]
+
+
+def buffers(case: Case, routings, policies, replay_rows: dict, grid: float,
+            kernels=("grouped",)):
+  """({(routing, policy, kernels): the factor compiled, on the grid}, {program kind: the
+  largest})."""
+  need = {(name, p, k): on_grid(needed(replay_rows[case.replay_key(name)]["policies"][p], k),
+                                grid)
+          for name in routings for p in policies for k in programs.kernels_of(p, kernels)}
   top: dict[str, float] = {}
-  for (_, p), f in need.items():
-    kind = programs.KIND_OF_POLICY[p]
+  for (_, p, k), f in need.items():
+    kind = programs.kind_of(p, k)
     top[kind] = max(top.get(kind, 1.0), f)
   return need, top
 
 
-def denominator(case: Case, cache: programs.Cache, hlo_dir, log, depths=None) -> dict | None:
-  """The force-balanced program (static EP at factor 1.0: the fraction's denominator), and
-  at the published case static EP's einsum program beside it; None if it did not compile."""
+def denominator(case: Case, cache: programs.Cache, hlo_dir, log, depths=None,
+                kernels=("grouped",)) -> dict | None:
+  """The force-balanced step (static EP at factor 1.0 under uniform routing: the fraction's
+  denominator): the faster of static EP's programs on `kernels` that fits (at the published
+  case its einsum program beside it either way); None if the grouped one did not compile."""
   den = programs.at_depth(cache, case.base, depths, hlo_dir, log)
   if not den["compiled"]:
     log(f"no force-balanced program for {case.model} at {case.gpus} GPUs: {den['error']}")
     return None
-  out = {"step_s": den["step_s"], "programs": den["programs"],
+  out = {"step_s": den["step_s"], "programs": den["programs"], "kernels": "grouped",
          "extrapolated_from": den.get("extrapolated")}
-  if (case.model, case.gpus) == PUBLISHED:
+  if "einsum" in kernels or (case.model, case.gpus) == PUBLISHED:
     row = programs.at_depth(cache, dataclasses.replace(case.base, kind="ep_einsum"), depths,
                             hlo_dir, log)
     if row["compiled"]:
       out["einsum"] = {"step_s": row["step_s"], "programs": row["programs"]}
+      if "einsum" in kernels and row["step_s"] < den["step_s"] and (row["fits"] or
+                                                                   not den["fits"]):
+        out.update(step_s=row["step_s"], kernels="einsum",
+                   grouped={"step_s": den["step_s"], "programs": den["programs"]})
   return out
 
 
 def policy_row(case: Case, name: str, policy: str, rp: dict, factor: float, top: float,
-               den_step_s: float, cache: programs.Cache, hlo_dir, log, depths=None) -> dict:
-  """One row (module doc): the program at `factor` (at the model's depth, or extrapolated
-  to it from `depths`), its grouped matmul scaled to the busiest device, what the trainer
-  pays beside it, and ragged's exchange priced three ways."""
-  kind = programs.KIND_OF_POLICY[policy]
+               den_step_s: float, cache: programs.Cache, hlo_dir, log, depths=None,
+               kernels: str = "grouped") -> dict:
+  """One row (module doc): the program on `kernels` at `factor` (at the model's depth, or
+  extrapolated to it from `depths`), its grouped matmul scaled to the busiest device, what
+  the trainer pays beside it, and ragged's exchange priced three ways."""
+  kind = programs.kind_of(policy, kernels)
   prog = program_at(cache, dataclasses.replace(case.base, kind=kind, factor=factor), top,
                     hlo_dir, log, depths)
   row = {"model": case.model, "gpus": case.gpus, "topology": case.base.topology,
          "expert_axis": case.expert_axis, "routing": name, "policy": policy,
-         "needed_factor": rp["capacity_factor"], "factor": factor,
+         "kernels": kernels, "needed_factor": needed(rp, kernels), "factor": factor,
          "layers": case.cfg.model.num_layers, "extrapolated_from": prog.get("extrapolated"),
          "programs": prog["programs"]}
   if not prog["compiled"]:
@@ -237,6 +256,19 @@ def policy_row(case: Case, name: str, policy: str, rp: dict, factor: float, top:
   return row
 
 
+def faster(rows: list[dict]) -> dict:
+  """A policy's row on the kernels that pay: the fastest program that fits (the fastest of
+  all where none fits), the others listed under `alternatives`."""
+  ok = [r for r in rows if "step_s" in r]
+  if not ok:
+    return rows[0]
+  pick = min([r for r in ok if r["fits"]] or ok, key=lambda r: r["step_s"])
+  others = [{k: r.get(k) for k in ("kernels", "needed_factor", "factor", "step_s", "fits",
+                                  "peak_gib", "programs", "error")}
+            for r in rows if r is not pick]
+  return {**pick, "alternatives": others} if others else pick
+
+
 def against_static(rows_by_policy: dict[str, dict]) -> None:
   """Each row's speedup over static EP on the same routing (ragged's exchange ways too)."""
   static = rows_by_policy.get("static")
@@ -250,11 +282,13 @@ def against_static(rows_by_policy: dict[str, dict]) -> None:
 
 def run(models, gpus_by_model, routings, policies, cache: programs.Cache, grid: float,
         steps: int | None, layers: int = 0, hlo_dir: str | None = None, log=print,
-        done=None, depths: tuple[int, int] | None = None) -> dict:
+        done=None, depths: tuple[int, int] | None = None,
+        kernels: tuple[str, ...] = programs.KERNELS) -> dict:
   """The study's rows (module doc), case by case in ORDER: the planners first (they say which
   buffers), then the programs (at `layers`, 0: the model's depth; or compiled at the two
-  `depths` and extrapolated to the model's). `done(result)` is called after each case with
-  the rows so far."""
+  `depths` and extrapolated to the model's), each dense policy on every one of `kernels`,
+  its row the one that pays (`faster`). `done(result)` is called after each case with the
+  rows so far."""
   if depths and layers:
     raise ValueError(f"depths={depths} and layers={layers}: the depths extrapolate to the "
                      "model's depth; give one of them")
@@ -262,8 +296,8 @@ def run(models, gpus_by_model, routings, policies, cache: programs.Cache, grid: 
   for model, n in cases(models, gpus_by_model):
     case = Case.of(model, n, layers)
     replay_case(case, routings, policies, steps, replay_rows, log)
-    need, top = buffers(case, routings, policies, replay_rows, grid)
-    den = denominator(case, cache, hlo_dir, log, depths)
+    need, top = buffers(case, routings, policies, replay_rows, grid, kernels)
+    den = denominator(case, cache, hlo_dir, log, depths, kernels)
     if den is None:
       continue
     denominators[f"{model}/{n}"] = den
@@ -271,9 +305,10 @@ def run(models, gpus_by_model, routings, policies, cache: programs.Cache, grid: 
       got = {}
       for policy in policies:
         rp = replay_rows[case.replay_key(name)]["policies"][policy]
-        row = policy_row(case, name, policy, rp, need[name, policy],
-                         top[programs.KIND_OF_POLICY[policy]], den["step_s"], cache, hlo_dir,
-                         log, depths)
+        row = faster([policy_row(case, name, policy, rp, need[name, policy, k],
+                                 top[programs.kind_of(policy, k)], den["step_s"], cache,
+                                 hlo_dir, log, depths, k)
+                      for k in programs.kernels_of(policy, kernels)])
         rows.append(row)
         if "step_s" in row:
           got[policy] = row
@@ -316,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
   ap.add_argument("--cache", default=os.path.expanduser("~/.cache/moejax/cluster_programs.json"),
                   help="program rows by spec, compiled once and read back (the result holds "
                        "every program it used)")
+  ap.add_argument("--kernels", nargs="+", default=list(programs.KERNELS),
+                  choices=list(programs.KERNELS),
+                  help="the expert kernels each dense policy is compiled on; its row takes the "
+                       "faster program that fits")
   ap.add_argument("--hlo_dir", default=None)
   ap.add_argument("--smoke", action="store_true",
                   help="8 GPUs, Mixtral-8x7B, 2 layers, static and fsep_planned, uniform and "
@@ -336,9 +375,10 @@ def main(argv: list[str] | None = None) -> int:
 
   def finish(out: dict, complete: bool) -> dict:
     used = {k for r in out["rows"] for k in r["programs"]}
+    used |= {k for r in out["rows"] for a in r.get("alternatives", ()) for k in a["programs"]}
     used |= {k for d in out["denominators"].values() for k in d["programs"]}
-    used |= {k for d in out["denominators"].values() if "einsum" in d
-             for k in d["einsum"]["programs"]}
+    used |= {k for d in out["denominators"].values() for other in ("einsum", "grouped")
+             if other in d for k in d[other]["programs"]}
     out.update(command=command("cluster.study", argv), grid=args.grid, complete=complete,
                depths=args.depths,
                wall_s=time.perf_counter() - tick, published=published_mixtral(),
@@ -352,13 +392,14 @@ def main(argv: list[str] | None = None) -> int:
 
   out = finish(run(args.models, gpus_by_model, args.routings, args.policies, cache, args.grid,
                    args.steps, args.layers, args.hlo_dir,
-                   done=lambda partial: finish(partial, False), depths=args.depths), True)
+                   done=lambda partial: finish(partial, False), depths=args.depths,
+                   kernels=tuple(args.kernels)), True)
   for r in out["rows"]:
     if "step_s" in r:
       print(f"{r['model']:<14}{r['gpus']:>4} {r['routing']:<17}{r['policy']:<14}"
             f"cf {r['needed_factor']:.3f}->{r['factor']:.3f} step {r['step_s']:.3f} s "
             f"{r['tokens_per_s']:>10,.0f} tok/s  {r['fraction_of_balanced']:.3f} of balanced  "
-            f"{r['speedup_over_static'] or 0:.2f}x static"
+            f"{r['speedup_over_static'] or 0:.2f}x static, {r['kernels']}"
             + (" (layers {} from {} and {})".format(r["layers"], *r["extrapolated_from"])
                if r.get("extrapolated_from") else ""))
   return 0

@@ -29,13 +29,21 @@ def _depth(d: dict, r: dict) -> str:
   return str(r.get("layers") or d["programs"][r["programs"][0]]["spec"]["layers"] or "full")
 
 
+def _kernels(r: dict) -> str:
+  """The row's expert kernels, and the other program's step where it was compiled too."""
+  others = [f"{a['kernels']} {a['step_s']:.3f}{'' if a['fits'] else ' no fit'}"
+            for a in r.get("alternatives", ()) if a.get("step_s") is not None]
+  return r.get("kernels", "grouped") + (f" ({', '.join(others)})" if others else "")
+
+
 def _row(d: dict, r: dict) -> list:
   if "error" in r:
     return [MODEL_NAMES[r["model"]], r["gpus"], _depth(d, r), r["routing"], "", r["policy"],
-            f"{r['needed_factor']:.3f}", f"not compiled: {r['error'][:80]}", *[""] * 6]
+            _kernels(r), f"{r['needed_factor']:.3f}", f"not compiled: {r['error'][:80]}",
+            *[""] * 6]
   paid = r["paid_replan_exposed_s"] + r["paid_migration_s"]
   return [MODEL_NAMES[r["model"]], r["gpus"], _depth(d, r), r["routing"], _skew(d, r),
-          r["policy"],
+          r["policy"], _kernels(r),
           f"{r['needed_factor']:.3f} -> {r['factor']:.3f}", _f(r["busiest_over_mean"]),
           _f(r["step_s"], 3), num(r["tokens_per_s"], 0), _f(r["fraction_of_balanced"], 3),
           f"{r['speedup_over_static']:.2f}x" if r.get("speedup_over_static") else "",
@@ -60,13 +68,18 @@ def _published(d: dict, ok: list[dict]) -> str | None:
   compute = r.get("program_compute_s", prog["compute_s"])
   gmm = r.get("program_grouped_matmul_s", prog["grouped_matmul"]["seconds"])
   exposed = r.get("program_exposed_comm_s", prog["exposed_comm_s"])
-  einsum = d["denominators"].get("mixtral_8x7b/64", {}).get("einsum")
-  return (f"uniform routing, static EP at factor 1.0 (fused attention costed): "
-          f"{r['step_s']:.2f} s a step, {r['step_s'] / published:.2f}x Megatron-Core's "
-          f"published {published:.2f} s; compute {compute:.2f} s ({gmm:.2f} s the grouped "
-          f"expert matmul), communication exposed {exposed:.2f} s"
-          + (f"; per-slot einsum program {einsum['step_s']:.2f} s, "
-             f"{einsum['step_s'] / published:.2f}x" if einsum else ""))
+  den = d["denominators"].get("mixtral_8x7b/64", {})
+  kernels = r.get("kernels", "grouped")
+  other = "grouped" if kernels == "einsum" else "einsum"
+  alt = den.get(other) if den.get("kernels", "grouped") == kernels else None
+  names = {"grouped": "pooled grouped-matmul program", "einsum": "per-slot einsum program"}
+  return (f"uniform routing, static EP at factor 1.0 (fused attention costed), its "
+          f"{names[kernels]}: {r['step_s']:.2f} s a step, {r['step_s'] / published:.2f}x "
+          f"Megatron-Core's published {published:.2f} s; compute {compute:.2f} s"
+          + (f" ({gmm:.2f} s the grouped expert matmul)" if gmm else "")
+          + f", communication exposed {exposed:.2f} s"
+          + (f"; its {names[other]} {alt['step_s']:.2f} s, {alt['step_s'] / published:.2f}x"
+             if alt else ""))
 
 
 def _goals(name: str, d: dict) -> list[tuple[str, str, str]]:
@@ -129,15 +142,19 @@ def _cluster(files):
               "trainer's own planner needs for <= 1% drops on the routing (replayed; rounded "
               f"up to a multiple of {d['grid']} and compiled there), the busiest device's "
               "rows over the mean, the schedule estimate of that program with its grouped "
-              "matmul scaled to the busiest device's rows, plus the re-plan time beyond the "
+              "matmul scaled to the busiest device's rows (a dense policy is compiled on both "
+              "expert kernels, each at the factor its buffers need, and takes the faster that "
+              "fits; the other's step in brackets), plus the re-plan time beyond the "
               "step in flight and ep migrations; tokens/s; the fraction of the force-"
-              "balanced throughput (static EP at factor 1.0 on uniform routing) and the "
+              "balanced throughput (static EP's faster program at factor 1.0 on uniform "
+              "routing) and the "
               "speedup over static EP on the routing. `layers` says where a row's programs were "
               "compiled at two cut depths and extrapolated to the model's (fixed part + "
               "layers x per-layer part). Every step is an estimate "
               "(docs/guide/cluster-study.md).", "",
               *table(["model", "GPUs", "layers", "routing", "expert max/mean", "policy",
-                      "factor needed -> compiled", "busiest/mean", "step s", "tokens/s",
+                      "kernels (other s)", "factor needed -> compiled", "busiest/mean", "step s",
+                      "tokens/s",
                       "of balanced", "vs static", "re-plan s / paid ms", "peak GiB (fits)"],
                      rows), "",
               "The programs (compiled once each, read by every routing at that buffer):", "",
