@@ -214,7 +214,7 @@ def denominator(case: Case, cache: programs.Cache, hlo_dir, log, depths=None,
       out["einsum"] = {"step_s": row["step_s"], "programs": row["programs"]}
       if "einsum" in kernels and row["step_s"] < den["step_s"] and (row["fits"] or
                                                                    not den["fits"]):
-        out.update(step_s=row["step_s"], kernels="einsum",
+        out.update(step_s=row["step_s"], programs=row["programs"], kernels="einsum",
                    grouped={"step_s": den["step_s"], "programs": den["programs"]})
   return out
 
