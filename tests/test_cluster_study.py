@@ -180,6 +180,31 @@ def test_study_rows_extrapolate_from_the_cut_depths(monkeypatch):
   assert skewed[0]["factor"] > 1.0     # its row was read between two buffers, each extrapolated
 
 
+def test_the_denominator_is_static_eps_uniform_row(monkeypatch):
+  """Picked as a policy's row is (the faster program that fits), the force-balanced step is
+  static EP's own uniform row: here the grouped program is faster but does not fit."""
+  def compile_row(spec, gpu="h100", hlo_dir=None):
+    row = _program(spec)
+    if spec.kind.endswith("_einsum"):
+      row["step_s"] *= 1.1
+    else:
+      row["fits"] = False
+    return row
+
+  monkeypatch.setattr(programs, "compile_row", compile_row)
+  d = study.run(["mixtral_8x7b"], {"mixtral_8x7b": (8,)}, ["uniform"], ["static"],
+                programs.Cache(None), study.GRID, 4, layers=2, log=lambda *_: None)
+  den = d["denominators"]["mixtral_8x7b/8"]
+  assert den["kernels"] == "einsum" and not den["grouped"]["fits"]
+  (row,) = d["rows"]
+  assert row["kernels"] == "einsum" and row["fraction_of_balanced"] == pytest.approx(1.0)
+  only = study.run(["mixtral_8x7b"], {"mixtral_8x7b": (8,)}, ["uniform"], ["static"],
+                   programs.Cache(None), study.GRID, 4, layers=2, log=lambda *_: None,
+                   kernels=("grouped",))
+  assert only["denominators"]["mixtral_8x7b/8"]["kernels"] == "grouped"
+  assert only["rows"][0]["kernels"] == "grouped" and "alternatives" not in only["rows"][0]
+
+
 def test_a_policys_row_is_its_faster_program_that_fits():
   """Of a policy's programs on the two kernels, the row is the fastest that fits (the
   fastest of all where none fits), the other kept under `alternatives`; one that did not

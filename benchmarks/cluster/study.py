@@ -199,24 +199,27 @@ def buffers(case: Case, routings, policies, replay_rows: dict, grid: float,
 def denominator(case: Case, cache: programs.Cache, hlo_dir, log, depths=None,
                 kernels=("grouped",)) -> dict | None:
   """The force-balanced step (static EP at factor 1.0 under uniform routing: the fraction's
-  denominator): the faster of static EP's programs on `kernels` that fits (at the published
-  case its einsum program beside it either way); None if the grouped one did not compile."""
-  den = programs.at_depth(cache, case.base, depths, hlo_dir, log)
-  if not den["compiled"]:
-    log(f"no force-balanced program for {case.model} at {case.gpus} GPUs: {den['error']}")
-    return None
-  out = {"step_s": den["step_s"], "programs": den["programs"], "kernels": "grouped",
-         "extrapolated_from": den.get("extrapolated")}
-  if "einsum" in kernels or (case.model, case.gpus) == PUBLISHED:
-    row = programs.at_depth(cache, dataclasses.replace(case.base, kind="ep_einsum"), depths,
-                            hlo_dir, log)
+  denominator): static EP's program on `kernels` picked as `faster` picks a policy's, so that
+  static EP's uniform row is the denominator; each compiled program beside it (at the
+  published case the einsum one either way); None if none compiled."""
+  shown = list(kernels) + (["einsum"] if (case.model, case.gpus) == PUBLISHED and
+                           "einsum" not in kernels else [])
+  rows = {}
+  for k in shown:
+    row = programs.at_depth(cache, dataclasses.replace(case.base, kind=programs.kind_of(
+        "static", k)), depths, hlo_dir, log)
     if row["compiled"]:
-      out["einsum"] = {"step_s": row["step_s"], "programs": row["programs"]}
-      if "einsum" in kernels and row["step_s"] < den["step_s"] and (row["fits"] or
-                                                                   not den["fits"]):
-        out.update(step_s=row["step_s"], programs=row["programs"], kernels="einsum",
-                   grouped={"step_s": den["step_s"], "programs": den["programs"]})
-  return out
+      rows[k] = row
+    else:
+      log(f"no force-balanced {k} program for {case.model} at {case.gpus} GPUs: {row['error']}")
+  usable = [k for k in kernels if k in rows]
+  if not usable:
+    return None
+  pick = min([k for k in usable if rows[k]["fits"]] or usable, key=lambda k: rows[k]["step_s"])
+  return {"step_s": rows[pick]["step_s"], "programs": rows[pick]["programs"], "kernels": pick,
+          "extrapolated_from": rows[pick].get("extrapolated"),
+          **{k: {"step_s": r["step_s"], "programs": r["programs"], "fits": r["fits"]}
+             for k, r in rows.items()}}
 
 
 def policy_row(case: Case, name: str, policy: str, rp: dict, factor: float, top: float,
@@ -260,9 +263,7 @@ def faster(rows: list[dict]) -> dict:
   """A policy's row on the kernels that pay: the fastest program that fits (the fastest of
   all where none fits), the others listed under `alternatives`."""
   ok = [r for r in rows if "step_s" in r]
-  if not ok:
-    return rows[0]
-  pick = min([r for r in ok if r["fits"]] or ok, key=lambda r: r["step_s"])
+  pick = min([r for r in ok if r["fits"]] or ok, key=lambda r: r["step_s"]) if ok else rows[0]
   others = [{k: r.get(k) for k in ("kernels", "needed_factor", "factor", "step_s", "fits",
                                   "peak_gib", "programs", "error")}
             for r in rows if r is not pick]

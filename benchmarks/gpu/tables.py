@@ -14,9 +14,8 @@ ESTIMATE_ERROR = "within 9% per category and 5% per step of four measured H200 s
 def remat_text(row: dict) -> str:
   """A row's remat column: off, on, or on with the MoE exchanges kept (the config's
   model.remat_keeps_exchange, where the layout's dispatch takes it)."""
-  if not row["remat"]:
-    return "off"
-  return "on, exchange kept" if row.get("keeps_exchange") else "on"
+  kept = ", exchange kept" if row.get("keeps_exchange") else ""     # fsep keeps it either way
+  return ("on" if row["remat"] else "off") + kept
 
 
 @family("published_mixtral", "Mixtral-8x7B on 64 H100: the cost model vs Megatron-Core")
