@@ -95,6 +95,22 @@ def test_keeping_the_exchange_keeps_two_buffers_a_layer_and_recomputes_two_third
   assert kept_f.a2a_s < plain_f.a2a_s
 
 
+def test_fsep_without_remat_keeps_no_moe_buffers_but_the_kept_exchange():
+  """fsep's MoE layer is recomputed in its own backward pass with or without remat: without
+  remat its forward keeps none of the layer's six buffers a row (two, the exchanged ones,
+  with keeps_exchange), and the recompute's buffers are one layer's, in the backward's work."""
+  from moejax.strategy.memory import activation_terms
+
+  base = dict(tokens=8192, d_model=768, num_layers=12, vocab_size=50304, expert_rows=6 * 20480,
+              act_bytes=2, groups=6)
+  ep, fsep = activation_terms(**base), activation_terms(**base, remat_blocks=True)
+  kept = activation_terms(**base, remat_blocks=True, keeps_exchange=True)
+  assert ep["kept"] - fsep["kept"] == 6 * 6 * 20480 * 768 * 2
+  assert kept["kept"] - fsep["kept"] == 2 * 6 * 20480 * 768 * 2
+  assert fsep["work"] - ep["work"] == 6 * 20480 * 768 * 2
+  assert kept["work"] - ep["work"] == 4 * 20480 * 768 * 2
+
+
 def test_dense_first_blocks_run_on_the_whole_batch():
   """The dense first blocks run before the pipeline's ticks on the device's whole batch: their
   backward's scores do not shrink with the microbatches, and it comes after the groups' (whose

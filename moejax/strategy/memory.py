@@ -131,7 +131,9 @@ def activation_terms(tokens: float, d_model: int, num_layers: int, vocab_size: i
   and keeps two compute-dtype arrays (the layer's input and the MoE layer's normed input);
   only the block being differentiated holds its recomputed attention scores;
   `keeps_exchange` (model.remat_keeps_exchange) keeps every MoE layer's two exchanged buffers
-  (2 x its expert rows x D) through the backward as well. With
+  (2 x its expert rows x D) through the backward as well. Without remat an ep layer keeps its
+  6 buffers a row; an fsep one, recomputed in its own backward pass, none (2 with
+  `keeps_exchange`), its recompute making them one layer at a time. With
   `attention_scores` (XLA's attention) every attention layer whose forward is live holds
   `attention_score_bytes`. With M > 1 the step also holds the embedded batch and the finished
   outputs (two [T, D] buffers)."""
@@ -158,9 +160,16 @@ def activation_terms(tokens: float, d_model: int, num_layers: int, vocab_size: i
     first_kept = first_dense * 2 * tokens * d_model * act_bytes   # its blocks' two inputs
     first = per_token * tokens * act_bytes / model_shards + 2 * scores
   else:
-    kept = ((per_token * tokens * group_layers + 6 * expert_rows * d_model) * act_bytes /
+    # fsep's MoE layer (`remat_blocks`) is recomputed in its own backward pass whatever remat
+    # says (moejax.model.moe.fsep_backward): the forward keeps none of its buffers but the two
+    # exchanged ones where `keeps_exchange`, and its recompute makes the rest, one layer at a time
+    moe_kept = (2 if keeps_exchange else 0) if remat_blocks else 6
+    kept = ((per_token * tokens * group_layers + moe_kept * expert_rows * d_model) * act_bytes /
             model_shards + group_layers * scores) * stretch
     work = scores / microbatches
+    if remat_blocks:
+      work += ((4 if keeps_exchange else 6) * rows_per_layer * d_model * act_bytes /
+               model_shards / microbatches)
     first_kept = first_dense * (per_token * tokens * act_bytes / model_shards + scores)
     first = scores
   kept += first_kept
