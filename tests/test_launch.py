@@ -102,6 +102,26 @@ def test_another_processs_line_never_runs_into_an_unfinished_redraw():
   assert out.getvalue() == b"[1] steps\n"
 
 
+def test_a_line_ended_for_its_source_gets_no_empty_line_after_it():
+  """Process 0's stdout line arrives without its newline, process 0's stderr writes a line
+  (which ends the stdout line), then the newline arrives: no empty prefixed line; text that
+  goes on after such an end starts a prefixed line of its own."""
+  from moejax.runtime.streams import Screen
+
+  err, out = io.BytesIO(), io.BytesIO()
+  screen = Screen()
+  stderr, stdout = Terminal(err, screen), Terminal(out, screen)
+  so, se = object(), object()
+  stdout.write(so, b"[0] ", b"done", True)
+  stderr.write(se, b"[0] ", b" step 2/2\n", True)
+  stdout.write(so, b"[0] ", b"\n", False)
+  stdout.write(so, b"[0] ", b"next", True)
+  stderr.write(se, b"[0] ", b"warn\n", True)
+  stdout.write(so, b"[0] ", b" part\n", False)
+  assert out.getvalue() == b"[0] done\n[0] next\n[0]  part\n"
+  assert err.getvalue() == b"[0]  step 2/2\n[0] warn\n"
+
+
 def _launcher(code: str, processes: int) -> subprocess.Popen:
   env = dict(os.environ, PYTHONPATH=REPO_ROOT)
   return subprocess.Popen([sys.executable, "-m", "moejax.launch", "-n", str(processes), "--",

@@ -53,6 +53,7 @@ class Screen:
   def __init__(self):
     self.lock = threading.Lock()
     self.open: tuple[object, object] | None = None   # (source, out) of the unfinished line
+    self.ended_for: set = set()     # sources whose unfinished line another source ended
 
 
 class Terminal:
@@ -78,7 +79,12 @@ class Terminal:
       for text, at_start in pieces:
         if screen.open is not None and screen.open[0] is not source:
           _write(screen.open[1], b"\n")   # another source's line is unfinished: keep it, above
+          screen.ended_for.add(screen.open[0])
           screen.open = None
+        ended = source in screen.ended_for
+        screen.ended_for.discard(source)
+        if ended and text == b"\n" and not at_start:
+          continue      # the newline that ends a line already ended for it: not an empty line
         mine = screen.open is not None
         if (at_start or not mine) and text != b"\r":
           self.out.write(prefix)
@@ -88,6 +94,7 @@ class Terminal:
   def finish(self, source: object) -> None:
     """`source` ended: its unfinished line (a last redraw without a newline) is ended."""
     with self.screen.lock:
+      self.screen.ended_for.discard(source)
       if self.screen.open is not None and self.screen.open[0] is source:
         _write(self.screen.open[1], b"\n")
         self.screen.open = None
