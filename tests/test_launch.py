@@ -79,14 +79,19 @@ def test_gloos_lines_are_left_out_also_when_its_threads_interleave_them():
   assert out.getvalue() == b"3 steps\n"
 
 
-def test_another_processs_line_never_runs_into_an_unfinished_redraw():
-  """Process 0's bar on stderr, process 1's line on stdout, one screen: the bar's line is
-  ended (on stderr) before the other line is written."""
+def _one_screen():
+  """(stderr bytes, stdout bytes, their Terminals) sharing one screen."""
   from moejax.runtime.streams import Screen
 
   err, out = io.BytesIO(), io.BytesIO()
   screen = Screen()
-  stderr, stdout = Terminal(err, screen), Terminal(out, screen)
+  return err, out, Terminal(err, screen), Terminal(out, screen)
+
+
+def test_another_processs_line_never_runs_into_an_unfinished_redraw():
+  """Process 0's bar on stderr, process 1's line on stdout, one screen: the bar's line is
+  ended (on stderr) before the other line is written."""
+  err, out, stderr, stdout = _one_screen()
   bar, warning, line = object(), object(), object()
   stderr.write(bar, b"[0] ", b"\r", True)
   stderr.write(bar, b"[0] ", b" 10%|#", True)
@@ -106,11 +111,7 @@ def test_a_line_ended_for_its_source_gets_no_empty_line_after_it():
   """Process 0's stdout line arrives without its newline, process 0's stderr writes a line
   (which ends the stdout line), then the newline arrives: no empty prefixed line; text that
   goes on after such an end starts a prefixed line of its own."""
-  from moejax.runtime.streams import Screen
-
-  err, out = io.BytesIO(), io.BytesIO()
-  screen = Screen()
-  stderr, stdout = Terminal(err, screen), Terminal(out, screen)
+  err, out, stderr, stdout = _one_screen()
   so, se = object(), object()
   stdout.write(so, b"[0] ", b"done", True)
   stderr.write(se, b"[0] ", b" step 2/2\n", True)

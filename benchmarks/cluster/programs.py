@@ -45,7 +45,6 @@ KIND_OF_POLICY = {"static": "ep", "smartmoe": "ep", "fsep_planned": "fsep_planne
 # kernel, which computes the rows the groups hold; or per-(source, slot) buffers through XLA's
 # batched einsum (a cuBLAS GEMM per slot over the whole buffer), at the dense dot's rate.
 KERNELS = ("grouped", "einsum")
-CAPACITY_OF_KERNELS = {"grouped": "device", "einsum": "slot"}   # the buffers each sizes
 
 
 def kind_of(policy: str, kernels: str = "grouped") -> str:

@@ -199,8 +199,8 @@ def buffers(case: Case, routings, policies, replay_rows: dict, grid: float,
 def denominator(case: Case, cache: programs.Cache, hlo_dir, log, depths=None,
                 kernels=("grouped",)) -> dict | None:
   """The force-balanced step (static EP at factor 1.0 under uniform routing: the fraction's
-  denominator): static EP's program on `kernels` picked as `faster` picks a policy's, so that
-  static EP's uniform row is the denominator; each compiled program beside it (at the
+  denominator): static EP's program on `kernels` picked as a policy's is (`fastest_fitting`),
+  so that static EP's uniform row is the denominator; each compiled program beside it (at the
   published case the einsum one either way); None if none compiled."""
   shown = list(kernels) + (["einsum"] if (case.model, case.gpus) == PUBLISHED and
                            "einsum" not in kernels else [])
@@ -212,10 +212,10 @@ def denominator(case: Case, cache: programs.Cache, hlo_dir, log, depths=None,
       rows[k] = row
     else:
       log(f"no force-balanced {k} program for {case.model} at {case.gpus} GPUs: {row['error']}")
-  usable = [k for k in kernels if k in rows]
+  usable = [{**rows[k], "kernels": k} for k in kernels if k in rows]
   if not usable:
     return None
-  pick = min([k for k in usable if rows[k]["fits"]] or usable, key=lambda k: rows[k]["step_s"])
+  pick = fastest_fitting(usable)["kernels"]
   return {"step_s": rows[pick]["step_s"], "programs": rows[pick]["programs"], "kernels": pick,
           "extrapolated_from": rows[pick].get("extrapolated"),
           **{k: {"step_s": r["step_s"], "programs": r["programs"], "fits": r["fits"]}
@@ -259,11 +259,16 @@ def policy_row(case: Case, name: str, policy: str, rp: dict, factor: float, top:
   return row
 
 
+def fastest_fitting(rows: list[dict]) -> dict:
+  """The fastest of compiled `rows` that fits, the fastest of all where none fits."""
+  return min([r for r in rows if r["fits"]] or rows, key=lambda r: r["step_s"])
+
+
 def faster(rows: list[dict]) -> dict:
-  """A policy's row on the kernels that pay: the fastest program that fits (the fastest of
-  all where none fits), the others listed under `alternatives`."""
+  """A policy's row on the kernels that pay (`fastest_fitting`), the others listed under
+  `alternatives`."""
   ok = [r for r in rows if "step_s" in r]
-  pick = min([r for r in ok if r["fits"]] or ok, key=lambda r: r["step_s"]) if ok else rows[0]
+  pick = fastest_fitting(ok) if ok else rows[0]
   others = [{k: r.get(k) for k in ("kernels", "needed_factor", "factor", "step_s", "fits",
                                   "peak_gib", "programs", "error")}
             for r in rows if r is not pick]

@@ -143,6 +143,10 @@ def activation_terms(tokens: float, d_model: int, num_layers: int, vocab_size: i
   per_token = residual_width or 20 * d_model
   group_layers = num_layers - first_dense
   norms = 2 * tokens * d_model * act_bytes     # a block-remat layer's input and MoE input
+  # kept exchanges: whole [rows, D] buffers on every `model` shard; a recomputed MoE layer's
+  # forward then makes no new exchange buffers (4 of its 6 a row)
+  exchanged = 2 * expert_rows * d_model * act_bytes * stretch if keeps_exchange else 0.0
+  buffers = 4 if keeps_exchange else 6
   if remat and groups:
     layers_per_group = group_layers / groups
     if remat_blocks:
@@ -151,25 +155,21 @@ def activation_terms(tokens: float, d_model: int, num_layers: int, vocab_size: i
     else:
       kept = tokens * d_model * groups * stretch * act_bytes  # group inputs: not split over `model`
       live_scores = layers_per_group
-    if keeps_exchange:     # whole [rows, D] buffers on every `model` shard
-      kept += 2 * expert_rows * d_model * act_bytes * stretch
-    # the recomputed forward makes no new exchange buffers where they are kept
-    buffers = 4 if keeps_exchange else 6
+    kept += exchanged
     work = ((per_token * tokens * layers_per_group + buffers * rows_per_layer * d_model) *
             act_bytes / model_shards + (live_scores + 1) * scores) / microbatches
     first_kept = first_dense * 2 * tokens * d_model * act_bytes   # its blocks' two inputs
     first = per_token * tokens * act_bytes / model_shards + 2 * scores
   else:
     # fsep's MoE layer (`remat_blocks`) is recomputed in its own backward pass whatever remat
-    # says (moejax.model.moe.fsep_backward): the forward keeps none of its buffers but the two
-    # exchanged ones where `keeps_exchange`, and its recompute makes the rest, one layer at a time
-    moe_kept = (2 if keeps_exchange else 0) if remat_blocks else 6
-    kept = ((per_token * tokens * group_layers + moe_kept * expert_rows * d_model) * act_bytes /
-            model_shards + group_layers * scores) * stretch
+    # says (moejax.model.moe.fsep_backward): the forward keeps none of its buffers but the
+    # exchanged ones, and its recompute makes the rest, one layer at a time
+    kept = ((per_token * tokens * group_layers + (0 if remat_blocks else 6) * expert_rows *
+             d_model) * act_bytes / model_shards + group_layers * scores) * stretch
     work = scores / microbatches
     if remat_blocks:
-      work += ((4 if keeps_exchange else 6) * rows_per_layer * d_model * act_bytes /
-               model_shards / microbatches)
+      kept += exchanged
+      work += buffers * rows_per_layer * d_model * act_bytes / model_shards / microbatches
     first_kept = first_dense * (per_token * tokens * act_bytes / model_shards + scores)
     first = scores
   kept += first_kept

@@ -145,9 +145,7 @@ def exchange(buf_rowsxD: jax.Array, num_devices: int, axis_name: str) -> jax.Arr
                                   partial(_exchange_transpose, num_devices, axis_name))
   # named for a remat policy that keeps it (model.remat_keeps_exchange); no-op otherwise
   y = checkpoint_name(_all_to_all_rows(buf_rowsxD, num_devices, axis_name), EXCHANGED)
-  if tape is not None:
-    tape.recorded.append(y)
-  return y
+  return y if tape is None else tape.record(y)
 
 
 def exchange_counts(kept_S: jax.Array, num_devices: int, axis_name: str) -> jax.Array:
@@ -160,9 +158,7 @@ def exchange_counts(kept_S: jax.Array, num_devices: int, axis_name: str) -> jax.
   slots = kept_S.shape[0] // num_devices
   got = checkpoint_name(jax.lax.all_to_all(kept_S.reshape(num_devices, slots), axis_name, 0, 0),
                         EXCHANGED)
-  if tape is not None:
-    tape.recorded.append(got)
-  return got
+  return got if tape is None else tape.record(got)
 
 
 def to_slot_major(recv_rowsxD: jax.Array, num_devices: int, slots: int) -> jax.Array:

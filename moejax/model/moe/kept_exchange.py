@@ -33,6 +33,16 @@ class Tape:
   def replaying(self) -> bool:
     return self._kept is not None
 
+  def record(self, value: jax.Array) -> jax.Array:
+    """`value` (an exchange's output), recorded when recording."""
+    if not self.replaying:
+      self.recorded.append(value)
+    return value
+
+  @property
+  def unread(self) -> int:
+    return len(self._kept or ())
+
   def next_kept(self) -> jax.Array:
     if not self._kept:
       raise RuntimeError("the MoE layer's recompute makes more exchanges than its forward "
@@ -49,8 +59,8 @@ def taping(kept: tuple | None = None):
     yield tape
   finally:
     _TAPES.pop()
-  if tape.replaying and tape._kept:
-    raise RuntimeError(f"the MoE layer's recompute left {len(tape._kept)} kept exchanges "
+  if tape.unread:
+    raise RuntimeError(f"the MoE layer's recompute left {tape.unread} kept exchanges "
                        "unread: the pipeline must be the same in both runs")
 
 
