@@ -34,7 +34,8 @@ SECTIONS = (
     "replan_sweep", "migration_bytes", "smartmoe",
     "balance_pays", "fsep_vs_ep", "moe_layer", "cost_model", "strategy_switch", "routers",
     "published_mixtral", "chaos", "ragged_memory", "convert_memory", "replan_overhead",
-    "kernels_", "gmm_tiles", "layer_profile", "train_step", "gpu_compile", "on_gpu",
+    "kernels_", "gmm_tiles", "gpu_gmm_sweep", "layer_profile", "train_step", "gpu_compile",
+    "on_gpu",
     "gpu_program", "gpu_levers", "loss_parity", "peer_maxtext", "cluster_h100", "cluster_cpu",
     "cluster_layers",
 )
@@ -47,6 +48,7 @@ SUPERSEDED = {
     "strategy_switch_cpu.json": "0011-drifting-benchmark-runs-side-by-side.md",
     "strategy_switch_cpu_dff1024.json": "0011-drifting-benchmark-runs-side-by-side.md",
     "train_step_h100.json": "0090-one-gpu-step-tiled-loss-and-fused-attention.md",
+    "on_gpu_h200_first.json": "0126-second-h200-run-held-out.md",
 }
 
 

@@ -45,3 +45,25 @@ def test_tiny_sweep_runs_every_candidate(tmp_path):
   if compat.mosaic_gpu_interpret() is not None:
     impls.add("hopper")
   _check(_run(tmp_path), impls)
+
+
+def test_a_device_fault_stops_the_sweep_and_names_the_faulting_kernel(monkeypatch):
+  """A kernel that faults on the device leaves the CUDA context unusable (the H200 run's
+  Hopper kernel: CUDA_ERROR_MISALIGNED_ADDRESS); the candidates after it are marked not run,
+  naming the one that faulted, not given its error as their own."""
+  real = gpu_gmm_sweep.timed
+  calls = []
+
+  def faulting(run, args, want, tiny):
+    calls.append(run)
+    if len(calls) == 2:   # ragged_dot of the first pass, after the dense dot
+      raise RuntimeError("INTERNAL: CUDA error: CUDA_ERROR_MISALIGNED_ADDRESS: misaligned")
+    return real(run, args, want, tiny)
+
+  monkeypatch.setattr(gpu_gmm_sweep, "timed", faulting)
+  rows = gpu_gmm_sweep.sweep(gpu_gmm_sweep.TINY_SHAPES, True, 600, 4, lambda rows: None,
+                             impls={"xla_dense", "xla_ragged_dot"})
+  assert len(calls) == 2 and "ms" in rows[0] and "CUDA_ERROR" in rows[1]["error"]
+  assert len(rows) == 2 * len(gpu_gmm_sweep.PASSES)
+  assert all(r["skipped"].startswith("not run: tiny fwd xla_ragged_dot faulted")
+             for r in rows[2:]), rows[2:]

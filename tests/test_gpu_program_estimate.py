@@ -3,10 +3,11 @@ category, and the FLOP count of every GEMM kernel XLA:GPU emits. No CUDA plugin 
 committed scheduled HLO and kernel tables of an H200 run (benchmarks.gpu.on_gpu) are read as
 text.
 
-The H200 rates of moejax.strategy.hardware were read off these same four kernel tables (one
-rate per kind of kernel, all four steps together), so on them the test checks that one set of
-rates holds for every category of every step; the H100 step is a held-out check: its rates
-come from H100 measurements (and the H200's where none exists) and none was fitted to it.
+The H200 rates of moejax.strategy.hardware were read off the four kernel tables of the first
+H200 run (one rate per kind of kernel, all four steps together), so on them the test checks
+that one set of rates holds for every category of every step. Two checks are held out, fitted
+to nothing: the second H200 run's eight steps (its shapes' levers among them) and the H100
+step, whose rates come from H100 measurements (and the H200's where none exists).
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ from moejax.strategy.hardware import GPU_RATES, Rate
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "gpu" / "results"
-H200_RUN = RESULTS / "on_gpu_h200.json"
-H200_PROFILES = RESULTS / "on_gpu_h200" / "kernel_profiles.json.gz"
-H200_HLOS = RESULTS / "on_gpu_h200" / "step_hlos.json.gz"
+H200_RUN = RESULTS / "on_gpu_h200_first.json"
+H200_PROFILES = RESULTS / "on_gpu_h200_first" / "kernel_profiles.json.gz"
+H200_HLOS = RESULTS / "on_gpu_h200_first" / "step_hlos.json.gz"
+HELD_OUT_RUN = RESULTS / "on_gpu_h200.json"
+HELD_OUT_PROFILES = RESULTS / "on_gpu_h200" / "kernel_profiles.json.gz"
+HELD_OUT_HLOS = RESULTS / "on_gpu_h200" / "step_hlos.json.gz"
 H100_RUN = RESULTS / "on_gpu_h100.json"
 H100_HLO = RESULTS / "on_gpu_h100" / "best_step_hlo.txt.gz"
 SHAPES = ("mixtral_2l", "qwen3_4l", "gpu_config_ep8_slice", "gpu_config")
@@ -141,6 +145,39 @@ def test_estimate_holds_category_by_category(shape, h200_comparisons):
   rows = h200_comparisons[shape]
   assert rows["collectives"]["measured_s"] == rows["collectives"]["estimate_s"] == 0.0
   off = {c: f"{r['error']:+.1%}" for c, r in rows.items() if r["error"] is not None and
+         abs(r["error"]) > (STEP_TOLERANCE if c == "step" else CATEGORY_TOLERANCE)}
+  assert not off, f"{shape}: categories off: {off}"
+
+
+def _held_out_steps():
+  return [row["shape"] for row in _json(HELD_OUT_RUN)["steps"]["schedule_estimate"]["rows"]
+          if row["shape"] in _json(HELD_OUT_PROFILES)]
+
+
+# Without remat, the Mixtral cut's copies (224 GB a step: the stacked activations) ran at
+# 1.96 TB/s where the first run's fitted 3.48, so its elementwise category is 15.6% low.
+MISSED = {"mixtral_2l, microbatches 2, no remat":
+          "no-remat copies at 1.96 TB/s, not the fitted 3.48: elementwise -15.6%"}
+
+
+@pytest.fixture(scope="module")
+def held_out_comparisons():
+  steps = {r["shape"]: r["measured_step_s"]
+           for r in _json(HELD_OUT_RUN)["steps"]["schedule_estimate"]["rows"]}
+  return profile.comparisons(_json(HELD_OUT_PROFILES), _json(HELD_OUT_HLOS), steps, "h200")
+
+
+@pytest.mark.parametrize("shape", [
+    pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=MISSED[s])) if s in MISSED else s
+    for s in _held_out_steps()])
+def test_estimate_holds_on_the_held_out_run(shape, held_out_comparisons):
+  """The second H200 run's steps, none of which a rate was fitted to: each kernel category
+  within 15% of its kernel table, the step within 10%. Idle is the step less the GPU's busy
+  time, so the step's check holds it; on its own it is a residual of a few ms that every
+  timing's noise lands in (off by 1-10 ms here: decision 0126)."""
+  rows = held_out_comparisons[shape]
+  off = {c: f"{r['error']:+.1%}" for c, r in rows.items() if r["error"] is not None and
+         c != "idle" and
          abs(r["error"]) > (STEP_TOLERANCE if c == "step" else CATEGORY_TOLERANCE)}
   assert not off, f"{shape}: categories off: {off}"
 

@@ -62,3 +62,27 @@ def test_maxtext_computes_what_we_compute_at_equal_drops(tmp_path):
   summary = {s["drops"]: s for s in result["meshes"]["8"]["summary"]}
   assert summary["capacity"]["maxtext"] == "maxtext/dense_capacity"
   assert summary["dropless"]["maxtext"] == "maxtext/ragged_dot"
+
+
+def test_the_summary_pairs_equal_drops_and_says_when_the_faster_peer_disagrees():
+  """The committed H200 run: MaxText's tokamax path is the fastest dropless one, and its
+  weight gradients are 5-6% off ours (beyond the 4% tolerance), which the summary carries."""
+  rows = [
+      {"drops": "dropless", "side": "moejax", "path": "moejax/config", "fwd_ms": 1.0,
+       "fwd_bwd_ms": 3.0, "dropped": 0},
+      {"drops": "dropless", "side": "maxtext", "path": "maxtext/fast", "fwd_ms": 1.5,
+       "fwd_bwd_ms": 2.0, "dropped": 0, "agreement": {"ok": False}},
+      {"drops": "dropless", "side": "maxtext", "path": "maxtext/slow", "fwd_ms": 2.0,
+       "fwd_bwd_ms": 6.0, "dropped": 0, "agreement": {"ok": True}},
+      {"drops": "capacity", "side": "moejax", "path": "moejax/dense", "fwd_ms": 1.0,
+       "fwd_bwd_ms": 2.0, "dropped": 9},
+      {"drops": "capacity", "side": "maxtext", "path": "maxtext/capacity", "fwd_ms": 2.0,
+       "fwd_bwd_ms": 4.0, "dropped": 9, "agreement": {"ok": True}},
+      {"drops": "capacity", "side": "maxtext", "path": "maxtext/other_drops", "fwd_ms": 0.1,
+       "fwd_bwd_ms": 0.2, "dropped": 3}]
+  dropless, capacity = study.summarise(rows)
+  assert (dropless["maxtext"], dropless["ours_ahead"], dropless["maxtext_agrees"]) == (
+      "maxtext/fast", False, False)
+  assert dropless["fwd_bwd_ratio"] == pytest.approx(2 / 3)
+  assert (capacity["maxtext"], capacity["ours_ahead"], capacity["maxtext_agrees"]) == (
+      "maxtext/capacity", True, True)

@@ -271,7 +271,15 @@ def sweep(shapes: dict, tiny: bool, budget_s: float, num_sms: int, write, impls=
              for p in sorted({w[0] for w in work})
              for i in range(0, sum(w[0] == p for w in work), threads)]
   refs, dense, inputs = {}, {}, {}
+  # A kernel that faults on the device (CUDA_ERROR_MISALIGNED_ADDRESS, say) leaves the CUDA
+  # context unusable: every later call in this process fails with the same error, which
+  # would be read as each candidate's own.
+  fault = None
   for batch in batches:
+    if fault is not None:
+      rows += [{**_row(n, p, shapes[n], c), "skipped": f"not run: {fault}"}
+               for _, _, n, p, c in batch]
+      continue
     if time.perf_counter() - start > budget_s:
       rows += [{**_row(n, p, shapes[n], c), "skipped": f"budget of {budget_s:.0f} s spent"}
                for _, _, n, p, c in batch]
@@ -280,6 +288,9 @@ def sweep(shapes: dict, tiny: bool, budget_s: float, num_sms: int, write, impls=
     for (_, _, name, pass_, cand), (run, compile_s) in zip(batch, built, strict=True):
       shape = shapes[name]
       row = _row(name, pass_, shape, cand)
+      if fault is not None:
+        rows.append({**row, "skipped": f"not run: {fault}"})
+        continue
       if run is None:
         rows.append({**row, "error": compile_s})
         write(rows)
@@ -292,6 +303,9 @@ def sweep(shapes: dict, tiny: bool, budget_s: float, num_sms: int, write, impls=
       except Exception as e:   # noqa: BLE001  (a kernel that fails is a row, not a stop)
         rows.append({**row, "error": _why(e)})
         write(rows)
+        if "CUDA_ERROR" in rows[-1]["error"]:
+          fault = (f"{name} {pass_} {cand.impl} faulted on the device before it and left the "
+                   "CUDA context unusable")
         continue
       if cand.impl == "xla_ragged_dot":
         refs[(name, pass_)] = got.astype(jnp.float32)

@@ -47,6 +47,29 @@ def _gmm_tiles(files):
                   *table(["implementation", "shape", "tiles", "ms", "TFLOP/s", "file"], rows)])
 
 
+@family("gpu_gmm_sweep", "The grouped matmul's passes beside XLA's dense dot on one GPU")
+def _gpu_gmm_sweep(files):
+  lines = []
+  for name, d in files.items():
+    rows = []
+    for r in d["rows"]:
+      if r.get("skipped"):
+        continue
+      params = " ".join(f"{k}={v}" for k, v in r.get("params", {}).items())
+      result = ([f"{r['ms']:.3f}", num(r["tflops"], 0), f"{r['of_dense']:.2f}"] if r.get("ms")
+                else [r.get("error", "").split(":")[0][:60], "", ""])
+      rows.append([r["shape"], r["pass"], f"{r['rows']} x {r['d']} x {r['f']}, {r['groups']}",
+                   r["impl"], params, *result])
+    skipped = sum(1 for r in d["rows"] if r.get("skipped"))
+    lines += [f"`{name}` ({d['metadata'].get('note', '')}): each pass of the expert "
+              "up-projection at rows x d x f over its groups; the time per call inside one jit; "
+              f"'of dense' is XLA's dense dot of the same FLOPs over this time. {skipped} "
+              "candidates not run (the budget).", "",
+              *table(["shape", "pass", "rows x d x f, groups", "kernel", "tiling", "ms",
+                      "TFLOP/s", "of dense"], rows), ""]
+  return Section(lines[:-1])
+
+
 @family("layer_profile", "The MoE layer on one GPU, per dispatch and kernels")
 def _layer_profile(files):
   rows = []

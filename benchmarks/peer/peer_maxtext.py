@@ -288,7 +288,10 @@ def summarise(rows: list[dict]) -> list[dict]:
                     "maxtext_fwd_ms": fast["fwd_ms"],
                     "fwd_bwd_ratio": fast["fwd_bwd_ms"] / best["fwd_bwd_ms"],
                     "fwd_ratio": fast["fwd_ms"] / best["fwd_ms"],
-                    "ours_ahead": best["fwd_bwd_ms"] < fast["fwd_bwd_ms"]})
+                    "ours_ahead": best["fwd_bwd_ms"] < fast["fwd_bwd_ms"],
+                    # A faster path whose output or gradients disagree with ours beyond the
+                    # tolerance computed something else: the row says so.
+                    "maxtext_agrees": fast.get("agreement", {}).get("ok")})
     out.append(entry)
   return out
 

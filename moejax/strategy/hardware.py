@@ -4,11 +4,13 @@ model; the schedule estimate of a compiled program, moejax.aot.estimate).
 
 A source is a datasheet, or a committed measurement and how the number was read from it. A
 rate no measurement backs yet says so ("assumed"). The H200 rates are read from the kernel
-table of its one-GPU train steps (benchmarks/gpu/results/on_gpu_h200/kernel_profiles.json.gz:
-every kernel's time per step, profiled) against the FLOPs and bytes of the same programs'
-scheduled HLO (step_hlos.json.gz): kernel times, not the per-call rates of on_gpu_h200.json's
-`rates` step, whose small GEMMs and copies were timed per Python dispatch and are
-launch-bound.
+table of its first one-GPU train steps
+(benchmarks/gpu/results/on_gpu_h200_first/kernel_profiles.json.gz: every kernel's time per
+step, profiled) against the FLOPs and bytes of the same programs' scheduled HLO
+(step_hlos.json.gz): kernel times, not the per-call rates of on_gpu_h200_first.json's `rates`
+step, whose small GEMMs and copies were timed per Python dispatch and are launch-bound. The
+second H200 run (on_gpu_h200.json and its folder) was fitted to nothing: its eight steps
+check these rates held out.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-H200_PROFILE = ("benchmarks/gpu/results/on_gpu_h200/kernel_profiles.json.gz with step_hlos.json.gz "
-                "(4 one-GPU train steps, jax 0.11.2)")
+H200_PROFILE = ("benchmarks/gpu/results/on_gpu_h200_first/kernel_profiles.json.gz with "
+                "step_hlos.json.gz (4 one-GPU train steps, jax 0.11.2)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +154,7 @@ GPU_RATES = {
                                  "measured on an H200)"),
         hbm_bytes_per_s=Rate(4.19e12, f"{_FIT} (3.5-4.3 TB/s per step)"),
         copy_bytes_per_s=Rate(3.48e12, f"{_FIT} (memcpy of copies and async slices; "
-                                       "on_gpu_h200.json rates.hbm's 2 GiB copy: 3.23 TB/s)"),
+                                       "on_gpu_h200_first.json rates.hbm's 2 GiB copy: 3.23 TB/s)"),
         fill_bytes_per_s=Rate(3.03e12, f"{_FIT} (2.7-3.5 TB/s per step)"),
         reduce_bytes_per_s=Rate(3.44e12, f"{_FIT} (3.3-3.7 TB/s per step)"),
         scatter_bytes_per_s=Rate(0.76e12, f"{_FIT} (0.69-0.78 TB/s per step)"),
@@ -168,7 +170,8 @@ GPU_RATES = {
         attention=(AttentionRate(64, 1024, 280e12, 220e12, _FIT),
                    AttentionRate(128, 4096, 550e12, 443e12, _FIT),
                    AttentionRate(128, 8192, 419e12, 505e12,
-                                 "benchmarks/gpu/results/on_gpu_h200.json rates.attention (cudnn, "
+                                 "benchmarks/gpu/results/on_gpu_h200_first.json "
+                                 "rates.attention (cudnn, "
                                  "batch 1, 32 heads, 8 kv heads): fwd 1.31 ms, fwd+bwd 4.04 ms, "
                                  "timed per call (at 4096 such timing reads 0.63x the kernel "
                                  "table's forward rate: a lower bound)")),
