@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from benchmarks.gpu import on_gpu
 from benchmarks.gpu.gpu_train_step import flops_per_token, load_config
 
 
@@ -33,6 +34,7 @@ def test_dry_run_reports_every_step(tmp_path):
   result = json.loads((tmp_path / "on_gpu_cpu.json").read_text())
   assert {"command", "commit", "date", "machine", "load"} <= set(result["metadata"])
   steps = result["steps"]
+  assert list(steps) == list(on_gpu.STEPS)       # the names --skip takes, in their order
   for name in ("target_config", "kernel_tests", "mock_topology", "schedule_estimate"):
     assert steps[name]["skipped"].startswith("no GPU"), steps[name]
   rows = {r["path"]: r for r in steps["train_steps"]["rows"]}
@@ -46,6 +48,14 @@ def test_dry_run_reports_every_step(tmp_path):
   assert any(p.endswith("plain loss") for p in ablations)
   with gzip.open(tmp_path / "step_hlos.json.gz", "rt") as f:   # each shape's fastest path's
     assert "ENTRY" in json.load(f)["gpu_config"]              # scheduled HLO
+
+
+def test_skip_names_an_unknown_step_in_one_line(capsys):
+  with pytest.raises(SystemExit) as e:
+    on_gpu.main(["--skip", "rates,train_step", "--dry_run"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err.strip().splitlines()[-1]
+  assert "--skip train_step: no such step" in err and "train_steps" in err, err
 
 
 def test_flops_per_token_counts_grouped_kv_heads_and_head_dim():

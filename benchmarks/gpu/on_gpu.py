@@ -48,6 +48,10 @@ from benchmarks.gpu.gpu_train_step import (
 )
 from moejax.runtime import xla_flags
 
+# The steps in the order they run (the names --skip takes and the JSON's "steps" keys).
+STEPS = ("target_config", "rates", "train_mixtral_2l", "train_qwen3_4l", "peer_maxtext",
+         "gmm_sweep", "train_gpu_config_ep8_slice", "train_steps", "kernel_tests",
+         "mock_topology", "schedule_estimate")
 KERNEL_TESTS = ("tests/test_pallas_kernels.py", "tests/test_moe_kernels.py",
                 "tests/test_gpu_config.py")
 
@@ -228,13 +232,16 @@ def main(argv=None) -> int:
   ap.add_argument("--dry_run", action="store_true",
                   help="Run what needs no GPU at a tiny size and report the rest as skipped.")
   ap.add_argument("--skip", default="", help=(
-      "Comma-separated steps not to run (target_config, kernel_tests, train_steps, "
-      "mock_topology, schedule_estimate), e.g. to redo only a step that failed."))
+      f"Comma-separated steps not to run ({', '.join(STEPS)}), e.g. to finish on a second "
+      "call what the first left out."))
   ap.add_argument("--_mock", nargs=2, help=argparse.SUPPRESS)
   ap.add_argument("--levers_only", action="store_true", help=(
       "In each shape's step, time only its levers (gpu_train_step.SHAPES), not its paths."))
   ap.add_argument("--_train", nargs=6, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
+  unknown = [name for name in args.skip.split(",") if name and name not in STEPS]
+  if unknown:
+    ap.error(f"--skip {','.join(unknown)}: no such step; the steps are {', '.join(STEPS)}")
   if args._mock:
     print(json.dumps(mock_compile(*args._mock)))
     return 0
