@@ -8,13 +8,23 @@ import dataclasses
 import functools
 
 import jax
+import numpy as np
 import pytest
 
 from moejax.config import Config
+from moejax.layout import host_layout as placement_lib
+from moejax.layout.tables import from_placements
 from moejax.train import step as step_lib
+from moejax.train.programs import CompileCounter
 from tests import hlo
 from tests.helpers import TINY_MODEL, TINY_MOE, tokens
-from tests.moe_helpers import cached_setup, check_pipeline, model_lengths, model_loss_and_grads
+from tests.moe_helpers import (
+  cached_setup,
+  check_pipeline,
+  model_lengths,
+  model_loss_and_grads,
+  with_local,
+)
 from tests.numerics import assert_close, assert_trees_close
 
 SHAPE = (1, 4, 1)
@@ -103,3 +113,37 @@ def test_fsep_recompute_runs_no_token_exchange_again(path):
                                                                   KEEPS))
   assert keeps == plain - forward * layers, (plain, keeps)
   assert remat_keeps == keeps, remat_keeps
+
+
+@pytest.mark.parametrize("path", list(FSEP))
+def test_fsep_keeping_the_exchange_compiles_nothing_for_a_new_layout(path):
+  """The tape holds the exchanges' traced values, never a layout's: the compiled step runs
+  other placements (experts moved between the 8 slots, then per-source shares) without
+  compiling, with the loss and gradients of the first (nothing dropped: a placement moves
+  work, not the math)."""
+  moe = FSEP[path]
+  _, model, _, layout, _, state = cached_setup(SHAPE, KEEPS_ONLY, moe)
+  f = jax.jit(jax.value_and_grad(
+      functools.partial(step_lib.loss_fn, model=model, moe_cfg=moe), has_aux=True))
+  (loss, first), grads = f(state.params, batch_BxQ1=tokens(), layout=layout)
+  loss_len, grad_len = model_lengths(TINY_MODEL, moe)
+  experts, devices = moe.num_experts, SHAPE[1]
+  layers, replicas = layout.expert_slots_LxExR.shape[0], layout.expert_slots_LxExR.shape[2]
+  shardings = jax.tree.map(lambda a: a.sharding, layout)
+  rng = np.random.default_rng(0)
+  for i in range(3):
+    moved = [placement_lib.Placement(rng.permutation(experts).astype(np.int32),
+                                     np.ones(experts), devices) for _ in range(layers)]
+    if i:
+      moved = [with_local(p, rng) for p in moved]
+    new = jax.device_put(from_placements(moved, experts, replicas), shardings)
+    with CompileCounter() as compiles:
+      (new_loss, aux), new_grads = f(state.params, batch_BxQ1=tokens(), layout=new)
+      jax.block_until_ready(new_loss)
+    assert compiles.count == 0, f"layout {i} compiled {compiles.count} programs"
+    # the slots' work follows the new placement; the experts' does not change
+    assert not np.array_equal(aux["slot_counts_LxWxS"], first["slot_counts_LxWxS"])
+    np.testing.assert_array_equal(aux["counts_LxWxE"], first["counts_LxWxE"])
+    assert_close(new_loss, loss, loss_len, err_msg=f"layout {i}: loss")
+    assert_trees_close(new_grads, grads, grad_len)
+  assert f._cache_size() == 1
