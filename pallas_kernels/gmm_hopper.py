@@ -80,20 +80,43 @@ def work_list(group_sizes_C, m: int, tile_m: int):
   return tile.astype(jnp.int32), group, lo, hi, cum[-2:].astype(jnp.int32)
 
 
-def _store_rows(o_smem, o_gmem, row0, lo, hi, col0, width, rows: int):
-  """TMA-store smem rows [lo - row0, hi - row0) of `o_smem` ([rows, width]) to gmem rows
-  [lo, hi): one store per set bit of the count, largest first (TMA boxes are static)."""
-  plgpu = _plgpu()
-  count = hi - lo
-  offset = lo - row0
+# A TMA copy's shared-memory address must be 128-byte aligned (a 64-mod-128 one faults with
+# CUDA_ERROR_MISALIGNED_ADDRESS on the GPU; Mosaic GPU's interpreter does not check it).
+TMA_SMEM_ALIGN = 128
+
+
+def _ladder(offset, count, rows: int):
+  """The row-by-row store's pieces: (size, first row) per set bit of `count` (the rows to
+  store, from row `offset`), largest first, a piece of every size a power of two up to `rows`
+  (TMA boxes are static; a piece whose bit is clear stores nothing). Works on ints and traced
+  values alike."""
   size = 1 << int(math.log2(rows))
   while size >= 1:
+    yield size, offset
+    offset = offset + (count & size)
+    size //= 2
+
+
+def plain_shift(offset, row_bytes: int):
+  """Rows to shift the plain epilogue buffer's tile down by so that every piece of `_ladder`
+  from row `offset` starts on a TMA-aligned shared-memory address: rows of 64 bytes (32 bf16
+  columns) need an even first row, and every piece but the last single row is an even count,
+  so one row of shift when `offset` is odd; rows of 128 bytes or more need none."""
+  if row_bytes % TMA_SMEM_ALIGN == 0:
+    return 0
+  return offset & 1
+
+
+def _store_rows(o_smem, o_gmem, row0, lo, hi, col0, width, rows: int):
+  """TMA-store smem rows [lo - row0, hi - row0) of `o_smem` ([rows, width]) to gmem rows
+  [lo, hi): one store per set bit of the count, largest first (the pieces of `_ladder`)."""
+  plgpu = _plgpu()
+  count = hi - lo
+  for size, offset in _ladder(lo - row0, count, rows):
     @pl.when((count & size) != 0)
     def _(size=size, offset=offset):
       plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(offset, size)],
                               o_gmem.at[pl.ds(row0 + offset, size), pl.ds(col0, width)])
-    offset = offset + (count & size)
-    size //= 2
 
 
 def gmm(x_rowsxin, w_Cxinxout, group_sizes_C, *, block_m: int = 128, block_n: int = 128,
@@ -116,7 +139,7 @@ def gmm(x_rowsxin, w_Cxinxout, group_sizes_C, *, block_m: int = 128, block_n: in
   cta_m = block_m * (2 if split == "m" else 1)
   cta_n = block_n * (2 if split == "n" else 1)
   if why := gmm_unsupported(x_rowsxin, w_Cxinxout, block_m, block_n, block_k, split,
-                            transpose_rhs):
+                            transpose_rhs, epilogue_n):
     raise ValueError(why)
   if m == 0 or num_groups == 0:
     return jnp.zeros((m, n), dtype)
@@ -129,6 +152,10 @@ def gmm(x_rowsxin, w_Cxinxout, group_sizes_C, *, block_m: int = 128, block_n: in
 
   chained = chain and k_steps % max_concurrent_steps == 0
   epi_n = math.gcd(block_n, epilogue_n)
+  row_bytes = epi_n * jnp.dtype(dtype).itemsize
+  # the plain buffer's room for plain_shift's row, kept even so that the second warpgroup's
+  # buffer also starts 128-byte aligned
+  plain_extra = 0 if row_bytes % TMA_SMEM_ALIGN == 0 else 1
 
   def body(count_ref, tile_ref, group_ref, lo_ref, hi_ref, x_gmem, w_gmem, o_gmem):
     wg = lax.axis_index("wg")
@@ -156,7 +183,7 @@ def gmm(x_rowsxin, w_Cxinxout, group_sizes_C, *, block_m: int = 128, block_n: in
         pl.run_scoped,
         allocs=pipeline_for(ignore, ignore).get_allocations(x_block, w_block),
         swizzled_smem=plgpu.SMEM((2, block_m, epi_n), dtype, transforms=_swizzled(dtype, epi_n)),
-        plain_smem=plgpu.SMEM((2, block_m, epi_n), dtype),
+        plain_smem=plgpu.SMEM((2, block_m + 2 * plain_extra, epi_n), dtype),
         collective_axes="wg")
     def _(allocs, swizzled_smem, plain_smem):
       def item(s):
@@ -184,9 +211,10 @@ def gmm(x_rowsxin, w_Cxinxout, group_sizes_C, *, block_m: int = 128, block_n: in
 
             @pl.when(~whole)     # some rows: any row offset needs the plain layout
             def _(chunk=chunk, col=col):
-              plain[...] = chunk
+              shifted = plain.at[pl.ds(plain_shift(wg_lo - wg_row0, row_bytes), block_m)]
+              shifted[...] = chunk
               plgpu.commit_smem()
-              _store_rows(plain, o_gmem, wg_row0, wg_lo, wg_hi, col, epi_n, block_m)
+              _store_rows(shifted, o_gmem, wg_row0, wg_lo, wg_hi, col, epi_n, block_m)
 
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         return group_ref[p], row0, j * cta_n, store
@@ -249,7 +277,7 @@ def gmm(x_rowsxin, w_Cxinxout, group_sizes_C, *, block_m: int = 128, block_n: in
 
 
 def gmm_unsupported(x_rowsxin, w_Cxinxout, block_m, block_n, block_k, split,
-                    transpose_rhs) -> str | None:
+                    transpose_rhs, epilogue_n: int = 32) -> str | None:
   """Why `gmm` cannot take these operands and tiles (None: it can)."""
   if x_rowsxin.dtype != w_Cxinxout.dtype or jnp.dtype(x_rowsxin.dtype).name not in TILE_DTYPES:
     return (f"the Hopper gmm needs bf16/f16 operands of one dtype, got {x_rowsxin.dtype} and "
@@ -258,6 +286,11 @@ def gmm_unsupported(x_rowsxin, w_Cxinxout, block_m, block_n, block_k, split,
     return f"the Hopper gmm's split={split!r} must be 'n' or 'm'."
   if block_m % WGMMA_ROWS:
     return f"the Hopper gmm's block_m={block_m} must be a multiple of {WGMMA_ROWS}."
+  row_bytes = math.gcd(block_n, epilogue_n) * jnp.dtype(x_rowsxin.dtype).itemsize
+  if row_bytes % (TMA_SMEM_ALIGN // 2):
+    return (f"the Hopper gmm's epilogue rows of {row_bytes} bytes (gcd(block_n, epilogue_n) "
+            f"columns) cannot all start {TMA_SMEM_ALIGN}-byte aligned; use epilogue_n >= "
+            f"{TMA_SMEM_ALIGN // 2 // jnp.dtype(x_rowsxin.dtype).itemsize}.")
   n = w_Cxinxout.shape[1] if transpose_rhs else w_Cxinxout.shape[2]
   cta_n = block_n * (2 if split == "n" else 1)
   for name, dim, tile in (("in", x_rowsxin.shape[1], block_k), ("out", n, cta_n)):

@@ -265,12 +265,13 @@ needs_mosaic_interpreter = pytest.mark.skipif(
 
 
 # (split, transpose_rhs, group sizes, block_n, chain) over 200 rows: an empty group, rows past
-# the last group, groups that start and end inside a CTA's rows (stored row by row) and that
+# the last group, groups that start and end inside a CTA's rows, at odd rows too (stored row
+# by row from the shifted plain buffer) and that
 # cover whole ones (stored swizzled), sizes summing past the rows (clipped); the epilogue in
 # two column chunks (block_n 128); tiles chained on an SM or not.
 @needs_mosaic_interpreter
 @pytest.mark.parametrize("split,transpose_rhs,sizes,block_n,chain", [
-    ("n", False, [50, 0, 130, 10], 128, True),
+    ("n", False, [51, 0, 129, 11], 128, True),      # groups starting at odd rows
     pytest.param("m", True, [120, 0, 70, 40], 64, True, marks=pytest.mark.slow),
     pytest.param("n", True, [0, 200, 0, 0], 64, False, marks=pytest.mark.slow)])
 def test_hopper_gmm_matches_reference_interpreted(split, transpose_rhs, sizes, block_n, chain):
@@ -290,6 +291,34 @@ def test_hopper_gmm_matches_reference_interpreted(split, transpose_rhs, sizes, b
   assert got.dtype == jnp.bfloat16
   numerics.assert_close(got, want, i, EPS_BF16, "gmm")
   assert not compat.mosaic_gpu_races_found()
+
+
+@pytest.mark.parametrize("row_bytes,block_m", [(64, 64), (64, 128), (128, 64), (256, 128)])
+def test_hopper_gmm_row_stores_start_tma_aligned(row_bytes, block_m):
+  """Every TMA store of the row-by-row epilogue reads shared memory at a 128-byte aligned
+  address, for every first row and row count of a group inside a tile: the shift of the
+  plain buffer and the pieces the store walks (the H200 faulted with
+  CUDA_ERROR_MISALIGNED_ADDRESS on 64-byte rows starting at an odd row, which Mosaic GPU's
+  interpreter does not check)."""
+  align = gmm_hopper.TMA_SMEM_ALIGN
+  unshifted = set()
+  for offset in range(block_m):
+    shift = gmm_hopper.plain_shift(offset, row_bytes)
+    for count in range(1, block_m - offset + 1):
+      for size, start in gmm_hopper._ladder(offset, count, block_m):
+        if count & size:
+          assert (shift + start) * row_bytes % align == 0, (offset, count, size, start)
+          assert shift + start + size <= block_m + 1          # inside the buffer
+          unshifted.add(start * row_bytes % align == 0)
+  assert unshifted == ({True} if row_bytes % align == 0 else {True, False})
+
+
+def test_hopper_gmm_refuses_epilogue_rows_it_cannot_align():
+  x = jnp.zeros((128, 128), jnp.bfloat16)
+  w = jnp.zeros((2, 128, 256), jnp.bfloat16)
+  assert gmm_hopper.gmm_unsupported(x, w, 64, 128, 64, "n", False) is None
+  why = gmm_hopper.gmm_unsupported(x, w, 64, 128, 64, "n", False, epilogue_n=16)
+  assert "rows of 32 bytes" in why and "epilogue_n >= 32" in why, why
 
 
 @needs_mosaic_interpreter
