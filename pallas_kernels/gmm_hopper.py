@@ -107,6 +107,13 @@ def plain_shift(offset, row_bytes: int):
   return offset & 1
 
 
+def plain_rows(block_m: int, row_bytes: int) -> int:
+  """Rows of each warpgroup's plain epilogue buffer: a tile's and room for `plain_shift`'s
+  row, two rows rather than one so that the second warpgroup's buffer, right after the
+  first's, also starts TMA-aligned."""
+  return block_m + (0 if row_bytes % TMA_SMEM_ALIGN == 0 else 2)
+
+
 def _store_rows(o_smem, o_gmem, row0, lo, hi, col0, width, rows: int):
   """TMA-store smem rows [lo - row0, hi - row0) of `o_smem` ([rows, width]) to gmem rows
   [lo, hi): one store per set bit of the count, largest first (the pieces of `_ladder`)."""
@@ -153,9 +160,6 @@ def gmm(x_rowsxin, w_Cxinxout, group_sizes_C, *, block_m: int = 128, block_n: in
   chained = chain and k_steps % max_concurrent_steps == 0
   epi_n = math.gcd(block_n, epilogue_n)
   row_bytes = epi_n * jnp.dtype(dtype).itemsize
-  # the plain buffer's room for plain_shift's row, kept even so that the second warpgroup's
-  # buffer also starts 128-byte aligned
-  plain_extra = 0 if row_bytes % TMA_SMEM_ALIGN == 0 else 1
 
   def body(count_ref, tile_ref, group_ref, lo_ref, hi_ref, x_gmem, w_gmem, o_gmem):
     wg = lax.axis_index("wg")
@@ -183,7 +187,7 @@ def gmm(x_rowsxin, w_Cxinxout, group_sizes_C, *, block_m: int = 128, block_n: in
         pl.run_scoped,
         allocs=pipeline_for(ignore, ignore).get_allocations(x_block, w_block),
         swizzled_smem=plgpu.SMEM((2, block_m, epi_n), dtype, transforms=_swizzled(dtype, epi_n)),
-        plain_smem=plgpu.SMEM((2, block_m + 2 * plain_extra, epi_n), dtype),
+        plain_smem=plgpu.SMEM((2, plain_rows(block_m, row_bytes), epi_n), dtype),
         collective_axes="wg")
     def _(allocs, swizzled_smem, plain_smem):
       def item(s):
@@ -288,9 +292,10 @@ def gmm_unsupported(x_rowsxin, w_Cxinxout, block_m, block_n, block_k, split,
     return f"the Hopper gmm's block_m={block_m} must be a multiple of {WGMMA_ROWS}."
   row_bytes = math.gcd(block_n, epilogue_n) * jnp.dtype(x_rowsxin.dtype).itemsize
   if row_bytes % (TMA_SMEM_ALIGN // 2):
+    cols = TMA_SMEM_ALIGN // 2 // jnp.dtype(x_rowsxin.dtype).itemsize
     return (f"the Hopper gmm's epilogue rows of {row_bytes} bytes (gcd(block_n, epilogue_n) "
-            f"columns) cannot all start {TMA_SMEM_ALIGN}-byte aligned; use epilogue_n >= "
-            f"{TMA_SMEM_ALIGN // 2 // jnp.dtype(x_rowsxin.dtype).itemsize}.")
+            f"columns) cannot all start {TMA_SMEM_ALIGN}-byte aligned; make block_n and "
+            f"epilogue_n multiples of {cols}.")
   n = w_Cxinxout.shape[1] if transpose_rhs else w_Cxinxout.shape[2]
   cta_n = block_n * (2 if split == "n" else 1)
   for name, dim, tile in (("in", x_rowsxin.shape[1], block_k), ("out", n, cta_n)):

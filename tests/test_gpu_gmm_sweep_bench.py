@@ -61,9 +61,29 @@ def test_a_device_fault_stops_the_sweep_and_names_the_faulting_kernel(monkeypatc
     return real(run, args, want, tiny)
 
   monkeypatch.setattr(gpu_gmm_sweep, "timed", faulting)
+  monkeypatch.setattr(gpu_gmm_sweep, "device_usable", lambda: len(calls) != 2)
   rows = gpu_gmm_sweep.sweep(gpu_gmm_sweep.TINY_SHAPES, True, 600, 4, lambda rows: None,
                              impls={"xla_dense", "xla_ragged_dot"})
   assert len(calls) == 2 and "ms" in rows[0] and "CUDA_ERROR" in rows[1]["error"]
   assert len(rows) == 2 * len(gpu_gmm_sweep.PASSES)
-  assert all(r["skipped"].startswith("not run: tiny fwd xla_ragged_dot faulted")
+  assert all(r["skipped"].startswith("not run: tiny fwd xla_ragged_dot {} faulted")
              for r in rows[2:]), rows[2:]
+
+
+def test_an_error_that_leaves_the_device_usable_stops_only_its_candidate(monkeypatch):
+  """Out of memory, say: the device still runs, so the next candidates do too."""
+  real = gpu_gmm_sweep.timed
+  calls = []
+
+  def failing(run, args, want, tiny):
+    calls.append(run)
+    if len(calls) == 2:
+      raise RuntimeError("RESOURCE_EXHAUSTED: CUDA_ERROR_OUT_OF_MEMORY: out of memory")
+    return real(run, args, want, tiny)
+
+  monkeypatch.setattr(gpu_gmm_sweep, "timed", failing)
+  rows = gpu_gmm_sweep.sweep(gpu_gmm_sweep.TINY_SHAPES, True, 600, 4, lambda rows: None,
+                             impls={"xla_dense", "xla_ragged_dot"})
+  assert "error" in rows[1] and gpu_gmm_sweep.device_usable()
+  assert len(calls) == len(rows) == 2 * len(gpu_gmm_sweep.PASSES)
+  assert all("ms" in r for i, r in enumerate(rows) if i != 1), rows

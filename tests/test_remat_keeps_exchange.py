@@ -115,7 +115,7 @@ def test_fsep_recompute_runs_no_token_exchange_again(path):
   assert remat_keeps == keeps, remat_keeps
 
 
-@pytest.mark.parametrize("path", list(FSEP))
+@pytest.mark.parametrize("path", ["per_slot", pytest.param("pooled", marks=pytest.mark.slow)])
 def test_fsep_keeping_the_exchange_compiles_nothing_for_a_new_layout(path):
   """The tape holds the exchanges' traced values, never a layout's: the compiled step runs
   other placements (experts moved between the 8 slots, then per-source shares) without

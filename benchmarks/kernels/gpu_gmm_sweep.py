@@ -248,6 +248,16 @@ def timed(run, args, want, tiny: bool) -> tuple[dict, jax.Array]:
           "ok": None if err is None else bool(err <= TOL)}, got
 
 
+def device_usable() -> bool:
+  """Whether the device still runs a trivial computation after a candidate's error."""
+  try:
+    jnp.zeros((1,), jnp.float32).block_until_ready()
+    jax.device_get(jnp.ones((1,)) + 1)
+    return True
+  except Exception:   # noqa: BLE001  (any failure here means the context is gone)
+    return False
+
+
 def _why(e: Exception) -> str:
   return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
 
@@ -273,7 +283,8 @@ def sweep(shapes: dict, tiny: bool, budget_s: float, num_sms: int, write, impls=
   refs, dense, inputs = {}, {}, {}
   # A kernel that faults on the device (CUDA_ERROR_MISALIGNED_ADDRESS, say) leaves the CUDA
   # context unusable: every later call in this process fails with the same error, which
-  # would be read as each candidate's own.
+  # would be read as each candidate's own. An error that leaves it usable (out of memory,
+  # too many resources for a launch) stops only its own candidate.
   fault = None
   for batch in batches:
     if fault is not None:
@@ -303,9 +314,9 @@ def sweep(shapes: dict, tiny: bool, budget_s: float, num_sms: int, write, impls=
       except Exception as e:   # noqa: BLE001  (a kernel that fails is a row, not a stop)
         rows.append({**row, "error": _why(e)})
         write(rows)
-        if "CUDA_ERROR" in rows[-1]["error"]:
-          fault = (f"{name} {pass_} {cand.impl} faulted on the device before it and left the "
-                   "CUDA context unusable")
+        if not device_usable():
+          fault = (f"{name} {pass_} {cand.impl} {cand.params} faulted on the device before it "
+                   "and left the CUDA context unusable")
         continue
       if cand.impl == "xla_ragged_dot":
         refs[(name, pass_)] = got.astype(jnp.float32)

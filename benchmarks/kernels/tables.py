@@ -56,15 +56,22 @@ def _gpu_gmm_sweep(files):
       if r.get("skipped"):
         continue
       params = " ".join(f"{k}={v}" for k, v in r.get("params", {}).items())
+      error = r.get("error", "")
       result = ([f"{r['ms']:.3f}", num(r["tflops"], 0), f"{r['of_dense']:.2f}"] if r.get("ms")
-                else [r.get("error", "").split(":")[0][:60], "", ""])
+                else [next((w for w in error.replace(":", " ").split()
+                            if w.startswith("CUDA_ERROR")), error[:60]), "", ""])
       rows.append([r["shape"], r["pass"], f"{r['rows']} x {r['d']} x {r['f']}, {r['groups']}",
                    r["impl"], params, *result])
-    skipped = sum(1 for r in d["rows"] if r.get("skipped"))
+    reasons = {}
+    for r in d["rows"]:
+      if r.get("skipped"):
+        why = "the budget" if "budget" in r["skipped"] else "an earlier kernel's device fault"
+        reasons[why] = reasons.get(why, 0) + 1
+    skipped = "; ".join(f"{n} not run ({why})" for why, n in reasons.items())
     lines += [f"`{name}` ({d['metadata'].get('note', '')}): each pass of the expert "
               "up-projection at rows x d x f over its groups; the time per call inside one jit; "
-              f"'of dense' is XLA's dense dot of the same FLOPs over this time. {skipped} "
-              "candidates not run (the budget).", "",
+              "'of dense' is XLA's dense dot of the same FLOPs over this time"
+              + (f"; candidates {skipped}." if skipped else "."), "",
               *table(["shape", "pass", "rows x d x f, groups", "kernel", "tiling", "ms",
                       "TFLOP/s", "of dense"], rows), ""]
   return Section(lines[:-1])
