@@ -27,13 +27,12 @@ __all__ = ["DEFAULT_GIN", "main", "parse_config"]
 
 def set_xla_flags(host_device_count: int) -> None:
   """Before jax is imported: with no XLA_FLAGS given, set this platform's defaults (CPU:
-  `host_device_count` fake devices; GPU: the latency-hiding scheduler) and say so."""
+  `host_device_count` fake devices; GPU: the latency-hiding scheduler, XLA's memory limit and
+  the allocator's share of the GPU) and say so."""
   platform = xla_flags.platform_before_init(os.environ, xla_flags.installed_jax_plugins())
-  flags = xla_flags.default_xla_flags(os.environ, platform, host_device_count)
-  if flags is not None:
-    os.environ["XLA_FLAGS"] = flags
-    print(f"XLA_FLAGS={flags} (train.py's default for {platform}; set XLA_FLAGS to replace it)",
-          flush=True)
+  for line in xla_flags.set_defaults(os.environ, platform, host_device_count):
+    name = line.split("=")[0]
+    print(f"{line} (train.py's default for {platform}; set {name} to replace it)", flush=True)
 
 
 def quiet_library_noise() -> None:

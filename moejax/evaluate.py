@@ -87,10 +87,9 @@ def set_xla_flags(cfg: Config, command: str = "evaluate") -> None:
   """As train.py: with no XLA_FLAGS, the CPU devices the run's mesh needs (said on stderr:
   stdout carries the result)."""
   platform = xla_flags.platform_before_init(os.environ, xla_flags.installed_jax_plugins())
-  flags = xla_flags.default_xla_flags(os.environ, platform, cfg.mesh.host_device_count)
-  if flags is not None:
-    os.environ["XLA_FLAGS"] = flags
-    print(f"XLA_FLAGS={flags} ({command}'s default for {platform}; set XLA_FLAGS to replace it)",
+  for line in xla_flags.set_defaults(os.environ, platform, cfg.mesh.host_device_count):
+    name = line.split("=")[0]
+    print(f"{line} ({command}'s default for {platform}; set {name} to replace it)",
           file=sys.stderr, flush=True)
 
 

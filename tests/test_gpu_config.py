@@ -112,19 +112,38 @@ def test_gpu_flags_turn_on_the_latency_hiding_scheduler():
 
 def test_train_sets_and_prints_the_gpu_flags(monkeypatch, capsys):
   monkeypatch.delenv("XLA_FLAGS", raising=False)
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
   monkeypatch.setenv("JAX_PLATFORMS", "cuda")
   train.set_xla_flags(1)
   assert os.environ["XLA_FLAGS"] == " ".join(xla_flags.GPU_FLAGS)
+  assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == str(xla_flags.GPU_MEMORY_FRACTION)
   out = capsys.readouterr().out.splitlines()
-  assert len(out) == 1 and LHS in out[0] and "gpu" in out[0], out
+  assert len(out) == 2 and LHS in out[0] and "gpu" in out[0], out
+  assert out[1].startswith("XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 "), out
 
 
 def test_train_leaves_the_users_xla_flags(monkeypatch, capsys):
   monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.8")
   monkeypatch.setenv("JAX_PLATFORMS", "cuda")
   train.set_xla_flags(8)
   assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
+  assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.8"
   assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("env,platform,want", [
+    ({}, "gpu", "0.9"), ({}, "cpu", None), ({"XLA_PYTHON_CLIENT_MEM_FRACTION": ".5"}, "gpu", None)])
+def test_default_memory_fraction(env, platform, want):
+  assert xla_flags.default_memory_fraction(env, platform) == want
+
+
+def test_xla_memory_limit_stays_inside_the_allocators_pool():
+  """XLA keeps a program under (80% of device memory less its inputs and outputs) x the slop
+  factor / 100: at most 0.8 x factor of the GPU, which must fit the allocator's share."""
+  slop = [int(f.split("=")[1]) for f in xla_flags.GPU_FLAGS
+          if f.startswith("--xla_gpu_memory_limit_slop_factor=")]
+  assert len(slop) == 1 and 0.8 * slop[0] / 100 < xla_flags.GPU_MEMORY_FRACTION
 
 
 def _start_jax(flags: str) -> subprocess.CompletedProcess:

@@ -35,6 +35,7 @@ from moejax.aot.gpus import gpu as gpu_info
 from moejax.aot.hlo import parse
 from moejax.config import Config
 from moejax.frontend import parse_config
+from moejax.runtime.xla_flags import GPU_MEMORY_FRACTION
 
 MODELS = {"mixtral_8x7b": os.path.join(REPO, "configs", "mixtral_8x7b.gin"),
           "qwen3_30b_a3b": os.path.join(REPO, "configs", "qwen3_moe.gin")}
@@ -160,7 +161,7 @@ def compile_row(spec: Spec, gpu: str = "h100", hlo_dir: str | None = None) -> di
       exposed_comm_s=est.exposed_comm_s, by_category=est.by_category, comm_by=est.comm_by,
       exposed_by=est.exposed_by, compute_by=est.compute_by,
       grouped_matmul=grouped_matmul(module, Rates.for_gpu(gpu, spec.topology)),
-      peak_bytes=peak, fits=peak <= gpu_info(gpu).memory_bytes,
+      peak_bytes=peak, fits=fits(peak, gpu),
       wall_s=round(time.perf_counter() - tick, 1))
   if hlo_dir:
     os.makedirs(hlo_dir, exist_ok=True)
@@ -228,6 +229,12 @@ SCALED = ("step_s", "compute_s", "comm_s", "exposed_comm_s", "by_category", "com
           "exposed_by", "compute_by", "grouped_matmul", "peak_bytes")
 
 
+def fits(peak_bytes: float, gpu: str) -> bool:
+  """Whether a program's peak fits the share of the GPU's memory that train.py gives JAX's
+  allocator (XLA_PYTHON_CLIENT_MEM_FRACTION)."""
+  return peak_bytes <= GPU_MEMORY_FRACTION * gpu_info(gpu).memory_bytes
+
+
 def _linear(lo: dict, hi: dict, w: float) -> dict:
   """`lo` + w (`hi` - `lo`) for every number of `SCALED` (nested dicts key by key); whether
   the result fits its GPU from its peak."""
@@ -241,7 +248,7 @@ def _linear(lo: dict, hi: dict, w: float) -> dict:
 
   out = {k: mix(lo[k], hi[k]) for k in SCALED}
   out.update(compiled=True, gpu=lo["gpu"],
-             fits=out["peak_bytes"] <= gpu_info(lo["gpu"]).memory_bytes)
+             fits=fits(out["peak_bytes"], lo["gpu"]))
   return out
 
 

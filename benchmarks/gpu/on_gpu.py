@@ -253,6 +253,7 @@ def main(argv=None) -> int:
   if platform == "gpu":   # train.py's GPU flags, also beside flags the machine already sets
     have = os.environ.get("XLA_FLAGS", "").split()
     os.environ["XLA_FLAGS"] = " ".join(have + [f for f in xla_flags.GPU_FLAGS if f not in have])
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(xla_flags.GPU_MEMORY_FRACTION))
   # This process reads the device and starts the others; the memory is theirs.
   os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
   import jax

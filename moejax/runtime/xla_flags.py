@@ -10,7 +10,8 @@ environment and the installed JAX plugins, without asking JAX which devices exis
        `python -m moejax.launch -n P -d N/P`.
   gpu  XLA's latency-hiding scheduler, so that collectives (the MoE all-to-alls, the
        gradient all-reduces) are scheduled to overlap independent compute, up to four at
-       once; ragged_all_to_all decomposed (see GPU_FLAGS).
+       once; ragged_all_to_all decomposed; XLA's memory limit raised to match the
+       allocator's pool, which XLA_PYTHON_CLIENT_MEM_FRACTION sets (see GPU_FLAGS).
 
 A user's XLA_FLAGS (even empty) is left as it is: they replace these defaults entirely.
 """
@@ -22,8 +23,8 @@ import importlib.util
 import pkgutil
 from collections.abc import Iterable, Mapping
 
-__all__ = ["GPU_FLAGS", "default_xla_flags", "installed_jax_plugins", "platform_before_init",
-           "process_count"]
+__all__ = ["GPU_FLAGS", "GPU_MEMORY_FRACTION", "default_memory_fraction", "default_xla_flags",
+           "installed_jax_plugins", "platform_before_init", "process_count", "set_defaults"]
 
 # Names as XLA's debug_options_flags.cc registers them; XLA aborts at start-up on an unknown
 # flag, and tests/test_gpu_config.py starts JAX with these to check the installed jaxlib.
@@ -43,7 +44,18 @@ GPU_FLAGS = (
     # flight the scheduler serialises them and two of the three restores have no compute
     # between start and done (docs/decisions/0085-four-collectives-in-flight-on-gpu.md).
     "--xla_gpu_experimental_parallel_collective_overlap_limit=4",
+    # XLA schedules and rematerialises a GPU program to stay under (80% of device memory less
+    # the step's inputs and outputs) x this factor / 100; its default, 95, caps an 80 GB H100
+    # at about 60.7 GiB, below what JAX's allocator then holds (GPU_MEMORY_FRACTION): Mixtral-
+    # 8x7B's fsep step on 64 H100s peaks at 64.0 GiB, and under the default XLA recomputes its
+    # gate and up projections, 4.21 -> 3.80 s at 105 (about 66.5 GiB, inside the 71.3 GiB
+    # pool; docs/decisions/0127-xla-memory-limit-and-allocator-pool.md).
+    "--xla_gpu_memory_limit_slop_factor=105",
 )
+# The share of each GPU's memory JAX's allocator takes (XLA_PYTHON_CLIENT_MEM_FRACTION; JAX's
+# default is 0.75): XLA's limit above must stay inside it, and the rest is the CUDA context's,
+# NCCL's and the libraries' workspaces.
+GPU_MEMORY_FRACTION = 0.9
 GPU_PLATFORMS = ("cuda", "rocm", "gpu")
 
 
@@ -79,6 +91,14 @@ def process_count(env: Mapping[str, str]) -> int:
   return int(count) if count.isdigit() and int(count) > 0 else 1
 
 
+def default_memory_fraction(env: Mapping[str, str], platform: str) -> str | None:
+  """XLA_PYTHON_CLIENT_MEM_FRACTION to set for `platform`, or None: the user set it, or the
+  platform is not a GPU."""
+  if platform != "gpu" or "XLA_PYTHON_CLIENT_MEM_FRACTION" in env:
+    return None
+  return str(GPU_MEMORY_FRACTION)
+
+
 def default_xla_flags(env: Mapping[str, str], platform: str,
                       host_device_count: int) -> str | None:
   """The XLA_FLAGS to set for `platform`, or None: the user set XLA_FLAGS, or none is needed.
@@ -94,3 +114,17 @@ def default_xla_flags(env: Mapping[str, str], platform: str,
   if platform == "gpu":
     flags.extend(GPU_FLAGS)
   return " ".join(flags) or None
+
+
+def set_defaults(environ, platform: str, host_device_count: int) -> list[str]:
+  """Sets in `environ` (os.environ, before JAX starts) the XLA_FLAGS and the allocator's
+  memory fraction `platform` gets where the user set neither; returns what it set as
+  'NAME=value' lines."""
+  chosen = {"XLA_FLAGS": default_xla_flags(environ, platform, host_device_count),
+            "XLA_PYTHON_CLIENT_MEM_FRACTION": default_memory_fraction(environ, platform)}
+  lines = []
+  for name, value in chosen.items():
+    if value is not None:
+      environ[name] = value
+      lines.append(f"{name}={value}")
+  return lines
