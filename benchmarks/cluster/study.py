@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     used |= {k for d in out["denominators"].values() for other in ("einsum", "grouped")
              if other in d for k in d[other]["programs"]}
     out.update(command=command("cluster.study", argv), grid=args.grid, complete=complete,
-               depths=args.depths,
+               depths=args.depths, memory_fraction=programs.GPU_MEMORY_FRACTION,
                wall_s=time.perf_counter() - tick, published=published_mixtral(),
                programs={k: v for k, v in cache.rows.items() if k in used})
     if args.json:

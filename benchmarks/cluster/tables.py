@@ -110,7 +110,9 @@ def _goals(name: str, d: dict) -> list[tuple[str, str, str]]:
         continue
       if over:
         peaks = [r["peak_gib"] for r in over]
-        cells.append(f"over the GPU's memory, estimated as if they fit: "
+        pool = (f"the {d['memory_fraction']} of the GPU's memory train.py gives JAX"
+                if "memory_fraction" in d else "the GPU's memory")
+        cells.append(f"over {pool}, estimated as if they fit: "
                      f"{', '.join(dict.fromkeys(r['policy'] for r in over))} "
                      f"({min(peaks):.0f}-{max(peaks):.0f} GiB)")
       what = (f"{label} on {gpus} compile-only H100s (schedule estimate, "
@@ -144,10 +146,11 @@ def _cluster(files):
               "rows over the mean, the schedule estimate of that program with its grouped "
               "matmul scaled to the busiest device's rows (a dense policy is compiled on both "
               "expert kernels, each at the factor its buffers need, and takes the faster that "
-              "fits; the other's step in brackets), plus the re-plan time beyond the "
-              "step in flight and ep migrations; tokens/s; the fraction of the force-"
-              "balanced throughput (static EP's faster program at factor 1.0 on uniform "
-              "routing) and the "
+              "fits in the share of the GPU's memory JAX's allocator gets (the whole GPU in "
+              "files that name no `memory_fraction`); the other's step in brackets), plus the "
+              "re-plan time beyond the step in flight and ep migrations; tokens/s; the fraction "
+              "of the force-balanced throughput (static EP's faster program at factor 1.0 on "
+              "uniform routing) and the "
               "speedup over static EP on the routing. `layers` says where a row's programs were "
               "compiled at two cut depths and extrapolated to the model's (fixed part + "
               "layers x per-layer part). Every step is an estimate "
