@@ -239,7 +239,8 @@ def main(argv=None) -> int:
       "In each shape's step, time only its levers (gpu_train_step.SHAPES), not its paths."))
   ap.add_argument("--_train", nargs=6, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
-  unknown = [name for name in args.skip.split(",") if name and name not in STEPS]
+  skip = {name for name in args.skip.split(",") if name}
+  unknown = sorted(skip - set(STEPS))
   if unknown:
     ap.error(f"--skip {','.join(unknown)}: no such step; the steps are {', '.join(STEPS)}")
   if args._mock:
@@ -253,7 +254,8 @@ def main(argv=None) -> int:
   if platform == "gpu":   # train.py's GPU flags, also beside flags the machine already sets
     have = os.environ.get("XLA_FLAGS", "").split()
     os.environ["XLA_FLAGS"] = " ".join(have + [f for f in xla_flags.GPU_FLAGS if f not in have])
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(xla_flags.GPU_MEMORY_FRACTION))
+    if fraction := xla_flags.default_memory_fraction(os.environ, platform):
+      os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = fraction
   # This process reads the device and starts the others; the memory is theirs.
   os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
   import jax
@@ -271,7 +273,7 @@ def main(argv=None) -> int:
 
   def record(name, fn, estimate_s, needs_gpu=True):
     tick = time.monotonic()
-    if name in args.skip.split(","):
+    if name in skip:
       result["steps"][name] = {"skipped": "--skip"}
     elif needs_gpu and not on_gpu:
       result["steps"][name] = {"skipped": no_gpu}
@@ -368,7 +370,7 @@ def main(argv=None) -> int:
     record(step, lambda shape=shape, cap_s=cap_s: train(shape, cap_s),
            30 if not on_gpu else need(step, default_s), needs_gpu=False)
   # time-boxed so that the mock topology, unless skipped, keeps its minutes
-  mock_reserve_s = 0 if "mock_topology" in args.skip.split(",") else 100
+  mock_reserve_s = 0 if "mock_topology" in skip else 100
   record("kernel_tests",
          lambda: step_kernel_tests(args.out, min(100, budget.left() - mock_reserve_s)),
          need("kernel_tests", 100) + mock_reserve_s)
