@@ -325,7 +325,7 @@ class Transformer(nn.Module):
       return carry.x_BxQxD, stats
     table = layout.slot_expert_LxS
     stored, first = self.fsep_experts(table)
-    carry = GroupCarry(x_BxQxD, first, fsep_backward.open_channel(first))
+    carry = GroupCarry(x_BxQxD, first, fsep_backward.open_channel(first, self.mesh, self.fsdp))
     carry, stats = self.layers(carry, (layout, jnp.arange(num_groups)), (stored, table))
     return fsep_backward.close_channel(carry.x_BxQxD, carry.channel, stored, table, self.mesh,
                                        jnp.dtype(self.cfg.dtype), self.fsdp), stats

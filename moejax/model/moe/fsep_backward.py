@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from moejax.model.moe.fsep_experts import restore_layer
+from moejax.model.moe.fsep_experts import gathered, restore_layer
 from moejax.model.moe.layer import RECORD, MoELayer
 
 KEEP, RERESTORE, PREFETCH = "keep", "rerestore", "prefetch"
@@ -35,9 +35,14 @@ KEEP, RERESTORE, PREFETCH = "keep", "rerestore", "prefetch"
 BACKWARD_RESTORE = "backward_restore"
 
 
-def _backward_restore(stored, slot_expert_LxS, layer, mesh: Mesh, dtype, fsdp: bool):
+def _backward_restore(stored, slot_expert_LxS, layer, mesh: Mesh, dtype, fsdp: bool,
+                      ahead: bool = False):
+  """`ahead`: restored for a later layer's backward (PREFETCH), so under FSDP the data-axis
+  gather of the embed dim is done here too, where the rest of this layer's backward compute
+  can hide it (see `open_channel`)."""
   with jax.named_scope(BACKWARD_RESTORE):
-    return restore_layer(stored, slot_expert_LxS, layer, mesh, dtype, fsdp)
+    w = restore_layer(stored, slot_expert_LxS, layer, mesh, dtype, fsdp)
+    return gathered(w, mesh) if (fsdp and ahead) else w
 
 
 def _recomputing_moe(moe: MoELayer, backward_weights, keeps_exchange: bool):
@@ -93,7 +98,7 @@ def _prefetching_moe(moe: MoELayer, fsdp: bool, keeps_exchange: bool):
   def backward_weights(ct_channel, stored, slot_expert_LxS, layer):
     previous = (layer - 1) % slot_expert_LxS.shape[0]    # layer 0 wraps: nobody reads it
     return ct_channel, _backward_restore(stored, slot_expert_LxS, previous, moe.mesh, moe.dtype,
-                                         fsdp)
+                                         fsdp, ahead=True)
 
   return _recomputing_moe(moe, backward_weights, keeps_exchange)
 
@@ -116,10 +121,18 @@ def fsep_moe(moe: MoELayer, backward: str, fsdp: bool = False, keeps_exchange: b
   return wrap[backward](moe, fsdp, keeps_exchange)
 
 
-def open_channel(first_weights: dict) -> dict:
+def open_channel(first_weights: dict, mesh: Mesh, fsdp: bool = False) -> dict:
   """The channel the layer scan carries with PREFETCH (zeros shaped like one layer's restored
-  weights): only its cotangent, the weights the backward restores, is ever read."""
-  return jax.tree.map(jnp.zeros_like, first_weights)
+  weights): only its cotangent, the weights the backward restores, is ever read.
+
+  Under FSDP the channel is laid out gathered over `data`, so its cotangent, the scan's
+  backward carry, holds the weights as the layer uses them: the gather runs in the iteration
+  that restores them, behind that layer's backward compute. Carried FSDP-sharded, the gather
+  ran at the top of the next iteration, where the token exchange queued behind it (Mixtral-
+  8x7B on 64 compile-only H100s: 0.28 s of exposed gathers a step;
+  docs/decisions/0128-fsep-gathers-a-layer-ahead-and-eight-collectives-in-flight.md)."""
+  zeros = jax.tree.map(jnp.zeros_like, first_weights)
+  return gathered(zeros, mesh) if fsdp else zeros
 
 
 def _seed_backward_restore(mesh: Mesh, dtype, fsdp: bool):
@@ -138,7 +151,7 @@ def _seed_backward_restore(mesh: Mesh, dtype, fsdp: bool):
   def bwd(res, ct_x):
     stored, slot_expert_LxS = res
     last = _backward_restore(stored, slot_expert_LxS, slot_expert_LxS.shape[0] - 1, mesh, dtype,
-                             fsdp)
+                             fsdp, ahead=True)
     return ct_x, last, None, None
 
   seed.defvjp(fwd, bwd)

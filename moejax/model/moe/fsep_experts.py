@@ -8,10 +8,11 @@ compute. Restored weights are in the compute dtype.
 
 Under FSDP (`fsdp`) the restore keeps the weights' embed dim sharded over `data`, as FSDP
 stores it: the exchange moves 1/data of each slot's weights, and the restored weights are
-gathered over `data` where the MoE layer takes them, in the compute dtype. Gathering the
-stored shards before the restore instead moves float32 and holds every expert's shard of the
-layer (Mixtral-8x7B on 64 compile-only H100s: the same gathered bytes, 8 times the exchange's,
-and a layer 0.162 -> 0.143 s in the schedule estimate).
+gathered over `data` in the compute dtype: in the forward where the MoE layer takes them, in
+the backward a layer ahead with the restore (`gathered`, moejax.model.moe.fsep_backward).
+Gathering the stored shards before the restore instead moves float32 and holds every expert's
+shard of the layer (Mixtral-8x7B on 64 compile-only H100s: the same gathered bytes, 8 times
+the exchange's, and a layer 0.162 -> 0.143 s in the schedule estimate).
 """
 
 from __future__ import annotations
@@ -72,6 +73,13 @@ def restore_layer(weights: dict, slot_expert_LxS: jax.Array, layer: jax.Array | 
   restored = restore_slot_weights({n: local(w) for n, w in weights.items()},
                                   take(slot_expert_LxS), mesh, dtype, fsdp)
   return {n: w[0] for n, w in restored.items()}
+
+
+def gathered(restored: dict, mesh: Mesh) -> dict:
+  """One layer's restored weights ([S, ...]) with FSDP's data-axis shards of the embed dim
+  gathered: laid out as the MoE layer computes with them."""
+  return {n: jax.lax.with_sharding_constraint(
+      w, NamedSharding(mesh, _spec(SLOT_AXES[n][1:], False))) for n, w in restored.items()}
 
 
 class FsepExperts(nn.Module):
