@@ -149,7 +149,7 @@ def test_collectives_across_hosts_use_the_fabric():
 def test_gpu_flags_become_typed_compiler_options():
   options = xla_options(GPU_FLAGS)
   assert options["xla_gpu_enable_latency_hiding_scheduler"] is True
-  assert options["xla_gpu_experimental_parallel_collective_overlap_limit"] == 4
+  assert options["xla_gpu_experimental_parallel_collective_overlap_limit"] == 8
   assert len(options) == len(GPU_FLAGS)
 
 

@@ -9,7 +9,7 @@ environment and the installed JAX plugins, without asking JAX which devices exis
        the mesh has N devices however many processes share it, as under
        `python -m moejax.launch -n P -d N/P`.
   gpu  XLA's latency-hiding scheduler, so that collectives (the MoE all-to-alls, the
-       gradient all-reduces) are scheduled to overlap independent compute, up to four at
+       gradient all-reduces) are scheduled to overlap independent compute, up to eight at
        once; ragged_all_to_all decomposed; XLA's memory limit raised to match the
        allocator's pool, which XLA_PYTHON_CLIENT_MEM_FRACTION sets (see GPU_FLAGS).
 
@@ -39,11 +39,17 @@ GPU_FLAGS = (
     # MoE layer and the layer's fwd+bwd fell from 641 ms to 37.5 ms with this flag
     # (docs/decisions/0054-ragged-all-to-all-decomposed-on-gpu.md).
     "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true",
-    # Up to 4 async collectives in flight at once (XLA's default: 1). An fsep layer restores
+    # Up to 8 async collectives in flight at once (XLA's default: 1). An fsep layer restores
     # its three expert weights with three all-to-alls beside the token dispatch; with one in
     # flight the scheduler serialises them and two of the three restores have no compute
     # between start and done (docs/decisions/0085-four-collectives-in-flight-on-gpu.md).
-    "--xla_gpu_experimental_parallel_collective_overlap_limit=4",
+    # Under FSDP a backward layer also has three weight gathers and three gradient
+    # reduce-scatters in flight: at 4 the scheduler, which places each done as late as it
+    # can, cannot issue the next layer's gathers until the layer's tail, where they are
+    # exposed (Mixtral-8x7B fsep on 64 compile-only H100s 3.69 -> 3.52 s at 8; static EP
+    # unchanged; docs/decisions/0128-fsep-gathers-a-layer-ahead-and-eight-collectives-in-
+    # flight.md).
+    "--xla_gpu_experimental_parallel_collective_overlap_limit=8",
     # XLA schedules and rematerialises a GPU program to stay under (80% of device memory less
     # the step's inputs and outputs) x this factor / 100; its default, 95, caps an 80 GB H100
     # at about 60.7 GiB, below what JAX's allocator then holds (GPU_MEMORY_FRACTION): Mixtral-
