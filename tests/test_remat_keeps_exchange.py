@@ -32,13 +32,14 @@ REMAT = dataclasses.replace(TINY_MODEL, remat=True)
 KEEPS = dataclasses.replace(REMAT, remat_keeps_exchange=True)
 
 
-def _exchanges(model_cfg, moe_cfg=TINY_MOE) -> int:
-  """All-to-all calls per step of the tiny model's loss and gradient on SHAPE's mesh."""
+def _exchanges(model_cfg, moe_cfg=TINY_MOE, kind: str = "all-to-all") -> int:
+  """`kind` calls (all-to-all: exchanges) per step of the tiny model's loss and gradient on
+  SHAPE's mesh."""
   _, model, _, layout, _, state = cached_setup(SHAPE, model_cfg, moe_cfg)
   f = jax.jit(jax.value_and_grad(
       functools.partial(step_lib.loss_fn, model=model, moe_cfg=moe_cfg), has_aux=True))
   text = f.lower(state.params, batch_BxQ1=tokens(), layout=layout).compile().as_text()
-  return hlo.collective_calls(text).get("all-to-all", 0)
+  return hlo.collective_calls(text).get(kind, 0)
 
 
 def test_keeping_the_exchange_gives_the_plain_steps_loss_and_gradients():
@@ -70,6 +71,14 @@ def test_the_backward_runs_no_exchange_again(path):
   assert plain == (forward + backward) * layers, plain
   assert remat == plain + forward * layers, remat      # full remat runs the forward's again
   assert keeps == plain, keeps
+
+
+@pytest.mark.parametrize("model_cfg", [REMAT, KEEPS], ids=["remat", "keeps_exchange"])
+def test_remat_runs_no_all_reduce_again(model_cfg):
+  """A rematerialised layer keeps the balance loss's global shares per expert
+  (moejax.model.moe.route.SHARES), so its backward recomputes no psum: as many all-reduces as
+  the plain step (on GPU the recomputed one queued behind the layer's weight gathers)."""
+  assert _exchanges(model_cfg, kind="all-reduce") == _exchanges(TINY_MODEL, kind="all-reduce")
 
 
 def test_without_remat_it_changes_nothing():

@@ -28,7 +28,7 @@ from moejax.config import ModelConfig, MoEConfig, num_moe_layers
 from moejax.layout.tables import Layout
 from moejax.model import mla
 from moejax.model.mesh import logical_to_spec
-from moejax.model.moe import dispatch, fsep_backward
+from moejax.model.moe import dispatch, fsep_backward, route
 from moejax.model.moe.fsep_experts import FsepExperts, restore_layer
 from moejax.model.moe.layer import MoELayer, MoEStats, no_moe_stats
 from moejax.model.mtp import MultiTokenPrediction
@@ -137,11 +137,13 @@ def attention_class(cfg: ModelConfig) -> type[nn.Module]:
 
 
 def remat_kwargs(cfg: ModelConfig) -> dict:
-  """The checkpoint policy of a rematerialised layer group: everything recomputed, or with
-  `model.remat_keeps_exchange` the MoE exchanges' outputs kept (moejax.model.moe.dispatch)."""
-  if cfg.remat_keeps_exchange:
-    return {"policy": jax.checkpoint_policies.save_only_these_names(dispatch.EXCHANGED)}
-  return {}
+  """The checkpoint policy of a rematerialised layer group: everything recomputed but the
+  balance loss's global shares per expert ([E] floats a layer, moejax.model.moe.route), whose
+  recompute is an all-reduce in the backward pass that queued behind the layer's weight
+  gathers; with `model.remat_keeps_exchange` the MoE exchanges' outputs kept too
+  (moejax.model.moe.dispatch)."""
+  names = (route.SHARES, dispatch.EXCHANGED) if cfg.remat_keeps_exchange else (route.SHARES,)
+  return {"policy": jax.checkpoint_policies.save_only_these_names(*names)}
 
 
 def dense_modules(cfg: ModelConfig, remat: bool) -> tuple[type[nn.Module], type[nn.Module]]:
