@@ -330,6 +330,19 @@ def in_attention_core_name(op: str) -> bool:
   return bool(_ATTENTION_CORE.search(op))
 
 
+def source_name(module: Module, ins: Instr) -> str:
+  """The JAX op name of what a kernel computes: its own, or for a fusion XLA left unnamed
+  (the softmax reductions of an unfused attention core among them) the last name inside its
+  fused computation."""
+  if (name := ins.op_name) or ins.opcode not in ("fusion", "fusion-start"):
+    return name
+  for callee in ins.callees:
+    for inner in reversed(module.computations.get(callee, ())):
+      if inner.op_name:
+        return inner.op_name
+  return ""
+
+
 def category(module: Module, ins: Instr, shapes: dict[str, Instr]) -> str:
   """The category a kernel's time counts under: 'collectives'; 'attention' (cuDNN's fused
   call, or XLA's unfused attention core by its op name); 'gemm' (library GEMMs, GEMM
@@ -338,13 +351,13 @@ def category(module: Module, ins: Instr, shapes: dict[str, Instr]) -> str:
   (elementwise and reduction fusions, copies, gathers, scatters, sorts, zero fills)."""
   if collective_kind(ins, module) in KINDS:
     return "collectives"
-  if is_attention_call(ins) or in_attention_core_name(ins.op_name):
+  op = source_name(module, ins)
+  if is_attention_call(ins) or in_attention_core_name(op):
     return "attention"
   if ins.opcode in ("dot", "convolution") or is_library_gemm(ins) or is_gemm_fusion(module, ins):
     return "gemm"
   if grouped_matmul_flops(ins, shapes) > 0:
     return "gemm"
-  op = ins.op_name
   if op.startswith("jit(train_step)/") and not any(p in op for p in _MODEL_PATHS):
     return "optimizer"
   return "elementwise"
