@@ -115,7 +115,7 @@ SOFTMAX = """HloModule m
 %softmax_sum (p: f32[2,8,8]) -> f32[2,8] {
   %p = f32[2,8,8]{2,1,0} parameter(0)
   %e = f32[2,8,8]{2,1,0} exponential(%p), metadata={op_name="jit(train_step)/Transformer.groups/while/body/layers/attn_moe/vmap()/exp"}
-  %z = f32[] constant(0)
+  %z = f32[] constant(0), metadata={op_name="jit(train_step)/Transformer.groups/while/body/layers/ln_moe/mul"}
   ROOT %r = f32[2,8]{1,0} reduce(%e, %z), dimensions={2}, to_apply=%add
 }
 
@@ -128,9 +128,10 @@ ENTRY %main (s: f32[2,8,8]) -> f32[2,8] {
 
 def test_an_unnamed_fusion_counts_under_the_name_inside_it():
   """XLA leaves some fusions without an op name (the softmax sums of an unfused attention
-  core): such a kernel counts under the last name inside its fused computation, so the
-  compile-only program's softmax is inside the fused attention kernel a GPU runs (no time of
-  its own), not elementwise work (Mixtral-8x7B on 64 GPUs: 0.11 s a step was)."""
+  core): such a kernel counts under the name nearest its root (the exponent it sums, not the
+  constant written after it), so the compile-only program's softmax is inside the fused
+  attention kernel a GPU runs (no time of its own), not elementwise work (Mixtral-8x7B on 64
+  GPUs: 0.11 s a step was)."""
   module = parse(SOFTMAX)
   entry = module.by_name(module.entry)
   fusion = entry["fusion.1"]

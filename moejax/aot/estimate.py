@@ -150,7 +150,7 @@ def kernel(module: Module, ins: Instr, shapes: dict[str, Instr], rates: Rates,
       return Kernel(0.0, category)
     dims = work.gemm_dims(module, ins, shapes)
     r = g.attention_rate(min(dims), max(dims)) if dims else g.attention_rate(128, 4096)
-    backward = "transpose(" in ins.op_name
+    backward = "transpose(" in work.source_name(module, ins)
     fused = 0.5 * flops * (_FUSED_BWD_PER_UNFUSED if backward else 1.0)
     return Kernel(fused / (r.bwd_flops_per_s if backward else r.fwd_flops_per_s), category)
   moved = work.kernel_bytes(module, ins, shapes, result)

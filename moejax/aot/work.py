@@ -332,14 +332,25 @@ def in_attention_core_name(op: str) -> bool:
 
 def source_name(module: Module, ins: Instr) -> str:
   """The JAX op name of what a kernel computes: its own, or for a fusion XLA left unnamed
-  (the softmax reductions of an unfused attention core among them) the last name inside its
-  fused computation."""
+  (the softmax reductions of an unfused attention core among them) that of the named
+  instruction nearest its fused computation's root, walking back through operands."""
   if (name := ins.op_name) or ins.opcode not in ("fusion", "fusion-start"):
     return name
   for callee in ins.callees:
-    for inner in reversed(module.computations.get(callee, ())):
-      if inner.op_name:
-        return inner.op_name
+    body = module.computations.get(callee, ())
+    inner = {i.name: i for i in body}
+    root = next((i for i in body if i.line.lstrip().startswith("ROOT ")), None)
+    frontier, seen = [root.name] if root else [], set()
+    while frontier:
+      step = []
+      for n in frontier:
+        if n in seen or n not in inner:
+          continue
+        seen.add(n)
+        if inner[n].op_name:
+          return inner[n].op_name
+        step.extend(inner[n].operands)
+      frontier = step
   return ""
 
 

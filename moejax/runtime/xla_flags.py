@@ -43,12 +43,12 @@ GPU_FLAGS = (
     # its three expert weights with three all-to-alls beside the token dispatch; with one in
     # flight the scheduler serialises them and two of the three restores have no compute
     # between start and done (docs/decisions/0085-four-collectives-in-flight-on-gpu.md).
-    # Under FSDP a backward layer also has three weight gathers and three gradient
-    # reduce-scatters in flight: at 4 the scheduler, which places each done as late as it
-    # can, cannot issue the next layer's gathers until the layer's tail, where they are
-    # exposed (Mixtral-8x7B fsep on 64 compile-only H100s 3.69 -> 3.52 s at 8; static EP
-    # unchanged; docs/decisions/0128-fsep-gathers-a-layer-ahead-and-eight-collectives-in-
-    # flight.md).
+    # Under FSDP a backward fsep layer also gathers its weights and reduce-scatters their
+    # gradients: at 4 the scheduler, which places each done as late as it can, kept a gather,
+    # two reduce-scatters and an all-reduce in flight through the layer's last compute and
+    # issued the next layer's gathers only at its tail, where they were exposed (Mixtral-
+    # 8x7B fsep on 64 compile-only H100s 3.69 -> 3.52 s at 8; static EP unchanged; docs/
+    # decisions/0128-fsep-gathers-a-layer-ahead-and-eight-collectives-in-flight.md).
     "--xla_gpu_experimental_parallel_collective_overlap_limit=8",
     # XLA schedules and rematerialises a GPU program to stay under (80% of device memory less
     # the step's inputs and outputs) x this factor / 100; its default, 95, caps an 80 GB H100
