@@ -37,10 +37,11 @@ REMAT_W = offline.workload_of(REMAT_CFG)
 FSDP_PROGRAM = {"ep/4x2x1/cf1.25/fsdp": (84, 11826368),
                 "ep/4x2x1/m2/cf1.25/fsdp": (168, 23262400),
                 "ep/2x2x1/p2/m2/cf1.25/fsdp": (126, 17739536),
-                # fsep: each layer's C restored slots gathered whole where the MoE layer runs
-                # (C = 8 by default here, twice the E/N = 4 stored experts ep gathers)
-                "fsep/4x2x1/cf1.25/fsdp": (82, 18116800),
-                "fsep/4x2x1/c4/cf1.25/fsdp": (82, 11825344)}
+                # fsep: each layer's C restored slots gathered whole (C = 8 by default here,
+                # twice the E/N = 4 stored experts ep gathers), in the backward with their
+                # restore a layer ahead, one layer more (the first layer's run gathers the wrap)
+                "fsep/4x2x1/cf1.25/fsdp": (82, 21262528),
+                "fsep/4x2x1/c4/cf1.25/fsdp": (82, 13398208)}
 LEAVES_GATHERED = 21
 
 

@@ -390,6 +390,11 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
     gather_bytes = (
         stages.fsdp_gather_bytes(w.act_bytes * (stage_dense + ep_gathered), dd, gathers) +
         stages.fsdp_gather_bytes(w.act_bytes * (dense_dev - stage_dense), dd))
+    if strategy.expert_mode == "fsep" and p == 1:
+      # the backward restores a layer ahead and gathers it with the restore
+      # (moejax.model.moe.fsep_backward): the first layer's run restores and gathers one more,
+      # the wrap nobody reads
+      gather_bytes += w.act_bytes * slot_weights(strategy, w) * gathers * (dd - 1) / dd
     param_bytes += gather_bytes
   param_s = param_bytes / profile.reduce_bytes_per_s * scale
   hidden = 0.0
