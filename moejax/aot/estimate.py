@@ -28,7 +28,7 @@ import dataclasses
 
 from moejax.aot import work
 from moejax.aot.gpus import host_size
-from moejax.aot.hlo import Instr, Module, op_name, parse
+from moejax.aot.hlo import Instr, Module, parse
 from moejax.aot.read import KINDS, collective_kind, first_group
 from moejax.config import ConfigError
 from moejax.strategy.hardware import GPU_RATES, GpuRates, Link
@@ -81,12 +81,12 @@ class Estimate:
   kernels: float = 0.0      # kernels per step
 
 
-def scope(line: str) -> str:
-  """Which part of the model a kernel computes, by its op name: 'attention core' (scores,
-  softmax and weighted values: jax.nn.dot_product_attention's vmapped ops, or the fused
-  kernel), 'attention projections', 'moe' (the MoE layer, fsep's restores included), 'dense
-  mlp', else 'other' (embedding, loss, optimizer, glue)."""
-  op = op_name(line)
+def scope(op: str) -> str:
+  """Which part of the model a kernel computes, by the JAX op name of what it computes
+  (`work.source_name`): 'attention core' (scores, softmax and weighted values:
+  jax.nn.dot_product_attention's vmapped ops, or the fused kernel), 'attention projections',
+  'moe' (the MoE layer, fsep's restores included), 'dense mlp', else 'other' (embedding,
+  loss, optimizer, glue)."""
   if work.in_attention_core_name(op):
     return "attention core"
   if "/attn" in op:
@@ -124,9 +124,11 @@ def collective_s(kind: str, size: int, line: str, rates: Rates) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-  """One kernel's cost: seconds on the compute stream and the category they count under."""
+  """One kernel's cost: seconds on the compute stream, the category they count under and the
+  op name of what the kernel computes (`work.source_name`, which `scope` reads)."""
   seconds: float
   category: str
+  source: str = ""
 
 
 def kernel(module: Module, ins: Instr, shapes: dict[str, Instr], rates: Rates,
@@ -134,12 +136,13 @@ def kernel(module: Module, ins: Instr, shapes: dict[str, Instr], rates: Rates,
   """The cost of one kernel instruction (`result`: a fusion-start's done, whose shape is
   the kernel's output)."""
   g = rates.gpu
-  category = work.category(module, ins, shapes)
+  source = work.source_name(module, ins)
+  category = work.category(module, ins, shapes, source)
   shortest = g.kernel_s.value
   if (attn := work.attention(ins, shapes)) is not None:
     r = g.attention_rate(attn.head_dim, attn.kv_len)
     return Kernel(max(attn.flops / (r.bwd_flops_per_s if attn.backward else r.fwd_flops_per_s),
-                      shortest), category)
+                      shortest), category, source)
   flops = work.flops(module, ins, shapes)
   if category == "attention":
     # XLA's unfused attention core: what cuDNN's fused kernel would compute instead. Its
@@ -147,19 +150,21 @@ def kernel(module: Module, ins: Instr, shapes: dict[str, Instr], rates: Rates,
     # for their head dim (the smallest of M, N, K) and sequence (the largest); its softmax
     # and masking run inside that kernel.
     if flops == 0:
-      return Kernel(0.0, category)
+      return Kernel(0.0, category, source)
     dims = work.gemm_dims(module, ins, shapes)
     r = g.attention_rate(min(dims), max(dims)) if dims else g.attention_rate(128, 4096)
-    backward = "transpose(" in work.source_name(module, ins)
+    backward = "transpose(" in source
     fused = 0.5 * flops * (_FUSED_BWD_PER_UNFUSED if backward else 1.0)
-    return Kernel(fused / (r.bwd_flops_per_s if backward else r.fwd_flops_per_s), category)
+    return Kernel(fused / (r.bwd_flops_per_s if backward else r.fwd_flops_per_s), category,
+                  source)
   moved = work.kernel_bytes(module, ins, shapes, result)
   kind = work.memory_kind(module, ins)
   if kind == "sort":
-    return Kernel(g.sort_s.value, category)
+    return Kernel(g.sort_s.value, category, source)
   # moejax's grouped matmul (a Pallas/Mosaic call) runs below a dense GEMM of its size.
   rate = g.grouped_flops_per_s if work.grouped_matmul_flops(ins, shapes) else g.gemm_flops_per_s
-  return Kernel(max(flops / rate.value, moved / g.memory_rate(kind).value, shortest), category)
+  return Kernel(max(flops / rate.value, moved / g.memory_rate(kind).value, shortest), category,
+                source)
 
 
 class _Walk:
@@ -242,7 +247,7 @@ class _Walk:
         e.step_s += k.seconds
         e.compute_s += k.seconds
         e.kernels += 1
-        self._add(e.compute_by, scope(ins.line), k.seconds)
+        self._add(e.compute_by, scope(k.source), k.seconds)
         self._add(e.by_category, k.category, k.seconds)
     self._memo[comp] = e
     return e

@@ -354,15 +354,17 @@ def source_name(module: Module, ins: Instr) -> str:
   return ""
 
 
-def category(module: Module, ins: Instr, shapes: dict[str, Instr]) -> str:
+def category(module: Module, ins: Instr, shapes: dict[str, Instr],
+             source: str | None = None) -> str:
   """The category a kernel's time counts under: 'collectives'; 'attention' (cuDNN's fused
   call, or XLA's unfused attention core by its op name); 'gemm' (library GEMMs, GEMM
   fusions, dots, a Pallas/Mosaic grouped matmul); 'optimizer' (the step's own ops after the
   backward: the gradient norm, the non-finite guard, the update); else 'elementwise'
-  (elementwise and reduction fusions, copies, gathers, scatters, sorts, zero fills)."""
+  (elementwise and reduction fusions, copies, gathers, scatters, sorts, zero fills).
+  `source`: the kernel's `source_name` where the caller has it already."""
   if collective_kind(ins, module) in KINDS:
     return "collectives"
-  op = source_name(module, ins)
+  op = source_name(module, ins) if source is None else source
   if is_attention_call(ins) or in_attention_core_name(op):
     return "attention"
   if ins.opcode in ("dot", "convolution") or is_library_gemm(ins) or is_gemm_fusion(module, ins):

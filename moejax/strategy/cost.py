@@ -394,7 +394,8 @@ def predict_step(strategy, w: Workload, profile: HardwareProfile,
       # the backward restores a layer ahead and gathers it with the restore
       # (moejax.model.moe.fsep_backward): the first layer's run restores and gathers one more,
       # the wrap nobody reads
-      gather_bytes += w.act_bytes * slot_weights(strategy, w) * gathers * (dd - 1) / dd
+      gather_bytes += stages.fsdp_gather_bytes(w.act_bytes * slot_weights(strategy, w), dd,
+                                               gathers, passes=1)
     param_bytes += gather_bytes
   param_s = param_bytes / profile.reduce_bytes_per_s * scale
   hidden = 0.0

@@ -84,15 +84,16 @@ def transfer_seconds(stages: int, microbatches: int, virtual: int, tokens: float
 FSDP_PASSES = 2
 
 
-def fsdp_gather_bytes(param_bytes: float, shards: int, runs: float = 1.0) -> float:
-  """Bytes a device receives gathering `param_bytes` over `shards` data devices, forward and
-  backward, `runs` times each: a pipeline's layer groups are gathered in every tick under
-  remat (decision 0113: each group's weights are tied to its input inside the tick loop),
-  once a step otherwise (JAX's scan linearization hoists the weight-only gathers out of the
-  tick loop), and the embedding, head and dense first blocks once a step."""
+def fsdp_gather_bytes(param_bytes: float, shards: int, runs: float = 1.0,
+                      passes: int = FSDP_PASSES) -> float:
+  """Bytes a device receives gathering `param_bytes` over `shards` data devices in `passes`
+  passes (forward and backward), `runs` times each: a pipeline's layer groups are gathered
+  in every tick under remat (decision 0113: each group's weights are tied to its input inside
+  the tick loop), once a step otherwise (JAX's scan linearization hoists the weight-only
+  gathers out of the tick loop), and the embedding, head and dense first blocks once a step."""
   if shards == 1:
     return 0.0
-  return FSDP_PASSES * runs * param_bytes * (shards - 1) / shards
+  return passes * runs * param_bytes * (shards - 1) / shards
 
 
 def gather_runs(stages: int, microbatches: int, virtual: int, remat: bool) -> float:
