@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from moejax.model.moe.fsep_experts import gathered, restore_layer
-from moejax.model.moe.layer import RECORD, MoELayer
+from moejax.model.moe.layer import RECORD, RECORD_SHARES, MoELayer
 
 KEEP, RERESTORE, PREFETCH = "keep", "rerestore", "prefetch"
 
@@ -50,28 +50,26 @@ def _recomputing_moe(moe: MoELayer, backward_weights, keeps_exchange: bool):
   pass recomputes the layer from weights it gets again instead of the forward keeping every
   layer's restored weights until its backward pass: `backward_weights(ct_channel, stored,
   slot_expert_LxS, layer)` gives (this layer's weights, the cotangent of the channel input).
-  `keeps_exchange`: the forward keeps what the layer's exchanges returned and the recompute
-  replays them (moejax.model.moe.kept_exchange): no token exchange, no down projection
-  recomputed."""
+  The forward keeps the balance loss's global shares and the recompute takes them back
+  (moejax.model.moe.kept_exchange): no psum recomputed. `keeps_exchange`: it keeps what the
+  layer's exchanges returned too, and the recompute replays them: no token exchange, no down
+  projection recomputed."""
   def call(mdl, x, layout, weights, channel, stored, slot_expert_LxS, layer):
     del stored, slot_expert_LxS, layer          # the backward pass's inputs
     return mdl(x, layout, weights), channel
 
   def fwd(mdl, x, layout, weights, channel, stored, slot_expert_LxS, layer):
-    if keeps_exchange:
-      y, stats, exchanged = mdl(x, layout, weights, RECORD)
-    else:
-      (y, stats), exchanged = mdl(x, layout, weights), None
+    y, stats, kept = mdl(x, layout, weights, RECORD if keeps_exchange else RECORD_SHARES)
     res = (mdl.variables["params"], x, layout, stored, slot_expert_LxS, layer,   # no `weights`
-           exchanged)
+           kept)
     return ((y, stats), channel), res
 
   def bwd(res, ct):
-    params, x, layout, stored, slot_expert_LxS, layer, exchanged = res
+    params, x, layout, stored, slot_expert_LxS, layer, kept = res
     ct_out, ct_channel = ct
     weights, ct_channel_in = backward_weights(ct_channel, stored, slot_expert_LxS, layer)
     apply = lambda p, x, w: MoELayer(moe.cfg, moe.mesh, moe.dtype).apply({"params": p}, x,
-                                                                          layout, w, exchanged)
+                                                                          layout, w, kept)
     ct_params, ct_x, ct_weights = jax.vjp(apply, params, x, weights)[1](ct_out)
     return {"params": ct_params}, ct_x, None, ct_weights, ct_channel_in, None, None, None
 

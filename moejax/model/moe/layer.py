@@ -47,7 +47,10 @@ EXPERT_PARAM_AXES = {
 }
 assert tuple(EXPERT_PARAM_AXES) == EXPERT_WEIGHTS, "expert weight names live in layout.leaves"
 ROUTER_AXES = ("embed", None)
-RECORD = "record"       # moe_apply's `exchanges`: return what the exchanges returned
+# moe_apply's `exchanges`: return what a recompute of the layer would communicate again
+# (moejax.model.moe.kept_exchange): the exchanges' outputs and the balance loss's shares
+# (RECORD), or the shares alone (RECORD_SHARES).
+RECORD, RECORD_SHARES = "record", "record_shares"
 
 
 class MoEStats(NamedTuple):
@@ -153,9 +156,10 @@ def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
   [S, ffn, D] (the ep params, or the fsep restore); `layout`: one layer's row of a Layout.
 
   `exchanges` (for a backward pass that recomputes the layer; moejax.model.moe.kept_exchange):
-  RECORD returns (output, MoEStats, exchanged), `exchanged` a tuple of what the layer's
-  exchanges returned, every device's rows along the first axis; such a tuple, given back,
-  makes the recompute take its exchanges' values from it instead of exchanging again."""
+  RECORD returns (output, MoEStats, kept), `kept` a `kept_exchange.Kept` of what the layer's
+  exchanges returned (every device's rows along the first axis) and the balance loss's
+  global shares; RECORD_SHARES keeps the shares alone. Such a `Kept`, given back, makes the
+  recompute take those values from it instead of communicating again."""
   num_dev = mesh.shape["expert"]
   num_slots = params["w_gate"].shape[0]
   if num_slots % num_dev:
@@ -198,14 +202,19 @@ def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
   # Off where these jax releases cannot check it (pallas_kernels.compat says where and why).
   check_vma = compat.checks_varying_axes(ops.backend == "interpret", num_stages(mesh) > 1)
 
+  recording = exchanges in (RECORD, RECORD_SHARES)
+
   def local(*inputs):
-    *layer_inputs, replay_shards = inputs
+    *layer_inputs, replay_shards, replay_shares = inputs
     if exchanges is None:
-      return layer_shard(*layer_inputs) + ((),)
-    with kept_exchange.taping(None if exchanges is RECORD else replay_shards) as tape:
+      return layer_shard(*layer_inputs) + ((), ())
+    replay = None if recording else kept_exchange.Kept(replay_shards, replay_shares)
+    with kept_exchange.taping(replay, exchanges=exchanges is RECORD) as tape:
       out = layer_shard(*layer_inputs)
-    # every axis in the tape's spec: a buffer that is the same on each `model` shard too
-    return out + (tuple(compat.mark_varying(b, AXES) for b in tape.recorded),)
+    kept = tape.kept()
+    # every axis in the tape's spec: a buffer that is the same on each `model` shard too; the
+    # shares are psums over the token axes, the same on every device
+    return out + (tuple(compat.mark_varying(b, AXES) for b in kept.exchanges), kept.shares)
 
   def layer_shard(x, w_router, w_gate, w_up, w_down, expert_slots, expert_parts, local_parts,
                   bias):
@@ -230,16 +239,19 @@ def moe_apply(params: dict, x_BxQxD: jax.Array, layout: Layout, cfg: MoEConfig,
   fn = jax.shard_map(
       local, mesh=mesh, check_vma=check_vma,
       in_specs=(P(BATCH_AXES), logical_to_spec(ROUTER_AXES), spec["w_gate"], spec["w_up"],
-                spec["w_down"], P(), P(), P(), P(), P(AXES)),
-      out_specs=(P(BATCH_AXES),) * 5 + (P(), P(), P(AXES)))
-  replay = () if exchanges is None or exchanges is RECORD else tuple(exchanges)
-  y, counts, dropped, slot_counts, kept, bal, z, exchanged = fn(
+                spec["w_down"], P(), P(), P(), P(), P(AXES), P()),
+      out_specs=(P(BATCH_AXES),) * 5 + (P(), P(), P(AXES), P()))
+  replay = (kept_exchange.Kept((), ()) if exchanges is None or recording else
+            kept_exchange.Kept(*exchanges))
+  y, counts, dropped, slot_counts, kept, bal, z, kept_shards, kept_shares = fn(
       x_BxQxD, params["router"], params["w_gate"], params["w_up"], params["w_down"],
       layout.expert_slots_LxExR, layout.expert_parts_LxExR, layout.slot_local_parts_LxS,
-      layout.router_bias_LxE, replay)
+      layout.router_bias_LxE, tuple(replay.exchanges), tuple(replay.shares))
   received, overflow = realised_load(slot_counts, kept, num_dev)
   stats = MoEStats(counts, dropped, slot_counts, bal, z, received, overflow)
-  return (y, stats, exchanged) if exchanges is RECORD else (y, stats)
+  if recording:
+    return y, stats, kept_exchange.Kept(kept_shards, kept_shares)
+  return y, stats
 
 
 def no_moe_stats(cfg: MoEConfig, mesh: Mesh, layout: Layout) -> MoEStats:

@@ -22,9 +22,12 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from moejax.model.moe import kept_exchange
+
 # The name of the balance loss's global shares of choices per expert, for remat policies: the
 # one value of the routing whose recompute is a collective (a psum over the token axes) that
-# the loss's gradient needs, so a rematerialised layer keeps it (moejax.model.transformer).
+# the loss's gradient needs, so a rematerialised layer keeps it (moejax.model.transformer);
+# fsep's layer, recomputed in its own backward, keeps it on a tape (kept_exchange).
 SHARES = "moe_route_shares"
 
 
@@ -75,8 +78,8 @@ def _balance_loss(gate, scores_TxE, counts_TxE, top_k, seq_len, token_axes):
   averaged over the sequences (DeepSeek-V3's sequence-wise loss)."""
   num_tokens, num_experts = scores_TxE.shape
   if gate == "softmax":
-    frac_E = checkpoint_name(
-        _global_mean(jnp.sum(counts_TxE, 0), num_tokens * top_k, token_axes), SHARES)
+    frac_E = checkpoint_name(kept_exchange.shares(
+        lambda: _global_mean(jnp.sum(counts_TxE, 0), num_tokens * top_k, token_axes)), SHARES)
     prob_E = _global_mean(jnp.sum(scores_TxE, axis=0), num_tokens, token_axes)
     return num_experts * jnp.sum(jax.lax.stop_gradient(frac_E) * prob_E)
   norm_TxE = scores_TxE / jnp.sum(scores_TxE, axis=-1, keepdims=True)
