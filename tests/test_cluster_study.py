@@ -202,7 +202,11 @@ def test_the_denominator_is_static_eps_uniform_row(monkeypatch):
                    programs.Cache(None), study.GRID, 4, layers=2, log=lambda *_: None,
                    kernels=("grouped",))
   assert only["denominators"]["mixtral_8x7b/8"]["kernels"] == "grouped"
-  assert only["rows"][0]["kernels"] == "grouped" and "alternatives" not in only["rows"][0]
+  # nothing fits on the grouped kernel alone, so its exchange-recomputing twin was tried too
+  picked = only["rows"][0]
+  assert picked["kernels"] == "grouped" and not picked["exchange_recomputed"]
+  assert [(a["kernels"], a["exchange_recomputed"]) for a in picked["alternatives"]] == [
+      ("grouped", True)]
 
 
 def test_a_policys_row_is_its_faster_program_that_fits():
@@ -222,6 +226,41 @@ def test_a_policys_row_is_its_faster_program_that_fits():
   failed = {"kernels": "einsum", "error": "no", "programs": ["x"]}
   assert study.faster([row("grouped", 2.0), failed])["kernels"] == "grouped"
   assert study.faster([row("grouped", 2.0)]) == row("grouped", 2.0)
+
+
+def test_a_kept_exchange_that_fits_nowhere_is_recomputed(monkeypatch):
+  """Mixtral's config keeps the MoE exchanges for the backward; where neither kernel's
+  program holds them in the GPU at the factor a routing needs, the row is the faster of the
+  programs that run the exchange again, all four kept; where the kept one fits, nothing else
+  is compiled. Qwen3's config recomputes the exchange already: it has no such twins."""
+  compiled = []
+
+  def compile_row(spec, gpu="h100", hlo_dir=None):
+    compiled.append(spec.kind)
+    row = _program(spec)
+    if spec.kind.endswith(programs.RECOMPUTED):
+      row["step_s"] *= 1.1
+    elif spec.factor > 1.0:
+      row["peak_bytes"], row["fits"] = 1e12, False
+    return row
+
+  monkeypatch.setattr(programs, "compile_row", compile_row)
+  d = study.run(["mixtral_8x7b"], {"mixtral_8x7b": (8,)}, ["uniform", "drift_bursts"],
+                ["static"], programs.Cache(None), study.GRID, 12, layers=2,
+                log=lambda *_: None)
+  rows = {r["routing"]: r for r in d["rows"]}
+  assert not rows["uniform"]["exchange_recomputed"] and rows["uniform"]["fits"]
+  assert len(rows["uniform"]["alternatives"]) == 1
+  skewed = rows["drift_bursts"]
+  assert skewed["factor"] > 1.0 and skewed["exchange_recomputed"] and skewed["fits"]
+  assert sorted((a["kernels"], a["exchange_recomputed"], a["fits"])
+                for a in skewed["alternatives"]) == sorted(
+      [(k, False, False) for k in programs.KERNELS] +
+      [(k, True, True) for k in programs.KERNELS if k != skewed["kernels"]])
+  assert {"ep_recomputed", "ep_einsum_recomputed"} <= set(compiled)
+  qwen3 = parse_config([programs.MODELS["qwen3_30b_a3b"]], ["data.path = None"])
+  assert programs.keeps_exchange(study.Case.of("mixtral_8x7b", 8).cfg)
+  assert not programs.keeps_exchange(qwen3)
 
 
 @pytest.mark.slow

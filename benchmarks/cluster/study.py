@@ -9,7 +9,10 @@ per second, the fraction of the force-balanced throughput (static EP at capacity
 under uniform routing) and the speedup over static EP on the same routing. A dense policy is
 compiled on both expert kernels (pooled buffers through the grouped matmul, per-slot buffers
 through XLA's einsum, each at the factor its buffers need) and its row is the faster program
-that fits, the other kept beside it; the force-balanced step is static EP's faster one.
+that fits, the other kept beside it; the force-balanced step is static EP's faster one. Where
+a model's config keeps the MoE exchanges for the backward and neither program fits at the
+factor, both are compiled again recomputing the exchange (the program a run there must take)
+and the row is the faster of the four that fits.
 
 With `--depths A B` every program is compiled at A and at B layers and its row (step, each
 category and collective and its exposure, grouped matmul, peak) extrapolated to the model's
@@ -224,16 +227,18 @@ def denominator(case: Case, cache: programs.Cache, hlo_dir, log, depths=None,
 
 def policy_row(case: Case, name: str, policy: str, rp: dict, factor: float, top: float,
                den_step_s: float, cache: programs.Cache, hlo_dir, log, depths=None,
-               kernels: str = "grouped") -> dict:
+               kernels: str = "grouped", recomputed: bool = False) -> dict:
   """One row (module doc): the program on `kernels` at `factor` (at the model's depth, or
-  extrapolated to it from `depths`), its grouped matmul scaled to the busiest device, what
-  the trainer pays beside it, and ragged's exchange priced three ways."""
-  kind = programs.kind_of(policy, kernels)
+  extrapolated to it from `depths`; with `recomputed` its twin that runs the MoE exchange
+  again in the backward), its grouped matmul scaled to the busiest device, what the trainer
+  pays beside it, and ragged's exchange priced three ways."""
+  kind = programs.kind_of(policy, kernels, recomputed)
   prog = program_at(cache, dataclasses.replace(case.base, kind=kind, factor=factor), top,
                     hlo_dir, log, depths)
   row = {"model": case.model, "gpus": case.gpus, "topology": case.base.topology,
          "expert_axis": case.expert_axis, "routing": name, "policy": policy,
-         "kernels": kernels, "needed_factor": needed(rp, kernels), "factor": factor,
+         "kernels": kernels, "exchange_recomputed": recomputed,
+         "needed_factor": needed(rp, kernels), "factor": factor,
          "layers": case.cfg.model.num_layers, "extrapolated_from": prog.get("extrapolated"),
          "programs": prog["programs"]}
   if not prog["compiled"]:
@@ -269,8 +274,8 @@ def faster(rows: list[dict]) -> dict:
   `alternatives`."""
   ok = [r for r in rows if "step_s" in r]
   pick = fastest_fitting(ok) if ok else rows[0]
-  others = [{k: r.get(k) for k in ("kernels", "needed_factor", "factor", "step_s", "fits",
-                                  "peak_gib", "programs", "error")}
+  others = [{k: r.get(k) for k in ("kernels", "exchange_recomputed", "needed_factor", "factor",
+                                  "step_s", "fits", "peak_gib", "programs", "error")}
             for r in rows if r is not pick]
   return {**pick, "alternatives": others} if others else pick
 
@@ -311,10 +316,16 @@ def run(models, gpus_by_model, routings, policies, cache: programs.Cache, grid: 
       got = {}
       for policy in policies:
         rp = replay_rows[case.replay_key(name)]["policies"][policy]
-        row = faster([policy_row(case, name, policy, rp, need[name, policy, k],
-                                 top[programs.kind_of(policy, k)], den["step_s"], cache,
-                                 hlo_dir, log, depths, k)
-                      for k in programs.kernels_of(policy, kernels)])
+        got_rows = []
+        for recomputed in (False, True):
+          if recomputed and (policy == "ragged" or not programs.keeps_exchange(case.cfg) or
+                             any(r.get("fits") for r in got_rows)):
+            break           # recomputed only where the kept exchange fits in neither program
+          got_rows += [policy_row(case, name, policy, rp, need[name, policy, k],
+                                  top[programs.kind_of(policy, k)], den["step_s"], cache,
+                                  hlo_dir, log, depths, k, recomputed)
+                       for k in programs.kernels_of(policy, kernels)]
+        row = faster(got_rows)
         rows.append(row)
         if "step_s" in row:
           got[policy] = row
