@@ -15,7 +15,8 @@ dense kind has an `_einsum` twin (`ep_einsum`, ...): per-(source, slot) buffers 
 batched einsum, which computes every buffer row, so `busiest_step` leaves it as compiled.
 Where the model's config keeps the MoE exchanges for its rematerialised backward, each dense
 kind has a `_recomputed` twin too (`ep_recomputed`, `ep_einsum_recomputed`, ...), which runs
-them again instead: the program a run at that factor must take where the kept one does not fit.
+them again instead: the kept buffers grow with the factor, and past the GPU's memory (or past
+XLA's memory limit, where its scheduler overlaps less) the twin is the program to run.
 
 Where the full depth takes too long to compile, `at_depth` compiles a program at two cut
 depths and extrapolates its row to the model's (`extrapolate`: the layers are one scanned
@@ -110,8 +111,7 @@ EINSUM = ["moe.kernels = 'xla'", "moe.capacity = 'slot'"]
 _DENSE_KINDS = {**_GROUPED_KINDS, **{f"{k}_einsum": [*v, *EINSUM]
                                      for k, v in _GROUPED_KINDS.items() if k != "ragged"}}
 # Each dense kind's twin that runs the MoE exchange again in its rematerialised backward, for a
-# model whose config keeps it (`model.remat_keeps_exchange`, Mixtral's gin): the kept buffers
-# grow with the factor, and where they do not fit the GPU a run must recompute instead.
+# model whose config keeps it (`model.remat_keeps_exchange`, Mixtral's gin).
 RECOMPUTED = "_recomputed"
 KIND_BINDINGS = {**_DENSE_KINDS,
                  **{f"{k}{RECOMPUTED}": [*v, "model.remat_keeps_exchange = False"]

@@ -8,11 +8,11 @@ beyond the step in flight and the ep migrations, per step, as the trainer pays t
 per second, the fraction of the force-balanced throughput (static EP at capacity factor 1.0
 under uniform routing) and the speedup over static EP on the same routing. A dense policy is
 compiled on both expert kernels (pooled buffers through the grouped matmul, per-slot buffers
-through XLA's einsum, each at the factor its buffers need) and its row is the faster program
-that fits, the other kept beside it; the force-balanced step is static EP's faster one. Where
-a model's config keeps the MoE exchanges for the backward and neither program fits at the
-factor, both are compiled again recomputing the exchange (the program a run there must take)
-and the row is the faster of the four that fits.
+through XLA's einsum, each at the factor its buffers need), and where the model's config keeps
+the MoE exchanges for the rematerialised backward, each again recomputing them (the kept
+buffers grow with the factor: past the GPU's memory they do not fit, and past XLA's memory
+limit its scheduler overlaps less); the row is the fastest program that fits, the others kept
+beside it; the force-balanced step is static EP's fastest one.
 
 With `--depths A B` every program is compiled at A and at B layers and its row (step, each
 category and collective and its exposure, grouped matmul, peak) extrapolated to the model's
@@ -207,15 +207,18 @@ def denominator(case: Case, cache: programs.Cache, hlo_dir, log, depths=None,
   published case the einsum one either way); None if none compiled."""
   shown = list(kernels) + (["einsum"] if (case.model, case.gpus) == PUBLISHED and
                            "einsum" not in kernels else [])
-  rows = {}
-  for k in shown:
+  rows, usable = {}, []
+  for k, recomputed in variants(case, "static", tuple(shown)):
+    key = k + (programs.RECOMPUTED if recomputed else "")
     row = programs.at_depth(cache, dataclasses.replace(case.base, kind=programs.kind_of(
-        "static", k)), depths, hlo_dir, log)
+        "static", k, recomputed)), depths, hlo_dir, log)
     if row["compiled"]:
-      rows[k] = row
+      rows[key] = row
+      if k in kernels:
+        usable.append({**row, "kernels": key})
     else:
-      log(f"no force-balanced {k} program for {case.model} at {case.gpus} GPUs: {row['error']}")
-  usable = [{**rows[k], "kernels": k} for k in kernels if k in rows]
+      log(f"no force-balanced {key} program for {case.model} at {case.gpus} GPUs: "
+          f"{row['error']}")
   if not usable:
     return None
   pick = fastest_fitting(usable)["kernels"]
@@ -262,6 +265,15 @@ def policy_row(case: Case, name: str, policy: str, rp: dict, factor: float, top:
       x[f"{way}_fraction_of_balanced"] = den_step_s / alt
     row["ragged_exchange"] = x
   return row
+
+
+def variants(case: Case, policy: str, kernels: tuple[str, ...]) -> list[tuple[str, bool]]:
+  """(kernels, exchange recomputed) of every program a policy's row is picked from: each of
+  `kernels`, and where the model's config keeps the MoE exchanges for the backward each again
+  recomputing them (ragged keeps nothing)."""
+  again = policy != "ragged" and programs.keeps_exchange(case.cfg)
+  return [(k, r) for r in ((False, True) if again else (False,))
+          for k in programs.kernels_of(policy, kernels)]
 
 
 def fastest_fitting(rows: list[dict]) -> dict:
@@ -316,16 +328,10 @@ def run(models, gpus_by_model, routings, policies, cache: programs.Cache, grid: 
       got = {}
       for policy in policies:
         rp = replay_rows[case.replay_key(name)]["policies"][policy]
-        got_rows = []
-        for recomputed in (False, True):
-          if recomputed and (policy == "ragged" or not programs.keeps_exchange(case.cfg) or
-                             any(r.get("fits") for r in got_rows)):
-            break           # recomputed only where the kept exchange fits in neither program
-          got_rows += [policy_row(case, name, policy, rp, need[name, policy, k],
-                                  top[programs.kind_of(policy, k)], den["step_s"], cache,
-                                  hlo_dir, log, depths, k, recomputed)
-                       for k in programs.kernels_of(policy, kernels)]
-        row = faster(got_rows)
+        row = faster([policy_row(case, name, policy, rp, need[name, policy, k],
+                                 top[programs.kind_of(policy, k)], den["step_s"], cache,
+                                 hlo_dir, log, depths, k, recomputed)
+                      for k, recomputed in variants(case, policy, kernels)])
         rows.append(row)
         if "step_s" in row:
           got[policy] = row
