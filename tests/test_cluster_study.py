@@ -165,16 +165,19 @@ def test_study_rows_extrapolate_from_the_cut_depths(monkeypatch):
   assert den["extrapolated_from"] == [2, 4]
   assert len(d["rows"]) == 4
   for r in d["rows"]:
-    want = _program(dataclasses.replace(base, kind=programs.kind_of(r["policy"], r["kernels"]),
-                                        factor=r["factor"]))
+    want = _program(dataclasses.replace(base, kind=programs.kind_of(
+        r["policy"], r["kernels"], r["exchange_recomputed"]), factor=r["factor"]))
     assert r["layers"] == depth and r["extrapolated_from"] == [2, 4]
     assert r["program_step_s"] == pytest.approx(want["step_s"])
     assert r["program_grouped_matmul_s"] == pytest.approx(want["grouped_matmul"]["seconds"])
     assert set(r["programs"]) <= {s.key() for s in compiled}
     assert len(r["programs"]) == (2 if r["factor"] == 1.0 else 4)
-    # the other kernels' program was compiled and kept beside the row
-    assert [a["kernels"] for a in r["alternatives"]] == [
-        k for k in programs.KERNELS if k != r["kernels"]]
+    # the other programs (the other kernels, and Mixtral's exchange recomputed on both) were
+    # compiled and kept beside the row
+    assert sorted((a["kernels"], a["exchange_recomputed"]) for a in r["alternatives"]) == sorted(
+        v for v in study.variants(study.Case.of("mixtral_8x7b", 8), r["policy"],
+                                  programs.KERNELS)
+        if v != (r["kernels"], r["exchange_recomputed"]))
     assert set(r["alternatives"][0]["programs"]) <= {s.key() for s in compiled}
   skewed = [r for r in d["rows"] if r["routing"] == "drift_bursts" and r["policy"] == "static"]
   assert skewed[0]["factor"] > 1.0     # its row was read between two buffers, each extrapolated
@@ -202,7 +205,11 @@ def test_the_denominator_is_static_eps_uniform_row(monkeypatch):
                    programs.Cache(None), study.GRID, 4, layers=2, log=lambda *_: None,
                    kernels=("grouped",))
   assert only["denominators"]["mixtral_8x7b/8"]["kernels"] == "grouped"
-  assert only["rows"][0]["kernels"] == "grouped" and "alternatives" not in only["rows"][0]
+  # nothing fits on the grouped kernel alone, so its exchange-recomputing twin was tried too
+  picked = only["rows"][0]
+  assert picked["kernels"] == "grouped" and not picked["exchange_recomputed"]
+  assert [(a["kernels"], a["exchange_recomputed"]) for a in picked["alternatives"]] == [
+      ("grouped", True)]
 
 
 def test_a_policys_row_is_its_faster_program_that_fits():
@@ -224,6 +231,45 @@ def test_a_policys_row_is_its_faster_program_that_fits():
   assert study.faster([row("grouped", 2.0)]) == row("grouped", 2.0)
 
 
+def test_a_model_that_keeps_its_exchange_races_the_recomputing_programs(monkeypatch):
+  """Mixtral's config keeps the MoE exchanges for the backward; each of its dense programs is
+  compiled recomputing them too, and a row is the fastest of the four that fits: the kept one
+  where it fits (here, at factor 1.0, where it is faster), the recomputing one where the kept
+  buffers do not fit (the skewed routing's larger factor). Qwen3's config recomputes the
+  exchange already: it has no such twins."""
+  compiled = []
+
+  def compile_row(spec, gpu="h100", hlo_dir=None):
+    compiled.append(spec.kind)
+    row = _program(spec)
+    if spec.kind.endswith(programs.RECOMPUTED):
+      row["step_s"] *= 1.1
+    elif spec.factor > 1.0:
+      row["peak_bytes"], row["fits"] = 1e12, False
+    return row
+
+  monkeypatch.setattr(programs, "compile_row", compile_row)
+  d = study.run(["mixtral_8x7b"], {"mixtral_8x7b": (8,)}, ["uniform", "drift_bursts"],
+                ["static"], programs.Cache(None), study.GRID, 12, layers=2,
+                log=lambda *_: None)
+  rows = {r["routing"]: r for r in d["rows"]}
+  uniform, skewed = rows["uniform"], rows["drift_bursts"]
+  assert not uniform["exchange_recomputed"] and uniform["fits"]
+  assert uniform["fraction_of_balanced"] == pytest.approx(1.0)      # the denominator's pick
+  assert skewed["factor"] > 1.0 and skewed["exchange_recomputed"] and skewed["fits"]
+  for row in (uniform, skewed):
+    assert sorted((a["kernels"], a["exchange_recomputed"]) for a in row["alternatives"]) == \
+        sorted((k, r) for k in programs.KERNELS for r in (False, True)
+               if (k, r) != (row["kernels"], row["exchange_recomputed"]))
+  assert not any(a["fits"] for a in skewed["alternatives"] if not a["exchange_recomputed"])
+  assert {"ep_recomputed", "ep_einsum_recomputed"} <= set(compiled)
+  qwen3 = parse_config([programs.MODELS["qwen3_30b_a3b"]], ["data.path = None"])
+  assert programs.keeps_exchange(study.Case.of("mixtral_8x7b", 8).cfg)
+  assert not programs.keeps_exchange(qwen3)
+  assert study.variants(study.Case.of("mixtral_8x7b", 8), "ragged", programs.KERNELS) == [
+      ("grouped", False)]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(gpus.has_cuda_plugin() is not None, reason=str(gpus.has_cuda_plugin()))
 def test_smallest_case_end_to_end(tmp_path):
@@ -240,7 +286,8 @@ def test_smallest_case_end_to_end(tmp_path):
   assert all("step_s" in r and r["gpus"] == 8 for r in rows.values())
   # the force-balanced step is static EP's faster program on uniform routing
   assert rows["uniform", "static"]["fraction_of_balanced"] == pytest.approx(1.0)
-  assert all(len(r["alternatives"]) == 1 for r in rows.values())     # both kernels compiled
+  # both kernels compiled, each keeping and recomputing the exchange (Mixtral's config keeps it)
+  assert all(len(r["alternatives"]) == 3 for r in rows.values())
   skewed = rows["drift_bursts", "static"]
   assert skewed["needed_factor"] > 1.5 and skewed["fraction_of_balanced"] < 1.0
   fsep = rows["drift_bursts", "fsep_planned"]

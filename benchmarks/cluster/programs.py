@@ -13,6 +13,10 @@ computes the rows its group sizes hold, so `busiest_step` scales the grouped mat
 by the busiest device's rows over the buffer's, the rest of the program as compiled. Each
 dense kind has an `_einsum` twin (`ep_einsum`, ...): per-(source, slot) buffers through XLA's
 batched einsum, which computes every buffer row, so `busiest_step` leaves it as compiled.
+Where the model's config keeps the MoE exchanges for its rematerialised backward, each dense
+kind has a `_recomputed` twin too (`ep_recomputed`, `ep_einsum_recomputed`, ...), which runs
+them again instead: the kept buffers grow with the factor, and past the GPU's memory (or past
+XLA's memory limit, where its scheduler overlaps less) the twin is the program to run.
 
 Where the full depth takes too long to compile, `at_depth` compiles a program at two cut
 depths and extrapolates its row to the model's (`extrapolate`: the layers are one scanned
@@ -48,10 +52,12 @@ KIND_OF_POLICY = {"static": "ep", "smartmoe": "ep", "fsep_planned": "fsep_planne
 KERNELS = ("grouped", "einsum")
 
 
-def kind_of(policy: str, kernels: str = "grouped") -> str:
-  """The program kind of `policy` on `kernels` (ragged runs the grouped kernel only)."""
+def kind_of(policy: str, kernels: str = "grouped", recomputed: bool = False) -> str:
+  """The program kind of `policy` on `kernels` (ragged runs the grouped kernel only), its
+  `RECOMPUTED` twin with `recomputed`."""
   kind = KIND_OF_POLICY[policy]
-  return kind if kernels == "grouped" else f"{kind}_einsum"
+  kind = kind if kernels == "grouped" else f"{kind}_einsum"
+  return kind + RECOMPUTED if recomputed else kind
 
 
 def kernels_of(policy: str, kernels: tuple[str, ...]) -> tuple[str, ...]:
@@ -102,9 +108,20 @@ _GROUPED_KINDS = {
     "ragged": ["moe.dispatch = 'ragged'"],
 }
 EINSUM = ["moe.kernels = 'xla'", "moe.capacity = 'slot'"]
-KIND_BINDINGS = {**_GROUPED_KINDS, **{f"{k}_einsum": [*v, *EINSUM]
-                                      for k, v in _GROUPED_KINDS.items() if k != "ragged"}}
+_DENSE_KINDS = {**_GROUPED_KINDS, **{f"{k}_einsum": [*v, *EINSUM]
+                                     for k, v in _GROUPED_KINDS.items() if k != "ragged"}}
+# Each dense kind's twin that runs the MoE exchange again in its rematerialised backward, for a
+# model whose config keeps it (`model.remat_keeps_exchange`, Mixtral's gin).
+RECOMPUTED = "_recomputed"
+KIND_BINDINGS = {**_DENSE_KINDS,
+                 **{f"{k}{RECOMPUTED}": [*v, "model.remat_keeps_exchange = False"]
+                    for k, v in _DENSE_KINDS.items() if k != "ragged"}}
 KINDS = tuple(KIND_BINDINGS)
+
+
+def keeps_exchange(cfg: Config) -> bool:
+  """Whether a run of `cfg` keeps its MoE exchanges for the rematerialised backward."""
+  return cfg.model.remat and cfg.model.remat_keeps_exchange
 
 
 def run_config(spec: Spec) -> Config:

@@ -8,8 +8,11 @@ beyond the step in flight and the ep migrations, per step, as the trainer pays t
 per second, the fraction of the force-balanced throughput (static EP at capacity factor 1.0
 under uniform routing) and the speedup over static EP on the same routing. A dense policy is
 compiled on both expert kernels (pooled buffers through the grouped matmul, per-slot buffers
-through XLA's einsum, each at the factor its buffers need) and its row is the faster program
-that fits, the other kept beside it; the force-balanced step is static EP's faster one.
+through XLA's einsum, each at the factor its buffers need), and where the model's config keeps
+the MoE exchanges for the rematerialised backward, each again recomputing them (the kept
+buffers grow with the factor: past the GPU's memory they do not fit, and past XLA's memory
+limit its scheduler overlaps less); the row is the fastest program that fits, the others kept
+beside it; the force-balanced step is static EP's fastest one.
 
 With `--depths A B` every program is compiled at A and at B layers and its row (step, each
 category and collective and its exposure, grouped matmul, peak) extrapolated to the model's
@@ -204,15 +207,18 @@ def denominator(case: Case, cache: programs.Cache, hlo_dir, log, depths=None,
   published case the einsum one either way); None if none compiled."""
   shown = list(kernels) + (["einsum"] if (case.model, case.gpus) == PUBLISHED and
                            "einsum" not in kernels else [])
-  rows = {}
-  for k in shown:
+  rows, usable = {}, []
+  for k, recomputed in variants(case, "static", tuple(shown)):
+    key = k + (programs.RECOMPUTED if recomputed else "")
     row = programs.at_depth(cache, dataclasses.replace(case.base, kind=programs.kind_of(
-        "static", k)), depths, hlo_dir, log)
+        "static", k, recomputed)), depths, hlo_dir, log)
     if row["compiled"]:
-      rows[k] = row
+      rows[key] = row
+      if k in kernels:
+        usable.append({**row, "kernels": key})
     else:
-      log(f"no force-balanced {k} program for {case.model} at {case.gpus} GPUs: {row['error']}")
-  usable = [{**rows[k], "kernels": k} for k in kernels if k in rows]
+      log(f"no force-balanced {key} program for {case.model} at {case.gpus} GPUs: "
+          f"{row['error']}")
   if not usable:
     return None
   pick = fastest_fitting(usable)["kernels"]
@@ -224,16 +230,18 @@ def denominator(case: Case, cache: programs.Cache, hlo_dir, log, depths=None,
 
 def policy_row(case: Case, name: str, policy: str, rp: dict, factor: float, top: float,
                den_step_s: float, cache: programs.Cache, hlo_dir, log, depths=None,
-               kernels: str = "grouped") -> dict:
+               kernels: str = "grouped", recomputed: bool = False) -> dict:
   """One row (module doc): the program on `kernels` at `factor` (at the model's depth, or
-  extrapolated to it from `depths`), its grouped matmul scaled to the busiest device, what
-  the trainer pays beside it, and ragged's exchange priced three ways."""
-  kind = programs.kind_of(policy, kernels)
+  extrapolated to it from `depths`; with `recomputed` its twin that runs the MoE exchange
+  again in the backward), its grouped matmul scaled to the busiest device, what the trainer
+  pays beside it, and ragged's exchange priced three ways."""
+  kind = programs.kind_of(policy, kernels, recomputed)
   prog = program_at(cache, dataclasses.replace(case.base, kind=kind, factor=factor), top,
                     hlo_dir, log, depths)
   row = {"model": case.model, "gpus": case.gpus, "topology": case.base.topology,
          "expert_axis": case.expert_axis, "routing": name, "policy": policy,
-         "kernels": kernels, "needed_factor": needed(rp, kernels), "factor": factor,
+         "kernels": kernels, "exchange_recomputed": recomputed,
+         "needed_factor": needed(rp, kernels), "factor": factor,
          "layers": case.cfg.model.num_layers, "extrapolated_from": prog.get("extrapolated"),
          "programs": prog["programs"]}
   if not prog["compiled"]:
@@ -259,6 +267,15 @@ def policy_row(case: Case, name: str, policy: str, rp: dict, factor: float, top:
   return row
 
 
+def variants(case: Case, policy: str, kernels: tuple[str, ...]) -> list[tuple[str, bool]]:
+  """(kernels, exchange recomputed) of every program a policy's row is picked from: each of
+  `kernels`, and where the model's config keeps the MoE exchanges for the backward each again
+  recomputing them (ragged keeps nothing)."""
+  again = policy != "ragged" and programs.keeps_exchange(case.cfg)
+  return [(k, r) for r in ((False, True) if again else (False,))
+          for k in programs.kernels_of(policy, kernels)]
+
+
 def fastest_fitting(rows: list[dict]) -> dict:
   """The fastest of compiled `rows` that fits, the fastest of all where none fits."""
   return min([r for r in rows if r["fits"]] or rows, key=lambda r: r["step_s"])
@@ -269,8 +286,8 @@ def faster(rows: list[dict]) -> dict:
   `alternatives`."""
   ok = [r for r in rows if "step_s" in r]
   pick = fastest_fitting(ok) if ok else rows[0]
-  others = [{k: r.get(k) for k in ("kernels", "needed_factor", "factor", "step_s", "fits",
-                                  "peak_gib", "programs", "error")}
+  others = [{k: r.get(k) for k in ("kernels", "exchange_recomputed", "needed_factor", "factor",
+                                  "step_s", "fits", "peak_gib", "programs", "error")}
             for r in rows if r is not pick]
   return {**pick, "alternatives": others} if others else pick
 
@@ -313,8 +330,8 @@ def run(models, gpus_by_model, routings, policies, cache: programs.Cache, grid: 
         rp = replay_rows[case.replay_key(name)]["policies"][policy]
         row = faster([policy_row(case, name, policy, rp, need[name, policy, k],
                                  top[programs.kind_of(policy, k)], den["step_s"], cache,
-                                 hlo_dir, log, depths, k)
-                      for k in programs.kernels_of(policy, kernels)])
+                                 hlo_dir, log, depths, k, recomputed)
+                      for k, recomputed in variants(case, policy, kernels)])
         rows.append(row)
         if "step_s" in row:
           got[policy] = row

@@ -29,11 +29,18 @@ def _depth(d: dict, r: dict) -> str:
   return str(r.get("layers") or d["programs"][r["programs"][0]]["spec"]["layers"] or "full")
 
 
+def _program(r: dict) -> str:
+  """A program's expert kernels, and 'recomputed' where it runs the MoE exchange again in the
+  backward although the model's config keeps it (the kept buffers did not fit)."""
+  return r.get("kernels", "grouped") + (" recomputed" if r.get("exchange_recomputed") else "")
+
+
 def _kernels(r: dict) -> str:
-  """The row's expert kernels, and the other program's step where it was compiled too."""
-  others = [f"{a['kernels']} {a['step_s']:.3f}{'' if a['fits'] else ' no fit'}"
+  """The row's program (`_program`), and the other programs' steps where they were compiled
+  too."""
+  others = [f"{_program(a)} {a['step_s']:.3f}{'' if a['fits'] else ' no fit'}"
             for a in r.get("alternatives", ()) if a.get("step_s") is not None]
-  return r.get("kernels", "grouped") + (f" ({', '.join(others)})" if others else "")
+  return _program(r) + (f" ({', '.join(others)})" if others else "")
 
 
 def _row(d: dict, r: dict) -> list:
@@ -147,7 +154,9 @@ def _cluster(files):
               "matmul scaled to the busiest device's rows (a dense policy is compiled on both "
               "expert kernels, each at the factor its buffers need, and takes the faster that "
               "fits in the share of the GPU's memory JAX's allocator gets (the whole GPU in "
-              "files that name no `memory_fraction`); the other's step in brackets), plus the "
+              "files that name no `memory_fraction`); the other's step in brackets; "
+              "'recomputed': where the model keeps its MoE exchanges for the backward, "
+              "each program again running them in the backward instead), plus the "
               "re-plan time beyond the step in flight and ep migrations; tokens/s; the fraction "
               "of the force-balanced throughput (static EP's faster program at factor 1.0 on "
               "uniform routing) and the "
