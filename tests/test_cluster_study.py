@@ -188,24 +188,28 @@ def test_the_denominator_is_static_eps_uniform_row(monkeypatch):
   static EP's own uniform row: here the grouped program is faster but does not fit."""
   def compile_row(spec, gpu="h100", hlo_dir=None):
     row = _program(spec)
-    if spec.kind.endswith("_einsum"):
+    if "_einsum" in spec.kind:
       row["step_s"] *= 1.1
     else:
       row["fits"] = False
+    if spec.kind.endswith(programs.RECOMPUTED):
+      row["step_s"] *= 1.2
     return row
 
   monkeypatch.setattr(programs, "compile_row", compile_row)
   d = study.run(["mixtral_8x7b"], {"mixtral_8x7b": (8,)}, ["uniform"], ["static"],
                 programs.Cache(None), study.GRID, 4, layers=2, log=lambda *_: None)
   den = d["denominators"]["mixtral_8x7b/8"]
-  assert den["kernels"] == "einsum" and not den["grouped"]["fits"]
+  assert den["kernels"] == "einsum" and not den["exchange_recomputed"]
+  assert not den["grouped"]["fits"] and den["einsum_recomputed"]["fits"]
   (row,) = d["rows"]
   assert row["kernels"] == "einsum" and row["fraction_of_balanced"] == pytest.approx(1.0)
   only = study.run(["mixtral_8x7b"], {"mixtral_8x7b": (8,)}, ["uniform"], ["static"],
                    programs.Cache(None), study.GRID, 4, layers=2, log=lambda *_: None,
                    kernels=("grouped",))
   assert only["denominators"]["mixtral_8x7b/8"]["kernels"] == "grouped"
-  # nothing fits on the grouped kernel alone, so its exchange-recomputing twin was tried too
+  # Mixtral keeps its exchange, so the grouped program recomputing it was compiled too; where
+  # neither fits, the faster is the row
   picked = only["rows"][0]
   assert picked["kernels"] == "grouped" and not picked["exchange_recomputed"]
   assert [(a["kernels"], a["exchange_recomputed"]) for a in picked["alternatives"]] == [
@@ -264,8 +268,11 @@ def test_a_model_that_keeps_its_exchange_races_the_recomputing_programs(monkeypa
   assert not any(a["fits"] for a in skewed["alternatives"] if not a["exchange_recomputed"])
   assert {"ep_recomputed", "ep_einsum_recomputed"} <= set(compiled)
   qwen3 = parse_config([programs.MODELS["qwen3_30b_a3b"]], ["data.path = None"])
-  assert programs.keeps_exchange(study.Case.of("mixtral_8x7b", 8).cfg)
-  assert not programs.keeps_exchange(qwen3)
+  mixtral = study.Case.of("mixtral_8x7b", 8).cfg
+  assert programs.keeps_exchange(mixtral) and not programs.keeps_exchange(qwen3)
+  # fsep recomputes its layer in its own backward, so it keeps the exchange without remat too
+  no_remat = dataclasses.replace(mixtral, model=dataclasses.replace(mixtral.model, remat=False))
+  assert not programs.keeps_exchange(no_remat) and programs.keeps_exchange(no_remat, fsep=True)
   assert study.variants(study.Case.of("mixtral_8x7b", 8), "ragged", programs.KERNELS) == [
       ("grouped", False)]
 

@@ -119,9 +119,10 @@ KIND_BINDINGS = {**_DENSE_KINDS,
 KINDS = tuple(KIND_BINDINGS)
 
 
-def keeps_exchange(cfg: Config) -> bool:
-  """Whether a run of `cfg` keeps its MoE exchanges for the rematerialised backward."""
-  return cfg.model.remat and cfg.model.remat_keeps_exchange
+def keeps_exchange(cfg: Config, fsep: bool = False) -> bool:
+  """Whether a run of `cfg` keeps its MoE exchanges for the backward: under remat, or for
+  an fsep layer (`fsep`), which recomputes in its own backward with remat or without."""
+  return cfg.model.remat_keeps_exchange and (cfg.model.remat or fsep)
 
 
 def run_config(spec: Spec) -> Config:

@@ -215,14 +215,16 @@ def denominator(case: Case, cache: programs.Cache, hlo_dir, log, depths=None,
     if row["compiled"]:
       rows[key] = row
       if k in kernels:
-        usable.append({**row, "kernels": key})
+        usable.append({**row, "key": key, "kernels": k, "exchange_recomputed": recomputed})
     else:
       log(f"no force-balanced {key} program for {case.model} at {case.gpus} GPUs: "
           f"{row['error']}")
   if not usable:
     return None
-  pick = fastest_fitting(usable)["kernels"]
-  return {"step_s": rows[pick]["step_s"], "programs": rows[pick]["programs"], "kernels": pick,
+  best = fastest_fitting(usable)
+  pick = best["key"]
+  return {"step_s": rows[pick]["step_s"], "programs": rows[pick]["programs"],
+          "kernels": best["kernels"], "exchange_recomputed": best["exchange_recomputed"],
           "extrapolated_from": rows[pick].get("extrapolated"),
           **{k: {"step_s": r["step_s"], "programs": r["programs"], "fits": r["fits"]}
              for k, r in rows.items()}}
@@ -271,7 +273,7 @@ def variants(case: Case, policy: str, kernels: tuple[str, ...]) -> list[tuple[st
   """(kernels, exchange recomputed) of every program a policy's row is picked from: each of
   `kernels`, and where the model's config keeps the MoE exchanges for the backward each again
   recomputing them (ragged keeps nothing)."""
-  again = policy != "ragged" and programs.keeps_exchange(case.cfg)
+  again = policy != "ragged" and programs.keeps_exchange(case.cfg, policy.startswith("fsep"))
   return [(k, r) for r in ((False, True) if again else (False,))
           for k in programs.kernels_of(policy, kernels)]
 
@@ -309,8 +311,9 @@ def run(models, gpus_by_model, routings, policies, cache: programs.Cache, grid: 
         kernels: tuple[str, ...] = programs.KERNELS) -> dict:
   """The study's rows (module doc), case by case in ORDER: the planners first (they say which
   buffers), then the programs (at `layers`, 0: the model's depth; or compiled at the two
-  `depths` and extrapolated to the model's), each dense policy on every one of `kernels`,
-  its row the one that pays (`faster`). `done(result)` is called after each case with the
+  `depths` and extrapolated to the model's), each dense policy on every one of its
+  `variants` (each of `kernels`, keeping and recomputing the exchange where the model keeps
+  it), its row the one that pays (`faster`). `done(result)` is called after each case with the
   rows so far."""
   if depths and layers:
     raise ValueError(f"depths={depths} and layers={layers}: the depths extrapolate to the "

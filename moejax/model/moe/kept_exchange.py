@@ -9,8 +9,9 @@ values back in the order they were recorded (the pipeline is built once per conf
 runs take them in the same order). Two kinds of value:
 
   shares     the balance loss's global shares of choices per expert (moejax.model.moe.route),
-             a psum over the token axes; always kept: [E] floats a layer, and the loss reads
-             them through a stop_gradient, so the recompute needs no cotangent for them.
+             a psum over the token axes; kept wherever the softmax gate computes them: [E]
+             floats a layer, read by the loss through a stop_gradient, so the recompute
+             needs no cotangent for them.
   exchanges  what every token exchange returned (with `exchanges=True`): no exchange and no
              down projection recomputed; each exchange's transpose still carries the cotangent
              back (one all_to_all, as before).
