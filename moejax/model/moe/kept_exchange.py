@@ -55,6 +55,11 @@ class _Queue:
   def unread(self) -> int:
     return len(self._kept or ())
 
+  def record(self, value: jax.Array) -> jax.Array:
+    if not self.replaying:
+      self.recorded.append(value)
+    return value
+
   def next_kept(self) -> jax.Array:
     if not self._kept:
       raise RuntimeError(f"the MoE layer's recompute makes more {self._name} than its forward "
@@ -81,9 +86,7 @@ class Tape:
 
   def record(self, value: jax.Array) -> jax.Array:
     """`value` (an exchange's output), recorded where the tape keeps exchanges."""
-    if self.keeps_exchanges and not self._exchanges.replaying:
-      self._exchanges.recorded.append(value)
-    return value
+    return self._exchanges.record(value) if self.keeps_exchanges else value
 
   def next_kept(self) -> jax.Array:
     return self._exchanges.next_kept()
@@ -92,9 +95,7 @@ class Tape:
     """The balance loss's shares: the kept value when replaying, else `compute()`, recorded."""
     if self._shares.replaying:
       return self._shares.next_kept()
-    value = compute()
-    self._shares.recorded.append(value)
-    return value
+    return self._shares.record(compute())
 
   def kept(self) -> Kept:
     """What this (recording) tape kept."""
