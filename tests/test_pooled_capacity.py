@@ -204,12 +204,11 @@ def test_tile_is_the_power_of_two_nearest_an_eighth_of_the_share():
   """A share of 1022 rows (fsep at factor 0.998) gets 128-row tiles as 1024 does, not 64: the
   power below an eighth halved the tiles at every share just under 8 x a power of two."""
   assert tiled.tile_rows(4 * 1022, 4) == tiled.tile_rows(4 * 1024, 4) == 128
-  assert tiled.tile_rows(4 * 1500, 4) == 256       # 187.5 rows: nearer 256 than 128
-  assert tiled.tile_rows(4 * 1400, 4) == 128       # 175 rows: nearer 128
+  assert tiled.tile_rows(4 * 1500, 4) == 256       # 187.5 rows: above 128 sqrt(2), log-nearer 256
+  assert tiled.tile_rows(4 * 1400, 4) == 128       # 175 rows: below 181
   assert tiled.tile_rows(2 * 20000, 2) == tiled.MAX_TILE
   assert tiled.tile_rows(3 * 40, 3) == tiled.MIN_TILE
-  assert tiled.tile_rows(4 * 20, 4) == 32          # the power of two covering the share
-  assert tiled.tile_rows(4 * 9, 4) == 16
+  assert tiled.tile_rows(4 * 9, 4) == 16           # the power of two covering the share
 
 
 def test_pooled_capacity_rejects_unknown_names():
