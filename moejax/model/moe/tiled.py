@@ -29,9 +29,9 @@ def tile_rows(rows: int, groups: int, max_tile: int = MAX_TILE) -> int:
   [MIN_TILE, max_tile], and no more than the power of two covering the share. Each group's
   last tile is on average half padding, so groups * tile / 2 of the rows are wasted: an eighth
   of the share keeps that near 1/16 of the buffer, while tiles stay large enough for the
-  matmuls and few enough for the scan (docs/decisions/0103). Nearest in log scale, not the
-  power below: a share of 1022 rows got 64-row tiles, where 128 ran fsep's layer 11% faster
-  on XLA:CPU (docs/decisions/0133)."""
+  matmuls and few enough for the scan (docs/decisions/0103). Nearest in log scale: the power
+  below halves the tile, and doubles the scan's steps, for every share just under 8 x a power
+  of two (1022 rows: 64, where 1024 gets 128; docs/decisions/0133)."""
   share = max(1, -(-rows // groups))
   cover = 1 << (share - 1).bit_length()
   eighth = 1 << max(0, round(math.log2(max(1.0, share / 8))))
@@ -108,11 +108,10 @@ def _swiglu_bwd(tile, res, dy_rowsxD):
   f32 = jnp.float32
   outer = lambda a, b: jnp.dot(a.T, b, preferred_element_type=f32)
 
-  # The cond returns the tile's weight gradients and they are summed into the carried f32
-  # sums after it: passed through the cond, the three sums (each its weight's size) were copied
-  # whole every tile on XLA:GPU, where the slice add in the loop body updates them in place
-  # (the GPU config's pooled step: 61 -> 42 ms of elementwise work in the compile-only H100
-  # estimate, docs/decisions/0133).
+  # The cond returns the tile's weight gradients and the loop body adds them into the carried
+  # f32 sums after it: sums passed through the cond are copied whole every tile on XLA:GPU
+  # (each its weight's size), where the slice add in the loop body updates them in place
+  # (docs/decisions/0133).
   def body(dw, xs):
     x_t, a_t, u_t, dy_t, g = xs
     i = jnp.maximum(g, 0)
