@@ -147,6 +147,28 @@ def test_ragged_pallas_custom_calls_are_the_layers_kernels():
   assert read.kernels(_compiled("ep_pooled").hlo) == {}
 
 
+def test_pooled_xla_experts_scan_the_gpus_tiles():
+  """Compiled for GPUs, the pooled layer's static-tile scans run the tiles XLA:GPU's rule
+  picks (13 of 2048 rows for the config's 20480-row buffer over 4 slots), not XLA:CPU's 43
+  of 512: each tile is a launched loop iteration there."""
+  from moejax.aot.hlo import parse
+  from moejax.model.moe import tiled
+  from moejax.model.moe.pooled import device_capacity
+
+  gp = _compiled("ep_pooled")
+  moe, devices = gp.program.cfg.moe, 8
+  tokens = gp.program.cfg.data.global_batch_size * gp.program.cfg.data.seq_len // devices
+  rows = devices * device_capacity(tokens, moe.top_k, devices, moe.capacity_factor)
+  slots = moe.num_experts // devices
+  gpu = tiled.num_tiles(rows, slots, tiled.tile_rows(rows, slots, "gpu"))
+  cpu = tiled.num_tiles(rows, slots, tiled.tile_rows(rows, slots, "cpu"))
+  module = parse(gp.hlo)
+  trips = {ins.trip_count() for comp in module.computations.values() for ins in comp
+           if ins.opcode == "while"}
+  assert (rows, slots, gpu, cpu) == (20480, 4, 13, 43)
+  assert gpu in trips and cpu not in trips, trips
+
+
 # The model's peak / XLA's (benchmarks/gpu/results/gpu_program_h100.json, 8 GPUs): ep_slot 1.01,
 # ep_pooled 0.96, fsep 1.04, fsdp 0.98, ep_chunks2 1.04, p2_m4 0.92, ep_ragged_pallas 0.86
 # (decision 0099). For ragged, XLA's temp heap is 1.05 GB larger than the buffers its

@@ -38,6 +38,8 @@ class ExpertOps(NamedTuple):
   permute: Callable
   combine: Callable
   gmm: Callable
+  platform: str = "cpu"     # the mesh's devices' ("cpu", "gpu", "cuda"): the static tiles'
+                            # size follows what a tile costs there (moejax.model.moe.tiled)
 
 
 def ops_for(kernels: str, platform: str, capability: str | None = None, dtype=None,
@@ -46,7 +48,7 @@ def ops_for(kernels: str, platform: str, capability: str | None = None, dtype=No
   have compute `capability` ("9.0"; None: not a GPU, or unknown) and compute in `dtype`."""
   if kernels == "xla":
     return ExpertOps("xla", "xla", permute_rows, combine_rows,
-                     lambda x, w, sizes: jax.lax.ragged_dot(x, w, sizes))
+                     lambda x, w, sizes: jax.lax.ragged_dot(x, w, sizes), platform)
   if kernels == "pallas":
     requested = "triton" if pallas_backend == "mosaic_gpu" else pallas_backend
     backend = backend_lib.resolve(requested, platform)
@@ -58,5 +60,5 @@ def ops_for(kernels: str, platform: str, capability: str | None = None, dtype=No
         "pallas", gmm_backend,
         functools.partial(pallas_permute, tuning=PermuteTuning(backend=backend)),
         functools.partial(pallas_combine, tuning=CombineTuning(backend=backend)),
-        functools.partial(pallas_gmm, tuning=gmm_tuning))
+        functools.partial(pallas_gmm, tuning=gmm_tuning), platform)
   raise ConfigError(f"moe.kernels={kernels!r} is not supported; use 'xla' or 'pallas'.")

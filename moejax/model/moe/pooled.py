@@ -64,7 +64,7 @@ def _tiled_ffn(recv_rowsxD, starts_NxC, kept_NxC, weights, ops, dtype):
   runs the whole FFN of a tile in one step and skips the tiles no group uses."""
   rows = recv_rowsxD.shape[0]
   slots = kept_NxC.shape[1]
-  tile = tiled.tile_rows(rows, slots)
+  tile = tiled.tile_rows(rows, slots, ops.platform)
   tiles = tiled.num_tiles(rows, slots, tile)
   g = grouping.group_received(starts_NxC, kept_NxC, rows, align=tile, out_rows=tiles * tile)
   group_of_tile = tiled.tile_groups(g.sizes_C, tiles, tile)

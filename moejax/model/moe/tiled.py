@@ -22,20 +22,43 @@ from pallas_kernels.backend import match_varying
 
 MAX_TILE = 512
 MIN_TILE = 32
+# XLA:GPU: what one tile costs beyond its rows' matmuls, in rows of that work. Each scan step
+# is a loop iteration the host launches (55 us on the H200, moejax.strategy.hardware) and
+# moves its group's weights (a slice of each for the matmuls, the f32 gradient sums read and
+# written): at an H100's GEMM and HBM rates that is several hundred rows' worth at any width,
+# more where d_model x d_ff is small. The step the schedule estimate gives for the pooled
+# program at power-of-two tiles is least at the tile this cost picks on Mixtral-8x7B's shape
+# and within 5% of it on the GPU config's (docs/decisions/0134).
+GPU_TILE_COST_ROWS = 512
 
 
-def tile_rows(rows: int, groups: int, max_tile: int = MAX_TILE) -> int:
-  """Tile height: the power of two nearest an eighth of one group's even share, within
-  [MIN_TILE, max_tile], and no more than the power of two covering the share. Each group's
-  last tile is on average half padding, so groups * tile / 2 of the rows are wasted: an eighth
-  of the share keeps that near 1/16 of the buffer, while tiles stay large enough for the
-  matmuls and few enough for the scan (docs/decisions/0103). Nearest in log scale: the power
-  below halves the tile, and doubles the scan's steps, for every share just under 8 x a power
-  of two (1022 rows: 64, where 1024 gets 128; docs/decisions/0133)."""
+def _is_gpu(platform: str) -> bool:
+  return platform in ("gpu", "cuda")
+
+
+def tile_rows(rows: int, groups: int, platform: str = "cpu") -> int:
+  """Tile height for `rows` rows in `groups` groups on `platform`: a power of two, at least
+  MIN_TILE and no more than the power of two covering one group's even share. Each group's
+  last tile is on average half padding, so groups * tile / 2 rows are wasted, against the
+  fixed cost of each tile.
+
+  XLA:CPU: the power of two nearest an eighth of the share, at most MAX_TILE: the waste near
+  1/16 of the buffer, tiles large enough for the matmuls and few enough for the scan
+  (docs/decisions/0103). Nearest in log scale: the power below halves the tile, and doubles
+  the scan's steps, for every share just under 8 x a power of two (1022 rows: 64, where 1024
+  gets 128; docs/decisions/0133).
+
+  XLA:GPU: a tile costs GPU_TILE_COST_ROWS rows of work besides its own, so per group
+  share / tile tiles cost that each and the padding tile / 2 rows: the least total is at
+  tile = sqrt(2 x share x GPU_TILE_COST_ROWS), taken to the log-nearest power of two."""
   share = max(1, -(-rows // groups))
   cover = 1 << (share - 1).bit_length()
-  eighth = 1 << max(0, round(math.log2(max(1.0, share / 8))))
-  return min(max_tile, cover, max(MIN_TILE, eighth))
+  if _is_gpu(platform):
+    target, most = math.sqrt(2.0 * share * GPU_TILE_COST_ROWS), cover
+  else:
+    target, most = share / 8, min(MAX_TILE, cover)
+  nearest = 1 << max(0, round(math.log2(max(1.0, target))))
+  return min(most, max(MIN_TILE, nearest))
 
 
 def num_tiles(rows: int, groups: int, tile: int) -> int:
