@@ -60,9 +60,15 @@ def known_gpu(device_kind: str) -> Gpu | None:
   return None
 
 
+def is_nvidia_gpu(platform: str | None) -> bool:
+  """Whether a device's `platform` is an NVIDIA GPU's: 'gpu' (compile-only topologies and
+  jax's name) or 'cuda' (the plugin's)."""
+  return platform in ("gpu", "cuda")
+
+
 def compute_capability(device) -> str | None:
   """"9.0" for a GPU device (its own attribute), else None (CPU)."""
-  if getattr(device, "platform", None) not in ("gpu", "cuda"):
+  if not is_nvidia_gpu(getattr(device, "platform", None)):
     return None
   cc = getattr(device, "compute_capability", None)
   if cc:

@@ -32,6 +32,7 @@ from moejax.model.moe import dispatch, fsep_backward, route
 from moejax.model.moe.fsep_experts import FsepExperts, restore_layer
 from moejax.model.moe.layer import MoELayer, MoEStats, no_moe_stats
 from moejax.model.mtp import MultiTokenPrediction
+from pallas_kernels import compat
 
 
 def resolve_attention(cfg: ModelConfig, mesh: Mesh) -> ModelConfig:
@@ -44,7 +45,7 @@ def resolve_attention(cfg: ModelConfig, mesh: Mesh) -> ModelConfig:
   device = mesh.devices.flat[0]
   head_dim = (mla.qk_head_dim(cfg) if cfg.kv_lora_rank else
               cfg.head_dim or cfg.d_model // cfg.num_heads)
-  fused = (device.platform in ("gpu", "cuda") and
+  fused = (compat.is_nvidia_gpu(device.platform) and
            device.client.runtime_type != "compile_only_runtime" and
            cfg.dtype in ("bfloat16", "float16") and head_dim % 8 == 0 and
            head_dim <= mla.cudnn_max_head_dim(device))

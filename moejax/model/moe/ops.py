@@ -38,8 +38,8 @@ class ExpertOps(NamedTuple):
   permute: Callable
   combine: Callable
   gmm: Callable
-  platform: str = "cpu"     # the mesh's devices' ("cpu", "gpu", "cuda"): the static tiles'
-                            # size follows what a tile costs there (moejax.model.moe.tiled)
+  platform: str             # the mesh's devices' platform ("cpu", "gpu", "cuda"): the static
+                            # tiles' size follows what a tile costs there (moejax.model.moe.tiled)
 
 
 def ops_for(kernels: str, platform: str, capability: str | None = None, dtype=None,

@@ -18,22 +18,18 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import compat
 from pallas_kernels.backend import match_varying
 
-MAX_TILE = 512
+MAX_TILE = 512                 # XLA:CPU's; a GPU's tiles are bounded by the share instead
 MIN_TILE = 32
-# XLA:GPU: what one tile costs beyond its rows' matmuls, in rows of that work. Each scan step
+# XLA:GPU: what one tile costs besides its rows' matmuls, in rows of that work. Each scan step
 # is a loop iteration the host launches (55 us on the H200, moejax.strategy.hardware) and
-# moves its group's weights (a slice of each for the matmuls, the f32 gradient sums read and
-# written): at an H100's GEMM and HBM rates that is several hundred rows' worth at any width,
-# more where d_model x d_ff is small. The step the schedule estimate gives for the pooled
-# program at power-of-two tiles is least at the tile this cost picks on Mixtral-8x7B's shape
-# and within 5% of it on the GPU config's (docs/decisions/0134).
+# moves its group's weights (a slice of each for the matmuls; in the backward the f32
+# gradient sums read and written). The schedule estimate of the pooled program at
+# power-of-two tiles puts it at 230-910 rows on Mixtral-8x7B's shape and above 820 on the GPU
+# config's, whose d_model x d_ff is smaller beside the same launch (docs/decisions/0134).
 GPU_TILE_COST_ROWS = 512
-
-
-def _is_gpu(platform: str) -> bool:
-  return platform in ("gpu", "cuda")
 
 
 def tile_rows(rows: int, groups: int, platform: str = "cpu") -> int:
@@ -48,13 +44,17 @@ def tile_rows(rows: int, groups: int, platform: str = "cpu") -> int:
   the scan's steps, for every share just under 8 x a power of two (1022 rows: 64, where 1024
   gets 128; docs/decisions/0133).
 
-  XLA:GPU: a tile costs GPU_TILE_COST_ROWS rows of work besides its own, so per group
-  share / tile tiles cost that each and the padding tile / 2 rows: the least total is at
-  tile = sqrt(2 x share x GPU_TILE_COST_ROWS), taken to the log-nearest power of two."""
+  XLA:GPU: per group, share / tile tiles each cost GPU_TILE_COST_ROWS rows and the padding
+  costs tile / 2; share x GPU_TILE_COST_ROWS / tile + tile / 2 is least at
+  sqrt(2 x share x GPU_TILE_COST_ROWS), taken to the log-nearest power of two; at most half
+  the share (above MIN_TILE), so that a buffer of tiles (and the products the backward keeps)
+  holds at most 1.5x the rows: the memory model does not count the padding
+  (docs/decisions/0134)."""
   share = max(1, -(-rows // groups))
   cover = 1 << (share - 1).bit_length()
-  if _is_gpu(platform):
-    target, most = math.sqrt(2.0 * share * GPU_TILE_COST_ROWS), cover
+  if compat.is_nvidia_gpu(platform):
+    half = 1 << max(0, (share // 2).bit_length() - 1)     # the power of two <= share / 2
+    target, most = math.sqrt(2.0 * share * GPU_TILE_COST_ROWS), max(min(cover, MIN_TILE), half)
   else:
     target, most = share / 8, min(MAX_TILE, cover)
   nearest = 1 << max(0, round(math.log2(max(1.0, target))))
