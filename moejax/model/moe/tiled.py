@@ -53,12 +53,12 @@ def tile_rows(rows: int, groups: int, platform: str = "cpu") -> int:
   share = max(1, -(-rows // groups))
   cover = 1 << (share - 1).bit_length()
   if compat.is_nvidia_gpu(platform):
-    half = 1 << max(0, (share // 2).bit_length() - 1)     # the power of two <= share / 2
-    target, most = math.sqrt(2.0 * share * GPU_TILE_COST_ROWS), max(min(cover, MIN_TILE), half)
+    target = math.sqrt(2.0 * share * GPU_TILE_COST_ROWS)
+    cap = 1 << max(0, (share // 2).bit_length() - 1)      # the power of two <= share / 2
   else:
-    target, most = share / 8, min(MAX_TILE, cover)
+    target, cap = share / 8, MAX_TILE
   nearest = 1 << max(0, round(math.log2(max(1.0, target))))
-  return min(most, max(MIN_TILE, nearest))
+  return min(cover, max(MIN_TILE, min(nearest, cap)))
 
 
 def num_tiles(rows: int, groups: int, tile: int) -> int:
